@@ -1,0 +1,226 @@
+"""Evaluate a model on math problems: avg@n, unbiased pass@k, maj@k.
+
+    python evaluate.py                                    # offline default model, arith held-out
+    python evaluate.py --model out/grpo --data aime24.jsonl -n 16 --temperature 0.6 --top-p 0.95 \\
+        --max-new-tokens 32768 --template boxed
+    python evaluate.py --data a.jsonl,b.parquet,HuggingFaceH4/MATH-500   # one table row each
+
+For every problem we draw n samples, extract an answer from each (reward.extract_answer) and grade
+it against the reference (reward.Grader). With c correct samples out of n:
+
+    avg@n  = mean over problems of c / n          (what DeepScaleR and NeMo-RL call pass@1)
+    pass@k = mean over problems of 1 - C(n-c, k) / C(n, k)     (unbiased; Chen et al. 2021)
+    maj@k  = mean over problems of [the most common answer among the first k samples is correct]
+
+grpo.py calls `evaluate_rows` for its periodic held-out evaluation: one implementation, not two.
+"""
+
+import json
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from data import TEMPLATES, dataset_name, encode_prompts, load_rows, parse_config
+from reward import Grader, extract_answer, normalize
+from rollout import Sampling
+
+# ---------------------------------------------------------------------------------------------
+# Metrics
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased probability that at least one of k samples (drawn without replacement from n
+    samples of which c are correct) is correct: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_vote(answers: list[str | None], correct: list[bool]) -> bool:
+    """Is the most common answer correct? Answers are compared after normalize(); samples without
+    an answer do not vote. Ties go to the answer that appeared first, so the result is
+    deterministic and independent of set/dict ordering."""
+    votes = Counter()
+    first_seen, is_correct = {}, {}
+    for i, (a, ok) in enumerate(zip(answers, correct)):
+        if a is None:
+            continue
+        key = normalize(a)
+        votes[key] += 1
+        first_seen.setdefault(key, i)
+        is_correct[key] = is_correct.get(key, False) or ok
+    if not votes:
+        return False
+    winner = min(votes, key=lambda key: (-votes[key], first_seen[key]))
+    return is_correct[winner]
+
+
+def powers_of_two(n: int) -> list[int]:
+    ks, k = [], 1
+    while k <= n:
+        ks.append(k)
+        k *= 2
+    return ks
+
+
+def summarize(samples: list[dict], n: int) -> dict:
+    """Table row for one dataset from its per-sample records (see evaluate_rows)."""
+    by_problem = {}
+    for s in samples:
+        by_problem.setdefault(s["id"], []).append(s)
+    groups = list(by_problem.values())
+    ks = sorted(set(powers_of_two(n)) | {n})
+    row = {"problems": len(groups),
+           "avg@n": sum(sum(s["correct"] for s in g) / len(g) for g in groups) / len(groups)}
+    for k in ks:
+        row[f"pass@{k}"] = sum(pass_at_k(len(g), sum(s["correct"] for s in g), k)
+                               for g in groups) / len(groups)
+    for k in ks[1:]:  # maj@1 would equal pass@1; maj@n is the vote over all n samples
+        name = "maj@n" if k == n else f"maj@{k}"
+        row[name] = sum(majority_vote([s["extracted"] for s in g[:k]],
+                                      [s["correct"] for s in g[:k]]) for g in groups) / len(groups)
+    row["mean_len"] = sum(s["length"] for s in samples) / len(samples)
+    row["truncated"] = sum(s["truncated"] for s in samples) / len(samples)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the model
+
+
+def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampling: Sampling,
+                  n: int, grader: Grader, dataset: str = "", batch_prompts: int = 64,
+                  progress: bool = True):
+    """Generate n samples per row, grade them. Returns (summary row, per-sample records)."""
+    fmt = TEMPLATES[template][1]
+    samples = []
+    bar = tqdm(total=len(rows) * n, desc=f"eval {dataset}", unit="sample", disable=not progress,
+               leave=False)
+    for s in range(0, len(rows), batch_prompts):
+        chunk = rows[s:s + batch_prompts]
+        out = rollout.generate(encode_prompts(tokenizer, chunk, template, chat), n, sampling)
+        extracted = [extract_answer(t, fmt) for t in out.text]
+        golds = [r["answer"] for r in chunk for _ in range(n)]
+        correct = grader.grade(extracted, golds)
+        for i in range(len(out)):
+            row = chunk[i // n]
+            samples.append({"dataset": dataset, "id": row["id"], "sample": i % n,
+                            "completion": out.text[i], "extracted": extracted[i],
+                            "correct": bool(correct[i]), "length": len(out.completion_ids[i]),
+                            "truncated": out.truncated[i]})
+        bar.update(len(out))
+    bar.close()
+    return summarize(samples, n), samples
+
+
+def plot_curves(history: list[dict], path, title: str = "",
+                train_keys=("reward", "accuracy"), eval_key="eval_accuracy") -> None:
+    """Training curves (train_keys per step) and the held-out metric (eval_key) in one PNG."""
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in train_keys:
+        points = [(r["step"], r[key]) for r in history if key in r]
+        if points:
+            ax.plot(*zip(*points), label=f"train {key}", alpha=0.6)
+    points = [(r["step"], r[eval_key]) for r in history if eval_key in r]
+    if points:
+        ax.plot(*zip(*points), "o-", color="black", label=f"held-out {eval_key.removeprefix('eval_')}")
+    ax.set_xlabel("step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+@dataclass
+class EvalConfig:
+    model: str = "SmolLM2-135M-Instruct-GGUF"
+    """model: the offline default, a hub id, or a local HF folder (e.g. a grpo.py run's --out)"""
+    data: str = "arith"
+    """comma-separated datasets: `arith` (built-in held-out set), .jsonl/.parquet files, hub ids"""
+    limit: int = 0
+    """evaluate only the first N problems of each dataset (0 = all)"""
+    n: int = 1
+    """samples per problem"""
+    temperature: float = 0.0
+    """sampling temperature (0 = greedy)"""
+    top_p: float = 1.0
+    """nucleus sampling threshold"""
+    max_new_tokens: int = 32
+    """response length limit; longer responses count as truncated"""
+    template: str = "answer-is"
+    """prompt template: one of data.TEMPLATES (answer-is, boxed, raw)"""
+    chat: bool = True
+    """wrap the prompt in the model's chat template (turn off for base models)"""
+    backend: str = "hf"
+    """rollout engine: hf"""
+    batch_prompts: int = 64
+    """prompts generated together"""
+    seed: int = 0
+    """sampling seed"""
+    out: str = "out/eval"
+    """folder for results.json and samples.jsonl"""
+
+
+def main(argv=None):
+    cfg = parse_config(EvalConfig, argv, description=__doc__.split("\n")[0])
+    if cfg.template not in TEMPLATES:
+        raise SystemExit(f"error: --template {cfg.template!r}; choose from {sorted(TEMPLATES)}")
+    # Load every dataset before the model, so a bad file fails in a second, not after a minute.
+    datasets = {dataset_name(src): load_rows(src, limit=cfg.limit or None)
+                for src in cfg.data.split(",")}
+    from model import load_model, pick_device
+    from rollout import make_rollout
+    device = pick_device()
+    model, tokenizer = load_model(cfg.model, device)
+    rollout = make_rollout(cfg.backend, model, tokenizer, device=device)
+    del model
+    sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed)
+    grader = Grader()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"config": {**asdict(cfg), "prompt": TEMPLATES[cfg.template][0]}, "datasets": {}}
+    all_samples = []
+    t0 = time.time()
+    for name, rows in datasets.items():
+        summary, samples = evaluate_rows(rollout, tokenizer, rows, template=cfg.template,
+                                         chat=cfg.chat, sampling=sampling, n=cfg.n, grader=grader,
+                                         dataset=name, batch_prompts=cfg.batch_prompts)
+        results["datasets"][name] = summary
+        all_samples += samples
+    grader.close()
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    with open(out / "samples.jsonl", "w") as f:
+        for s in all_samples:
+            f.write(json.dumps(s) + "\n")
+    print(f"template {cfg.template!r} (chat={cfg.chat}): {TEMPLATES[cfg.template][0]!r}")
+    print(f"n={cfg.n} temperature={cfg.temperature} top_p={cfg.top_p} "
+          f"max_new_tokens={cfg.max_new_tokens}  ({time.time() - t0:.0f} s)")
+    print(format_table(results["datasets"]))
+    print(f"wrote {out / 'results.json'} and {out / 'samples.jsonl'}")
+
+
+def format_table(rows: dict) -> str:
+    cols = list(next(iter(rows.values())).keys())
+    lines = ["dataset".ljust(16) + "".join(c.rjust(10) for c in cols)]
+    for name, row in rows.items():
+        cells = [f"{row[c]:10d}" if isinstance(row[c], int) else f"{row[c]:10.3f}" for c in cols]
+        lines.append(name[:16].ljust(16) + "".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""Shared fixtures: a tiny random Llama model with the real SmolLM2 tokenizer (pad == eos)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import GGUF_FILE, GGUF_PACKAGE  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+    gguf_dir = importlib.util.find_spec(GGUF_PACKAGE).submodule_search_locations[0]
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
+    assert tok.pad_token_id == tok.eos_token_id  # the case masks must survive
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A 2-layer Llama built from a config (random weights), saved in HF format."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_dir):
+    from model import load_model
+    return load_model(tiny_model_dir)

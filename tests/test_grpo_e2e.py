@@ -1,0 +1,40 @@
+"""A two-step grpo.py run on a tiny random model, through the command line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_two_step_run(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "grpo.py", "--model", tiny_model_dir, "--steps", "2",
+           "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "8",
+           "--eval-size", "6", "--eval-every", "1", "--micro-batch-size", "3", "--beta", "0.04",
+           "--updates-per-rollout", "2", "--reward", "correctness,format=0.1", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for key in ("reward", "accuracy", "completion_len", "step_seconds", "eval_accuracy", "kl",
+                "clip_low", "clip_high", "entropy", "grad_norm", "zero_std_frac",
+                "truncated_frac", "gen_seconds", "reward_seconds", "train_seconds"):
+        assert key in records[2], key
+    assert "eval_accuracy" in records[0] and 0.0 <= records[2]["eval_accuracy"] <= 1.0
+    assert (out / "curves.png").stat().st_size > 1000
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(out)  # the trained model is a plain HF folder
+    assert model.config.num_hidden_layers == 2
+
+
+def test_bad_data_file_is_a_one_line_error(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
+    result = subprocess.run([sys.executable, "grpo.py", "--data", str(bad), "--out",
+                             str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode != 0
+    assert f"{bad}: row 2 has no 'answer' field" in result.stderr

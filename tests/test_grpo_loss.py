@@ -1,0 +1,168 @@
+"""grpo_loss and group_advantages against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from grpo import group_advantages, grpo_loss, loss_denominator
+
+
+def _batch():
+    # 2 sequences, T = 3; the second has 2 valid tokens.
+    lp = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, 0.0]])
+    old = torch.tensor([[-1.0, -2.5, -0.5], [-1.0, -0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -2.0])
+    return lp, old, mask, adv
+
+
+def _per_token(lp, old, adv, eps_low=0.2, eps_high=0.2):
+    # Plain-python reference of -min(r A, clip(r) A).
+    out = []
+    for b in range(lp.shape[0]):
+        row = []
+        for t in range(lp.shape[1]):
+            r = math.exp(lp[b, t] - old[b, t])
+            A = float(adv[b])
+            row.append(-min(r * A, min(max(r, 1 - eps_low), 1 + eps_high) * A))
+        out.append(row)
+    return out
+
+
+def test_token_mean_value():
+    lp, old, mask, adv = _batch()
+    pt = _per_token(lp, old, adv)
+    expected = (pt[0][0] + pt[0][1] + pt[0][2] + pt[1][0] + pt[1][1]) / 5
+    loss, m = grpo_loss(lp, old, None, adv, mask)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    # r = exp(0.5) = 1.65 > 1.2 with A > 0: clipped high; r = exp(-0.5) = 0.61 < 0.8 with A < 0.
+    assert m["clip_high"] == pytest.approx(1 / 5)
+    assert m["clip_low"] == pytest.approx(1 / 5)
+
+
+def test_seq_mean_and_seq_sum_norm_values():
+    lp, old, mask, adv = _batch()
+    pt = _per_token(lp, old, adv)
+    seq_mean = ((pt[0][0] + pt[0][1] + pt[0][2]) / 3 + (pt[1][0] + pt[1][1]) / 2) / 2
+    loss, _ = grpo_loss(lp, old, None, adv, mask, loss_agg="seq-mean")
+    assert loss.item() == pytest.approx(seq_mean, rel=1e-6)
+    total = pt[0][0] + pt[0][1] + pt[0][2] + pt[1][0] + pt[1][1]
+    loss, _ = grpo_loss(lp, old, None, adv, mask, loss_agg="seq-sum-norm", num_tokens=2 * 10)
+    assert loss.item() == pytest.approx(total / 20, rel=1e-6)
+
+
+def test_clip_ranges_are_asymmetric():
+    lp = torch.log(torch.tensor([[1.25, 0.75]]))
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    # A > 0: 1.25 is above 1 + 0.2 but below 1 + 0.28 (DAPO's clip-higher).
+    _, m = grpo_loss(lp, old, None, torch.tensor([1.0]), mask, eps_high=0.2)
+    assert m["clip_high"] == pytest.approx(0.5)
+    _, m = grpo_loss(lp, old, None, torch.tensor([1.0]), mask, eps_high=0.28)
+    assert m["clip_high"] == 0.0
+    # A < 0: 0.75 is below 1 - 0.2 but above 1 - 0.3.
+    _, m = grpo_loss(lp, old, None, torch.tensor([-1.0]), mask, eps_low=0.2)
+    assert m["clip_low"] == pytest.approx(0.5)
+    _, m = grpo_loss(lp, old, None, torch.tensor([-1.0]), mask, eps_low=0.3)
+    assert m["clip_low"] == 0.0
+
+
+def test_clipped_tokens_have_no_gradient():
+    lp = torch.log(torch.tensor([[1.5, 1.1]])).requires_grad_()
+    loss, _ = grpo_loss(lp, torch.zeros(1, 2), None, torch.tensor([1.0]),
+                        torch.ones(1, 2, dtype=torch.bool))
+    loss.backward()
+    assert lp.grad[0, 0] == 0.0 and lp.grad[0, 1] != 0.0
+
+
+def test_kl_k3_value_and_sign():
+    lp = torch.tensor([[-1.0, -2.0]])
+    ref = torch.tensor([[-1.5, -1.0]])
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    adv = torch.tensor([0.0])  # only the KL term remains
+    beta = 0.1
+    loss, m = grpo_loss(lp, lp.clone(), ref, adv, mask, beta=beta)
+    k3 = [math.exp(r - p) - (r - p) - 1 for r, p in [(-1.5, -1.0), (-1.0, -2.0)]]
+    assert m["kl"] == pytest.approx(sum(k3) / 2, rel=1e-6)
+    assert loss.item() == pytest.approx(beta * sum(k3) / 2, rel=1e-6)
+    assert all(k > 0 for k in k3)
+    # The KL gradient pulls log-probs towards the reference: d/dlp k3 = 1 - exp(ref - lp).
+    lp = lp.clone().requires_grad_()
+    loss, _ = grpo_loss(lp, lp.detach(), ref, adv, mask, beta=beta)
+    loss.backward()
+    assert lp.grad[0, 0] > 0  # lp above ref: gradient descent lowers it
+    assert lp.grad[0, 1] < 0  # lp below ref: gradient descent raises it
+
+
+def test_on_policy_ratio_is_one_but_gradient_is_not_zero():
+    lp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    loss, m = grpo_loss(lp, lp.detach(), None, torch.tensor([1.0]),
+                        torch.ones(1, 2, dtype=torch.bool))
+    loss.backward()
+    assert m["ratio"] == pytest.approx(1.0)
+    assert torch.allclose(lp.grad, torch.tensor([[-0.5, -0.5]]))  # -A / num_tokens
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean", "seq-sum-norm"])
+def test_micro_batching_leaves_loss_and_gradient_unchanged(loss_agg):
+    torch.manual_seed(0)
+    B, T = 6, 7
+    lens = torch.tensor([7, 3, 5, 1, 6, 2])
+    mask = torch.arange(T)[None] < lens[:, None]
+    old = -torch.rand(B, T) * 3
+    ref = -torch.rand(B, T) * 3
+    adv = torch.randn(B)
+    base = (old + 0.3 * torch.randn(B, T)).detach()
+    denom = loss_denominator(loss_agg, lens, max_new_tokens=T)
+
+    lp = base.clone().requires_grad_()
+    full, _ = grpo_loss(lp, old, ref, adv, mask, beta=0.05, loss_agg=loss_agg, num_tokens=denom)
+    full.backward()
+    grad_full = lp.grad.clone()
+
+    lp = base.clone().requires_grad_()
+    total = 0.0
+    for idx in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        part, _ = grpo_loss(lp[idx], old[idx], ref[idx], adv[idx], mask[idx], beta=0.05,
+                            loss_agg=loss_agg, num_tokens=denom)
+        part.backward()
+        total += part.item()
+    assert total == pytest.approx(full.item(), rel=1e-5)
+    assert torch.allclose(lp.grad, grad_full, atol=1e-7)
+
+
+def test_advantages_group_scale():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    adv = group_advantages(r, 4)
+    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()
+    assert torch.allclose(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
+    assert torch.equal(adv[4:], torch.zeros(4))  # zero-std group: exactly 0
+
+
+def test_advantages_zero_std_groups_never_nan():
+    for r in (torch.zeros(8), torch.ones(8), torch.full((8,), 0.1)):
+        for scale in ("group", "batch", "none"):
+            for loo in (False, True):
+                adv = group_advantages(r, 4, scale=scale, leave_one_out=loo)
+                assert torch.equal(adv, torch.zeros(8)), (r, scale, loo)
+
+
+def test_advantages_leave_one_out_and_batch_scale():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 3.0, 1.0, 1.0, 1.0])
+    adv = group_advantages(r, 4, scale="none", leave_one_out=True)
+    assert torch.allclose(adv[:4], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
+    assert torch.allclose(adv[4:], torch.tensor([2.0, -2 / 3, -2 / 3, -2 / 3]))
+    adv = group_advantages(r, 4, scale="batch")
+    expected = (r.view(2, 4) - r.view(2, 4).mean(1, keepdim=True)).view(-1) / (r.std() + 1e-6)
+    assert torch.allclose(adv, expected)
+    adv = group_advantages(r, 4, scale="none")
+    assert torch.allclose(adv[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_bad_options_raise():
+    with pytest.raises(ValueError):
+        group_advantages(torch.ones(4), 2, scale="median")
+    with pytest.raises(ValueError):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), None, torch.zeros(1),
+                  torch.ones(1, 1), loss_agg="sum")

@@ -1,0 +1,148 @@
+"""Answer extraction, grading (fast path + math-verify with a hard timeout), reward functions."""
+
+import time
+
+import pytest
+
+from reward import Grader, RewardFunctions, extract_answer, extract_boxed, format_reward
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("so \\boxed{42}.", "42"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("nested \\boxed{\\sqrt{x^{2}}} end", "\\sqrt{x^{2}}"),
+    ("first \\boxed{1} then \\boxed{2}", "2"),
+    ("\\boxed 5", "5"),
+    ("$\\boxed 7$.", "7"),
+    ("\\fbox{9}", "9"),
+    ("no box here, the answer is 3", None),
+    ("unclosed \\boxed{12", None),
+    ("\\boxed{a} and broken \\boxed{b", "a"),
+])
+def test_extract_boxed(text, expected):
+    assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("The answer is 85.", "85"),
+    ("The answer is: 1,234", "1,234"),
+    ("47 + 38 = 85", "85"),
+    ("I think the answer is -3 and not 4", "-3"),
+    ("The answer is <number>.", None),
+    ("no numbers", None),
+])
+def test_extract_answer_is(text, expected):
+    assert extract_answer(text, "answer-is") == expected
+
+
+# (prediction, gold, correct?) -- at least 30 tricky pairs.
+PAIRS = [
+    ("1/2", "\\frac{1}{2}", True),
+    ("\\frac12", "1/2", True),
+    ("\\dfrac{1}{2}", "\\frac{1}{2}", True),
+    ("0.5", "\\frac{1}{2}", True),
+    ("2/4", "1/2", True),
+    ("1/3", "0.33", False),
+    ("5 \\text{ cm}", "5", True),
+    ("10\\text{ inches}", "10", True),
+    ("90^\\circ", "90", True),
+    ("45^{\\circ}", "45", True),
+    ("\\$18", "18", True),
+    ("$18.00", "18", True),
+    ("1,000", "1000", True),
+    ("1{,}000", "1000", True),
+    ("12,345,678", "12345678", True),
+    ("007", "7", True),
+    ("7.0", "7", True),
+    ("-3", "-3", True),
+    ("-3", "3", False),
+    ("x = 5", "5", True),
+    ("50\\%", "50", True),
+    ("\\sqrt{2}", "\\sqrt2", True),
+    ("2\\sqrt{2}", "\\sqrt{8}", True),
+    ("\\pi", "3.14", False),
+    ("\\frac{\\pi}{2}", "\\pi/2", True),
+    ("(1, 2)", "(1,2)", True),
+    ("x^2 + 2x + 1", "(x+1)^2", True),
+    ("\\{1, 2\\}", "\\{2, 1\\}", True),
+    ("\\left( 3, 4 \\right)", "(3,4)", True),
+    ("\\boxed{3}", "4", False),
+    ("12", "13", False),
+    ("", "1", False),
+    ("10^{2}", "100", True),
+    ("e", "2.71828", False),
+]
+
+
+def test_grader_on_tricky_pairs():
+    grader = Grader(workers=2, timeout=10)
+    try:
+        got = grader.grade([p for p, _, _ in PAIRS], [g for _, g, _ in PAIRS])
+    finally:
+        grader.close()
+    wrong = [(p, g, want) for (p, g, want), ok in zip(PAIRS, got) if ok != want]
+    assert not wrong, wrong
+    assert len(PAIRS) >= 30
+
+
+def test_none_prediction_is_wrong():
+    assert Grader().grade([None], ["1"]) == [False]
+
+
+def test_hostile_answer_times_out_quickly():
+    grader = Grader(workers=1, timeout=1.0)
+    hostile = "9^{9^{9^{9^{9^{9}}}}}-9^{9^{9^{9^{9^{9}}}}}+" * 20 + "1"
+    try:
+        grader.grade(["1/2"], ["\\frac{1}{2}"])  # warm the worker up (spawn + import)
+        t0 = time.time()
+        got = grader.grade([hostile, "\\sqrt{4}"], ["\\frac{\\pi}{7}", "2"])
+        elapsed = time.time() - t0
+    finally:
+        grader.close()
+    assert got[0] is False
+    assert got[1] is True  # the item after the hostile one is still graded
+    assert elapsed < 15, elapsed
+
+
+def test_reward_functions_weights_and_user_errors(capsys):
+    fns = RewardFunctions("correctness,format=0.5", "answer-is", Grader())
+    completions = ["The answer is 5.", "It is 6", "bla"]
+    rows = [{"answer": "5"}, {"answer": "5"}, {"answer": "5"}]
+    total, per_fn = fns(["q"] * 3, completions, rows)
+    assert per_fn["correctness"] == [1.0, 0.0, 0.0]
+    assert per_fn["format"] == [1.0, 0.0, 0.0]
+    assert total == [1.5, 0.0, 0.0]
+
+    broken = RewardFunctions("tests.test_reward:_broken_reward,correctness", "answer-is", Grader())
+    for _ in range(2):
+        total, per_fn = broken(["q"] * 3, completions, rows)
+    assert per_fn["tests.test_reward:_broken_reward"] == [0.0, 0.0, 0.0]
+    assert total == [1.0, 0.0, 0.0]  # the other function still counts
+    assert broken.errors == 2
+    out = capsys.readouterr().out
+    assert out.count("Traceback") == 1  # reported once, with its traceback
+    assert "ZeroDivisionError" in out
+
+
+def _broken_reward(prompts, completions, **fields):
+    return [1 / 0 for _ in completions]
+
+
+def test_user_reward_gets_row_fields():
+    fns = RewardFunctions("tests.test_reward:_length_reward", "boxed", Grader())
+    total, _ = fns(["q", "q"], ["ab", "abcd"], [{"answer": "1", "target": 2},
+                                                {"answer": "1", "target": 4}])
+    assert total == [1.0, 1.0]
+
+
+def _length_reward(prompts, completions, target, **fields):
+    return [float(len(c) == t) for c, t in zip(completions, target)]
+
+
+def test_unknown_reward_is_a_clear_error():
+    with pytest.raises(SystemExit, match="unknown reward"):
+        RewardFunctions("corectness", "boxed", Grader())
+
+
+def test_format_reward():
+    assert format_reward(None, ["\\boxed{1}", "1"], answer_format="boxed") == [1.0, 0.0]

@@ -1,0 +1,82 @@
+"""Completions and masks come from lengths: pad == eos, truncation, the stop token is trained."""
+
+import torch
+
+from model import completion_logprobs, length_mask, pack
+from rollout import HFRollout, Sampling, cut_at_stop
+
+
+def test_cut_at_stop_keeps_the_stop_token():
+    assert cut_at_stop([5, 6, 2, 2, 2], {2}, 5) == ([5, 6, 2], False)
+    assert cut_at_stop([2, 2, 2], {2}, 3) == ([2], False)  # an immediate stop is one token
+    assert cut_at_stop([5, 6, 7], {2}, 3) == ([5, 6, 7], True)
+    assert cut_at_stop([5, 6, 0], {2, 0}, 3) == ([5, 6, 0], False)  # several stop ids
+    # Stopping exactly at the limit is not truncation.
+    assert cut_at_stop([5, 6, 2], {2}, 3) == ([5, 6, 2], False)
+
+
+def test_pack_and_mask_from_lengths_with_pad_equal_eos():
+    eos = 2
+    prompts = [[10, 11], [12]]
+    completions = [[20, eos], [21, 22, eos]]  # pad == eos: values cannot tell pad from stop
+    input_ids, prompt_lens, completion_lens = pack(prompts, completions, pad_id=eos)
+    assert input_ids.tolist() == [[10, 11, 20, eos], [12, 21, 22, eos]]
+    mask = length_mask(completion_lens, 3)
+    assert mask.tolist() == [[True, True, False], [True, True, True]]  # stop token included
+
+
+def test_hf_rollout_shapes_masks_and_truncation(tiny_model):
+    model, tok = tiny_model
+    rollout = HFRollout(model, tok, batch_size=3)
+    prompts = [tok("What is 1 + 1?")["input_ids"], tok("Hi")["input_ids"]]
+    out = rollout.generate(prompts, 3, Sampling(max_new_tokens=6, temperature=1.0, seed=0))
+    assert len(out) == 6
+    assert out.prompt_ids[0] == prompts[0] and out.prompt_ids[3] == prompts[1]  # prompt-major
+    for ids, cut in zip(out.completion_ids, out.truncated):
+        assert 1 <= len(ids) <= 6
+        if cut:
+            assert len(ids) == 6 and tok.eos_token_id not in ids
+        else:
+            assert ids[-1] == tok.eos_token_id and tok.eos_token_id not in ids[:-1]
+
+
+def test_hf_rollout_forced_stop_is_in_the_completion(tiny_model):
+    model, tok = tiny_model
+    rollout = HFRollout(model, tok)
+    # Make eos by far the most likely token: every completion is exactly [eos], not empty.
+    with torch.no_grad():
+        rollout.model.lm_head.weight[tok.eos_token_id] += 50 * rollout.model.model.norm.weight
+        rollout.model.model.norm.weight.fill_(1.0)
+    out = rollout.generate([tok("x")["input_ids"]], 2, Sampling(4, temperature=0.0))
+    assert out.completion_ids == [[tok.eos_token_id]] * 2
+    assert out.truncated == [False, False]
+
+
+def test_update_weights_copies_the_trainer(tiny_model):
+    model, tok = tiny_model
+    rollout = HFRollout(model, tok)
+    with torch.no_grad():
+        trained = type(model)(model.config)
+        trained.load_state_dict(model.state_dict())
+        trained.model.layers[0].mlp.up_proj.weight.add_(1.0)
+    seconds = rollout.update_weights(trained)
+    assert seconds >= 0
+    assert torch.allclose(rollout.model.model.layers[0].mlp.up_proj.weight.float(),
+                          trained.model.layers[0].mlp.up_proj.weight, atol=1e-2)
+
+
+def test_completion_logprobs_match_full_log_softmax(tiny_model):
+    model, tok = tiny_model
+    prompts = [[5, 6, 7], [8]]
+    completions = [[9, 2], [10, 11, 12, 2]]
+    input_ids, pl, cl = pack(prompts, completions, pad_id=tok.pad_token_id)
+    with torch.no_grad():
+        lp, ent = completion_logprobs(model, input_ids, pl, cl, temperature=0.7, chunk_tokens=2)
+        full = torch.log_softmax(model(input_ids).logits.float() / 0.7, -1)
+    for b in range(2):
+        for j, tok_id in enumerate(completions[b]):
+            pos = len(prompts[b]) + j
+            assert torch.isclose(lp[b, j], full[b, pos - 1, tok_id], atol=1e-4)
+            p = full[b, pos - 1].exp()
+            assert torch.isclose(ent[b, j], -(p * full[b, pos - 1]).sum(), atol=1e-3)
+    assert lp[0, 2:].eq(0).all()  # beyond the completion: zeros, masked out by length
