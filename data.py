@@ -184,7 +184,7 @@ def parse_config(cls, argv=None, description=None):
             docs[a.target.id] = b.value.value
     parser = argparse.ArgumentParser(description=description)
     for name, field in cls.__dataclass_fields__.items():
-        flag = "--" + name.replace("_", "-")
+        flag = "-" + name if len(name) == 1 else "--" + name.replace("_", "-")
         if field.type in (bool, "bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
                                 help=docs.get(name))

@@ -43,12 +43,17 @@ def test_hf_rollout_shapes_masks_and_truncation(tiny_model):
 def test_hf_rollout_forced_stop_is_in_the_completion(tiny_model):
     model, tok = tiny_model
     rollout = HFRollout(model, tok)
-    # Make eos by far the most likely token: every completion is exactly [eos], not empty.
-    with torch.no_grad():
-        rollout.model.lm_head.weight[tok.eos_token_id] += 50 * rollout.model.model.norm.weight
-        rollout.model.model.norm.weight.fill_(1.0)
+    V, eos = model.config.vocab_size, tok.eos_token_id
+
+    class EosHead(torch.nn.Module):  # a head that always predicts eos (== pad)
+        def forward(self, hidden):
+            logits = hidden.new_zeros(*hidden.shape[:-1], V)
+            logits[..., eos] = 10.0
+            return logits
+
+    rollout.model.lm_head = EosHead()
     out = rollout.generate([tok("x")["input_ids"]], 2, Sampling(4, temperature=0.0))
-    assert out.completion_ids == [[tok.eos_token_id]] * 2
+    assert out.completion_ids == [[eos]] * 2  # one token, the stop itself: not empty
     assert out.truncated == [False, False]
 
 

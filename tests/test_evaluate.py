@@ -1,0 +1,94 @@
+"""pass@k against brute force, maj@k tie-breaking, avg@n, the CLI end to end, bad input."""
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evaluate import majority_vote, pass_at_k, summarize
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("n, c", [(1, 0), (1, 1), (4, 1), (5, 2), (6, 3), (6, 6), (7, 0), (8, 5)])
+def test_pass_at_k_matches_enumeration_of_all_k_subsets(n, c):
+    outcomes = [True] * c + [False] * (n - c)
+    for k in range(1, n + 1):
+        subsets = list(itertools.combinations(outcomes, k))
+        brute = sum(any(s) for s in subsets) / len(subsets)
+        assert pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+
+
+def test_majority_vote_and_ties():
+    # Clear majority, answers compared after normalisation ("1,000" == "1000").
+    assert majority_vote(["1000", "1,000", "7"], [True, True, False]) is True
+    assert majority_vote(["7", "7", "1000"], [False, False, True]) is False
+    # Tie: the answer seen first wins, whatever its correctness.
+    assert majority_vote(["5", "6", "6", "5"], [True, False, False, True]) is True
+    assert majority_vote(["6", "5", "5", "6"], [False, True, True, False]) is False
+    # Samples without an answer do not vote; nobody voting is wrong.
+    assert majority_vote([None, None, "3"], [False, False, True]) is True
+    assert majority_vote([None, None], [False, False]) is False
+
+
+def test_summarize_avg_pass_maj():
+    samples = []
+    for pid, correct in (("a", [1, 0, 0, 0]), ("b", [1, 1, 1, 1]), ("c", [0, 0, 0, 0])):
+        for k, ok in enumerate(correct):
+            samples.append({"id": pid, "correct": bool(ok), "extracted": "1" if ok else str(k + 5),
+                            "length": 10 * (k + 1), "truncated": k == 3})
+    row = summarize(samples, 4)
+    assert row["problems"] == 3
+    assert row["avg@n"] == pytest.approx((0.25 + 1 + 0) / 3)
+    assert row["pass@1"] == pytest.approx(row["avg@n"])
+    assert row["pass@4"] == pytest.approx(2 / 3)
+    assert row["pass@2"] == pytest.approx((pass_at_k(4, 1, 2) + 1 + 0) / 3)
+    # Problem a: four different answers, the first (correct) wins the tie.
+    assert row["maj@n"] == pytest.approx(2 / 3)
+    assert row["mean_len"] == pytest.approx(25.0)
+    assert row["truncated"] == pytest.approx(0.25)
+
+
+def _run(args, timeout=600):
+    return subprocess.run([sys.executable, "evaluate.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_evaluate_end_to_end(tiny_model_dir, tmp_path):
+    data = tmp_path / "five.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"What is {i} + 1?", "answer": str(i + 1)})
+                            + "\n" for i in range(5)))
+    out = tmp_path / "eval"
+    result = _run(["--model", tiny_model_dir, "--data", f"{data},arith", "--limit", "5", "-n", "4",
+                   "--temperature", "1.0", "--max-new-tokens", "6", "--out", str(out)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["datasets"]) == {"five", "arith"}
+    for row in results["datasets"].values():
+        assert row["problems"] == 5
+        for key in ("avg@n", "pass@1", "pass@2", "pass@4", "maj@2", "maj@n", "truncated"):
+            assert 0.0 <= row[key] <= 1.0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 5 * 4
+    assert set(samples[0]) >= {"dataset", "id", "sample", "completion", "extracted", "correct"}
+    assert "template" in result.stdout and "avg@n" in result.stdout
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"),
+    ('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n', "row 2 has no 'answer' field"),
+    ("", "no rows"),
+    ('{"problem": "1+1", "answer": "2"}\nnot json\n', "line 2 is not valid JSON"),
+])
+def test_bad_input_is_a_one_line_error(tmp_path, content, message):
+    path = tmp_path / "data.jsonl"
+    if content is not None:
+        path.write_text(content)
+    result = _run(["--data", str(path), "--out", str(tmp_path / "o")], timeout=120)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert str(path) in result.stderr
+    assert "Traceback" not in result.stderr
