@@ -226,12 +226,13 @@ def train_on_rollout(model, ref_model, optimizer, scheduler, batch, advantages, 
         keep = keep[advantages != 0]
     mbs = [keep[idx] for idx in micro_batches(len(keep), cfg.micro_batch_size)]
     if not mbs:  # nothing to learn from this batch: no optimizer step, say so in the metrics
-        return {"loss": 0.0, "grad_norm": 0.0, "trained_frac": 0.0}
+        return {"loss": 0.0, "grad_norm": 0.0, "trained_frac": 0.0, "trained_tokens": 0}
     # With several updates per rollout the policy drifts from the one that sampled, so pi_old must
     # be frozen before the first update. With one update pi_old == pi_theta: we reuse the current
     # log-probs, detached. The ratio is then exactly 1 but its gradient is not zero --
     # d/dtheta exp(lp - sg(lp)) = grad lp -- so the loss still trains (and its value is ~0).
-    old_lps = frozen_logprobs(model, batch, mbs, cfg, device) if cfg.updates_per_rollout > 1 else None
+    old_lps = frozen_logprobs(model, batch, mbs, cfg, device) if cfg.updates_per_rollout > 1 \
+        else None
     ref_lps = frozen_logprobs(ref_model, batch, mbs, cfg, device) if ref_model else None
     sums, total_tokens, losses, grad_norms = {}, 0, [], []
     for _ in range(cfg.updates_per_rollout):
@@ -262,6 +263,7 @@ def train_on_rollout(model, ref_model, optimizer, scheduler, batch, advantages, 
     out["loss"] = sum(losses) / len(losses)  # ~0 for on-policy GRPO by construction: not a signal
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["trained_frac"] = len(keep) / len(completion_lens)  # entropy/clip cover these sequences
+    out["trained_tokens"] = int((batch[1] + completion_lens)[keep].sum())
     return out
 
 
@@ -377,7 +379,7 @@ def main(cfg: Config):
             "gen_seconds": gen_seconds, "reward_seconds": reward_seconds,
             "train_seconds": train_seconds, "sync_seconds": sync_seconds,
             "gen_tokens_per_s": gen_tokens / gen_seconds,
-            "train_tokens_per_s": float((batch[1] + batch[2]).sum()) / train_seconds,
+            "train_tokens_per_s": train_metrics["trained_tokens"] / max(train_seconds, 1e-9),
             "reward_errors": reward_fns.errors, "grader_timeouts": grader.timeouts,
         }
         for name, scores in per_fn.items():
