@@ -120,36 +120,43 @@ def _check_rows(rows: list[dict], source: str, need_answer: bool) -> list[dict]:
     return out
 
 
-def load_rows(source: str, need_answer: bool = True, limit: int | None = None) -> list[dict]:
-    """Rows of a JSONL/Parquet file or a hub dataset, validated. `arith` gives its held-out set."""
-    if source == "arith":
-        return arith_heldout(limit or 256)
+def load_table(source: str) -> list[dict]:
+    """Raw rows of a .jsonl/.parquet file or a hub dataset (mapped by HUB_DATASETS)."""
     path = Path(source)
     if path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
         if not path.exists():
             raise DataError(f"{source}: no such file")
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
-            rows = pq.read_table(path).to_pylist()
-        else:
-            rows = []
-            for i, line in enumerate(path.read_text().splitlines(), start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{source}: line {i} is not valid JSON ({e.msg})") from None
-    else:
-        rows = _load_hub(source)
-    rows = rows[:limit] if limit else rows
-    return _check_rows(rows, source, need_answer)
+            return pq.read_table(path).to_pylist()
+        rows = []
+        for i, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{source}: line {i} is not valid JSON ({e.msg})") from None
+        if not rows:
+            raise DataError(f"{source}: no rows")
+        return rows
+    return _load_hub(source)
+
+
+def load_rows(source: str, need_answer: bool = True, limit: int | None = None) -> list[dict]:
+    """Problems of a JSONL/Parquet file or a hub dataset, validated. `arith` gives its held-out set."""
+    if source == "arith":
+        return arith_heldout(limit or 256)
+    rows = load_table(source)
+    return _check_rows(rows[:limit] if limit else rows, source, need_answer)
 
 
 def _load_hub(name: str) -> list[dict]:
     import datasets
-    split, field, answer = HUB_DATASETS.get(name, ("train", "problem", lambda r: r.get("answer")))
     try:
+        if name not in HUB_DATASETS:
+            return list(datasets.load_dataset(name, split="train"))
+        split, field, answer = HUB_DATASETS[name]
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # no network, unknown id, gated dataset ...
         raise DataError(f"could not load {name!r} as a file or a Hugging Face dataset: {e}") from None

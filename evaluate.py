@@ -118,8 +118,8 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
 
 
 def plot_curves(history: list[dict], path, title: str = "",
-                train_keys=("reward", "accuracy"), eval_key="eval_accuracy") -> None:
-    """Training curves (train_keys per step) and the held-out metric (eval_key) in one PNG."""
+                train_keys=("reward", "accuracy"), eval_keys=("eval_accuracy",)) -> None:
+    """Training curves (train_keys per step) and held-out metrics (eval_keys) in one PNG."""
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
@@ -128,9 +128,10 @@ def plot_curves(history: list[dict], path, title: str = "",
         points = [(r["step"], r[key]) for r in history if key in r]
         if points:
             ax.plot(*zip(*points), label=f"train {key}", alpha=0.6)
-    points = [(r["step"], r[eval_key]) for r in history if eval_key in r]
-    if points:
-        ax.plot(*zip(*points), "o-", color="black", label=f"held-out {eval_key.removeprefix('eval_')}")
+    for key, color in zip(eval_keys, ("black", "tab:red", "tab:green")):
+        points = [(r["step"], r[key]) for r in history if key in r]
+        if points:
+            ax.plot(*zip(*points), "o-", color=color, label=f"held-out {key.removeprefix('eval_')}")
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
@@ -192,7 +193,8 @@ def main(argv=None):
     grader = Grader()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {"config": {**asdict(cfg), "prompt": TEMPLATES[cfg.template][0]}, "datasets": {}}
+    prompt = TEMPLATES[cfg.template][0].format(problem="{problem}")
+    results = {"config": {**asdict(cfg), "prompt": prompt}, "datasets": {}}
     all_samples = []
     t0 = time.time()
     for name, rows in datasets.items():
@@ -206,7 +208,7 @@ def main(argv=None):
     with open(out / "samples.jsonl", "w") as f:
         for s in all_samples:
             f.write(json.dumps(s) + "\n")
-    print(f"template {cfg.template!r} (chat={cfg.chat}): {TEMPLATES[cfg.template][0]!r}")
+    print(f"template {cfg.template!r} (chat={cfg.chat}): {prompt!r}")
     print(f"n={cfg.n} temperature={cfg.temperature} top_p={cfg.top_p} "
           f"max_new_tokens={cfg.max_new_tokens}  ({time.time() - t0:.0f} s)")
     print(format_table(results["datasets"]))

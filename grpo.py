@@ -282,6 +282,7 @@ def main(cfg: Config):
     (out / "grpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
 
     # Data first, so a bad file fails before a minute of model loading.
+    eval_rows = []
     if cfg.data == "arith":
         train_rows = arith_stream(cfg.seed)
         eval_rows = arith_heldout(cfg.eval_size)
@@ -293,6 +294,7 @@ def main(cfg: Config):
         train_rows = row_stream(rows, cfg.seed)
     if cfg.eval_data:
         eval_rows = load_rows(cfg.eval_data, limit=cfg.eval_size)
+    evaluating = bool(cfg.eval_every and eval_rows)
     answer_format = TEMPLATES[cfg.template][1]
     grader = Grader()
     reward_fns = RewardFunctions(cfg.reward, answer_format, grader)
@@ -324,7 +326,7 @@ def main(cfg: Config):
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    if cfg.eval_every:
+    if evaluating:
         record = {"step": 0, **evaluate_now(0)}
         log(record)
         tqdm.write(f"step 0 | held-out accuracy {record['eval_accuracy']:.3f} "
@@ -386,7 +388,7 @@ def main(cfg: Config):
             if len(per_fn) > 1:
                 record[f"reward_{name}"] = sum(scores) / len(scores)
         record["step_seconds"] = time.time() - t_step
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+        if evaluating and (step % cfg.eval_every == 0 or step == cfg.steps):
             record.update(evaluate_now(step))
         log(record)
         tqdm.write(format_line(record))

@@ -1,0 +1,166 @@
+"""dpo_loss against hand-computed values, prompt masking, micro-batching, bad data, a short run."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpo import Config, Pair, batch_loss, dpo_loss, pair_logps, tokenize_pairs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _logsig(x):
+    return -math.log1p(math.exp(-x))
+
+
+def _inputs():
+    # pi_c, pi_r, ref_c, ref_r for two pairs.
+    pc = torch.tensor([-10.0, -4.0])
+    pr = torch.tensor([-12.0, -3.0])
+    rc = torch.tensor([-11.0, -4.5])
+    rr = torch.tensor([-11.5, -3.5])
+    return pc, pr, rc, rr
+
+
+def _h():
+    return [(-10 + 11) - (-12 + 11.5), (-4 + 4.5) - (-3 + 3.5)]  # [1.5, 0.0]
+
+
+def test_sigmoid_loss_and_rewards():
+    beta = 0.5
+    losses, cr, rr = dpo_loss(*_inputs(), beta=beta)
+    expected = [-_logsig(beta * h) for h in _h()]
+    assert losses.tolist() == pytest.approx(expected, rel=1e-6)
+    assert cr.tolist() == pytest.approx([beta * 1.0, beta * 0.5])
+    assert rr.tolist() == pytest.approx([beta * -0.5, beta * 0.5])
+
+
+def test_label_smoothing_cdpo():
+    beta, eps = 0.5, 0.1
+    losses, _, _ = dpo_loss(*_inputs(), beta=beta, label_smoothing=eps)
+    expected = [-(1 - eps) * _logsig(beta * h) - eps * _logsig(-beta * h) for h in _h()]
+    assert losses.tolist() == pytest.approx(expected, rel=1e-6)
+
+
+def test_hinge_ipo_robust():
+    beta = 0.5
+    losses, _, _ = dpo_loss(*_inputs(), beta=beta, loss_type="hinge")
+    assert losses.tolist() == pytest.approx([max(0, 1 - beta * h) for h in _h()])
+    losses, _, _ = dpo_loss(*_inputs(), beta=beta, loss_type="ipo")
+    assert losses.tolist() == pytest.approx([(h - 1 / (2 * beta)) ** 2 for h in _h()])
+    eps = 0.2
+    losses, _, _ = dpo_loss(*_inputs(), beta=beta, loss_type="robust", label_smoothing=eps)
+    expected = [(-(1 - eps) * _logsig(beta * h) + eps * _logsig(-beta * h)) / (1 - 2 * eps)
+                for h in _h()]
+    assert losses.tolist() == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError):
+        dpo_loss(*_inputs(), loss_type="kto")
+
+
+def test_gradient_raises_chosen_and_lowers_rejected():
+    pc, pr, rc, rr = _inputs()
+    pc.requires_grad_()
+    pr.requires_grad_()
+    losses, _, _ = dpo_loss(pc, pr, rc, rr)
+    losses.sum().backward()
+    assert (pc.grad < 0).all() and (pr.grad > 0).all()
+
+
+def _cfg(**kw):
+    return Config(bf16=False, **kw)
+
+
+def test_prompt_tokens_do_not_change_the_loss(tiny_model):
+    """Only response tokens count: a different prompt changes the loss only through context,
+    so with the context fixed (same prompt) and the prompt's own log-probs altered by changing
+    the *token before* the response, the masked sums pick exactly the response positions."""
+    model, _ = tiny_model
+    pair = Pair(prompt=[5, 6, 7], chosen=[8, 9, 2], rejected=[10, 2])
+    pc, pr = pair_logps(model, [pair], _cfg(), "cpu")
+    with torch.no_grad():
+        full = torch.log_softmax(model(torch.tensor([[5, 6, 7, 8, 9, 2]])).logits.float(), -1)
+    manual = full[0, 2, 8] + full[0, 3, 9] + full[0, 4, 2]  # positions predicting 8, 9, 2
+    assert pc.item() == pytest.approx(manual.item(), abs=1e-4)
+    # Same responses, a longer prompt: the summed log-prob covers the same number of tokens.
+    pair2 = Pair(prompt=[1, 1, 1, 5, 6, 7], chosen=[8, 9, 2], rejected=[10, 2])
+    with torch.no_grad():
+        full2 = torch.log_softmax(model(torch.tensor([[1, 1, 1, 5, 6, 7, 8, 9, 2]])).logits.float(), -1)
+    pc2, _ = pair_logps(model, [pair2], _cfg(), "cpu")
+    assert pc2.item() == pytest.approx((full2[0, 5, 8] + full2[0, 6, 9] + full2[0, 7, 2]).item(),
+                                       abs=1e-4)
+
+
+def test_micro_batching_leaves_loss_and_gradient_unchanged(tiny_model):
+    model, _ = tiny_model
+    torch.manual_seed(0)
+    pairs = [Pair([5 + i, 6], [7, 8 + i, 2][: 2 + i % 2], [9 + i, 2]) for i in range(4)]
+    refs = [(-20.0 + i, -21.0 - i) for i in range(4)]
+    cfg = _cfg(sft_weight=0.3)
+
+    def run(splits):
+        model.zero_grad()
+        total = 0.0
+        for s, e in splits:
+            loss, _ = batch_loss(model, pairs[s:e], refs[s:e], cfg, "cpu", num_pairs=4)
+            loss.backward()
+            total += loss.item()
+        return total, [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    full, g_full = run([(0, 4)])
+    split, g_split = run([(0, 1), (1, 3), (3, 4)])
+    assert split == pytest.approx(full, rel=1e-5)
+    for a, b in zip(g_full, g_split):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "hi", "rejected": "no"}, "row 1 has no 'chosen' field"),
+    ({"prompt": "hi", "chosen": "yes", "rejected": ""}, "row 1 has no 'rejected' field"),
+    ({"prompt": [], "chosen": "yes", "rejected": "no"}, "row 1 has no 'prompt' field"),
+])
+def test_bad_pairs_are_clear_errors(tokenizer, row, message):
+    with pytest.raises(SystemExit, match=message):
+        tokenize_pairs(tokenizer, [row], "prefs.jsonl", _cfg())
+
+
+def test_too_long_prompt_is_skipped_and_counted_and_long_pairs_keep_the_response(tokenizer):
+    rows = [{"prompt": "word " * 300, "chosen": "yes", "rejected": "no"},
+            {"prompt": "a question " * 20, "chosen": "long answer " * 30, "rejected": "no"},
+            {"prompt": [{"role": "user", "content": "hi"}],
+             "chosen": [{"role": "assistant", "content": "hello"}],
+             "rejected": [{"role": "assistant", "content": "go away"}]}]
+    pairs, skipped = tokenize_pairs(tokenizer, rows, "prefs.jsonl", _cfg(max_length=128,
+                                                                        max_prompt_length=16))
+    assert skipped == 1 and len(pairs) == 2
+    long_pair = pairs[0]
+    assert len(long_pair.prompt) == 16
+    assert len(long_pair.prompt) + len(long_pair.chosen) <= 128
+    assert tokenizer.decode(long_pair.chosen).startswith("long answer")  # the response is kept
+    chat = pairs[1]
+    assert tokenizer.decode(chat.chosen) == "hello<|im_end|>"  # ends with the end-of-turn token
+    with pytest.raises(SystemExit, match="no usable pairs"):
+        tokenize_pairs(tokenizer, rows[:1], "prefs.jsonl", _cfg(max_length=64))
+
+
+def test_two_step_run(tiny_model_dir, tmp_path):
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1),
+                                        "rejected": str(i + 7)}) + "\n" for i in range(10)))
+    out = tmp_path / "dpo"
+    result = subprocess.run([sys.executable, "dpo.py", "--model", tiny_model_dir, "--data",
+                             str(data), "--batch-size", "4", "--micro-batch-size", "2",
+                             "--epochs", "1", "--eval-every", "1", "--sft-weight", "0.1",
+                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]  # 8 training pairs / 4 per step
+    for key in ("loss", "reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward",
+                "chosen_logp", "rejected_logp", "eval_reward_accuracy"):
+        assert key in records[-1], key
+    assert (out / "curves.png").exists() and (out / "model.safetensors").exists()
