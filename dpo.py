@@ -356,8 +356,10 @@ def main(cfg: Config):
         history.append(record)
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
-        tqdm.write(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                              for k, v in record.items()))
+        shown = ("step", "loss", "reward_accuracy", "reward_margin", "chosen_logp", "rejected_logp",
+                 "step_seconds", "eval_reward_accuracy", "eval_accuracy")
+        tqdm.write(" | ".join(f"{k} {record[k]:.4g}" if isinstance(record[k], float) else
+                              f"{k} {record[k]}" for k in shown if k in record))
 
     print(f"{len(train_pairs)} training pairs, {len(eval_pairs)} held-out pairs, "
           f"{total_steps} steps of {cfg.batch_size} pairs")

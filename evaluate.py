@@ -167,7 +167,9 @@ class EvalConfig:
     chat: bool = True
     """wrap the prompt in the model's chat template (turn off for base models)"""
     backend: str = "hf"
-    """rollout engine: hf"""
+    """rollout engine: hf (transformers) or vllm"""
+    gpu_memory_utilization: float = 0.2
+    """vllm: fraction of GPU memory (host memory on CPU) for the engine"""
     batch_prompts: int = 64
     """prompts generated together"""
     seed: int = 0
@@ -187,7 +189,9 @@ def main(argv=None):
     from rollout import make_rollout
     device = pick_device()
     model, tokenizer = load_model(cfg.model, device)
-    rollout = make_rollout(cfg.backend, model, tokenizer, device=device)
+    rollout = make_rollout(cfg.backend, model, tokenizer, device=device, seed=cfg.seed,
+                           max_new_tokens=cfg.max_new_tokens,
+                           gpu_memory_utilization=cfg.gpu_memory_utilization)
     del model
     sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed)
     grader = Grader()

@@ -57,7 +57,11 @@ class Config:
     reward: str = "correctness"
     """reward functions, comma-separated `name=weight`: correctness, format, or module:function"""
     rollout: str = "hf"
-    """generation engine: hf (transformers generate)"""
+    """generation engine: hf (transformers generate) or vllm (in-process vLLM, weights synced)"""
+    gpu_memory_utilization: float = 0.2
+    """vLLM: fraction of GPU memory (of host memory on CPU) for weights and KV cache"""
+    is_cap: float = 0.0
+    """vLLM: truncated importance-sampling correction, weight min(pi_trainer/pi_engine, cap); 0=off"""
     steps: int = 30
     """optimizer steps (one rollout batch each when updates_per_rollout is 1)"""
     prompts_per_step: int = 8
@@ -136,7 +140,7 @@ def group_advantages(rewards, group_size, *, scale="group", leave_one_out=False,
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low=0.2,
-              eps_high=0.2, beta=0.0, loss_agg="token-mean", num_tokens=None):
+              eps_high=0.2, beta=0.0, loss_agg="token-mean", num_tokens=None, token_weights=None):
     """Clipped-surrogate GRPO loss with an optional k3 KL penalty.
 
     logprobs, old_logprobs, ref_logprobs, mask: (B, T); advantages: (B,).
@@ -149,6 +153,9 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
         "seq-mean"     sum over sequences of (mean of L_t over the sequence) / number of sequences
                                                                                    (original GRPO)
         "seq-sum-norm" sum of L_t / (number of sequences * max_new_tokens)        (Dr. GRPO)
+    token_weights (B, T), optional, multiply the surrogate term per token (e.g. the truncated
+    importance weight that corrects for the rollout engine sampling from slightly different
+    probabilities than the trainer computes).
     Returns (loss, metrics) with metrics averaged over this batch's valid tokens.
     """
     mask = mask.float()  # (B, T)
@@ -156,6 +163,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
     ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
     per_token = -surrogate  # (B, T)
+    if token_weights is not None:
+        per_token = per_token * token_weights  # (B, T)
     kl = None
     if beta != 0.0:
         log_r = ref_logprobs - logprobs  # (B, T)
@@ -214,8 +223,20 @@ def frozen_logprobs(model, batch, mbs, cfg, device):
     return [policy_logprobs(model, batch, idx, cfg, device)[0] for idx in mbs]
 
 
-def train_on_rollout(model, ref_model, optimizer, scheduler, batch, advantages, cfg, device):
-    """`updates_per_rollout` optimizer steps on one rollout batch. Returns averaged metrics."""
+def engine_mismatch(trainer_lp, engine_lp, mask) -> dict:
+    """How far the rollout engine's log-probs are from the trainer's on the same tokens (sums over
+    valid tokens; the caller divides). Large values mean the engine samples from a different policy
+    than the one being optimized (bf16 kernels, stale weights, a broken sync)."""
+    diff = (trainer_lp - engine_lp) * mask  # (b, T)
+    return {"token_mult_prob_error": float((torch.exp(diff.abs()) * mask).sum()),
+            "gen_kl_error": float(((torch.exp(diff) - diff - 1) * mask).sum()),  # k3
+            "logprob_max_abs_diff": float(diff.abs().max())}
+
+
+def train_on_rollout(model, ref_model, optimizer, scheduler, batch, advantages, engine_lps, cfg,
+                     device):
+    """`updates_per_rollout` optimizer steps on one rollout batch. Returns averaged metrics.
+    engine_lps (B, T) are the rollout engine's log-probs of the sampled tokens, or None."""
     completion_lens = batch[2]
     denom = loss_denominator(cfg.loss_agg, completion_lens, cfg.max_new_tokens)
     # Without a KL term, a sequence with advantage 0 (e.g. from a zero-std group) adds exactly 0 to
@@ -234,8 +255,8 @@ def train_on_rollout(model, ref_model, optimizer, scheduler, batch, advantages, 
     old_lps = frozen_logprobs(model, batch, mbs, cfg, device) if cfg.updates_per_rollout > 1 \
         else None
     ref_lps = frozen_logprobs(ref_model, batch, mbs, cfg, device) if ref_model else None
-    sums, total_tokens, losses, grad_norms = {}, 0, [], []
-    for _ in range(cfg.updates_per_rollout):
+    sums, total_tokens, losses, grad_norms, mismatch = {}, 0, [], [], {}
+    for update in range(cfg.updates_per_rollout):
         model.train()
         optimizer.zero_grad(set_to_none=True)
         loss_value = 0.0
@@ -243,10 +264,19 @@ def train_on_rollout(model, ref_model, optimizer, scheduler, batch, advantages, 
             logprobs, entropy = policy_logprobs(model, batch, idx, cfg, device)
             mask = length_mask(completion_lens[idx], logprobs.shape[1])  # (b, T)
             old = old_lps[k] if old_lps else logprobs.detach()
+            weights = None
+            if engine_lps is not None:
+                engine = engine_lps[idx][:, :logprobs.shape[1]]  # (b, T)
+                if update == 0:
+                    for key, v in engine_mismatch(old, engine, mask).items():
+                        agg = max if key.endswith("max_abs_diff") else (lambda a, b: a + b)
+                        mismatch[key] = agg(mismatch.get(key, 0.0), v)
+                if cfg.is_cap:  # truncated importance sampling: pi_old(trainer) / pi_engine
+                    weights = torch.exp(old - engine).clamp(max=cfg.is_cap)
             loss, metrics = grpo_loss(logprobs, old, ref_lps[k] if ref_lps else None,
                                       advantages[idx], mask, eps_low=cfg.eps_low,
                                       eps_high=cfg.eps_high, beta=cfg.beta, loss_agg=cfg.loss_agg,
-                                      num_tokens=denom)
+                                      num_tokens=denom, token_weights=weights)
             loss.backward()  # micro-batch losses add up to the full-batch loss
             loss_value += float(loss)
             tokens = int(mask.sum())
@@ -264,6 +294,9 @@ def train_on_rollout(model, ref_model, optimizer, scheduler, batch, advantages, 
     out["grad_norm"] = sum(grad_norms) / len(grad_norms)
     out["trained_frac"] = len(keep) / len(completion_lens)  # entropy/clip cover these sequences
     out["trained_tokens"] = int((batch[1] + completion_lens)[keep].sum())
+    tokens_once = total_tokens / cfg.updates_per_rollout
+    for key, v in mismatch.items():
+        out[key] = v if key.endswith("max_abs_diff") else v / max(tokens_once, 1)
     return out
 
 
@@ -301,7 +334,9 @@ def main(cfg: Config):
 
     device = pick_device()
     model, tokenizer = load_model(cfg.model, device)
-    rollout = make_rollout(cfg.rollout, model, tokenizer, device=device)
+    rollout = make_rollout(cfg.rollout, model, tokenizer, device=device, seed=cfg.seed,
+                           max_new_tokens=cfg.max_new_tokens,
+                           gpu_memory_utilization=cfg.gpu_memory_utilization)
     ref_model = None
     if cfg.beta != 0.0:  # a frozen copy of the initial policy, bf16 to halve its memory
         ref_model = make_rollout("hf", model, tokenizer, device=device).model
@@ -360,8 +395,13 @@ def main(cfg: Config):
         # 4. Policy update (reference log-probs first when there is a KL term).
         t0 = time.time()
         batch = pack(comps.prompt_ids, comps.completion_ids, tokenizer.pad_token_id, device)
+        engine_lps = None
+        if comps.engine_logprobs is not None:
+            engine_lps = torch.zeros(len(comps), int(batch[2].max()), device=device)
+            for i, row in enumerate(comps.engine_logprobs):
+                engine_lps[i, :len(row)] = torch.tensor(row)
         train_metrics = train_on_rollout(model, ref_model, optimizer, scheduler, batch, advantages,
-                                         cfg, device)
+                                         engine_lps, cfg, device)
         train_seconds = time.time() - t0
         sync_seconds = rollout.update_weights(model)
 

