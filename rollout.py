@@ -128,14 +128,16 @@ class VLLMRollout:
                  enforce_eager: bool = True):
         import os
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        import torch.cuda
         from vllm import LLM
         self.on_gpu = torch.cuda.is_available()
+        threads = torch.get_num_threads()
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, distributed_executor_backend="uni",
                        worker_extension_cls="rollout.WeightSync",
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.on_gpu)
+        torch.set_num_threads(threads)  # the CPU engine drops the process to 1 thread: the
+        # trainer shares this process and wants them all back
         self.tokenizer = tokenizer
         self.stop_ids = {tokenizer.eos_token_id}
         gen_eos = self.llm.llm_engine.model_config.hf_config.eos_token_id

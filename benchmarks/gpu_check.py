@@ -48,7 +48,7 @@ if __name__ == "__main__":
                      num_generations=4 if args.tiny else 8,
                      max_new_tokens=16 if args.tiny else 1024,
                      micro_batch_size=4 if args.tiny else 16,
-                     gpu_memory_utilization=0.05 if args.tiny else 0.35,
+                     gpu_memory_utilization=0.2 if args.tiny else 0.35,
                      beta=0.001, out=str(Path(tmp) / "run"))  # beta > 0: every sequence trains
         main(cfg)
         rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]

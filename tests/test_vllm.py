@@ -24,7 +24,7 @@ LOGPROB_ATOL = 0.05
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir, tokenizer):
-    return VLLMRollout(tiny_model_dir, tokenizer, gpu_memory_utilization=0.05, max_model_len=256)
+    return VLLMRollout(tiny_model_dir, tokenizer, gpu_memory_utilization=0.2, max_model_len=256)
 
 
 def _trainer_logprobs(model, out, temperature):
@@ -75,7 +75,7 @@ def test_greedy_generations_agree_with_hf(engine, tiny_model, tokenizer):
 def test_two_step_grpo_run_with_vllm(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "grpo.py", "--model", tiny_model_dir, "--rollout", "vllm",
-           "--gpu-memory-utilization", "0.05", "--steps", "2", "--prompts-per-step", "2",
+           "--gpu-memory-utilization", "0.2", "--steps", "2", "--prompts-per-step", "2",
            "--num-generations", "4", "--max-new-tokens", "8", "--eval-every", "0",
            "--beta", "0.01", "--is-cap", "2.0", "--out", str(out)]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
