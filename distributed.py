@@ -1,0 +1,213 @@
+"""Ray placement groups: the same grpo.py from one machine to many nodes.
+
+    python grpo.py --num-trainers 2 --num-engines 1 --colocate         # one machine, local Ray
+    ray start --head                                                    # node 0
+    ray start --address=<node0-ip>:6379                                 # every other node
+    python grpo.py --ray-address auto --num-trainers 16 --num-engines 8 # on node 0
+
+What runs where (one bundle = one GPU, or one CPU on a machine without GPUs):
+
+    placement group   [bundle 0   ][bundle 1   ] ... [bundle N    ] ... [bundle N+M-1]
+    --colocate        trainer 0 +  trainer 1 +       (engines share the trainers' bundles;
+                      engine 0     engine 1           they sleep while the trainers train)
+    otherwise         trainer 0    trainer 1   ...   engine 0     ...   engine M-1
+
+    driver (grpo.py) --prompts--> engines (sharded, results gathered in order)
+                     --batch----> trainers (sharded; torch.distributed all-reduce of gradients:
+                                  gloo on CPU, NCCL on GPU; the loss uses the global token count)
+    trainer 0 --state dict (Ray object store)--> every engine, after each step
+
+This file knows nothing about GRPO: it places actors, runs the functions it is given on them, and
+turns Ray's failures into messages that say what to change. It never imports grpo.py or dpo.py.
+"""
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+def _get(refs, what: str):
+    """ray.get that turns a dead or failing worker into a message instead of a hang or a wall of
+    Ray internals."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayActorError as e:
+        raise SystemExit(f"error: {'an' if what[0] in 'aeiou' else 'a'} {what} worker died "
+                         f"({type(e).__name__}): {e}\n"
+                         f"  the usual cause is memory: every worker holds its own model copy; "
+                         f"try fewer --num-trainers/--num-engines or --colocate") from None
+    except ray.exceptions.RayTaskError as e:
+        raise SystemExit(f"error: {'an' if what[0] in 'aeiou' else 'a'} {what} worker failed:\n"
+                         f"{e}") from None
+
+
+class Cluster:
+    """A Ray placement group sized for `num_trainers` trainers and `num_engines` engines."""
+
+    def __init__(self, num_trainers: int, num_engines: int, *, colocate: bool = False,
+                 address: str = "", timeout: float = 60.0):
+        self.use_gpu = _has_gpu()
+        repo = str(Path(__file__).resolve().parent)
+        # Workers import grpo/rollout/model from this folder, on every node.
+        ray.init(address=address or None, ignore_reinit_error=True, log_to_driver=True,
+                 runtime_env={"env_vars": {"PYTHONPATH": repo}}, include_dashboard=False)
+        self.colocate = colocate
+        self.num_trainers, self.num_engines = num_trainers, num_engines
+        n = max(num_trainers, num_engines) if colocate else num_trainers + num_engines
+        kind = "GPU" if self.use_gpu else "CPU"
+        bundle = {"GPU": 1, "CPU": 1} if self.use_gpu else {"CPU": 1}
+        have = ray.cluster_resources().get(kind, 0)
+        if have < n:  # infeasible: Ray would wait forever, so say so now
+            raise SystemExit(
+                f"error: --num-trainers {num_trainers} --num-engines {num_engines}"
+                f"{' --colocate' if colocate else ''} needs {n} {kind} bundles; the Ray cluster "
+                f"has {have:g} {kind}s. Use fewer workers, --colocate (engines share the "
+                f"trainers' {kind}s), or add nodes with `ray start --address=...`.")
+        self.pg = placement_group([bundle] * n, strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise SystemExit(f"error: {n} {kind} bundles could not be reserved within "
+                             f"{timeout:.0f} s (busy cluster?): {ray.available_resources()}")
+
+    def _options(self, bundle: int):
+        share = 0.5 if self.colocate else 1.0  # colocated trainer and engine split their bundle
+        resources = {"num_gpus": share, "num_cpus": 0} if self.use_gpu else {"num_cpus": share}
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                    placement_group_bundle_index=bundle)
+        return dict(scheduling_strategy=strategy, **resources)
+
+    def trainers(self, setup, *args) -> "TrainerGroup":
+        """num_trainers workers joined in one torch.distributed group, each running setup(*args)."""
+        workers = [Worker.options(**self._options(i)).remote() for i in range(self.num_trainers)]
+        addr, port = _get(workers[0].address.remote(), "trainer")
+        backend = "nccl" if self.use_gpu else "gloo"
+        _get([w.init_process_group.remote(backend, addr, port, rank, self.num_trainers)
+              for rank, w in enumerate(workers)], "trainer")
+        _get([w.setup.remote(setup, *args) for w in workers], "trainer")
+        return TrainerGroup(workers)
+
+    def engines(self, setup, *args) -> "EngineGroup":
+        """num_engines workers, each holding the rollout engine that setup(*args) returns."""
+        first = 0 if self.colocate else self.num_trainers
+        workers = [Worker.options(**self._options(first + i)).remote()
+                   for i in range(self.num_engines)]
+        _get([w.setup.remote(setup, *args) for w in workers], "engine")
+        return EngineGroup(workers)
+
+    def shutdown(self):
+        remove_placement_group(self.pg)
+        ray.shutdown()
+
+
+@ray.remote
+class Worker:
+    """A process in a bundle: holds whatever setup() built, runs functions on it."""
+
+    def address(self):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_process_group(self, backend, addr, port, rank, world_size):
+        import torch.distributed as dist
+        os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+
+    def setup(self, fn, *args):
+        self.state = fn(*args)
+
+    def run(self, fn, *args):
+        return fn(self.state, *args)
+
+
+def shard(n: int, parts: int) -> list[range]:
+    """Contiguous, near-equal index ranges: results concatenate back in order."""
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [range(bounds[i], bounds[i + 1]) for i in range(parts)]
+
+
+class TrainerGroup:
+    def __init__(self, workers):
+        self.workers = workers
+
+    def run(self, fn, per_rank_args: list[tuple]) -> list:
+        """fn(state, *per_rank_args[rank]) on every trainer, concurrently (they all-reduce)."""
+        return _get([w.run.remote(fn, *args) for w, args in zip(self.workers, per_rank_args)],
+                    "trainer")
+
+    def run_rank0(self, fn, *args):
+        return _get(self.workers[0].run.remote(fn, *args), "trainer")
+
+    def weights_ref(self, get_model) -> "ray.ObjectRef":
+        """Rank 0's weights, put in the object store by rank 0 itself (they never pass through the
+        driver). Every rank holds the same weights after the all-reduced step."""
+        return self.run_rank0(_put_state_dict, get_model)[0]
+
+
+def _put_state_dict(state, get_model):
+    weights = {k: v.detach().cpu() for k, v in get_model(state).state_dict().items()}
+    return [ray.put(weights)]  # a ref inside a list stays a ref when it crosses to the driver
+
+
+class _Weights:
+    """What an engine's update_weights(model) needs from a model: its state_dict()."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def state_dict(self):
+        return self._state
+
+
+def _generate(engine, prompt_ids, n, sampling):
+    return engine.generate(prompt_ids, n, sampling)
+
+
+def _update(engine, state):
+    return engine.update_weights(_Weights(state))
+
+
+class EngineGroup:
+    """Several rollout engines behind the single-engine interface grpo.py already uses."""
+
+    def __init__(self, workers):
+        self.workers = workers
+
+    def generate(self, prompt_ids, n, sampling):
+        parts = [r for r in shard(len(prompt_ids), len(self.workers)) if len(r)]
+        outs = _get([w.run.remote(_generate, [prompt_ids[i] for i in r], n, sampling)
+                     for w, r in zip(self.workers, parts)], "engine")
+        first = outs[0]
+        for out in outs[1:]:  # prompt-major order is kept: shards are contiguous
+            first.prompt_ids += out.prompt_ids
+            first.completion_ids += out.completion_ids
+            first.truncated += out.truncated
+            first.text += out.text
+            if first.engine_logprobs is not None:
+                first.engine_logprobs += out.engine_logprobs
+        return first
+
+    def run(self, fn, *args) -> list:
+        """fn(engine, *args) on every engine, e.g. to inspect them."""
+        return _get([w.run.remote(fn, *args) for w in self.workers], "engine")
+
+    def update_weights(self, state) -> float:
+        """Broadcast a state dict (or an object ref to one) to every engine through the object
+        store; returns the wall time of the whole broadcast."""
+        t0 = time.perf_counter()
+        ref = state if isinstance(state, ray.ObjectRef) else ray.put(state)
+        _get([w.run.remote(_update, ref) for w in self.workers], "engine")
+        return time.perf_counter() - t0
+
+
+def _has_gpu() -> bool:
+    import torch
+    return torch.cuda.is_available()

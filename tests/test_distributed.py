@@ -1,0 +1,145 @@
+"""Ray placement groups, torch.distributed (gloo) trainers and sharded engines, on CPU."""
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from distributed import Cluster, shard  # noqa: E402
+from grpo import Config, _model_of, finish_metrics, setup_trainer, train_on_rollout  # noqa: E402
+from model import pack  # noqa: E402
+from rollout import HFRollout, Sampling  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# Helpers defined here run on Ray workers, which cannot import this test module: ship them by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def test_two_step_grpo_run_with_two_trainers_and_one_engine(tiny_model_dir, tmp_path):
+    # First in this file: it starts its own local Ray, before the module's cluster exists.
+    out = tmp_path / "run"
+    cmd = [sys.executable, "grpo.py", "--model", tiny_model_dir, "--num-trainers", "2",
+           "--num-engines", "1", "--colocate", "--steps", "2", "--prompts-per-step", "2",
+           "--num-generations", "4", "--max-new-tokens", "8", "--eval-size", "4",
+           "--eval-every", "2", "--beta", "0.01", "--out", str(out)]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert records[-1]["trained_frac"] == 1.0 and "eval_accuracy" in records[-1]
+    assert (out / "model.safetensors").exists()  # saved by trainer rank 0
+
+
+def test_shard_is_contiguous_and_complete():
+    assert [list(r) for r in shard(5, 2)] == [[0, 1], [2, 3, 4]]
+    assert [list(r) for r in shard(1, 2)] == [[], [0]]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(num_trainers=2, num_engines=2, colocate=True)
+    yield c
+    c.shutdown()
+
+
+def _cfg(model_dir):
+    # fp32 so that one and two trainers can be compared tightly; beta > 0 trains every sequence.
+    return Config(model=model_dir, bf16=False, beta=0.02, lr=1e-3, micro_batch_size=2,
+                  max_new_tokens=6)
+
+
+def _batch():
+    torch.manual_seed(0)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16], [17, 18, 19]]
+    completions = [[20, 21, 2], [22, 2], [23, 24, 25, 26], [27, 2], [28], [29, 30, 2]]
+    batch = pack(prompts, completions, pad_id=2)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, 0.0])
+    return batch, advantages
+
+
+def test_one_trainer_equals_two_trainers(cluster, tiny_model_dir):
+    cfg = _cfg(tiny_model_dir)
+    batch, advantages = _batch()
+    denom = float(batch[2].sum())
+
+    single = setup_trainer(cfg)
+    one = finish_metrics([train_on_rollout(single, batch, advantages, None, denom)])
+
+    trainers = cluster.trainers(setup_trainer, cfg)
+    args = [(tuple(t[r.start:r.stop] for t in batch), advantages[r.start:r.stop], None, denom)
+            for r in shard(len(advantages), 2)]
+    two = finish_metrics(trainers.run(train_on_rollout, args))
+    weights = ray.get(trainers.weights_ref(_model_of))
+    grads = trainers.run_rank0(_grads)
+
+    # The same global loss and the same (all-reduced) gradient: fp32; measured differences are
+    # ~5e-6 of each tensor's largest element (summation order), the tolerance is 1e-4 of it.
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    for name, g in _grads(single).items():
+        assert torch.allclose(grads[name], g, rtol=1e-3, atol=1e-4 * float(g.abs().max())), name
+    # The same weights after one AdamW step. Adam's first step is lr * g / (|g| + eps): where a
+    # gradient element is ~eps, summation-order noise is amplified, so a few elements may differ
+    # by a fraction of lr; all others agree to 1e-6.
+    for name, p in single.model.state_dict().items():
+        diff = (weights[name] - p).abs()
+        assert diff.max() < 0.2 * cfg.lr, name
+        assert (diff > 1e-6).float().mean() < 1e-3, name
+    moved = (weights["model.layers.0.mlp.up_proj.weight"] - setup_trainer(cfg).model.state_dict()[
+        "model.layers.0.mlp.up_proj.weight"]).abs().max()
+    assert moved > 1e-4  # the step really changed the weights
+
+
+def _grads(trainer):
+    return {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def _engine_setup(model_dir):
+    from model import load_model
+    model, tokenizer = load_model(model_dir)
+    return HFRollout(model, tokenizer, dtype=torch.float32)
+
+
+def _weight_sum(engine):
+    return float(sum(p.double().sum() for p in engine.model.parameters()))
+
+
+def test_one_engine_vs_two_engines_and_weight_sync(cluster, tiny_model_dir, tiny_model):
+    model, tokenizer = tiny_model
+    engines = cluster.engines(_engine_setup, tiny_model_dir)
+    local = HFRollout(model, tokenizer, dtype=torch.float32)
+    prompts = [tokenizer(f"What is {i} + {i}?")["input_ids"] for i in range(5)]
+    greedy = Sampling(max_new_tokens=6, temperature=0.0)
+    # Greedy: one engine and two engines give the same completions, in the same order. (Sampled
+    # completions differ: each engine draws from its own RNG stream over its own shard.)
+    two = engines.generate(prompts, 2, greedy)
+    one = local.generate(prompts, 2, greedy)
+    assert two.completion_ids == one.completion_ids and two.prompt_ids == one.prompt_ids
+
+    trained = setup_trainer(_cfg(tiny_model_dir)).model
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(0.01)
+    seconds = engines.update_weights({k: v for k, v in trained.state_dict().items()})
+    assert seconds > 0
+    expected = float(sum(p.double().sum() for p in trained.parameters()))
+    for got in engines.run(_weight_sum):
+        assert got == pytest.approx(expected, rel=1e-6)
+
+
+def test_unsatisfiable_placement_fails_fast_with_a_clear_message(cluster):
+    with pytest.raises(SystemExit, match="needs 6 CPU bundles; the Ray cluster has 2 CPUs"):
+        Cluster(num_trainers=3, num_engines=3)
+
+
+def test_a_dead_worker_ends_the_run_with_a_message(cluster, tiny_model_dir, tokenizer):
+    engines = cluster.engines(_engine_setup, tiny_model_dir)
+    ray.kill(engines.workers[1])
+    with pytest.raises(SystemExit, match="an engine worker died"):
+        engines.generate([tokenizer("Hi")["input_ids"]] * 2, 1, Sampling(4, temperature=0.0))
