@@ -54,7 +54,8 @@ class Cluster:
         self.use_gpu = _has_gpu()
         repo = str(Path(__file__).resolve().parent)
         # Workers import grpo/rollout/model from this folder, on every node.
-        ray.init(address=address or None, ignore_reinit_error=True, log_to_driver=True,
+        ray.init(address=None if address in ("", "local") else address, ignore_reinit_error=True,
+                 log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": repo}}, include_dashboard=False)
         self.colocate = colocate
         self.num_trainers, self.num_engines = num_trainers, num_engines

@@ -106,7 +106,7 @@ class Config:
     colocate: bool = False
     """Ray: engines share the trainers' GPUs/CPUs instead of getting their own"""
     ray_address: str = ""
-    """Ray: address of an existing cluster ("auto" on a node of it); empty starts a local one"""
+    """Ray: an existing cluster's address ("auto" on one of its nodes), or "local" to start one"""
     fsdp: bool = False
     """Ray, GPU: shard the model over the trainers with FSDP2 (for models that don't fit one GPU)"""
     eval_every: int = 10
@@ -360,7 +360,16 @@ def train_on_rollout(trainer: Trainer, batch, advantages, engine_lps, denom: flo
         trainer.optimizer.step()
         trainer.scheduler.step()
     raw["mismatch"] = mismatch
+    raw["peak_memory_gb"] = peak_memory_gb(device)
     return raw
+
+
+def peak_memory_gb(device: str) -> float:
+    """Peak memory of this process: GPU memory allocated by PyTorch, or resident host memory."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def finish_metrics(raws: list[dict]) -> dict:
@@ -375,6 +384,7 @@ def finish_metrics(raws: list[dict]) -> dict:
     out["trained_frac"] = sum(r["trained_seqs"] for r in raws) / sum(r["seqs"] for r in raws)
     out["trained_tokens"] = sum(r["trained_tokens"] for r in raws)
     out["lr"] = raws[0]["lr"]
+    out["peak_memory_gb"] = max(r.get("peak_memory_gb", 0.0) for r in raws)  # of any one rank
     mismatch_tokens = sum(r["mismatch_tokens"] for r in raws)
     for r in raws:
         for key, v in r.get("mismatch", {}).items():

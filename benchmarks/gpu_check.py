@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py            # one H200-class GPU, no network, <= 10 min
     python benchmarks/gpu_check.py --tiny     # the same path, CPU-sized (2-layer model)
+    python benchmarks/gpu_check.py --ray      # 2 steps, 1 trainer + 1 engine colocated, via Ray
 
 Builds the model from its config (no download is possible on the GPU machines), saves it in HF
 format with the SmolLM2 tokenizer (its ids fit Qwen's larger vocabulary), runs grpo.py's main with
@@ -27,6 +28,8 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="2-layer model, CPU-sized batch")
+    parser.add_argument("--ray", action="store_true", help="through distributed.py: 1 trainer + "
+                        "1 engine colocated on one device, 2 steps")
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
@@ -43,7 +46,9 @@ if __name__ == "__main__":
         torch.manual_seed(0)
         Qwen2ForCausalLM(config).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
-        cfg = Config(model=str(model_dir), rollout="vllm", steps=3, eval_every=0,
+        ray_args = dict(ray_address="local", colocate=True) if args.ray else {}
+        cfg = Config(model=str(model_dir), rollout="vllm", steps=2 if args.ray else 3, eval_every=0,
+                     **ray_args,
                      log_samples_every=0, prompts_per_step=2 if args.tiny else 32,
                      num_generations=4 if args.tiny else 8,
                      max_new_tokens=16 if args.tiny else 1024,
@@ -53,6 +58,7 @@ if __name__ == "__main__":
         main(cfg)
         rows = [json.loads(line) for line in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
     keys = ["step_seconds", "gen_seconds", "gen_tokens_per_s", "train_seconds", "sync_seconds",
+            "peak_memory_gb",
             "token_mult_prob_error", "gen_kl_error", "logprob_max_abs_diff"]
     print(f"\nQwen2.5-1.5B-shaped ({'tiny' if args.tiny else 'full'}), random weights, "
           f"{cfg.prompts_per_step} prompts x {cfg.num_generations} samples x {cfg.max_new_tokens} tokens")
@@ -60,6 +66,5 @@ if __name__ == "__main__":
         values = [r[key] for r in rows if key in r]
         print(f"  {key:24s} " + "  ".join(f"{v:10.4f}" for v in values)
               + (f"   median {statistics.median(values):.4f}" if values else ""))
-    if torch.cuda.is_available():
-        print(f"  peak GPU memory allocated by PyTorch: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
-              f", reserved: {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB")
+    print("  (peak_memory_gb: the trainer's peak GPU memory allocated by PyTorch, or its peak\n"
+          "   resident host memory on CPU; a colocated vLLM engine's own pool is not included)")
