@@ -182,19 +182,59 @@ def row_stream(rows: list[dict], seed: int):
 
 
 def parse_config(cls, argv=None, description=None):
-    """A CLI flag per dataclass field (--max-new-tokens for max_new_tokens), help from docstrings."""
+    """A CLI flag per dataclass field (--max-new-tokens for max_new_tokens), help from docstrings.
+
+    `--config FILE.toml` sets any field (keys spelled like the fields, - or _); flags given on the
+    command line override it. `--dry-run` prints the resolved config and exits, loading nothing.
+    """
     docs = {}
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    body = ast.parse(inspect.getsource(cls)).body[0].body
     for a, b in zip(body, body[1:]):
         if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr):
             docs[a.target.id] = b.value.value
     parser = argparse.ArgumentParser(description=description)
-    for name, field in cls.__dataclass_fields__.items():
+    parser.add_argument("--config", help="TOML file setting any of the options below")
+    parser.add_argument("--dry-run", action="store_true", help="print the config and exit")
+    fields = cls.__dataclass_fields__
+    for name, field in fields.items():
         flag = "-" + name if len(name) == 1 else "--" + name.replace("_", "-")
         if field.type in (bool, "bool"):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
                                 help=docs.get(name))
         else:
             parser.add_argument(flag, type=field.type, default=field.default, help=docs.get(name))
-    return cls(**vars(parser.parse_args(argv)))
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        parser.set_defaults(**read_toml_config(first.config, fields))
+    args = vars(parser.parse_args(argv))
+    config_file, dry_run = args.pop("config"), args.pop("dry_run")
+    cfg = cls(**args)
+    if dry_run:
+        print(f"# resolved config{' (from ' + config_file + ' and the command line)' if config_file else ''}")
+        for name, value in args.items():
+            print(f"{name} = {json.dumps(value)}")
+        raise SystemExit(0)
+    return cfg
+
+
+def read_toml_config(path: str, fields: dict) -> dict:
+    import tomllib
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"error: --config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SystemExit(f"error: --config {path}: not valid TOML ({e})") from None
+    values = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            raise SystemExit(f"error: {path}: unknown option '{key}'")
+        kind = fields[name].type
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind):
+            raise SystemExit(f"error: {path}: '{key}' must be {kind.__name__}, got {value!r}")
+        values[name] = value
+    return values

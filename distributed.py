@@ -186,15 +186,7 @@ class EngineGroup:
         parts = [r for r in shard(len(prompt_ids), len(self.workers)) if len(r)]
         outs = _get([w.run.remote(_generate, [prompt_ids[i] for i in r], n, sampling)
                      for w, r in zip(self.workers, parts)], "engine")
-        first = outs[0]
-        for out in outs[1:]:  # prompt-major order is kept: shards are contiguous
-            first.prompt_ids += out.prompt_ids
-            first.completion_ids += out.completion_ids
-            first.truncated += out.truncated
-            first.text += out.text
-            if first.engine_logprobs is not None:
-                first.engine_logprobs += out.engine_logprobs
-        return first
+        return type(outs[0]).concat(outs)  # prompt-major order is kept: shards are contiguous
 
     def run(self, fn, *args) -> list:
         """fn(engine, *args) on every engine, e.g. to inspect them."""

@@ -118,8 +118,10 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
 
 
 def plot_curves(history: list[dict], path, title: str = "",
-                train_keys=("reward", "accuracy"), eval_keys=("eval_accuracy",)) -> None:
-    """Training curves (train_keys per step) and held-out metrics (eval_keys) in one PNG."""
+                train_keys=("reward", "accuracy"), eval_keys=("eval_accuracy",),
+                stage_bounds=()) -> None:
+    """Training curves (train_keys per step) and held-out metrics (eval_keys) in one PNG;
+    stage_bounds draws a dashed line where each stage of a staged run ends."""
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
@@ -132,6 +134,8 @@ def plot_curves(history: list[dict], path, title: str = "",
         points = [(r["step"], r[key]) for r in history if key in r]
         if points:
             ax.plot(*zip(*points), "o-", color=color, label=f"held-out {key.removeprefix('eval_')}")
+    for bound in stage_bounds:
+        ax.axvline(bound, color="gray", linestyle="--", linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)

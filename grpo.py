@@ -22,12 +22,15 @@ in rollout.py, rewards in reward.py, evaluation in evaluate.py.
 
 import copy
 import json
+import os
 import random
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -38,7 +41,7 @@ from evaluate import evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
 from model import pick_device, save_model
 from reward import Grader, RewardFunctions, correctness_reward
-from rollout import Sampling, make_rollout
+from rollout import Completions, Sampling, make_rollout
 
 
 @dataclass
@@ -109,6 +112,34 @@ class Config:
     """Ray: an existing cluster's address ("auto" on one of its nodes), or "local" to start one"""
     fsdp: bool = False
     """Ray, GPU: shard the model over the trainers with FSDP2 (for models that don't fit one GPU)"""
+    ratio_level: str = "token"
+    """token (GRPO/PPO) or sequence (GSPO: length-normalised sequence ratio, seq_eps clip range)"""
+    seq_eps_low: float = 3e-4
+    """GSPO lower clip range of the sequence ratio"""
+    seq_eps_high: float = 4e-4
+    """GSPO upper clip range of the sequence ratio"""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal, sample more prompts to refill the batch"""
+    max_fill_rounds: int = 3
+    """dynamic sampling: extra rollout rounds per step at most (then train on what there is)"""
+    overlong_filter: bool = False
+    """DAPO: truncated samples get zero loss weight (they still count in their group's baseline)"""
+    overlong_buffer: int = 0
+    """DAPO soft overlong penalty: reward falls linearly to -1 over the last N tokens (0 = off)"""
+    require_think_close: bool = False
+    """reasoning models: grade only the text after </think>; no </think> means reward 0"""
+    max_tokens_per_microbatch: int = 0
+    """micro-batches by token budget (padded tokens), sequences sorted by length (0 = by count)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward: less memory for long responses, ~30 % more compute"""
+    save_every: int = 0
+    """write <out>/checkpoints/step_N every N steps (0 = never)"""
+    keep_last: int = 2
+    """checkpoints kept (the oldest are deleted)"""
+    resume: str = ""
+    """continue a run exactly: `auto` (latest checkpoint in --out) or a checkpoint folder"""
+    init_from: str = ""
+    """start a new run (fresh optimizer, step 0) from a checkpoint's or HF folder's weights"""
     eval_every: int = 10
     """held-out greedy evaluation every N steps, at step 0 and at the end (0 = never)"""
     log_samples_every: int = 10
@@ -151,7 +182,8 @@ def group_advantages(rewards, group_size, *, scale="group", leave_one_out=False,
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low=0.2,
-              eps_high=0.2, beta=0.0, loss_agg="token-mean", num_tokens=None, token_weights=None):
+              eps_high=0.2, beta=0.0, loss_agg="token-mean", num_tokens=None, token_weights=None,
+              ratio_level="token"):
     """Clipped-surrogate GRPO loss with an optional k3 KL penalty.
 
     logprobs, old_logprobs, ref_logprobs, mask: (B, T); advantages: (B,).
@@ -164,6 +196,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
         "seq-mean"     sum over sequences of (mean of L_t over the sequence) / number of sequences
                                                                                    (original GRPO)
         "seq-sum-norm" sum of L_t / (number of sequences * max_new_tokens)        (Dr. GRPO)
+    ratio_level="sequence" is GSPO: every token of sequence i uses the length-normalised sequence
+    ratio s_i = exp(mean_t(logprobs - old_logprobs)) (pass GSPO's much smaller eps values).
     token_weights (B, T), optional, multiply the surrogate term per token (e.g. the truncated
     importance weight that corrects for the rollout engine sampling from slightly different
     probabilities than the trainer computes).
@@ -171,7 +205,13 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
     """
     mask = mask.float()  # (B, T)
     A = advantages[:, None]  # (B, 1)
-    ratio = torch.exp(logprobs - old_logprobs)  # (B, T)
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    if ratio_level == "sequence":  # GSPO: one ratio per sequence, broadcast to its tokens
+        seq = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        log_ratio = seq.expand_as(log_ratio)  # (B, T); gradient flows to every token of i
+    elif ratio_level != "token":
+        raise ValueError(f"ratio_level must be token or sequence, not {ratio_level!r}")
+    ratio = torch.exp(log_ratio)  # (B, T)
     surrogate = torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
     per_token = -surrogate  # (B, T)
     if token_weights is not None:
@@ -206,9 +246,10 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
 
 def loss_denominator(loss_agg: str, completion_lens: torch.Tensor, max_new_tokens: int) -> float:
     """The global-batch denominator grpo_loss needs for micro-batching to leave the loss unchanged."""
+    sequences = float((completion_lens > 0).sum())  # overlong-filtered samples have length 0
     return {"token-mean": float(completion_lens.sum()),
-            "seq-mean": float(len(completion_lens)),
-            "seq-sum-norm": float(len(completion_lens) * max_new_tokens)}[loss_agg]
+            "seq-mean": sequences,
+            "seq-sum-norm": sequences * max_new_tokens}[loss_agg]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,8 +265,19 @@ def policy_logprobs(model, batch, idx, cfg, device):
                                    temperature=cfg.temperature)
 
 
-def micro_batches(B: int, size: int):
-    return [torch.arange(s, min(s + size, B)) for s in range(0, B, size)]
+def micro_batches(keep, seq_lens, cfg):
+    """Index tensors of the micro-batches over sequences `keep`. By count (micro_batch_size), or
+    with max_tokens_per_microbatch by padded tokens: sorted by length, so little is padding."""
+    if not cfg.max_tokens_per_microbatch:
+        return [keep[s:s + cfg.micro_batch_size] for s in range(0, len(keep), cfg.micro_batch_size)]
+    order = keep[torch.argsort(seq_lens[keep], descending=True)]
+    out, current = [], []
+    for i in order.tolist():  # longest first: a micro-batch is padded to its first sequence
+        if current and (len(current) + 1) * int(seq_lens[current[0]]) > cfg.max_tokens_per_microbatch:
+            out.append(torch.tensor(current))
+            current = []
+        current.append(i)
+    return out + ([torch.tensor(current)] if current else [])
 
 
 @torch.no_grad()
@@ -256,13 +308,19 @@ class Trainer:
     device: str
 
 
-def setup_trainer(cfg: Config) -> Trainer:
+def setup_trainer(cfg: Config, resume_dir: str = "") -> Trainer:
+    """Model, optimizer and schedule of one training process: from --model, from --init-from's
+    weights, or (resume_dir) from a checkpoint with its optimizer and schedule state."""
     torch.manual_seed(cfg.seed)
     device = pick_device()
-    model, tokenizer = load_model(cfg.model, device)
+    start = cfg.init_from or cfg.model
+    model, tokenizer = load_model(resume_dir or start, device)
     ref_model = None
-    if cfg.beta != 0.0:  # a frozen copy of the initial policy, bf16 to halve its memory
-        ref_model = copy.deepcopy(model).to(torch.bfloat16).eval()
+    if cfg.beta != 0.0:  # a frozen copy of the *initial* policy, bf16 to halve its memory
+        ref_model = load_model(start, device)[0] if resume_dir else copy.deepcopy(model)
+        ref_model = ref_model.to(torch.bfloat16).eval()
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     # Models too large for one GPU: shard parameters, gradients and optimizer state over the ranks
     # (FSDP2). Its gradient reduction *averages* over ranks, so the loss is scaled by world size
     # in train_on_rollout to keep the sum-over-global-batch convention. Not exercised on CPU.
@@ -275,7 +333,20 @@ def setup_trainer(cfg: Config) -> Trainer:
                                   weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+    if resume_dir:
+        state = torch.load(Path(resume_dir) / "trainer_state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
     return Trainer(model, tokenizer, ref_model, optimizer, scheduler, cfg, device)
+
+
+def save_trainer_state(trainer: Trainer, folder: str):
+    """The trainer's half of a checkpoint: HF-format model, optimizer, schedule, RNG."""
+    save_model(trainer.model, trainer.tokenizer, folder)
+    torch.save({"optimizer": trainer.optimizer.state_dict(),
+                "scheduler": trainer.scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state()}, Path(folder) / "trainer_state.pt")
 
 
 def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
@@ -301,10 +372,10 @@ def train_on_rollout(trainer: Trainer, batch, advantages, engine_lps, denom: flo
     # Without a KL term, a sequence with advantage 0 (e.g. from a zero-std group) adds exactly 0 to
     # the loss and its gradient, so we skip its forward/backward; it still counts in `denom`, which
     # keeps the loss identical. Early in training most groups are all-wrong: this halves step time.
-    keep = torch.arange(len(completion_lens), device=device)
+    keep = torch.arange(len(completion_lens), device=device)[completion_lens > 0]
     if cfg.beta == 0.0:
-        keep = keep[advantages != 0]
-    mbs = [keep[idx] for idx in micro_batches(len(keep), cfg.micro_batch_size)]
+        keep = keep[advantages[keep] != 0]
+    mbs = micro_batches(keep, batch[1] + completion_lens, cfg)
     raw = {"sums": {}, "tokens": 0, "mismatch_tokens": 0, "loss": 0.0, "grad_norm": 0.0,
            "trained_seqs": len(keep), "seqs": len(completion_lens),
            "trained_tokens": int((batch[1] + completion_lens)[keep].sum()),
@@ -339,10 +410,13 @@ def train_on_rollout(trainer: Trainer, batch, advantages, engine_lps, denom: flo
                     raw["mismatch_tokens"] += int(mask.sum())
                 if cfg.is_cap:  # truncated importance sampling: pi_old(trainer) / pi_engine
                     weights = torch.exp(old - engine).clamp(max=cfg.is_cap)
+            seq_level = cfg.ratio_level == "sequence"
             loss, metrics = grpo_loss(logprobs, old, ref_lps[k] if ref_lps else None,
-                                      advantages[idx], mask, eps_low=cfg.eps_low,
-                                      eps_high=cfg.eps_high, beta=cfg.beta, loss_agg=cfg.loss_agg,
-                                      num_tokens=denom, token_weights=weights)
+                                      advantages[idx], mask,
+                                      eps_low=cfg.seq_eps_low if seq_level else cfg.eps_low,
+                                      eps_high=cfg.seq_eps_high if seq_level else cfg.eps_high,
+                                      beta=cfg.beta, loss_agg=cfg.loss_agg, num_tokens=denom,
+                                      token_weights=weights, ratio_level=cfg.ratio_level)
             (loss * world if cfg.fsdp else loss).backward()  # micro-batch losses add up
             raw["loss"] += float(loss) / cfg.updates_per_rollout
             tokens = int(mask.sum())
@@ -399,6 +473,13 @@ def finish_metrics(raws: list[dict]) -> dict:
 # The loop.
 
 
+def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> list[float]:
+    """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer, then falling linearly to
+    -1 at max_new_tokens."""
+    start = max_new_tokens - buffer
+    return [0.0 if n <= start else -min(1.0, (n - start) / buffer) for n in lengths]
+
+
 def main(cfg: Config):
     if cfg.template not in TEMPLATES:
         raise SystemExit(f"error: --template {cfg.template!r}; choose from {sorted(TEMPLATES)}")
@@ -406,8 +487,8 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").write_text("")  # a new run starts a new log
-    (out / "grpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
+    G = cfg.num_generations
 
     # Data first, so a bad file fails before a minute of model loading.
     eval_rows = []
@@ -425,11 +506,11 @@ def main(cfg: Config):
     evaluating = bool(cfg.eval_every and eval_rows)
     answer_format = TEMPLATES[cfg.template][1]
     grader = Grader()
-    reward_fns = RewardFunctions(cfg.reward, answer_format, grader)
+    reward_fns = RewardFunctions(cfg.reward, answer_format, grader, cfg.require_think_close)
 
     if cfg.num_trainers == 1 and cfg.num_engines == 1 and not cfg.ray_address:
         # One process: the trainer and the rollout engine live here.
-        trainer = setup_trainer(cfg)
+        trainer = setup_trainer(cfg, resume_dir)
         tokenizer = trainer.tokenizer
         rollout = make_rollout(cfg.rollout, trainer.model, tokenizer, device=trainer.device,
                                seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
@@ -441,16 +522,29 @@ def main(cfg: Config):
         def sync_weights():
             return rollout.update_weights(trainer.model)
 
-        def save():
-            save_model(trainer.model, tokenizer, out)
+        def save(folder):
+            save_trainer_state(trainer, folder)
     else:
         # Ray: the same functions, run by trainer and engine workers (see distributed.py).
-        tokenizer, rollout, train, sync_weights, save = launch_on_ray(cfg, out)
+        tokenizer, rollout, train, sync_weights, save = launch_on_ray(cfg, resume_dir)
     train_sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p)
     eval_sampling = Sampling(cfg.max_new_tokens, temperature=0.0)
-    history = []
 
-    def evaluate_now(step):
+    # A resumed run picks up its step, data position, RNG and metrics where the checkpoint left them.
+    first_step, consumed, history = 1, 0, []
+    if resume_dir:
+        state = torch.load(Path(resume_dir) / "driver_state.pt", weights_only=False)
+        first_step, consumed = state["step"] + 1, state["consumed"]
+        random.setstate(state["python_rng"])
+        np.random.set_state(state["numpy_rng"])
+        history = [json.loads(line) for line in
+                   (Path(resume_dir) / "metrics.jsonl").read_text().splitlines()]
+        train_rows = islice(train_rows, consumed, None)  # the same stream, fast-forwarded
+        print(f"resuming from {resume_dir} at step {first_step}")
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    (out / "grpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+
+    def evaluate_now():
         t0 = time.time()
         summary, _ = evaluate_rows(rollout, tokenizer, eval_rows, template=cfg.template,
                                    chat=cfg.chat, sampling=eval_sampling, n=1, grader=grader,
@@ -463,86 +557,171 @@ def main(cfg: Config):
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    if evaluating:
-        record = {"step": 0, **evaluate_now(0)}
-        log(record)
-        tqdm.write(f"step 0 | held-out accuracy {record['eval_accuracy']:.3f} "
-                   f"({len(eval_rows)} problems, greedy)")
-
-    for step in tqdm(range(1, cfg.steps + 1), desc="grpo", unit="step"):
-        t_step = time.time()
-        # 1. Rollout: G completions for each of N prompts.
+    def rollout_and_score(step, attempt):
+        """N new prompts -> G scored completions each: (rows, completions, rewards, correct,
+        per-function scores)."""
+        nonlocal consumed
         rows = list(islice(train_rows, cfg.prompts_per_step))
-        prompt_ids = encode_prompts(tokenizer, rows, cfg.template, cfg.chat)
-        train_sampling.seed = cfg.seed * 1_000_003 + step
+        consumed += len(rows)
+        train_sampling.seed = (cfg.seed * 1_000_003 + step) * 16 + attempt
         t0 = time.time()
-        comps = rollout.generate(prompt_ids, cfg.num_generations, train_sampling)
-        gen_seconds = time.time() - t0
-
-        # 2. Rewards, and accuracy (correctness) even when it is not part of the reward.
+        comps = rollout.generate(encode_prompts(tokenizer, rows, cfg.template, cfg.chat), G,
+                                 train_sampling)
+        timers["gen"] += time.time() - t0
         t0 = time.time()
-        group_rows = [r for r in rows for _ in range(cfg.num_generations)]
+        group_rows = [r for r in rows for _ in range(G)]
         problems = [r["problem"] for r in group_rows]
         rewards, per_fn = reward_fns(problems, comps.text, group_rows)
         correct = per_fn.get("correctness") or correctness_reward(
             problems, comps.text, [r["answer"] for r in group_rows],
             answer_format=answer_format, grader=grader)
-        reward_seconds = time.time() - t0
+        if cfg.overlong_buffer:
+            penalty = overlong_penalty([len(c) for c in comps.completion_ids], cfg.max_new_tokens,
+                                       cfg.overlong_buffer)
+            rewards = [r + p for r, p in zip(rewards, penalty)]
+        timers["reward"] += time.time() - t0
+        return group_rows, comps, torch.tensor(rewards), correct, per_fn
+
+    if evaluating and first_step == 1:
+        record = {"step": 0, **evaluate_now()}
+        log(record)
+        tqdm.write(f"step 0 | held-out accuracy {record['eval_accuracy']:.3f} "
+                   f"({len(eval_rows)} problems, greedy)")
+
+    for step in tqdm(range(first_step, cfg.steps + 1), desc="grpo", unit="step",
+                     initial=first_step - 1, total=cfg.steps):
+        t_step = time.time()
+        timers = {"gen": 0.0, "reward": 0.0}
+        # 1. Rollout: G completions for each of N prompts; 2. rewards (and accuracy, always).
+        rounds = [rollout_and_score(step, 0)]
+        group_rows, comps, rewards_t, correct, per_fn = rounds[0]
+        # Dynamic sampling (DAPO): groups with zero reward spread carry no signal; drop them and
+        # sample fresh prompts until N groups have some, for at most max_fill_rounds more rounds.
+        dropped = 0
+        if cfg.dynamic_sampling:
+            kept = []
+            while True:
+                g_rows, g_comps, g_rewards, _, _ = rounds[-1]
+                signal = g_rewards.view(-1, G).std(1) > 1e-6  # (N,)
+                dropped += int((~signal).sum())
+                kept += [(g_rows, g_comps, g_rewards, i) for i in signal.nonzero().flatten().tolist()]
+                if len(kept) >= cfg.prompts_per_step or len(rounds) > cfg.max_fill_rounds:
+                    break
+                rounds.append(rollout_and_score(step, len(rounds)))
+            kept = kept[:cfg.prompts_per_step]
+            samples = lambda i: range(i * G, (i + 1) * G)  # noqa: E731
+            comps = Completions.concat([c.select(list(samples(i))) for _, c, _, i in kept]) \
+                if kept else comps.select([])
+            group_rows = [rows[k] for rows, _, _, i in kept for k in samples(i)]
+            rewards_t = torch.cat([r[i * G:(i + 1) * G] for _, _, r, i in kept]) \
+                if kept else torch.zeros(0)
 
         # 3. Advantages: each completion against the rest of its group.
-        rewards_t = torch.tensor(rewards)
-        advantages = group_advantages(rewards_t, cfg.num_generations, scale=cfg.adv_scale,
-                                      leave_one_out=cfg.leave_one_out)
-
-        # 4. Policy update (reference log-probs first when there is a KL term).
+        train_metrics = {"loss": 0.0, "grad_norm": 0.0, "trained_frac": 0.0, "trained_tokens": 0}
         t0 = time.time()
-        batch = pack(comps.prompt_ids, comps.completion_ids, tokenizer.pad_token_id)
-        engine_lps = None
-        if comps.engine_logprobs is not None:
-            engine_lps = torch.zeros(len(comps), int(batch[2].max()))
-            for i, row in enumerate(comps.engine_logprobs):
-                engine_lps[i, :len(row)] = torch.tensor(row)
-        denom = loss_denominator(cfg.loss_agg, batch[2], cfg.max_new_tokens)
-        train_metrics = train(batch, advantages, engine_lps, denom)
+        if len(comps):
+            advantages = group_advantages(rewards_t, G, scale=cfg.adv_scale,
+                                          leave_one_out=cfg.leave_one_out)
+            # 4. Policy update. The loss mask comes from lengths: with overlong filtering a
+            # truncated sample's length counts as 0 (it stays in its group's baseline above).
+            batch = pack(comps.prompt_ids, comps.completion_ids, tokenizer.pad_token_id)
+            if cfg.overlong_filter:
+                batch = (*batch[:2], torch.where(torch.tensor(comps.truncated), 0, batch[2]))
+            engine_lps = None
+            if comps.engine_logprobs is not None:
+                engine_lps = torch.zeros(len(comps), max(len(c) for c in comps.completion_ids))
+                for i, row in enumerate(comps.engine_logprobs):
+                    engine_lps[i, :len(row)] = torch.tensor(row)
+            denom = loss_denominator(cfg.loss_agg, batch[2], cfg.max_new_tokens)
+            train_metrics = train(batch, advantages, engine_lps, denom)
         train_seconds = time.time() - t0
         sync_seconds = sync_weights()
 
-        # 5. Metrics that tell the truth about RL: reward, spread, lengths, clipping, timing.
-        lens = batch[2].float()
-        gen_tokens = int(lens.sum())
-        groups = rewards_t.view(-1, cfg.num_generations)
+        # 5. Metrics that tell the truth about RL, over everything sampled this step.
+        all_rewards = torch.cat([r[2] for r in rounds])
+        all_correct = [c for r in rounds for c in r[3]]
+        all_comps = Completions.concat([r[1] for r in rounds])
+        lens = torch.tensor([len(c) for c in all_comps.completion_ids], dtype=torch.float)
         record = {
             "step": step,
-            "reward": float(rewards_t.mean()), "reward_std": float(rewards_t.std()),
-            "accuracy": sum(correct) / len(correct),
-            "zero_std_frac": float((groups.std(1) < 1e-6).float().mean()),
+            "reward": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
+            "accuracy": sum(all_correct) / len(all_correct),
+            "zero_std_frac": float((all_rewards.view(-1, G).std(1) < 1e-6).float().mean()),
             "completion_len": float(lens.mean()), "completion_len_max": int(lens.max()),
-            "truncated_frac": sum(comps.truncated) / len(comps),
+            "truncated_frac": sum(all_comps.truncated) / len(all_comps),
             **train_metrics,
-            "gen_seconds": gen_seconds, "reward_seconds": reward_seconds,
+            "gen_seconds": timers["gen"], "reward_seconds": timers["reward"],
             "train_seconds": train_seconds, "sync_seconds": sync_seconds,
-            "gen_tokens_per_s": gen_tokens / gen_seconds,
+            "gen_tokens_per_s": float(lens.sum()) / timers["gen"],
             "train_tokens_per_s": train_metrics["trained_tokens"] / max(train_seconds, 1e-9),
             "reward_errors": reward_fns.errors, "grader_timeouts": grader.timeouts,
         }
+        if cfg.dynamic_sampling:
+            record.update(dropped_groups=dropped, fill_rounds=len(rounds) - 1,
+                          kept_groups=len(comps) // G)
         for name, scores in per_fn.items():
             if len(per_fn) > 1:
                 record[f"reward_{name}"] = sum(scores) / len(scores)
         record["step_seconds"] = time.time() - t_step
         if evaluating and (step % cfg.eval_every == 0 or step == cfg.steps):
-            record.update(evaluate_now(step))
+            record.update(evaluate_now())
         log(record)
         tqdm.write(format_line(record))
-        if cfg.log_samples_every and step % cfg.log_samples_every == 0:
+        if cfg.log_samples_every and step % cfg.log_samples_every == 0 and len(comps):
             for i in range(0, len(comps), max(1, len(comps) // 2))[:2]:
-                tqdm.write(f"  sample (reward {rewards[i]:.2f}, answer {group_rows[i]['answer']}): "
-                           f"{comps.text[i]!r}")
+                tqdm.write(f"  sample (reward {float(rewards_t[i]):.2f}, answer "
+                           f"{group_rows[i]['answer']}): {comps.text[i]!r}")
+        if cfg.save_every and step % cfg.save_every == 0:
+            save_checkpoint(out, step, save, consumed, cfg.keep_last)
 
     grader.close()
-    save()
+    save(str(out))
     plot_curves(history, out / "curves.png", title=f"GRPO on {cfg.data} ({cfg.model})")
     print(f"saved the model, metrics.jsonl and curves.png in {out}/")
     return history
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: written to a temporary folder and renamed into place, so a kill -9 during a save
+# leaves the previous checkpoint whole.
+
+
+def save_checkpoint(out: Path, step: int, save_trainer, consumed: int, keep_last: int):
+    folder = out / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".tmp-step_{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_trainer(str(tmp))  # model (HF format), optimizer, LR schedule, torch RNG
+    torch.save({"step": step, "consumed": consumed, "python_rng": random.getstate(),
+                "numpy_rng": np.random.get_state()}, tmp / "driver_state.pt")
+    shutil.copy(out / "metrics.jsonl", tmp / "metrics.jsonl")
+    shutil.copy(out / "grpo_config.json", tmp / "grpo_config.json")
+    final = folder / f"step_{step}"
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)  # atomic: the checkpoint exists whole, or not at all
+    for old in sorted(_checkpoints(folder), key=_step_of)[:-keep_last or None]:
+        shutil.rmtree(old)
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def _checkpoints(folder: Path) -> list[Path]:
+    return [p for p in folder.glob("step_*") if (p / "driver_state.pt").exists()]
+
+
+def find_checkpoint(out: Path, resume: str) -> str:
+    """--resume auto: the newest complete checkpoint in <out>/checkpoints; or the folder given."""
+    if resume != "auto":
+        if not (Path(resume) / "driver_state.pt").exists():
+            raise SystemExit(f"error: --resume {resume}: not a checkpoint folder (no driver_state.pt)")
+        return resume
+    found = _checkpoints(out / "checkpoints")
+    if not found:
+        raise SystemExit(f"error: --resume auto: no checkpoint in {out / 'checkpoints'}")
+    return str(max(found, key=_step_of))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -553,10 +732,6 @@ def _model_of(trainer: Trainer):
     return trainer.model
 
 
-def _save_trainer(trainer: Trainer, out: str):
-    save_model(trainer.model, trainer.tokenizer, out)
-
-
 def _make_engine(cfg: Config):
     model, tokenizer = load_model(cfg.model, pick_device())
     return make_rollout(cfg.rollout, model, tokenizer, device=pick_device(), seed=cfg.seed,
@@ -564,7 +739,7 @@ def _make_engine(cfg: Config):
                         gpu_memory_utilization=cfg.gpu_memory_utilization)
 
 
-def launch_on_ray(cfg: Config, out: Path):
+def launch_on_ray(cfg: Config, resume_dir: str = ""):
     """(tokenizer, engines, train, sync_weights, save) with the single-process signatures."""
     from distributed import Cluster, shard
     from model import load_tokenizer
@@ -572,7 +747,7 @@ def launch_on_ray(cfg: Config, out: Path):
     cfg = grpo.Config(**asdict(cfg))
     cluster = Cluster(cfg.num_trainers, cfg.num_engines, colocate=cfg.colocate,
                       address=cfg.ray_address)
-    trainers = cluster.trainers(grpo.setup_trainer, cfg)
+    trainers = cluster.trainers(grpo.setup_trainer, cfg, resume_dir)
     engines = cluster.engines(grpo._make_engine, cfg)
 
     def train(batch, advantages, engine_lps, denom):
@@ -585,8 +760,8 @@ def launch_on_ray(cfg: Config, out: Path):
     def sync_weights():
         return engines.update_weights(trainers.weights_ref(grpo._model_of))
 
-    def save():
-        trainers.run_rank0(grpo._save_trainer, str(out))
+    def save(folder):  # rank 0 writes; on several nodes --out must be on a shared filesystem
+        trainers.run_rank0(grpo.save_trainer_state, folder)
 
     sync_weights()  # engines start from exactly the trainers' weights
     return load_tokenizer(cfg.model), engines, train, sync_weights, save

@@ -216,7 +216,9 @@ class RewardFunctions:
     is counted in `errors`; the run goes on.
     """
 
-    def __init__(self, spec: str, answer_format: str, grader: Grader):
+    def __init__(self, spec: str, answer_format: str, grader: Grader,
+                 require_think_close: bool = False):
+        self.require_think_close = require_think_close
         self.fns = []  # (name, fn, weight)
         for part in spec.split(","):
             name, _, weight = part.strip().rpartition("=") if "=" in part else (part.strip(), "", "1")
@@ -245,6 +247,11 @@ class RewardFunctions:
         fields = {k: [r.get(k) for r in rows] for k in rows[0]} if rows else {}
         fields.pop("prompts", None)
         fields.pop("completions", None)
+        thought = [True] * len(completions)
+        if self.require_think_close:  # reasoning models: only the text after </think> is graded
+            thought = ["</think>" in c for c in completions]
+            completions = [c.rsplit("</think>", 1)[-1] if ok else "" for c, ok in
+                           zip(completions, thought)]
         total = [0.0] * len(completions)
         per_fn = {}
         for name, fn, weight in self.fns:
@@ -260,6 +267,7 @@ class RewardFunctions:
                     print(f"reward function {name!r} raised; scoring 0 for this batch "
                           f"(reported once, counted in reward_errors):\n{traceback.format_exc()}")
                 scores = [0.0] * len(completions)
+            scores = [s if ok else 0.0 for s, ok in zip(scores, thought)]  # no </think>: 0
             per_fn[name] = scores
             total = [t + weight * s for t, s in zip(total, scores)]
         return total, per_fn

@@ -40,6 +40,18 @@ class Completions:
     def __len__(self):
         return len(self.completion_ids)
 
+    def select(self, indices: list[int]) -> "Completions":
+        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
+        return Completions(pick(self.prompt_ids), pick(self.completion_ids), pick(self.truncated),
+                           pick(self.text), pick(self.engine_logprobs))
+
+    @staticmethod
+    def concat(parts: list["Completions"]) -> "Completions":
+        join = lambda name: None if getattr(parts[0], name) is None else [  # noqa: E731
+            x for p in parts for x in getattr(p, name)]
+        return Completions(join("prompt_ids"), join("completion_ids"), join("truncated"),
+                           join("text"), join("engine_logprobs"))
+
 
 def cut_at_stop(tokens: list[int], stop_ids: set[int], max_new_tokens: int):
     """(completion up to and including the first stop token, truncated?)."""

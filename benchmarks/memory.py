@@ -1,0 +1,78 @@
+"""Peak memory and seconds per training step against response length, gradient checkpointing on/off.
+
+    python benchmarks/memory.py                       # CPU: tiny Llama, 256 / 1K / 4K tokens
+    python benchmarks/memory.py --lengths 8192,16384,24576 --layers 28 --hidden 1536   # GPU
+
+Each configuration runs in its own process (peak resident memory only grows within a process):
+a random-weight Llama built from a config, 4 sequences of a 64-token prompt plus L response
+tokens, micro-batches by a token budget, one warm-up step and one timed step of train_on_rollout.
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def one(model_dir, length, checkpointing, budget):
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from grpo import Config, loss_denominator, peak_memory_gb, setup_trainer, train_on_rollout
+    from model import pack
+    cfg = Config(model=model_dir, beta=0.0, gradient_checkpointing=checkpointing,
+                 max_tokens_per_microbatch=budget, max_new_tokens=length)
+    trainer = setup_trainer(cfg)
+    torch.manual_seed(0)
+    prompts = [torch.randint(100, 1000, (64,)).tolist() for _ in range(4)]
+    completions = [torch.randint(100, 1000, (length,)).tolist() for _ in range(4)]
+    batch = pack(prompts, completions, pad_id=2)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    denom = loss_denominator("token-mean", batch[2], length)
+    train_on_rollout(trainer, batch, advantages, None, denom)  # warm-up
+    t0 = time.perf_counter()
+    train_on_rollout(trainer, batch, advantages, None, denom)
+    print(json.dumps({"seconds": time.perf_counter() - t0,
+                      "peak_gb": peak_memory_gb(trainer.device)}))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", default="256,1024,4096")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--budget", type=int, default=8192, help="max tokens per micro-batch")
+    parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # internal: a single config
+    args = parser.parse_args()
+    if args.one:
+        one(args.one[0], int(args.one[1]), args.one[2] == "1", int(args.one[3]))
+        sys.exit()
+    sys.path.insert(0, str(ROOT))
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from model import default_model_path
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+        heads = max(1, args.hidden // 64)
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=args.hidden,
+                             intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                             num_attention_heads=heads, num_key_value_heads=heads,
+                             max_position_embeddings=32768, tie_word_embeddings=True)
+        LlamaForCausalLM(config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        print(f"Llama {args.layers} layers x {args.hidden}, 4 sequences of 64 + L tokens, "
+              f"token budget {args.budget}")
+        print(f"{'L':>7s} {'checkpointing':>14s} {'peak GB':>9s} {'s/step':>8s}")
+        for length in map(int, args.lengths.split(",")):
+            for ckpt in (False, True):
+                out = subprocess.run([sys.executable, __file__, "--one", tmp, str(length),
+                                      "1" if ckpt else "0", str(args.budget)],
+                                     capture_output=True, text=True)
+                if out.returncode != 0:
+                    print(f"{length:7d} {str(ckpt):>14s}   failed: {out.stderr.strip()[-200:]}")
+                    continue
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                print(f"{length:7d} {str(ckpt):>14s} {r['peak_gb']:9.2f} {r['seconds']:8.2f}")
