@@ -1,7 +1,8 @@
 """Peak memory and seconds per training step against response length, gradient checkpointing on/off.
 
     python benchmarks/memory.py                       # CPU: tiny Llama, 256 / 1K / 4K tokens
-    python benchmarks/memory.py --lengths 8192,16384,24576 --layers 28 --hidden 1536   # GPU
+    python benchmarks/memory.py --qwen2-1.5b   # GPU: Qwen2.5-1.5B shape at 8K / 16K / 24K,
+                                               # and whether each fits one 141 GB GPU
 
 Each configuration runs in its own process (peak resident memory only grows within a process):
 a random-weight Llama built from a config, 4 sequences of a 64-token prompt plus L response
@@ -46,13 +47,17 @@ if __name__ == "__main__":
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--budget", type=int, default=8192, help="max tokens per micro-batch")
+    parser.add_argument("--qwen2-1.5b", dest="qwen", action="store_true",
+                        help="a random Qwen2.5-1.5B-shaped model at 8K/16K/24K response tokens")
+    parser.add_argument("--gpu-gb", type=float, default=141.0, help="memory of one GPU, for 'fits'")
     parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # internal: a single config
     args = parser.parse_args()
     if args.one:
         one(args.one[0], int(args.one[1]), args.one[2] == "1", int(args.one[3]))
         sys.exit()
     sys.path.insert(0, str(ROOT))
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config
+    from transformers import Qwen2ForCausalLM
     from model import default_model_path
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = AutoTokenizer.from_pretrained(default_model_path())
@@ -61,11 +66,21 @@ if __name__ == "__main__":
                              intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
                              num_attention_heads=heads, num_key_value_heads=heads,
                              max_position_embeddings=32768, tie_word_embeddings=True)
-        LlamaForCausalLM(config).save_pretrained(tmp)
+        model = LlamaForCausalLM(config)
+        name = f"Llama {args.layers} layers x {args.hidden}"
+        if args.qwen:  # Qwen2.5-1.5B: 28 layers, 1536 wide, 12 heads / 2 KV heads, 151,936 vocab
+            args.lengths = "8192,16384,24576"
+            args.budget = max(args.budget, 24576 + 64)
+            model = Qwen2ForCausalLM(Qwen2Config(
+                vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                tie_word_embeddings=True))
+            name = "Qwen2.5-1.5B-shaped"
+        model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        print(f"Llama {args.layers} layers x {args.hidden}, 4 sequences of 64 + L tokens, "
-              f"token budget {args.budget}")
-        print(f"{'L':>7s} {'checkpointing':>14s} {'peak GB':>9s} {'s/step':>8s}")
+        print(f"{name}, random weights, 4 sequences of 64 + L tokens, token budget {args.budget}")
+        print(f"{'L':>7s} {'checkpointing':>14s} {'peak GB':>9s} {'s/step':>8s} "
+              f"{'fits ' + str(int(args.gpu_gb)) + ' GB':>12s}")
         for length in map(int, args.lengths.split(",")):
             for ckpt in (False, True):
                 out = subprocess.run([sys.executable, __file__, "--one", tmp, str(length),
@@ -75,4 +90,6 @@ if __name__ == "__main__":
                     print(f"{length:7d} {str(ckpt):>14s}   failed: {out.stderr.strip()[-200:]}")
                     continue
                 r = json.loads(out.stdout.strip().splitlines()[-1])
-                print(f"{length:7d} {str(ckpt):>14s} {r['peak_gb']:9.2f} {r['seconds']:8.2f}")
+                fits = "yes" if r["peak_gb"] < args.gpu_gb else "no"
+                print(f"{length:7d} {str(ckpt):>14s} {r['peak_gb']:9.2f} {r['seconds']:8.2f} "
+                      f"{fits:>12s}")
