@@ -166,3 +166,26 @@ def test_bad_options_raise():
     with pytest.raises(ValueError):
         grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), None, torch.zeros(1),
                   torch.ones(1, 1), loss_agg="sum")
+
+
+def test_token_weights_scale_the_surrogate_not_the_kl():
+    lp, old, mask, adv = _batch()
+    ref = old - 0.3
+    base, _ = grpo_loss(lp, old, ref, adv, mask, beta=0.0)
+    doubled, _ = grpo_loss(lp, old, ref, adv, mask, beta=0.0, token_weights=torch.full_like(lp, 2.0))
+    assert doubled.item() == pytest.approx(2 * base.item(), rel=1e-6)
+    kl_only, _ = grpo_loss(lp, old, ref, torch.zeros(2), mask, beta=0.1)
+    kl_weighted, _ = grpo_loss(lp, old, ref, torch.zeros(2), mask, beta=0.1,
+                               token_weights=torch.full_like(lp, 2.0))
+    assert kl_weighted.item() == pytest.approx(kl_only.item(), rel=1e-6)
+
+
+def test_engine_mismatch_metrics():
+    from grpo import engine_mismatch
+    trainer = torch.tensor([[-1.0, -2.0, -3.0]])
+    engine = torch.tensor([[-1.0, -2.5, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding: ignored
+    m = engine_mismatch(trainer, engine, mask)
+    assert m["token_mult_prob_error"] == pytest.approx(math.exp(0) + math.exp(0.5))  # sums
+    assert m["gen_kl_error"] == pytest.approx(math.exp(0.5) - 0.5 - 1)
+    assert m["logprob_max_abs_diff"] == pytest.approx(0.5)
