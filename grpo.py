@@ -473,6 +473,28 @@ def finish_metrics(raws: list[dict]) -> dict:
 # The loop.
 
 
+def has_signal(rewards: torch.Tensor, G: int) -> torch.Tensor:
+    """(N,) True for groups whose rewards are not all equal: only those have non-zero advantages."""
+    return rewards.view(-1, G).std(1) > 1e-6
+
+
+def groups_with_signal(rounds, G: int, limit: int):
+    """Dynamic sampling: from scored rounds (rows, completions, rewards, ...), the first `limit`
+    groups that have signal, as (rows, completions, rewards), and how many groups were dropped."""
+    rows, parts, rewards, dropped = [], [], [], 0
+    for round_rows, comps, round_rewards, *_ in rounds:
+        signal = has_signal(round_rewards, G)
+        dropped += int((~signal).sum())
+        for i in signal.nonzero().flatten().tolist()[:limit - len(parts)]:
+            samples = list(range(i * G, (i + 1) * G))
+            rows += [round_rows[k] for k in samples]
+            parts.append(comps.select(samples))
+            rewards.append(round_rewards[i * G:(i + 1) * G])
+    if not parts:
+        return [], rounds[0][1].select([]), torch.zeros(0), dropped
+    return rows, Completions.concat(parts), torch.cat(rewards), dropped
+
+
 def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> list[float]:
     """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer, then falling linearly to
     -1 at max_new_tokens."""
@@ -599,22 +621,11 @@ def main(cfg: Config):
         # sample fresh prompts until N groups have some, for at most max_fill_rounds more rounds.
         dropped = 0
         if cfg.dynamic_sampling:
-            kept = []
-            while True:
-                g_rows, g_comps, g_rewards, _, _ = rounds[-1]
-                signal = g_rewards.view(-1, G).std(1) > 1e-6  # (N,)
-                dropped += int((~signal).sum())
-                kept += [(g_rows, g_comps, g_rewards, i) for i in signal.nonzero().flatten().tolist()]
-                if len(kept) >= cfg.prompts_per_step or len(rounds) > cfg.max_fill_rounds:
-                    break
+            while (sum(int(has_signal(r[2], G).sum()) for r in rounds) < cfg.prompts_per_step
+                   and len(rounds) <= cfg.max_fill_rounds):
                 rounds.append(rollout_and_score(step, len(rounds)))
-            kept = kept[:cfg.prompts_per_step]
-            samples = lambda i: range(i * G, (i + 1) * G)  # noqa: E731
-            comps = Completions.concat([c.select(list(samples(i))) for _, c, _, i in kept]) \
-                if kept else comps.select([])
-            group_rows = [rows[k] for rows, _, _, i in kept for k in samples(i)]
-            rewards_t = torch.cat([r[i * G:(i + 1) * G] for _, _, r, i in kept]) \
-                if kept else torch.zeros(0)
+            group_rows, comps, rewards_t, dropped = groups_with_signal(rounds, G,
+                                                                       cfg.prompts_per_step)
 
         # 3. Advantages: each completion against the rest of its group.
         train_metrics = {"loss": 0.0, "grad_norm": 0.0, "trained_frac": 0.0, "trained_tokens": 0}
@@ -646,7 +657,7 @@ def main(cfg: Config):
             "step": step,
             "reward": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
             "accuracy": sum(all_correct) / len(all_correct),
-            "zero_std_frac": float((all_rewards.view(-1, G).std(1) < 1e-6).float().mean()),
+            "zero_std_frac": float((~has_signal(all_rewards, G)).float().mean()),
             "completion_len": float(lens.mean()), "completion_len_max": int(lens.max()),
             "truncated_frac": sum(all_comps.truncated) / len(all_comps),
             **train_metrics,
