@@ -100,7 +100,7 @@ class DataError(SystemExit):
         super().__init__(f"error: {message}")
 
 
-def _check_rows(rows: list[dict], source: str, need_answer: bool) -> list[dict]:
+def _check_rows(rows: list[dict], source: str) -> list[dict]:
     if not rows:
         raise DataError(f"{source}: no rows")
     out = []
@@ -109,12 +109,12 @@ def _check_rows(rows: list[dict], source: str, need_answer: bool) -> list[dict]:
             raise DataError(f"{source}: row {i} is not a JSON object")
         if "problem" not in row and "prompt" in row:
             row = {**row, "problem": row["prompt"]}
-        for field in ("problem", "answer") if need_answer else ("problem",):
+        for field in ("problem", "answer"):
             value = row.get(field)
             if value is None or (isinstance(value, str) and not value.strip()):
                 what = "problem (or prompt)" if field == "problem" else field
                 raise DataError(f"{source}: row {i} has no '{what}' field")
-        row = {**row, "answer": str(row["answer"]) if "answer" in row else None}
+        row = {**row, "answer": str(row["answer"])}
         row.setdefault("id", str(i - 1))
         out.append(row)
     return out
@@ -143,12 +143,12 @@ def load_table(source: str) -> list[dict]:
     return _load_hub(source)
 
 
-def load_rows(source: str, need_answer: bool = True, limit: int | None = None) -> list[dict]:
+def load_rows(source: str, limit: int | None = None) -> list[dict]:
     """Problems of a JSONL/Parquet file or a hub dataset, validated. `arith` gives its held-out set."""
     if source == "arith":
         return arith_heldout(limit or 256)
     rows = load_table(source)
-    return _check_rows(rows[:limit] if limit else rows, source, need_answer)
+    return _check_rows(rows[:limit] if limit else rows, source)
 
 
 def _load_hub(name: str) -> list[dict]:

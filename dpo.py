@@ -36,7 +36,7 @@ from data import DataError, TEMPLATES, arith_heldout, arith_stream, encode_promp
 from data import parse_config
 from evaluate import evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
-from model import pick_device, save_model
+from model import adamw_with_warmup, pick_device, save_model
 from reward import Grader, extract_answer
 from rollout import HFRollout, Sampling
 
@@ -202,10 +202,9 @@ def tokenize_pairs(tokenizer, rows, source, cfg):
     return pairs, skipped
 
 
-def builtin_pairs(model, tokenizer, cfg, device):
+def builtin_pairs(rollout, tokenizer, cfg):
     """On-policy pairs from the arith task: the model's own wrong answer is rejected; its own right
     answer is chosen when it has one, else the reference answer in the template's format."""
-    rollout = HFRollout(model, tokenizer, device=device)
     stream = arith_stream(cfg.seed + 1)
     problems = [next(stream) for _ in range(cfg.builtin_problems)]
     prompt_ids = encode_prompts(tokenizer, problems, cfg.template, cfg.chat)
@@ -233,7 +232,6 @@ def builtin_pairs(model, tokenizer, cfg, device):
         pairs.append(Pair(prompt_ids[i], chosen, comps.completion_ids[wrong[0]]))
     print(f"builtin pairs: {len(pairs)} from {len(problems)} problems x {n} samples; chosen is the "
           f"model's own answer in {own_chosen}, the reference answer in {len(pairs) - own_chosen}")
-    del rollout
     return pairs
 
 
@@ -309,8 +307,11 @@ def main(cfg: Config):
 
     device = pick_device()
     model, tokenizer = load_model(cfg.model, device)
+    # Built-in data: one generation engine samples the pairs and later runs the task evaluation.
+    task_rows = arith_heldout(cfg.eval_size) if rows is None else []
+    rollout = HFRollout(model, tokenizer, device=device) if rows is None else None
     if rows is None:
-        pairs = builtin_pairs(model, tokenizer, cfg, device)
+        pairs = builtin_pairs(rollout, tokenizer, cfg)
     else:
         pairs, _ = tokenize_pairs(tokenizer, rows, cfg.data, cfg)
     random.Random(cfg.seed).shuffle(pairs)
@@ -320,12 +321,8 @@ def main(cfg: Config):
     refs = None if cfg.reference_free else reference_logps(model, pairs, cfg, device)
     eval_refs, train_refs = (refs[:n_eval], refs[n_eval:]) if refs else (None, None)
 
-    task_rows = arith_heldout(cfg.eval_size) if cfg.data == "builtin" else []
-    rollout = HFRollout(model, tokenizer, device=device) if task_rows else None
     grader = Grader()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+    optimizer, scheduler = adamw_with_warmup(model, cfg.lr, cfg.warmup_steps)
     steps_per_epoch = max(1, len(train_pairs) // cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
     history = []

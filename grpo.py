@@ -39,7 +39,7 @@ from data import TEMPLATES, arith_heldout, arith_stream, encode_prompts, load_ro
 from data import row_stream
 from evaluate import evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
-from model import pick_device, save_model
+from model import adamw_with_warmup, pick_device, save_model
 from reward import Grader, RewardFunctions, correctness_reward
 from rollout import Completions, Sampling, make_rollout
 
@@ -329,10 +329,8 @@ def setup_trainer(cfg: Config, resume_dir: str = "") -> Trainer:
         for layer in model.get_decoder().layers:
             fully_shard(layer)
         fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.99),
-                                  weight_decay=cfg.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+    optimizer, scheduler = adamw_with_warmup(model, cfg.lr, cfg.warmup_steps, cfg.weight_decay,
+                                             betas=(0.9, 0.99))
     if resume_dir:
         state = torch.load(Path(resume_dir) / "trainer_state.pt", weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
@@ -616,7 +614,7 @@ def main(cfg: Config):
         timers = {"gen": 0.0, "reward": 0.0}
         # 1. Rollout: G completions for each of N prompts; 2. rewards (and accuracy, always).
         rounds = [rollout_and_score(step, 0)]
-        group_rows, comps, rewards_t, correct, per_fn = rounds[0]
+        group_rows, comps, rewards_t, _, per_fn = rounds[0]
         # Dynamic sampling (DAPO): groups with zero reward spread carry no signal; drop them and
         # sample fresh prompts until N groups have some, for at most max_fill_rounds more rounds.
         dropped = 0

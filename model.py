@@ -131,7 +131,7 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
     """
     B = input_ids.shape[0]
     T = int(completion_lens.max())
-    mask = torch.arange(T, device=input_ids.device)[None, :] < completion_lens[:, None]  # (B, T)
+    mask = length_mask(completion_lens, T)  # (B, T)
     rows, cols = mask.nonzero(as_tuple=True)  # (n,), (n,) one entry per completion token
     pos = prompt_lens[rows] + cols  # (n,) position of each completion token in input_ids
     targets = input_ids[rows, pos]  # (n,)
@@ -171,6 +171,15 @@ def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int, de
 def length_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:
     """(B, T) bool mask, True for the first lengths[b] positions of row b."""
     return torch.arange(T, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def adamw_with_warmup(model, lr: float, warmup_steps: int, weight_decay: float = 0.0,
+                      betas=(0.9, 0.999)):
+    """AdamW and its schedule: linear warmup over warmup_steps, then a constant learning rate."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+    return optimizer, scheduler
 
 
 def save_model(model, tokenizer, out_dir) -> None:

@@ -189,3 +189,15 @@ def test_engine_mismatch_metrics():
     assert m["token_mult_prob_error"] == pytest.approx(math.exp(0) + math.exp(0.5))  # sums
     assert m["gen_kl_error"] == pytest.approx(math.exp(0.5) - 0.5 - 1)
     assert m["logprob_max_abs_diff"] == pytest.approx(0.5)
+
+
+def test_warmup_schedule_then_constant():
+    from model import adamw_with_warmup
+    model = torch.nn.Linear(2, 2)
+    optimizer, scheduler = adamw_with_warmup(model, lr=1e-3, warmup_steps=4)
+    lrs = []
+    for _ in range(6):
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
