@@ -14,6 +14,8 @@ import ast
 import inspect
 import json
 import random
+import typing
+from dataclasses import asdict
 from pathlib import Path
 
 # ---------------------------------------------------------------------------------------------
@@ -29,6 +31,7 @@ TEMPLATES = {
     # The problem alone, for base models or prompts that already say how to answer.
     "raw": ("{problem}", "boxed"),
 }
+Template = typing.Literal[tuple(TEMPLATES)]  # the type of a config's `template` field
 
 
 def build_prompt(tokenizer, problem: str, template: str, chat: bool = True) -> str:
@@ -93,8 +96,9 @@ HUB_DATASETS = {
 }
 
 
-class DataError(SystemExit):
-    """Bad input data: exits with a one-line message naming the file, the row and the field."""
+class InputError(SystemExit):
+    """Bad input (a data file, an option value): exits with one line that names the file, the row
+    and the field, or the flag."""
 
     def __init__(self, message: str):
         super().__init__(f"error: {message}")
@@ -102,18 +106,18 @@ class DataError(SystemExit):
 
 def _check_rows(rows: list[dict], source: str) -> list[dict]:
     if not rows:
-        raise DataError(f"{source}: no rows")
+        raise InputError(f"{source}: no rows")
     out = []
     for i, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
-            raise DataError(f"{source}: row {i} is not a JSON object")
+            raise InputError(f"{source}: row {i} is not a JSON object")
         if "problem" not in row and "prompt" in row:
             row = {**row, "problem": row["prompt"]}
         for field in ("problem", "answer"):
             value = row.get(field)
             if value is None or (isinstance(value, str) and not value.strip()):
                 what = "problem (or prompt)" if field == "problem" else field
-                raise DataError(f"{source}: row {i} has no '{what}' field")
+                raise InputError(f"{source}: row {i} has no '{what}' field")
         row = {**row, "answer": str(row["answer"])}
         row.setdefault("id", str(i - 1))
         out.append(row)
@@ -125,7 +129,7 @@ def load_table(source: str) -> list[dict]:
     path = Path(source)
     if path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
         if not path.exists():
-            raise DataError(f"{source}: no such file")
+            raise InputError(f"{source}: no such file")
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
             return pq.read_table(path).to_pylist()
@@ -136,9 +140,9 @@ def load_table(source: str) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as e:
-                raise DataError(f"{source}: line {i} is not valid JSON ({e.msg})") from None
+                raise InputError(f"{source}: line {i} is not valid JSON ({e.msg})") from None
         if not rows:
-            raise DataError(f"{source}: no rows")
+            raise InputError(f"{source}: no rows")
         return rows
     return _load_hub(source)
 
@@ -159,7 +163,7 @@ def _load_hub(name: str) -> list[dict]:
         split, field, answer = HUB_DATASETS[name]
         ds = datasets.load_dataset(name, split=split)
     except Exception as e:  # no network, unknown id, gated dataset ...
-        raise DataError(f"could not load {name!r} as a file or a Hugging Face dataset: {e}") from None
+        raise InputError(f"could not load {name!r} as a file or a Hugging Face dataset: {e}") from None
     return [{**r, "problem": r[field], "answer": answer(r)} for r in ds]
 
 
@@ -178,7 +182,29 @@ def row_stream(rows: list[dict], seed: int):
 
 
 # ---------------------------------------------------------------------------------------------
-# Configs: a dataclass with a docstring under every field becomes a command line.
+# Configs: a dataclass with a docstring under every field becomes a command line. A field typed
+# Literal["a", "b"] accepts only those values (listed in --help); range checks live in each
+# config's __post_init__ and use `check`, so a bad value stops before anything loads.
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a config field: --max-new-tokens, or -n for a one-letter one."""
+    return "-" + name if len(name) == 1 else "--" + name.replace("_", "-")
+
+
+def check(ok: bool, message: str) -> None:
+    """Refuse an impossible option value with one line that names the flag."""
+    if not ok:
+        raise InputError(message)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not a usage block of fifty options
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _choices(kind):
+    return typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
 
 
 def parse_config(cls, argv=None, description=None):
@@ -191,27 +217,28 @@ def parse_config(cls, argv=None, description=None):
     body = ast.parse(inspect.getsource(cls)).body[0].body
     for a, b in zip(body, body[1:]):
         if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr):
-            docs[a.target.id] = b.value.value
-    parser = argparse.ArgumentParser(description=description)
+            docs[a.target.id] = b.value.value.replace("%", "%%")  # argparse formats help with %
+    parser = _Parser(description=description)
     parser.add_argument("--config", help="TOML file setting any of the options below")
     parser.add_argument("--dry-run", action="store_true", help="print the config and exit")
     fields = cls.__dataclass_fields__
     for name, field in fields.items():
-        flag = "-" + name if len(name) == 1 else "--" + name.replace("_", "-")
         if field.type in (bool, "bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=field.default,
+            parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=field.default,
                                 help=docs.get(name))
         else:
-            parser.add_argument(flag, type=field.type, default=field.default, help=docs.get(name))
+            choices = _choices(field.type)
+            parser.add_argument(flag(name), type=type(choices[0]) if choices else field.type,
+                                choices=choices, default=field.default, help=docs.get(name))
     first, _ = parser.parse_known_args(argv)
     if first.config:
         parser.set_defaults(**read_toml_config(first.config, fields))
     args = vars(parser.parse_args(argv))
     config_file, dry_run = args.pop("config"), args.pop("dry_run")
-    cfg = cls(**args)
+    cfg = cls(**args)  # __post_init__ checks the values
     if dry_run:
         print(f"# resolved config{' (from ' + config_file + ' and the command line)' if config_file else ''}")
-        for name, value in args.items():
+        for name, value in asdict(cfg).items():
             print(f"{name} = {json.dumps(value)}")
         raise SystemExit(0)
     return cfg
@@ -231,10 +258,15 @@ def read_toml_config(path: str, fields: dict) -> dict:
         name = key.replace("-", "_")
         if name not in fields:
             raise SystemExit(f"error: {path}: unknown option '{key}'")
-        kind = fields[name].type
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind):
-            raise SystemExit(f"error: {path}: '{key}' must be {kind.__name__}, got {value!r}")
+        kind, choices = fields[name].type, _choices(fields[name].type)
+        if choices:
+            if value not in choices:
+                raise SystemExit(f"error: {path}: '{key}' must be one of {list(choices)}, "
+                                 f"got {value!r}")
+        else:
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind):
+                raise SystemExit(f"error: {path}: '{key}' must be {kind.__name__}, got {value!r}")
         values[name] = value
     return values

@@ -27,13 +27,14 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data import DataError, TEMPLATES, arith_heldout, arith_stream, encode_prompts, load_table
-from data import parse_config
+from data import InputError, TEMPLATES, arith_heldout, arith_stream, encode_prompts, load_table
+from data import Template, check, flag, parse_config
 from evaluate import evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
 from model import adamw_with_warmup, pick_device, save_model
@@ -49,7 +50,7 @@ class Config:
     """`builtin` (on-policy arith pairs), a .jsonl/.parquet file, or a hub dataset id"""
     eval_pairs: int = 32
     """preference pairs held out to measure reward accuracy on data the model never trained on"""
-    template: str = "answer-is"
+    template: Template = "answer-is"
     """prompt template for the builtin pairs and the held-out task evaluation"""
     chat: bool = True
     """wrap string prompts in the model's chat template"""
@@ -59,7 +60,7 @@ class Config:
     """builtin set: answers sampled per problem (temperature 0.7)"""
     beta: float = 0.1
     """DPO temperature: strength of the pull towards the reference"""
-    loss_type: str = "sigmoid"
+    loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = "sigmoid"
     """sigmoid (DPO), hinge (SLiC), ipo (IPO, length-averaged log-probs), robust (rDPO)"""
     label_smoothing: float = 0.0
     """assumed fraction of flipped labels (cDPO for sigmoid, rDPO for robust)"""
@@ -93,6 +94,19 @@ class Config:
     """seed for sampling, data order and splits"""
     out: str = "out/dpo"
     """output folder: metrics.jsonl, curves.png, the final model in HF format"""
+
+    def __post_init__(self):  # impossible values stop here, before anything loads
+        for name in ("epochs", "batch_size", "micro_batch_size", "max_length",
+                     "max_prompt_length", "builtin_problems", "eval_size"):
+            check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
+        for name in ("eval_pairs", "lr", "warmup_steps", "eval_every", "sft_weight"):
+            check(getattr(self, name) >= 0, f"{flag(name)} must not be negative")
+        check(self.builtin_samples >= 2, "--builtin-samples must be at least 2 (a pair needs two "
+              "answers)")
+        check(self.beta > 0, f"--beta {self.beta}: must be positive")
+        check(0 <= self.label_smoothing < 0.5, f"--label-smoothing {self.label_smoothing}: must "
+              f"be in [0, 0.5) (at 0.5 the labels carry no information)")
+        check(self.max_grad_norm > 0, "--max-grad-norm must be positive")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +190,7 @@ def tokenize_pairs(tokenizer, rows, source, cfg):
         for field in ("prompt", "chosen", "rejected"):
             value = row.get(field) if isinstance(row, dict) else None
             if not value or (isinstance(value, str) and not value.strip()):
-                raise DataError(f"{source}: row {i} has no '{field}' field (or it is empty)")
+                raise InputError(f"{source}: row {i} has no '{field}' field (or it is empty)")
         prompt = row["prompt"]
         if isinstance(prompt, list):
             prompt_ids = _chat_ids(tokenizer, prompt, add_generation_prompt=True)
@@ -198,7 +212,7 @@ def tokenize_pairs(tokenizer, rows, source, cfg):
         print(f"{source}: skipped {skipped} of {len(rows)} pairs whose prompt alone is longer "
               f"than --max-length {cfg.max_length}")
     if not pairs:
-        raise DataError(f"{source}: no usable pairs (all {skipped} prompts exceed --max-length)")
+        raise InputError(f"{source}: no usable pairs (all {skipped} prompts exceed --max-length)")
     return pairs, skipped
 
 

@@ -21,10 +21,12 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 from tqdm import tqdm
 
-from data import TEMPLATES, dataset_name, encode_prompts, load_rows, parse_config
+from data import TEMPLATES, Template, check, flag, dataset_name, encode_prompts, load_rows
+from data import parse_config
 from reward import Grader, extract_answer, normalize
 from rollout import Sampling
 
@@ -166,11 +168,11 @@ class EvalConfig:
     """nucleus sampling threshold"""
     max_new_tokens: int = 32
     """response length limit; longer responses count as truncated"""
-    template: str = "answer-is"
+    template: Template = "answer-is"
     """prompt template: one of data.TEMPLATES (answer-is, boxed, raw)"""
     chat: bool = True
     """wrap the prompt in the model's chat template (turn off for base models)"""
-    backend: str = "hf"
+    backend: Literal["hf", "vllm"] = "hf"
     """rollout engine: hf (transformers) or vllm"""
     gpu_memory_utilization: float = 0.2
     """vllm: fraction of GPU memory (host memory on CPU) for the engine"""
@@ -181,11 +183,17 @@ class EvalConfig:
     out: str = "out/eval"
     """folder for results.json and samples.jsonl"""
 
+    def __post_init__(self):  # impossible values stop here, before anything loads
+        for name in ("n", "max_new_tokens", "batch_prompts"):
+            check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
+        check(self.limit >= 0, "--limit must not be negative (0 = all)")
+        check(self.temperature >= 0, "--temperature must not be negative (0 = greedy)")
+        check(0 < self.top_p <= 1, "--top-p must be in (0, 1]")
+        check(0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]")
+
 
 def main(argv=None):
     cfg = parse_config(EvalConfig, argv, description=__doc__.split("\n")[0])
-    if cfg.template not in TEMPLATES:
-        raise SystemExit(f"error: --template {cfg.template!r}; choose from {sorted(TEMPLATES)}")
     # Load every dataset before the model, so a bad file fails in a second, not after a minute.
     datasets = {dataset_name(src): load_rows(src, limit=cfg.limit or None)
                 for src in cfg.data.split(",")}

@@ -15,9 +15,10 @@ verifiable: answer checking), multi-turn / tool use, and sequence packing. Gener
 in rollout.py, rewards in reward.py, evaluation in evaluate.py.
 
     python grpo.py                                   # CPU, offline: SmolLM2-135M learns arithmetic
-    python grpo.py --model Qwen/Qwen2.5-Math-1.5B --data HuggingFaceH4/MATH-500 --template boxed \\
-        --max-new-tokens 1024 --eval-data HuggingFaceH4/aime_2024     # one GPU (vLLM: see #5)
-    many GPUs / nodes: distributed.py with Ray (see #6)
+    python grpo.py --model Qwen/Qwen2.5-Math-1.5B --rollout vllm --template boxed \\
+        --data agentica-org/DeepScaleR-Preview-Dataset --eval-data HuggingFaceH4/MATH-500 \\
+        --max-new-tokens 1024                  # one GPU: train on a training set, test on MATH-500
+    python grpo.py --num-trainers 2 --num-engines 1 --colocate    # Ray processes: distributed.py
 """
 
 import copy
@@ -29,17 +30,18 @@ import time
 from dataclasses import asdict, dataclass
 from itertools import islice
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data import TEMPLATES, arith_heldout, arith_stream, encode_prompts, load_rows, parse_config
-from data import row_stream
+from data import TEMPLATES, Template, arith_heldout, arith_stream, check, encode_prompts, flag
+from data import load_rows, parse_config, row_stream
 from evaluate import evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
-from model import adamw_with_warmup, pick_device, save_model
+from model import adamw_with_warmup, load_state, pick_device, save_model
 from reward import Grader, RewardFunctions, correctness_reward
 from rollout import Completions, Sampling, make_rollout
 
@@ -54,13 +56,13 @@ class Config:
     """held-out problems (default: arith's held-out set, or the last eval_size rows of --data)"""
     eval_size: int = 256
     """number of held-out problems evaluated greedily"""
-    template: str = "answer-is"
+    template: Template = "answer-is"
     """prompt template from data.TEMPLATES: answer-is, boxed, raw"""
     chat: bool = True
     """wrap prompts in the model's chat template (turn off for base models)"""
     reward: str = "correctness"
     """reward functions, comma-separated `name=weight`: correctness, format, or module:function"""
-    rollout: str = "hf"
+    rollout: Literal["hf", "vllm"] = "hf"
     """generation engine: hf (transformers generate) or vllm (in-process vLLM, weights synced)"""
     gpu_memory_utilization: float = 0.2
     """vLLM: fraction of GPU memory (of host memory on CPU) for weights and KV cache"""
@@ -77,7 +79,7 @@ class Config:
     temperature: float = 0.7
     """sampling temperature for training rollouts (log-probs use the same temperature)"""
     top_p: float = 1.0
-    """nucleus sampling threshold for training rollouts"""
+    """must stay 1: the trainer's log-probs describe the full distribution (see __post_init__)"""
     lr: float = 1e-5
     """AdamW learning rate (constant after warmup)"""
     warmup_steps: int = 0
@@ -92,9 +94,10 @@ class Config:
     """lower clip range: ratio floored at 1 - eps_low"""
     eps_high: float = 0.2
     """upper clip range: ratio capped at 1 + eps_high (DAPO's clip-higher uses 0.28)"""
-    loss_agg: str = "token-mean"
-    """token-mean (DAPO), seq-mean (original GRPO), seq-sum-norm (Dr. GRPO)"""
-    adv_scale: str = "group"
+    loss_agg: Literal["auto", "token-mean", "seq-mean", "seq-sum-norm"] = "auto"
+    """token-mean (DAPO), seq-mean (original GRPO), seq-sum-norm (Dr. GRPO); auto: token-mean, or
+    seq-mean with --ratio-level sequence (GSPO's objective is a mean over sequences)"""
+    adv_scale: Literal["group", "batch", "none"] = "group"
     """advantage scaling: group (GRPO), batch, none (Dr. GRPO)"""
     leave_one_out: bool = False
     """baseline = mean of the *other* samples of the group (RLOO)"""
@@ -112,7 +115,7 @@ class Config:
     """Ray: an existing cluster's address ("auto" on one of its nodes), or "local" to start one"""
     fsdp: bool = False
     """Ray, GPU: shard the model over the trainers with FSDP2 (for models that don't fit one GPU)"""
-    ratio_level: str = "token"
+    ratio_level: Literal["token", "sequence"] = "token"
     """token (GRPO/PPO) or sequence (GSPO: length-normalised sequence ratio, seq_eps clip range)"""
     seq_eps_low: float = 3e-4
     """GSPO lower clip range of the sequence ratio"""
@@ -135,7 +138,7 @@ class Config:
     save_every: int = 0
     """write <out>/checkpoints/step_N every N steps (0 = never)"""
     keep_last: int = 2
-    """checkpoints kept (the oldest are deleted)"""
+    """checkpoints kept (the oldest are deleted); 0 keeps all"""
     resume: str = ""
     """continue a run exactly: `auto` (latest checkpoint in --out) or a checkpoint folder"""
     init_from: str = ""
@@ -150,6 +153,41 @@ class Config:
     """seed for data order, sampling and initialisation"""
     out: str = "out/grpo"
     """output folder: metrics.jsonl, curves.png, the final model in HF format"""
+
+    def __post_init__(self):  # impossible values stop here, before anything loads
+        check(self.num_generations >= 2, f"--num-generations {self.num_generations}: a group needs "
+              f"at least 2 samples, or it has no baseline to be better than")
+        for name in ("prompts_per_step", "max_new_tokens", "updates_per_rollout",
+                     "micro_batch_size", "num_trainers", "num_engines"):
+            check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
+        for name in ("steps", "warmup_steps", "max_fill_rounds", "overlong_buffer",
+                     "max_tokens_per_microbatch", "save_every", "keep_last", "eval_every",
+                     "log_samples_every", "lr", "weight_decay", "beta", "is_cap"):
+            check(getattr(self, name) >= 0, f"{flag(name)} must not be negative")
+        check(self.temperature > 0, f"--temperature {self.temperature}: training rollouts must "
+              f"sample (the log-probs are divided by the temperature); greedy is for evaluation")
+        # With top-p the engine samples from the nucleus, renormalised; the trainer's log-probs
+        # describe the whole distribution, so every importance weight would sit below 1.
+        check(self.top_p == 1.0, f"--top-p {self.top_p}: training rollouts sample from the full "
+              f"distribution that the trainer's log-probs describe (top-p would renormalise over "
+              f"the nucleus, which the trainer does not see); use top-p in evaluate.py")
+        check(0 <= self.eps_low < 1 and self.eps_high >= 0, f"--eps-low {self.eps_low} "
+              f"--eps-high {self.eps_high}: need 0 <= eps-low < 1 and eps-high >= 0")
+        check(0 <= self.seq_eps_low < 1 and self.seq_eps_high >= 0, "--seq-eps-low must be in "
+              "[0, 1) and --seq-eps-high at least 0")
+        check(self.max_grad_norm > 0, "--max-grad-norm must be positive")
+        check(0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]")
+        check(self.overlong_buffer <= self.max_new_tokens, f"--overlong-buffer "
+              f"{self.overlong_buffer} is longer than --max-new-tokens {self.max_new_tokens}")
+        check(not (self.resume and self.init_from), "--resume continues a run, --init-from starts "
+              "a new one from other weights: give one of them")
+        # GSPO's objective is (1/G) sum_i min(s_i A_i, clip(s_i) A_i): a mean over sequences. Any
+        # other aggregation sums a sequence's |y_i| identical terms and weighs long answers more.
+        if self.loss_agg == "auto":
+            self.loss_agg = "seq-mean" if self.ratio_level == "sequence" else "token-mean"
+        check(self.ratio_level == "token" or self.loss_agg == "seq-mean", f"--ratio-level sequence "
+              f"(GSPO) averages over sequences: --loss-agg {self.loss_agg} contradicts it; "
+              f"leave --loss-agg out or pass seq-mean")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,7 +235,9 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
                                                                                    (original GRPO)
         "seq-sum-norm" sum of L_t / (number of sequences * max_new_tokens)        (Dr. GRPO)
     ratio_level="sequence" is GSPO: every token of sequence i uses the length-normalised sequence
-    ratio s_i = exp(mean_t(logprobs - old_logprobs)) (pass GSPO's much smaller eps values).
+    ratio s_i = exp(mean_t(logprobs - old_logprobs)) (pass GSPO's much smaller eps values), and the
+    objective (1/G) sum_i min(s_i A_i, clip(s_i) A_i) is a mean over sequences: only "seq-mean"
+    aggregates it so (summing a sequence's |y_i| equal terms would cancel s_i's 1/|y_i|).
     token_weights (B, T), optional, multiply the surrogate term per token (e.g. the truncated
     importance weight that corrects for the rollout engine sampling from slightly different
     probabilities than the trainer computes).
@@ -209,6 +249,9 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
     if ratio_level == "sequence":  # GSPO: one ratio per sequence, broadcast to its tokens
         seq = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
         log_ratio = seq.expand_as(log_ratio)  # (B, T); gradient flows to every token of i
+        if loss_agg != "seq-mean":
+            raise ValueError(f"ratio_level='sequence' (GSPO) needs loss_agg='seq-mean', not "
+                             f"{loss_agg!r}")
     elif ratio_level != "token":
         raise ValueError(f"ratio_level must be token or sequence, not {ratio_level!r}")
     ratio = torch.exp(log_ratio)  # (B, T)
@@ -332,7 +375,7 @@ def setup_trainer(cfg: Config, resume_dir: str = "") -> Trainer:
     optimizer, scheduler = adamw_with_warmup(model, cfg.lr, cfg.warmup_steps, cfg.weight_decay,
                                              betas=(0.9, 0.99))
     if resume_dir:
-        state = torch.load(Path(resume_dir) / "trainer_state.pt", weights_only=False)
+        state = load_state(Path(resume_dir) / "trainer_state.pt")
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
@@ -501,8 +544,6 @@ def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> li
 
 
 def main(cfg: Config):
-    if cfg.template not in TEMPLATES:
-        raise SystemExit(f"error: --template {cfg.template!r}; choose from {sorted(TEMPLATES)}")
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
@@ -553,10 +594,11 @@ def main(cfg: Config):
     # A resumed run picks up its step, data position, RNG and metrics where the checkpoint left them.
     first_step, consumed, history = 1, 0, []
     if resume_dir:
-        state = torch.load(Path(resume_dir) / "driver_state.pt", weights_only=False)
+        state = load_state(Path(resume_dir) / "driver_state.pt")
         first_step, consumed = state["step"] + 1, state["consumed"]
         random.setstate(state["python_rng"])
-        np.random.set_state(state["numpy_rng"])
+        kind, keys, *rest = state["numpy_rng"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
         history = [json.loads(line) for line in
                    (Path(resume_dir) / "metrics.jsonl").read_text().splitlines()]
         train_rows = islice(train_rows, consumed, None)  # the same stream, fast-forwarded
@@ -702,15 +744,18 @@ def save_checkpoint(out: Path, step: int, save_trainer, consumed: int, keep_last
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_trainer(str(tmp))  # model (HF format), optimizer, LR schedule, torch RNG
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as lists: loadable weights-only
     torch.save({"step": step, "consumed": consumed, "python_rng": random.getstate(),
-                "numpy_rng": np.random.get_state()}, tmp / "driver_state.pt")
+                "numpy_rng": [kind, keys.tolist(), pos, has_gauss, gauss]},
+               tmp / "driver_state.pt")
     shutil.copy(out / "metrics.jsonl", tmp / "metrics.jsonl")
     shutil.copy(out / "grpo_config.json", tmp / "grpo_config.json")
     final = folder / f"step_{step}"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # atomic: the checkpoint exists whole, or not at all
-    for old in sorted(_checkpoints(folder), key=_step_of)[:-keep_last or None]:
-        shutil.rmtree(old)
+    if keep_last:  # 0 keeps every checkpoint
+        for old in sorted(_checkpoints(folder), key=_step_of)[:-keep_last]:
+            shutil.rmtree(old)
 
 
 def _step_of(path: Path) -> int:
@@ -722,15 +767,28 @@ def _checkpoints(folder: Path) -> list[Path]:
 
 
 def find_checkpoint(out: Path, resume: str) -> str:
-    """--resume auto: the newest complete checkpoint in <out>/checkpoints; or the folder given."""
+    """--resume auto: the newest complete checkpoint in <out>/checkpoints; or the folder given.
+    Its files are checked here, before any model loads, so a damaged one is named at once."""
     if resume != "auto":
         if not (Path(resume) / "driver_state.pt").exists():
             raise SystemExit(f"error: --resume {resume}: not a checkpoint folder (no driver_state.pt)")
-        return resume
-    found = _checkpoints(out / "checkpoints")
-    if not found:
-        raise SystemExit(f"error: --resume auto: no checkpoint in {out / 'checkpoints'}")
-    return str(max(found, key=_step_of))
+        folder = Path(resume)
+    else:
+        found = _checkpoints(out / "checkpoints")
+        if not found:
+            raise SystemExit(f"error: --resume auto: no checkpoint in {out / 'checkpoints'}")
+        folder = max(found, key=_step_of)
+    for name in ("driver_state.pt", "trainer_state.pt"):
+        load_state(folder / name, mmap=True)  # reads the structure, not gigabytes of tensors
+    try:
+        from safetensors import safe_open
+        for weights in folder.glob("*.safetensors"):
+            with safe_open(weights, "pt") as f:
+                f.keys()
+    except Exception as e:
+        raise SystemExit(f"error: checkpoint {folder}: {weights.name} is damaged ({e}); resume "
+                         f"from another checkpoint with --resume PATH") from None
+    return str(folder)
 
 
 # ---------------------------------------------------------------------------------------------

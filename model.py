@@ -12,10 +12,13 @@ algorithm:
 4. save_model   -- an HF-format folder that `from_pretrained` and vLLM load unchanged.
 """
 
+import functools
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
+import urllib.parse
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -63,11 +66,36 @@ def default_model_path() -> str:
 
 
 def _resolve(name: str) -> str:
+    """A folder, or a hub id that can be loaded now; otherwise stop with one line that says why."""
     path = default_model_path() if name == DEFAULT_MODEL else name
-    if not Path(path).exists() and not ("/" in path and not path.startswith((".", "/"))):
+    if Path(path).exists():
+        return path
+    if not ("/" in path and not path.startswith((".", "/"))):
         raise SystemExit(f"error: --model {name!r} is neither a local folder nor a hub id "
                          f"(owner/name); the offline default is {DEFAULT_MODEL!r}")
+    if not _hub_reachable():  # transformers would retry for about a minute, then print 30 lines
+        from huggingface_hub import snapshot_download
+        try:
+            return snapshot_download(name, local_files_only=True)  # downloaded before: use that
+        except Exception:
+            raise SystemExit(f"error: --model {name}: the Hugging Face hub cannot be reached and "
+                             f"the model is not in the local cache; pass a local folder with the "
+                             f"model (--model path/to/folder), or run where the hub is reachable"
+                             ) from None
     return path
+
+
+@functools.cache
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = urllib.parse.urlparse(constants.ENDPOINT).hostname
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def load_tokenizer(name: str):
@@ -192,3 +220,20 @@ def save_model(model, tokenizer, out_dir) -> None:
     for f in tmp.iterdir():
         os.replace(f, out_dir / f.name)
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_state(path, mmap: bool = False) -> dict:
+    """A checkpoint's training state (optimizer, schedule, RNG, step), loaded with
+    weights_only=True: tensors and plain containers only, so a checkpoint someone shares can never
+    run code on --resume (transformers' Trainer had to learn this: CVE-2026-1839). A damaged file
+    stops the run with one line that names it and says what to do."""
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:
+        others = sorted(p.name for p in path.parent.parent.glob("step_*") if p != path.parent)
+        hint = f" (others there: {', '.join(others)})" if others else ""
+        raise SystemExit(f"error: checkpoint {path.parent}: {path.name} cannot be loaded safely "
+                         f"({type(e).__name__}): it is damaged, or holds more than tensors and "
+                         f"plain data, which smolrl never unpickles. Resume from another "
+                         f"checkpoint with --resume PATH{hint}.") from None

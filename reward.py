@@ -16,7 +16,9 @@ Imports nothing from smolrl, so a student can test it alone.
 import importlib
 import math
 import multiprocessing as mp
+import multiprocessing.connection
 import re
+import time
 import traceback
 from fractions import Fraction
 
@@ -42,7 +44,9 @@ def extract_boxed(text: str) -> str | None:
     return None
 
 
-_NUMBER = r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?"
+# A number as people write it: thousands separators only in groups of three ("1,000" but not the
+# "85," of "85, since"), an optional decimal part or a /denominator.
+_NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+)?"
 
 
 def extract_answer(text: str, fmt: str = "boxed") -> str | None:
@@ -73,12 +77,16 @@ _UNITS = (r"degrees?|cm|m|km|kg|g|mg|inches|inch|feet|foot|ft|units?|dollars?|ce
 
 def normalize(answer: str) -> str:
     s = answer.strip()
-    s = re.sub(r"\\text\{\s*(.*?)\s*\}", r"\1", s)  # \text{cm} -> cm
+    # A unit is stripped only where it is clearly a unit: inside \text{} (or \mbox, \mathrm), or a
+    # word after a space. "2m" stays "2m": it may be 2 times a variable m, and must not equal 2.
+    units = rf"(?:{_UNITS})(?:\s+(?:{_UNITS}))*"  # "cm", "square units"
+    s = re.sub(rf"\\(?:text|mbox|mathrm)\{{\s*{units}\s*\}}\s*$", "", s)
+    s = re.sub(rf"(?:\s|\\\s)+{units}\s*$", "", s)
+    s = re.sub(r"\\text\{\s*(.*?)\s*\}", r"\1", s)  # \text{5} -> 5
     s = re.sub(r"\\(?:mathrm|textbf|mathbf)\{(.*?)\}", r"\1", s)
     s = s.replace("$", "").replace("\\!", "").replace("\\,", "").replace("\\;", "")
     s = s.replace("\\left", "").replace("\\right", "").replace("^\\circ", "").replace("^{\\circ}", "")
     s = s.replace("\\%", "").replace("%", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = re.sub(rf"\s*(?:{_UNITS})\s*$", "", s).strip()
     s = s.rstrip(".").strip()
     s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s)  # x = 5 -> 5
     if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):  # 1,000,000 -> 1000000
@@ -116,35 +124,71 @@ def fast_match(pred: str, gold: str) -> bool | None:
 
 # ---------------------------------------------------------------------------------------------
 # math-verify in worker processes. Its own timeouts use signal.alarm, which only works in a main
-# thread, and a hostile expression (a tower of exponents) can run for seconds: we run it in a
-# process pool and kill the pool when an item overruns.
+# thread, and a hostile expression (a tower of exponents) can run for seconds: each worker is a
+# process we can kill. Two rules keep a correct answer from being graded 0 by the clock:
+# - a worker's start (spawn, imports, math-verify's first parse) happens before it is given a job,
+#   so only the grading itself is timed;
+# - a job that overruns kills its own worker only; a replacement starts in the background and the
+#   other workers' jobs go on.
 
 
-def _verify_worker(pred: str, gold: str) -> bool:
+def _verify(pred: str, gold: str) -> bool:
     from math_verify import parse, verify
     gold_parsed = parse(f"${gold}$")
     pred_parsed = parse(f"${pred}$")
     return bool(gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed))
 
 
-class Grader:
-    """Grades (prediction, gold) pairs; math-verify runs in `workers` processes, `timeout` s each."""
+def _verify_loop(conn):
+    """Body of a worker process: warm up, say "ready", then grade pairs until the pipe closes."""
+    _verify("\\frac{1}{2}", "0.5")  # lazy imports (sympy, the LaTeX grammar) happen here, untimed
+    conn.send("ready")
+    while True:
+        try:
+            pred, gold = conn.recv()
+        except EOFError:
+            return
+        try:
+            ok = _verify(pred, gold)
+        except Exception:
+            ok = False  # math-verify could not parse it: not a match
+        conn.send(ok)
 
-    def __init__(self, workers: int = 2, timeout: float = 5.0):
-        self.workers, self.timeout = workers, timeout
-        self.pool = None
+
+class _Worker:
+    def __init__(self):
+        # spawn: a forked child of a process that runs torch threads can deadlock.
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_verify_loop, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+        self.ready = False
+        self.job = None  # (index, deadline) while grading
+
+    def kill(self):
+        self.process.kill()
+        self.process.join()
+        self.conn.close()
+
+
+class Grader:
+    """Grades (prediction, gold) pairs; math-verify runs in `workers` processes, `timeout` s per item
+    (counted from when a warm worker receives it)."""
+
+    def __init__(self, workers: int = 2, timeout: float = 5.0, start_timeout: float = 300.0):
+        self.num_workers, self.timeout, self.start_timeout = workers, timeout, start_timeout
+        self.workers: list[_Worker] = []
         self.timeouts = 0  # items killed for running past the timeout, since start
 
-    def _get_pool(self):
-        if self.pool is None:
-            # spawn: a forked child of a process that runs torch threads can deadlock.
-            self.pool = mp.get_context("spawn").Pool(self.workers)
-        return self.pool
+    def start(self):
+        """Start the workers now (they warm up in the background); grade() does it when needed."""
+        self.workers += [_Worker() for _ in range(self.num_workers - len(self.workers))]
 
     def close(self):
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool = None
+        for w in self.workers:
+            w.kill()
+        self.workers = []
 
     def grade(self, preds: list[str | None], golds: list[str]) -> list[bool]:
         results = [False] * len(preds)
@@ -157,32 +201,46 @@ class Grader:
                 slow.append(i)
             else:
                 results[i] = quick
-        while slow:
-            pool = self._get_pool()
-            pending = [(i, pool.apply_async(_verify_worker, (preds[i], golds[i]))) for i in slow]
-            slow = []
-            for k, (i, job) in enumerate(pending):
-                try:
-                    results[i] = job.get(timeout=self.timeout)
-                except mp.TimeoutError:
-                    # Kill the stuck worker with its pool; re-queue what had not finished yet.
-                    self.timeouts += 1
-                    self.close()
-                    slow = [j for j, later in pending[k + 1:] if not later.ready()]
-                    for j, later in pending[k + 1:]:
-                        if later.ready():
-                            results[j] = _safe_result(later)
-                    break
-                except Exception:
-                    results[i] = False  # math-verify could not parse it: not a match
+        if slow:
+            self._grade_slow(slow, preds, golds, results)
         return results
 
+    def _grade_slow(self, queue, preds, golds, results):
+        self.start()
+        queue = list(queue)
+        started = time.monotonic()
+        while queue or any(w.job for w in self.workers):
+            for w in self.workers:  # hand out work to warm, idle workers; the clock starts now
+                if w.ready and w.job is None and queue:
+                    i = queue.pop(0)
+                    w.conn.send((preds[i], golds[i]))
+                    w.job = (i, time.monotonic() + self.timeout)
+            deadlines = [w.job[1] for w in self.workers if w.job]
+            wait = min(deadlines) - time.monotonic() if deadlines else 1.0
+            for conn in mp.connection.wait([w.conn for w in self.workers], max(wait, 0.0)):
+                w = next(w for w in self.workers if w.conn is conn)
+                try:
+                    message = conn.recv()
+                except EOFError:  # the worker died (out of memory?): its item is not a match
+                    self._replace(w)
+                    continue
+                if message == "ready":
+                    w.ready = True
+                else:
+                    results[w.job[0]] = bool(message)
+                    w.job = None
+            now = time.monotonic()
+            for w in list(self.workers):
+                if w.job and now > w.job[1]:  # overran: kill this worker only
+                    self.timeouts += 1
+                    self._replace(w)
+            if not any(w.ready for w in self.workers) and now - started > self.start_timeout:
+                raise RuntimeError(f"math-verify workers did not start within "
+                                   f"{self.start_timeout:.0f} s")
 
-def _safe_result(job) -> bool:
-    try:
-        return bool(job.get(timeout=0))
-    except Exception:
-        return False
+    def _replace(self, worker):
+        worker.kill()
+        self.workers[self.workers.index(worker)] = _Worker()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,8 +270,8 @@ BUILTIN = {"correctness": correctness_reward, "format": format_reward}
 class RewardFunctions:
     """Weighted sum of reward functions given as "name[:weight],..." (built-in or module:function).
 
-    A user function that raises is reported once with its traceback, scores 0 for that batch, and
-    is counted in `errors`; the run goes on.
+    A user function that raises or returns a non-finite score (inf, NaN) is reported once with its
+    traceback, scores 0 for that batch, and is counted in `errors`; the run goes on.
     """
 
     def __init__(self, spec: str, answer_format: str, grader: Grader,
@@ -257,9 +315,13 @@ class RewardFunctions:
         for name, fn, weight in self.fns:
             try:
                 scores = [float(s) for s in fn(prompts, completions, **fields)]
-                if len(scores) != len(completions) or any(math.isnan(s) for s in scores):
-                    raise ValueError(f"returned {len(scores)} scores (NaN allowed: no) for "
-                                     f"{len(completions)} completions")
+                if len(scores) != len(completions):
+                    raise ValueError(f"returned {len(scores)} scores for {len(completions)} "
+                                     f"completions")
+                # One inf or NaN would turn every advantage of the batch into NaN, and the weights
+                # with them: treat it like a crash.
+                if not all(math.isfinite(s) for s in scores):
+                    raise ValueError(f"returned a non-finite score: {scores}")
             except Exception:
                 self.errors += 1
                 if name not in self._reported:

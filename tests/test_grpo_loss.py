@@ -201,3 +201,22 @@ def test_warmup_schedule_then_constant():
         optimizer.step()
         scheduler.step()
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+
+
+@pytest.mark.parametrize("ratio, adv, eps_low, eps_high, clipped", [
+    (1.25, 1.0, 0.2, 0.28, False),   # inside clip-higher's range: still pushed up
+    (1.25, 1.0, 0.28, 0.2, True),    # above 1 + eps_high: no gradient
+    (0.75, -1.0, 0.3, 0.2, False),   # inside the lower range: still pushed down
+    (0.75, -1.0, 0.2, 0.3, True),    # below 1 - eps_low: no gradient
+])
+def test_each_clip_bound_uses_its_own_eps_in_loss_and_gradient(ratio, adv, eps_low, eps_high,
+                                                                clipped):
+    lp = torch.tensor([[math.log(ratio)]], requires_grad=True)
+    loss, _ = grpo_loss(lp, torch.zeros(1, 1), None, torch.tensor([adv]),
+                        torch.ones(1, 1, dtype=torch.bool), eps_low=eps_low, eps_high=eps_high)
+    loss.backward()
+    bound = 1 + eps_high if adv > 0 else 1 - eps_low
+    expected = -(bound if clipped else ratio) * adv
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    # d/dlp of -r A is -r A; a clipped token has no gradient
+    assert lp.grad.item() == pytest.approx(0.0 if clipped else -ratio * adv, rel=1e-6)

@@ -204,10 +204,39 @@ def test_gspo_sequence_ratio_against_hand_computed():
                         loss_agg="seq-mean", ratio_level="sequence")
     assert loss.item() == pytest.approx(sum(per_seq) / 2, rel=1e-4)  # fp32
     assert m["clip_low"] == pytest.approx(2 / 5)  # sequence 1 (2 tokens) is clipped low
-    # token-mean weights each sequence by its length
-    loss, _ = grpo_loss(lp, old, None, adv, mask, eps_low=eps_low, eps_high=eps_high,
+    # GSPO's objective is a mean over sequences: any other aggregation is refused
+    for agg in ("token-mean", "seq-sum-norm"):
+        with pytest.raises(ValueError, match="seq-mean"):
+            grpo_loss(lp, old, None, adv, mask, loss_agg=agg, ratio_level="sequence")
+
+
+def test_gspo_gradient_is_the_papers():
+    """d loss / d log pi(y_i,t) = -(1/G) s_i A_i / |y_i| for every token of an unclipped sequence:
+    long answers do not weigh more than short ones."""
+    lens = torch.tensor([2, 6])
+    mask = torch.arange(6)[None] < lens[:, None]
+    old = -torch.rand(2, 6) - 0.5
+    lp = (old + 0.01 * torch.randn(2, 6) * mask).requires_grad_()
+    adv = torch.tensor([1.5, -0.7])
+    cfg = Config(ratio_level="sequence", seq_eps_low=0.5, seq_eps_high=0.5)  # nothing clipped
+    assert cfg.loss_agg == "seq-mean"  # what --ratio-level sequence resolves to
+    loss, _ = grpo_loss(lp, old, None, adv, mask, eps_low=cfg.seq_eps_low,
+                        eps_high=cfg.seq_eps_high, loss_agg=cfg.loss_agg,
+                        num_tokens=loss_denominator(cfg.loss_agg, lens, 6),
                         ratio_level="sequence")
-    assert loss.item() == pytest.approx((3 * per_seq[0] + 2 * per_seq[1]) / 5, rel=1e-4)
+    loss.backward()
+    for i in range(2):
+        n = int(lens[i])
+        s_i = math.exp(float((lp[i, :n] - old[i, :n]).mean()))
+        expected = -(1 / 2) * s_i * float(adv[i]) / n
+        assert torch.allclose(lp.grad[i, :n], torch.full((n,), expected), rtol=1e-5)
+        assert lp.grad[i, n:].eq(0).all()
+
+
+def test_gspo_refuses_a_contradictory_aggregation():
+    with pytest.raises(SystemExit, match="--loss-agg token-mean contradicts"):
+        Config(ratio_level="sequence", loss_agg="token-mean")
+    assert Config().loss_agg == "token-mean"
 
 
 def test_require_think_close():
@@ -217,3 +246,64 @@ def test_require_think_close():
                    "<think>x</think> \\boxed{4}"]
     total, _ = fns(["q"] * 3, completions, [{"answer": "5"}] * 3)
     assert total == [1.0, 0.0, 0.0]
+
+
+def _fake_checkpoints(out, steps, keep_last):
+    """save_checkpoint with a stand-in for the trainer's half (no model needed)."""
+    from grpo import save_checkpoint
+    out.mkdir(exist_ok=True)
+    (out / "metrics.jsonl").write_text("")
+    (out / "grpo_config.json").write_text("{}")
+
+    def save_trainer(folder):
+        torch.save({"optimizer": {}, "scheduler": {}, "torch_rng": torch.get_rng_state()},
+                   Path(folder) / "trainer_state.pt")
+
+    for step in steps:
+        save_checkpoint(out, step, save_trainer, consumed=step * 2, keep_last=keep_last)
+    return sorted((p.name for p in (out / "checkpoints").iterdir()), key=lambda n: int(n[5:]))
+
+
+def test_keep_last_zero_keeps_every_checkpoint(tmp_path):
+    assert _fake_checkpoints(tmp_path / "a", [1, 2, 3], keep_last=0) == ["step_1", "step_2", "step_3"]
+    assert _fake_checkpoints(tmp_path / "b", [1, 2, 3], keep_last=1) == ["step_3"]
+
+
+def test_checkpoint_state_loads_weights_only(tmp_path):
+    from model import load_state
+    _fake_checkpoints(tmp_path, [4], keep_last=0)
+    state = load_state(tmp_path / "checkpoints/step_4/driver_state.pt")
+    assert state["step"] == 4 and state["consumed"] == 8
+    assert find_checkpoint(tmp_path, "auto").endswith("step_4")
+
+
+def test_a_damaged_checkpoint_is_named(tmp_path):
+    _fake_checkpoints(tmp_path, [1, 2], keep_last=0)
+    driver = tmp_path / "checkpoints/step_2/driver_state.pt"
+    driver.write_bytes(driver.read_bytes()[:100])  # truncated by a full disk, say
+    with pytest.raises(SystemExit, match=r"checkpoint .*step_2: driver_state.pt cannot be loaded"
+                                         r".*--resume PATH \(others there: step_1\)"):
+        find_checkpoint(tmp_path, "auto")
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_crafted_checkpoint_cannot_run_code(tiny_model_dir, tmp_path):
+    _fake_checkpoints(tmp_path, [1], keep_last=0)
+    marker = tmp_path / "code-ran"
+    ckpt = tmp_path / "checkpoints/step_1"
+    torch.save({"step": 1, "consumed": 2, "payload": _Exploit(str(marker))},
+               ckpt / "driver_state.pt")
+    result = subprocess.run([sys.executable, "grpo.py", "--model", tiny_model_dir, "--resume",
+                             str(ckpt), "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0
+    assert "driver_state.pt cannot be loaded safely" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not marker.exists()

@@ -146,3 +146,91 @@ def test_unknown_reward_is_a_clear_error():
 
 def test_format_reward():
     assert format_reward(None, ["\\boxed{1}", "1"], answer_format="boxed") == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("The answer is 85, since 47 + 38 = 85.", "85"),
+    ("47 + 38 = 85, so that is it", "85"),
+    ("The answer is 1,000, since 10 x 100 = 1,000.", "1,000"),
+    ("The answer is 85; done", "85"),
+    ("The answer is (85).", "85"),
+    ("The answer is $85$.", "85"),
+    ("The answer is 85!", "85"),
+    ("The answer is 3.5.", "3.5"),
+    ("The answer is 12,34", "12"),
+    ("The answer is 1,0000", "1"),
+    ("The answer is: 85%.", "85"),
+])
+def test_answer_is_ignores_punctuation_around_numbers(text, expected):
+    assert extract_answer(text, "answer-is") == expected
+
+
+def test_answer_is_with_a_trailing_comma_is_graded_right():
+    grader = Grader()
+    preds = [extract_answer(t, "answer-is") for t in ("The answer is 85, since 47 + 38 = 85.",
+                                                      "The answer is 1,000, since")]
+    assert grader.grade(preds, ["85", "1000"]) == [True, True]
+
+
+@pytest.mark.parametrize("pred, gold, ok", [
+    ("2m", "2", False), ("2", "2m", False), ("5g", "5", False), ("5", "5g", False),
+    ("3x", "3", False),
+    ("5 \\text{ g}", "5", True), ("5\\text{cm}", "5", True), ("5 cm", "5", True),
+    ("12 square units", "12", True), ("12\\text{ square units}", "12", True),
+    ("5\\ cm", "5", True), ("7", "7 \\text{ meters}", True),
+])
+def test_units_are_stripped_only_where_they_are_clearly_units(pred, gold, ok):
+    grader = Grader(timeout=10)
+    try:
+        assert grader.grade([pred], [gold]) == [ok]
+    finally:
+        grader.close()
+
+
+def _burn():
+    while True:
+        pass
+
+
+def test_grader_cold_start_and_a_timeout_do_not_cost_correct_answers():
+    """On a busy machine, spawning a worker and importing math-verify takes seconds: none of that
+    may count against an item's timeout, and killing a hostile item must not make the items after
+    it start cold."""
+    import multiprocessing as mp
+    hogs = [mp.get_context("spawn").Process(target=_burn, daemon=True) for _ in range(3)]
+    for h in hogs:
+        h.start()
+    grader = Grader(workers=2, timeout=1.0)
+    hostile = "9^{9^{9^{9^{9^{9}}}}}-9^{9^{9^{9^{9^{9}}}}}+" * 20 + "1"
+    try:
+        assert grader.grade(["\\sqrt{4}"], ["2"]) == [True]  # fresh grader: a cold start
+        got = grader.grade([hostile, "\\sqrt{4}", "\\sqrt{9}", "\\frac{6}{\\sqrt{4}}"],
+                           ["\\frac{\\pi}{7}", "2", "3", "3"])
+        assert got == [False, True, True, True]
+        assert grader.timeouts == 1
+        assert grader.grade(["\\sqrt{16}"], ["4"]) == [True]  # right after the kill
+    finally:
+        grader.close()
+        for h in hogs:
+            h.kill()
+
+
+def _inf_reward(prompts, completions, **fields):
+    return [float("inf")] + [1.0] * (len(completions) - 1)
+
+
+def _nan_reward(prompts, completions, **fields):
+    return [float("nan")] * len(completions)
+
+
+def test_a_non_finite_reward_counts_as_an_error(capsys):
+    fns = RewardFunctions("tests.test_reward:_inf_reward,tests.test_reward:_nan_reward=0.5,"
+                          "correctness", "answer-is", Grader())
+    rows = [{"answer": "5"}] * 2
+    for _ in range(2):
+        total, per_fn = fns(["q"] * 2, ["The answer is 5.", "6"], rows)
+        assert total == [1.0, 0.0]  # both functions score 0; correctness still counts
+    assert per_fn["tests.test_reward:_inf_reward"] == [0.0, 0.0]
+    assert fns.errors == 4
+    out = capsys.readouterr().out
+    assert out.count("Traceback") == 2 and "non-finite score" in out  # each reported once

@@ -1,0 +1,89 @@
+"""The command lines as a new user meets them: --help, a typo, an impossible value, no network."""
+
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from data import parse_config
+from dpo import Config as DPOConfig
+from evaluate import EvalConfig
+from grpo import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("*.py"), *ROOT.glob("benchmarks/*.py"),
+                                                 *ROOT.glob("recipes/*.py")]
+              if "__main__" in p.read_text())
+
+
+@pytest.mark.parametrize("script", CLIS)
+def test_help_of_every_cli(script, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+    assert exit_.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_every_cli_is_covered():
+    assert {"grpo.py", "dpo.py", "evaluate.py", "benchmarks/grpo_step.py"} <= set(CLIS)
+
+
+@pytest.mark.parametrize("cls, argv, message", [
+    (Config, ["--loss-agg", "foo"], "invalid choice: 'foo'"),
+    (Config, ["--adv-scale", "median"], "invalid choice"),
+    (Config, ["--ratio-level", "seq"], "invalid choice"),
+    (Config, ["--rollout", "sglang"], "invalid choice"),
+    (Config, ["--template", "boxd"], "invalid choice"),
+    (DPOConfig, ["--loss-type", "kto"], "invalid choice"),
+    (EvalConfig, ["--backend", "trt"], "invalid choice"),
+])
+def test_fixed_choices_are_checked_when_parsed(cls, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(cls, argv + ["--dry-run"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1  # one line, not a usage block
+
+
+@pytest.mark.parametrize("cls, argv, message", [
+    (Config, ["--num-generations", "1"], "--num-generations 1"),
+    (Config, ["--steps", "-1"], "--steps must not be negative"),
+    (Config, ["--eps-low", "1.5"], "--eps-low 1.5"),
+    (Config, ["--eps-high", "-0.1"], "--eps-high -0.1"),
+    (Config, ["--temperature", "0"], "--temperature 0"),
+    (Config, ["--top-p", "0.95"], "--top-p 0.95"),
+    (Config, ["--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
+    (Config, ["--keep-last", "-1"], "--keep-last must not be negative"),
+    (Config, ["--resume", "auto", "--init-from", "x"], "give one of them"),
+    (DPOConfig, ["--label-smoothing", "0.5"], "--label-smoothing 0.5"),
+    (DPOConfig, ["--beta", "0"], "--beta 0"),
+    (EvalConfig, ["-n", "0"], "^error: -n must be at least 1"),
+    (EvalConfig, ["--top-p", "0"], "--top-p must be in (0, 1]"),
+])
+def test_impossible_values_are_refused_by_dry_run(cls, argv, message):
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        parse_config(cls, argv + ["--dry-run"])
+
+
+def test_impossible_values_are_refused_in_a_toml_config(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('loss-agg = "foo"\n')
+    with pytest.raises(SystemExit, match="'loss-agg' must be one of"):
+        parse_config(Config, ["--config", str(path)])
+    path.write_text("num_generations = 1\n")
+    with pytest.raises(SystemExit, match="--num-generations 1"):
+        parse_config(Config, ["--config", str(path)])
+
+
+def test_a_hub_model_without_network_is_one_line(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "grpo.py", "--model", "Qwen/Qwen2.5-Math-1.5B",
+                             "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    assert "the Hugging Face hub cannot be reached" in result.stderr
+    assert "local folder" in result.stderr and "Traceback" not in result.stderr
