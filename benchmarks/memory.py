@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def one(model_dir, length, checkpointing, budget):
     sys.path.insert(0, str(ROOT))
     import torch
-    from grpo import Config, loss_denominator, peak_memory_gb, setup_trainer, train_on_rollout
+    from grpo import Config, TrainBatch, loss_denominator, peak_memory_gb, setup_trainer
+    from grpo import train_on_rollout
     from model import pack
     cfg = Config(model=model_dir, beta=0.0, gradient_checkpointing=checkpointing,
                  max_tokens_per_microbatch=budget, max_new_tokens=length)
@@ -31,12 +32,13 @@ def one(model_dir, length, checkpointing, budget):
     torch.manual_seed(0)
     prompts = [torch.randint(100, 1000, (64,)).tolist() for _ in range(4)]
     completions = [torch.randint(100, 1000, (length,)).tolist() for _ in range(4)]
-    batch = pack(prompts, completions, pad_id=2)
-    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    denom = loss_denominator("token-mean", batch[2], length)
-    train_on_rollout(trainer, batch, advantages, None, denom)  # warm-up
+    ids, prompt_lens, completion_lens = pack(prompts, completions, pad_id=2)
+    batch = TrainBatch(ids, prompt_lens, completion_lens, torch.tensor([1.0, -1.0, 0.5, -0.5]),
+                       torch.ones(4, dtype=torch.bool), None,
+                       loss_denominator("token-mean", completion_lens, length))
+    train_on_rollout(trainer, batch)  # warm-up
     t0 = time.perf_counter()
-    train_on_rollout(trainer, batch, advantages, None, denom)
+    train_on_rollout(trainer, batch)
     print(json.dumps({"seconds": time.perf_counter() - t0,
                       "peak_gb": peak_memory_gb(trainer.device)}))
 

@@ -43,3 +43,15 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
 def tiny_model(tiny_model_dir):
     from model import load_model
     return load_model(tiny_model_dir)
+
+
+def make_batch(prompts, completions, advantages, *, loss_agg="token-mean", max_new_tokens=8,
+               in_loss=None, engine_logprobs=None):
+    """A grpo.TrainBatch from token lists, as main builds it from a rollout."""
+    from grpo import TrainBatch, loss_denominator
+    from model import pack
+    ids, prompt_lens, completion_lens = pack(prompts, completions, pad_id=2)
+    in_loss = torch.ones(len(prompts), dtype=torch.bool) if in_loss is None else in_loss
+    denom = loss_denominator(loss_agg, completion_lens * in_loss, max_new_tokens)
+    return TrainBatch(ids, prompt_lens, completion_lens, torch.as_tensor(advantages), in_loss,
+                      engine_logprobs, denom)

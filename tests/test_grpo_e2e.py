@@ -19,7 +19,7 @@ def test_two_step_run(tiny_model_dir, tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
     for key in ("reward", "accuracy", "completion_len", "step_seconds", "eval_accuracy", "kl",
-                "clip_low", "clip_high", "entropy", "grad_norm", "zero_std_frac",
+                "clip_low", "clip_high", "entropy_trained", "grad_norm", "zero_std_frac",
                 "truncated_frac", "gen_seconds", "reward_seconds", "train_seconds"):
         assert key in records[2], key
     assert "eval_accuracy" in records[0] and 0.0 <= records[2]["eval_accuracy"] <= 1.0

@@ -13,7 +13,7 @@ import torch
 from data import parse_config
 from grpo import (Config, find_checkpoint, finish_metrics, grpo_loss, loss_denominator,
                   overlong_penalty, setup_trainer, train_on_rollout)
-from model import pack
+from conftest import make_batch
 from reward import Grader, RewardFunctions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def _run(args, timeout=600):
 def _common(model_dir, out):
     return ["--model", model_dir, "--prompts-per-step", "2", "--num-generations", "4",
             "--max-new-tokens", "6", "--eval-every", "0", "--beta", "0.01", "--temperature", "1.0",
-            "--lr", "1e-3", "--out", str(out)]
+            "--lr", "1e-3", "--reward", "tests.rewards:parity_reward", "--out", str(out)]
 
 
 def _metrics(out):
@@ -124,22 +124,17 @@ def test_every_recipe_passes_dry_run(recipe, capsys):
 def test_dynamic_sampling_never_loops_forever(tiny_model_dir, tmp_path):
     # A random model never answers correctly: every group has zero spread, every round is dropped.
     _run(_common(tiny_model_dir, tmp_path) + ["--steps", "1", "--dynamic-sampling",
-                                              "--max-fill-rounds", "2"])
+                                              "--max-fill-rounds", "2", "--reward", "correctness"])
     r = _metrics(tmp_path)[0]
     assert (r["fill_rounds"], r["kept_groups"], r["dropped_groups"]) == (2, 0, 6)
     assert r["trained_frac"] == 0.0
 
 
 def test_dynamic_sampling_fills_the_batch(tiny_model_dir, tmp_path):
-    _run(_common(tiny_model_dir, tmp_path) + ["--steps", "2", "--dynamic-sampling",
-                                              "--reward", "tests.test_long_runs:parity_reward"])
+    _run(_common(tiny_model_dir, tmp_path) + ["--steps", "2", "--dynamic-sampling"])
     for r in _metrics(tmp_path):
         assert r["kept_groups"] == 2  # the batch is full of groups that have signal
         assert r["dropped_groups"] <= 2 * (r["fill_rounds"] + 1)
-
-
-def parity_reward(prompts, completions, **_):
-    return [float(len(c) % 2) for c in completions]
 
 
 def test_overlong_penalty_values():
@@ -157,33 +152,30 @@ def _grads(trainer):
 def test_overlong_filtered_sample_has_zero_weight(tiny_model_dir):
     prompts = [[5, 6], [7, 8, 9], [10]]
     completions = [[11, 12, 2], [13, 14, 15, 16], [17, 2]]
-    ids, pl, cl = pack(prompts, completions, pad_id=2)
     adv = torch.tensor([1.0, -2.0, 0.5])
-    filtered = torch.tensor([3, 0, 2])  # sample 1 was truncated: its length counts as 0
+    in_loss = torch.tensor([True, False, True])  # sample 1 was truncated: out of the loss
     a = _tiny_trainer(tiny_model_dir)
-    ra = finish_metrics([train_on_rollout(a, (ids, pl, filtered), adv, None,
-                                          loss_denominator("token-mean", filtered, 4))])
+    ra = finish_metrics([train_on_rollout(a, make_batch(prompts, completions, adv,
+                                                        in_loss=in_loss))])
     keep = [0, 2]  # the same batch without sample 1 at all
-    ids2, pl2, cl2 = pack([prompts[i] for i in keep], [completions[i] for i in keep], pad_id=2)
     b = _tiny_trainer(tiny_model_dir)
-    rb = finish_metrics([train_on_rollout(b, (ids2, pl2, cl2), adv[keep], None,
-                                          loss_denominator("token-mean", cl2, 4))])
+    rb = finish_metrics([train_on_rollout(b, make_batch([prompts[i] for i in keep],
+                                                        [completions[i] for i in keep],
+                                                        adv[keep]))])
     assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
     assert torch.allclose(_grads(a), _grads(b), atol=1e-7)
-    assert loss_denominator("seq-mean", filtered, 4) == 2.0
+    assert ra["trained_frac"] == pytest.approx(2 / 3)
 
 
 def test_token_budget_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
     prompts = [[5, 6], [7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17]]
     completions = [[20, 21, 2], [22, 2], [23, 24, 25, 26, 27, 28], [29], [30, 31, 2]]
-    batch = pack(prompts, completions, pad_id=2)
-    adv = torch.tensor([1.0, -1.0, 0.5, 2.0, -0.3])
-    denom = loss_denominator("token-mean", batch[2], 8)
+    batch = make_batch(prompts, completions, [1.0, -1.0, 0.5, 2.0, -0.3])
     results = []
     for kw in (dict(micro_batch_size=16), dict(max_tokens_per_microbatch=9),
                dict(max_tokens_per_microbatch=16, gradient_checkpointing=True)):
         trainer = _tiny_trainer(tiny_model_dir, **kw)
-        metrics = finish_metrics([train_on_rollout(trainer, batch, adv, None, denom)])
+        metrics = finish_metrics([train_on_rollout(trainer, batch)])
         results.append((metrics["loss"], _grads(trainer)))
     for loss, grads in results[1:]:
         assert loss == pytest.approx(results[0][0], rel=1e-5)

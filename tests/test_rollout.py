@@ -85,3 +85,50 @@ def test_completion_logprobs_match_full_log_softmax(tiny_model):
             p = full[b, pos - 1].exp()
             assert torch.isclose(ent[b, j], -(p * full[b, pos - 1]).sum(), atol=1e-3)
     assert lp[0, 2:].eq(0).all()  # beyond the completion: zeros, masked out by length
+
+
+def _greedy_path(model, prompt, steps):
+    """Argmax continuation under the model's own logits, with nothing else applied."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_hf_engine_ignores_the_models_generation_config(tiny_model):
+    """A generation_config.json with a repetition penalty, top_k, suppressed tokens and a ban on
+    repeats must not change what the engine samples: the trainer's log-probs cannot see them."""
+    import copy
+    from transformers import GenerationConfig
+    model, tok = tiny_model
+    model = copy.deepcopy(model)
+    prompt = tok("What is 2 + 2?")["input_ids"]
+    expected = _greedy_path(model, prompt, 6)
+    model.generation_config = GenerationConfig(
+        repetition_penalty=100.0, top_k=2, suppress_tokens=[expected[0]], no_repeat_ngram_size=1,
+        min_new_tokens=6, eos_token_id=tok.eos_token_id)
+    engine = HFRollout(model, tok, dtype=torch.float32)
+    greedy = engine.generate([prompt], 1, Sampling(max_new_tokens=6, temperature=0.0))
+    assert greedy.completion_ids[0] == expected[:len(greedy.completion_ids[0])]
+    assert greedy.completion_ids[0][0] == expected[0]  # the suppressed token is still sampled
+    sampled = engine.generate([prompt], 64, Sampling(max_new_tokens=1, temperature=1.0, seed=0))
+    firsts = [ids[0] for ids in sampled.completion_ids]
+    assert len(set(firsts)) > 20  # a near-uniform random model, not top_k=2
+    # ... nor transformers' default top_k=50: most samples lie outside the 50 likeliest tokens
+    with torch.no_grad():
+        order = model(torch.tensor([prompt])).logits[0, -1].argsort(descending=True)
+    rank = {int(t): r for r, t in enumerate(order)}
+    assert sum(rank[t] >= 50 for t in firsts) > 32
+
+
+def test_every_eos_id_stops_without_truncation(tiny_model):
+    import copy
+    model, tok = tiny_model
+    model = copy.deepcopy(model)
+    prompt = tok("Hi")["input_ids"]
+    first = _greedy_path(model, prompt, 1)[0]
+    model.generation_config.eos_token_id = [tok.eos_token_id, first]  # e.g. Qwen's <|endoftext|>
+    out = HFRollout(model, tok, dtype=torch.float32).generate([prompt], 2, Sampling(
+        max_new_tokens=5, temperature=0.0))
+    assert out.completion_ids == [[first]] * 2 and out.truncated == [False, False]

@@ -23,8 +23,33 @@ LOGPROB_ATOL = 0.05
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir, tokenizer):
-    return VLLMRollout(tiny_model_dir, tokenizer, gpu_memory_utilization=0.2, max_model_len=256)
+def model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model, with a second eos id in its generation config (as Qwen2.5-Instruct lists
+    <|endoftext|> beside <|im_end|>): the token it answers "Hi" with, so a test can see it stop."""
+    import shutil
+    from transformers import GenerationConfig
+    from model import load_model
+    path = tmp_path_factory.mktemp("tiny-two-eos")
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    model, tokenizer = load_model(tiny_model_dir)
+    hi = tokenizer("Hi")["input_ids"]
+    with torch.no_grad():
+        first = int(model(torch.tensor([hi])).logits[0, -1].argmax())
+    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, first]).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(model_dir):
+    from model import load_model
+    return load_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(model_and_tokenizer):
+    from rollout import make_rollout
+    model, tokenizer = model_and_tokenizer
+    return make_rollout("vllm", model, tokenizer, max_new_tokens=64, gpu_memory_utilization=0.2)
 
 
 def _trainer_logprobs(model, out, temperature):
@@ -38,8 +63,8 @@ def _trainer_logprobs(model, out, temperature):
     return lp[mask], engine[mask]
 
 
-def test_weight_sync_changes_the_engine_and_matches_the_trainer(engine, tiny_model, tokenizer):
-    model, _ = tiny_model
+def test_weight_sync_changes_the_engine_and_matches_the_trainer(engine, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
     trained = copy.deepcopy(model)
     torch.manual_seed(1)
     with torch.no_grad():
@@ -58,8 +83,8 @@ def test_weight_sync_changes_the_engine_and_matches_the_trainer(engine, tiny_mod
     engine.update_weights(model)  # leave the shared engine as the fixture made it
 
 
-def test_greedy_generations_agree_with_hf(engine, tiny_model, tokenizer):
-    model, _ = tiny_model
+def test_greedy_generations_agree_with_hf(engine, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
     engine.update_weights(model)
     hf = HFRollout(model, tokenizer, dtype=torch.float32)  # fp32 reference for the argmax
     prompts = [tokenizer(t)["input_ids"] for t in ("What is 1 + 1?", "Name a colour.", "Hi")]
@@ -70,6 +95,18 @@ def test_greedy_generations_agree_with_hf(engine, tiny_model, tokenizer):
     assert [x[:2] for x in a.completion_ids] == [x[:2] for x in b.completion_ids]
     assert a.completion_ids == b.completion_ids or sum(
         x == y for x, y in zip(a.completion_ids, b.completion_ids)) >= 2
+
+
+def test_both_engines_stop_on_every_eos_id_without_truncation(engine, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    engine.update_weights(model)
+    hf = HFRollout(model, tokenizer, dtype=torch.float32)
+    assert engine.stop_ids == hf.stop_ids and len(engine.stop_ids) == 2
+    greedy = Sampling(max_new_tokens=6, temperature=0.0)
+    hi = [tokenizer("Hi")["input_ids"]]
+    for out in (engine.generate(hi, 1, greedy), hf.generate(hi, 1, greedy)):
+        assert len(out.completion_ids[0]) == 1 and out.completion_ids[0][0] in engine.stop_ids
+        assert out.truncated == [False]  # stopped by the second eos id: not cut off
 
 
 def test_two_step_grpo_run_with_vllm(tiny_model_dir, tmp_path):

@@ -1,0 +1,114 @@
+"""train_on_rollout: what it skips changes nothing, the KL starts at 0, the engine mismatch covers
+every sampled token, and a non-finite step never touches the weights."""
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_batch
+from grpo import Config, finish_metrics, grpo_loss, setup_trainer, train_on_rollout
+from model import completion_logprobs, length_mask
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 6], [7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]
+COMPLETIONS = [[20, 21, 2], [22, 2], [23, 24, 25, 26], [27, 2], [28, 29], [30, 31, 32, 2]]
+ADVANTAGES = [1.0, 0.0, -0.5, 0.0, 2.0, -1.0]  # positive, zero and negative
+
+
+def _trainer(model_dir, **kw):
+    return setup_trainer(Config(model=model_dir, bf16=False, lr=1e-3, micro_batch_size=2, **kw))
+
+
+def _grads(model):
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_skipping_zero_advantage_sequences_changes_neither_loss_nor_gradient(tiny_model_dir):
+    """With beta = 0 only sequences with a non-zero advantage (positive or negative) go through
+    forward/backward; the result must equal the loss over the whole batch."""
+    trainer = _trainer(tiny_model_dir, beta=0.0)
+    reference = copy.deepcopy(trainer.model)
+    batch = make_batch(PROMPTS, COMPLETIONS, ADVANTAGES)
+    trainer.optimizer.step = lambda: None  # compare gradients before any update
+    metrics = finish_metrics([train_on_rollout(trainer, batch)])
+    assert metrics["trained_frac"] == pytest.approx(4 / 6)
+
+    lp, _ = completion_logprobs(reference, batch.input_ids, batch.prompt_lens,
+                                batch.completion_lens, temperature=trainer.cfg.temperature)
+    mask = length_mask(batch.completion_lens, lp.shape[1])
+    loss, _ = grpo_loss(lp, lp.detach(), None, batch.advantages, mask, num_tokens=batch.denom)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    assert metrics["loss"] == pytest.approx(loss.item(), abs=1e-7)
+    assert torch.allclose(_grads(trainer.model), _grads(reference), atol=1e-7)
+
+
+def test_kl_is_zero_before_the_first_update(tiny_model_dir):
+    """The reference runs in the policy's precision scheme (fp32 weights, bf16 autocast)."""
+    trainer = setup_trainer(Config(model=tiny_model_dir, bf16=True, beta=0.04, lr=1e-3))
+    metrics = finish_metrics([train_on_rollout(trainer, make_batch(PROMPTS, COMPLETIONS,
+                                                                   [0.0] * 6))])
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics["grad_norm"] == pytest.approx(0.0, abs=1e-7)  # no spurious KL gradient
+
+
+def test_engine_mismatch_covers_every_sampled_token(tiny_model_dir):
+    """The mismatch metrics describe the engine: the same rollout gives the same figures whether
+    or not the trainer skips zero-advantage sequences (beta = 0 or not)."""
+    batch = make_batch(PROMPTS, COMPLETIONS, ADVANTAGES)
+    model = _trainer(tiny_model_dir, beta=0.0).model
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, batch.input_ids, batch.prompt_lens,
+                                    batch.completion_lens, temperature=Config().temperature)
+    mask = length_mask(batch.completion_lens, lp.shape[1])
+    offsets = torch.tensor([0.0, 0.3, 0.0, 0.3, 0.0, 0.0])[:, None]  # off where advantage is 0
+    batch.engine_logprobs = (lp - offsets) * mask
+    expected = float((torch.exp(offsets.expand_as(lp)) * mask).sum() / mask.sum())
+    for beta in (0.0, 0.01):
+        metrics = finish_metrics([train_on_rollout(_trainer(tiny_model_dir, beta=beta), batch)])
+        assert metrics["token_mult_prob_error"] == pytest.approx(expected, rel=1e-5), beta
+        assert metrics["logprob_max_abs_diff"] == pytest.approx(0.3, rel=1e-4), beta
+
+
+def test_a_non_finite_step_leaves_the_weights_alone(tiny_model_dir):
+    trainer = _trainer(tiny_model_dir, beta=0.0)
+    before = copy.deepcopy(trainer.model.state_dict())
+    metrics = finish_metrics([train_on_rollout(trainer, make_batch(
+        PROMPTS, COMPLETIONS, [1.0, float("nan"), -1.0, 0.5, 0.0, 0.0]))])
+    assert metrics["skipped_updates"] == 1
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert not trainer.optimizer.state  # Adam never stepped
+    assert trainer.scheduler.last_epoch == 0
+
+
+NAN_AFTER_STEP_1 = r"""
+import sys, torch
+sys.path.insert(0, ".")
+import grpo
+real, calls = grpo.group_advantages, []
+def poisoned(*args, **kwargs):  # step 1 is fine, every later step's advantages are NaN
+    calls.append(1)
+    adv = real(*args, **kwargs)
+    return adv if len(calls) == 1 else adv * float("nan")
+grpo.group_advantages = poisoned
+grpo.main(grpo.parse_config(grpo.Config, sys.argv[1:]))
+"""
+
+
+def test_a_run_stops_after_three_non_finite_steps_in_a_row(tiny_model_dir, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", NAN_AFTER_STEP_1, "--model", tiny_model_dir, "--steps", "8",
+         "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "6",
+         "--beta", "0.01", "--eval-every", "0", "--save-every", "1", "--keep-last", "0",
+         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "error: 3 steps in a row had a non-finite loss or gradient" in result.stderr
+    assert "update skipped" in result.stdout
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_1"]  # nothing is saved from a skipped step
+    assert not (tmp_path / "model.safetensors").exists()  # nor a final model
