@@ -18,7 +18,6 @@ grpo.py calls `evaluate_rows` for its periodic held-out evaluation: one implemen
 import json
 import math
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
@@ -27,7 +26,7 @@ from tqdm import tqdm
 
 from data import TEMPLATES, Template, check, flag, dataset_name, encode_prompts, load_rows
 from data import parse_config
-from reward import Grader, extract_answer, normalize
+from reward import Grader, extract_answer, fast_match
 from rollout import Sampling
 
 # ---------------------------------------------------------------------------------------------
@@ -42,23 +41,28 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def majority_vote(answers: list[str | None], correct: list[bool]) -> bool:
-    """Is the most common answer correct? Answers are compared after normalize(); samples without
-    an answer do not vote. Ties go to the answer that appeared first, so the result is
-    deterministic and independent of set/dict ordering."""
-    votes = Counter()
-    first_seen, is_correct = {}, {}
+def majority_vote(answers: list[str | None], correct: list[bool], equivalent=None) -> bool:
+    """Is the most common answer correct? Answers vote as classes of equivalent answers, so "0.5"
+    and "1/2" add up. Every correct answer is equivalent to the reference, hence one class; the
+    others are grouped by equivalent(a, b) (default: reward.fast_match, i.e. equal after normalize()
+    or as exact numbers; evaluate passes the grader, which adds math-verify). Samples without an
+    answer do not vote. Ties go to the class seen first: deterministic, independent of ordering."""
+    equivalent = equivalent or (lambda a, b: bool(fast_match(a, b)))
+    classes: list[list[int]] = []  # indices of the samples in each class, in order of appearance
     for i, (a, ok) in enumerate(zip(answers, correct)):
         if a is None:
             continue
-        key = normalize(a)
-        votes[key] += 1
-        first_seen.setdefault(key, i)
-        is_correct[key] = is_correct.get(key, False) or ok
-    if not votes:
+        for members in classes:
+            first = members[0]
+            if ok == correct[first] and (ok or equivalent(a, answers[first])):
+                members.append(i)
+                break
+        else:
+            classes.append([i])
+    if not classes:
         return False
-    winner = min(votes, key=lambda key: (-votes[key], first_seen[key]))
-    return is_correct[winner]
+    winner = max(classes, key=lambda members: (len(members), -members[0]))
+    return correct[winner[0]]
 
 
 def powers_of_two(n: int) -> list[int]:
@@ -69,8 +73,10 @@ def powers_of_two(n: int) -> list[int]:
     return ks
 
 
-def summarize(samples: list[dict], n: int) -> dict:
-    """Table row for one dataset from its per-sample records (see evaluate_rows)."""
+def summarize(samples: list[dict], n: int, grader: Grader | None = None) -> dict:
+    """Table row for one dataset from its per-sample records (see evaluate_rows); the grader, if
+    given, decides which wrong answers vote together in maj@k."""
+    equivalent = (lambda a, b: grader.grade([a], [b])[0]) if grader else None
     by_problem = {}
     for s in samples:
         by_problem.setdefault(s["id"], []).append(s)
@@ -84,7 +90,8 @@ def summarize(samples: list[dict], n: int) -> dict:
     for k in ks[1:]:  # maj@1 would equal pass@1; maj@n is the vote over all n samples
         name = "maj@n" if k == n else f"maj@{k}"
         row[name] = sum(majority_vote([s["extracted"] for s in g[:k]],
-                                      [s["correct"] for s in g[:k]]) for g in groups) / len(groups)
+                                      [s["correct"] for s in g[:k]], equivalent)
+                        for g in groups) / len(groups)
     row["mean_len"] = sum(s["length"] for s in samples) / len(samples)
     row["truncated"] = sum(s["truncated"] for s in samples) / len(samples)
     return row
@@ -116,7 +123,7 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
                             "truncated": out.truncated[i]})
         bar.update(len(out))
     bar.close()
-    return summarize(samples, n), samples
+    return summarize(samples, n, grader), samples
 
 
 def plot_curves(history: list[dict], path, title: str = "",

@@ -92,3 +92,22 @@ def test_bad_input_is_a_one_line_error(tmp_path, content, message):
     assert message in result.stderr
     assert str(path) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_majority_vote_counts_equivalent_answers_together():
+    # gold 1/2: three correct answers written three ways outvote "3", which appears twice
+    assert majority_vote(["3", "0.5", "1/2", "\\frac{1}{2}", "3"],
+                         [False, True, True, True, False]) is True
+    # three wrong answers that are all 0.5 outvote the correct "7" (twice)
+    assert majority_vote(["7", "0.5", "1/2", "0.50", "7"],
+                         [True, False, False, False, True]) is False
+    # wrong answers that only a symbolic check equates: the grader decides
+    from reward import Grader
+    grader = Grader(timeout=10)
+    try:
+        same = lambda a, b: grader.grade([a], [b])[0]  # noqa: E731
+        assert majority_vote(["4", "\\sqrt{8}", "2\\sqrt{2}", "4"], [True, False, False, True],
+                             same) is True  # 2 vs 2: the class seen first wins
+        assert majority_vote(["\\sqrt{8}", "4", "2\\sqrt{2}"], [False, True, False], same) is False
+    finally:
+        grader.close()
