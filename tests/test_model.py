@@ -26,7 +26,7 @@ ARCHITECTURES = {
     "llama": lambda: LlamaForCausalLM(LlamaConfig(**SMALL)),
     "phi (LM-head bias)": _phi_with_head_bias,
     "gemma2 (final-logit soft-capping)": lambda: Gemma2ForCausalLM(
-        Gemma2Config(**SMALL, head_dim=32, final_logit_softcapping=2.0)),
+        Gemma2Config(**SMALL, head_dim=32, final_logit_softcapping=0.3)),
     "cohere (logit_scale)": lambda: CohereForCausalLM(CohereConfig(**SMALL, logit_scale=0.3)),
     "granite (logits_scaling)": lambda: GraniteForCausalLM(GraniteConfig(**SMALL,
                                                                          logits_scaling=4.0)),
