@@ -117,13 +117,17 @@ class Worker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
+    group = None  # the trainers' process group, on trainer workers
+
     def init_process_group(self, backend, addr, port, rank, world_size):
         import torch.distributed as dist
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))
         dist.init_process_group(backend, rank=rank, world_size=world_size)
+        self.group = dist.group.WORLD  # this process holds a trainer and nothing else
 
     def setup(self, fn, *args):
-        self.state = fn(*args)
+        """state = fn(*args), given group= the trainers' process group on a trainer worker."""
+        self.state = fn(*args, group=self.group) if self.group is not None else fn(*args)
 
     def run(self, fn, *args):
         return fn(self.state, *args)

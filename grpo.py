@@ -184,6 +184,8 @@ class Config:
               f"{self.overlong_buffer} is longer than --max-new-tokens {self.max_new_tokens}")
         check(not (self.resume and self.init_from), "--resume continues a run, --init-from starts "
               "a new one from other weights: give one of them")
+        check(not self.fsdp or self.num_trainers > 1, "--fsdp shards the model over several "
+              "trainers: use it with --num-trainers N, N > 1")
         # GSPO's objective is (1/G) sum_i min(s_i A_i, clip(s_i) A_i): a mean over sequences. Any
         # other aggregation sums a sequence's |y_i| identical terms and weighs long answers more.
         if self.loss_agg == "auto":
@@ -373,7 +375,7 @@ def same_pass_count(mbs: list, trainer: "Trainer") -> tuple[list, int]:
     ranks must run the same number of passes: pad the shorter lists with passes over sequence 0
     whose loss is multiplied by 0. Returns (micro-batches, how many of them are real)."""
     real = len(mbs)
-    if not trainer.cfg.fsdp:
+    if not trainer.sharded:
         return mbs, real
     most = int(_all_reduce(torch.tensor(real, device=trainer.device), trainer.group,
                            dist.ReduceOp.MAX))
@@ -415,10 +417,17 @@ class Trainer:
     device: str
     group: object = None  # the trainers' data-parallel process group; None for one trainer
 
+    @property
+    def sharded(self) -> bool:  # FSDP2 over the trainers
+        return self.cfg.fsdp and self.group is not None
 
-def setup_trainer(cfg: Config, resume_dir: str = "") -> Trainer:
+
+def setup_trainer(cfg: Config, resume_dir: str = "", group=None) -> Trainer:
     """Model, optimizer and schedule of one training process: from --model, from --init-from's
-    weights, or (resume_dir) from a checkpoint with its optimizer and schedule state."""
+    weights, or (resume_dir) from a checkpoint with its optimizer and schedule state. group: the
+    trainers' data-parallel process group (distributed.py passes it), None for one trainer -- never
+    whatever torch.distributed happens to hold (vLLM's in-process engine sets up a group of its
+    own, one rank, in this very process)."""
     torch.manual_seed(cfg.seed)
     device = pick_device()
     start = cfg.init_from or cfg.model
@@ -432,9 +441,6 @@ def setup_trainer(cfg: Config, resume_dir: str = "") -> Trainer:
         ref_model = ref_model.eval()  # not in the optimizer; run under no_grad
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    # Under Ray the trainers form the default process group; a world of one (also what vLLM's
-    # in-process engine sets up on its own) needs no collectives at all.
-    group = dist.group.WORLD if dist.is_initialized() and dist.get_world_size() > 1 else None
     if cfg.fsdp and group is not None:
         # Models too large for one GPU: shard parameters, gradients and optimizer state over the
         # ranks (FSDP2). Its gradient reduction *averages* over ranks, so train_on_rollout scales
@@ -485,7 +491,7 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
     # keeps the loss identical. Early in training most groups are all-wrong: this halves step time.
     # (Under FSDP every rank trains all its sequences, so the ranks' passes line up.)
     trained = batch.in_loss & (lens > 0)
-    if cfg.beta == 0.0 and not cfg.fsdp:
+    if cfg.beta == 0.0 and not trainer.sharded:
         trained &= batch.advantages != 0
     keep = trained.nonzero().flatten()
     mbs, real = same_pass_count(micro_batches(keep, batch.prompt_lens + lens, cfg), trainer)
@@ -543,14 +549,14 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
             if k >= real:  # an FSDP padding pass: it only keeps the ranks in step
                 (loss * 0.0).backward()
                 continue
-            (loss * world if cfg.fsdp else loss).backward()  # micro-batch losses add up
+            (loss * world if trainer.sharded else loss).backward()  # micro-batch losses add up
             update_loss += float(loss.detach())
             tokens = int(mask.sum())
             metrics["entropy_trained"] = float((entropy * mask).sum()) / max(tokens, 1)
             for key, v in metrics.items():  # token-weighted, so they become full-batch means
                 update_sums[key] = update_sums.get(key, 0.0) + v * tokens
             update_tokens += tokens
-        if group is not None and not cfg.fsdp:
+        if group is not None and not trainer.sharded:
             for p in model.parameters():  # data parallel: the global gradient is the sum
                 if p.grad is None:  # a rank that had no sequence to train this step
                     p.grad = torch.zeros_like(p)

@@ -67,7 +67,10 @@ def _one_vs_two_trainers(cluster, cfg, in_loss=None):
 
     trainers = cluster.trainers(setup_trainer, cfg)
     args = [(batch.select(slice(r.start, r.stop)),) for r in shard(len(batch.advantages), 2)]
-    two = finish_metrics(trainers.run(train_on_rollout, args))
+    raws, groups = zip(*trainers.run(_train_counting_collectives, args))
+    two = finish_metrics(list(raws))
+    # every all-reduce (DDP's gradients, the trained-count check) ran on the trainers' own group
+    assert all(g == "trainers" for g in groups[0] + groups[1]) and len(groups[0]) > 0
     weights = ray.get(trainers.weights_ref(weights_of))
     grads = trainers.run(_full_grads, [()] * 2)[0]
 
@@ -90,6 +93,22 @@ def _one_vs_two_trainers(cluster, cfg, in_loss=None):
     return trainers
 
 
+def _train_counting_collectives(trainer, batch):
+    """train_on_rollout, recording which group each dist.all_reduce call was given."""
+    import torch.distributed as dist
+    real, groups = dist.all_reduce, []
+
+    def counting(tensor, *args, group=None, **kwargs):
+        groups.append("trainers" if group is trainer.group else repr(group))
+        return real(tensor, *args, group=group, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        return train_on_rollout(trainer, batch), groups
+    finally:
+        dist.all_reduce = real
+
+
 def test_one_trainer_equals_two_trainers(cluster, tiny_model_dir):
     _one_vs_two_trainers(cluster, _cfg(tiny_model_dir))
 
@@ -98,7 +117,7 @@ def test_fsdp_two_trainers_equal_one_process(cluster, tiny_model_dir, tmp_path):
     """FSDP2 on gloo: the ranks run the same number of passes (here 2 and 1 real micro-batches,
     and beta = 0 with zero advantages, which the plain path would skip), and saving gathers the
     full weights."""
-    cfg = replace(_cfg(tiny_model_dir), fsdp=True, beta=0.0, micro_batch_size=1)
+    cfg = replace(_cfg(tiny_model_dir), fsdp=True, num_trainers=2, beta=0.0, micro_batch_size=1)
     # rank 0's shard is sequences 0-2, of which two are out of the loss: 1 pass against rank 1's 3
     trainers = _one_vs_two_trainers(cluster, cfg, in_loss=torch.tensor([0, 0, 1, 1, 1, 1]).bool())
     assert trainers.run(_is_sharded, [()] * 2) == [True, True]

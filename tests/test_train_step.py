@@ -112,3 +112,21 @@ def test_a_run_stops_after_three_non_finite_steps_in_a_row(tiny_model_dir, tmp_p
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_1"]  # nothing is saved from a skipped step
     assert not (tmp_path / "model.safetensors").exists()  # nor a final model
+
+
+def test_one_trainer_issues_no_collective_even_inside_a_process_group(tiny_model_dir,
+                                                                      monkeypatch):
+    """vLLM's in-process engine initialises a one-rank default group in the trainer's process
+    (NCCL on a GPU, where a CPU tensor in a collective fails): a lone trainer must not use it."""
+    import torch.distributed as dist
+    calls = []
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter"):
+            monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: calls.append(_name))
+        trainer = _trainer(tiny_model_dir, beta=0.0)
+        finish_metrics([train_on_rollout(trainer, make_batch(PROMPTS, COMPLETIONS, ADVANTAGES))])
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    assert calls == []
