@@ -119,6 +119,13 @@ class Worker:
 
     group = None  # the trainers' process group, on trainer workers
 
+    def __init__(self):
+        if _has_gpu():
+            # Ray sets OMP_NUM_THREADS=1 in actors with num_cpus=0 (our GPU bundles): host-side
+            # work (tokenising, copies) would run on one thread. Give each a share of the node.
+            import torch
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, torch.cuda.device_count())))
+
     def init_process_group(self, backend, addr, port, rank, world_size):
         import torch.distributed as dist
         os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port))

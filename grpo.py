@@ -526,7 +526,6 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
     seq_level = cfg.ratio_level == "sequence"
     for update in range(cfg.updates_per_rollout):
         model.train()
-        trainer.optimizer.zero_grad(set_to_none=False)  # zeros, so every rank can all-reduce
         update_loss, update_sums, update_tokens = 0.0, {}, 0
         for k, idx in enumerate(mbs):
             logprobs, entropy = policy_logprobs(model, batch, idx, cfg, device)
@@ -568,17 +567,22 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
         # skip the update; main stops the run after a few in a row. grad_norm is all-reduced, so
         # every rank decides alike.
         if not (math.isfinite(grad_norm) and math.isfinite(update_loss)):
-            trainer.optimizer.zero_grad(set_to_none=False)
+            trainer.optimizer.zero_grad(set_to_none=True)
             raw["skipped_updates"] += 1
             continue
         trainer.optimizer.step()
         trainer.scheduler.step()
+        # Free the gradients now, not at the next step: a colocated engine generates in between.
+        trainer.optimizer.zero_grad(set_to_none=True)
         raw["loss"] += update_loss / cfg.updates_per_rollout
         raw["grad_norm"] += grad_norm / cfg.updates_per_rollout
         for key, v in update_sums.items():
             raw["sums"][key] = raw["sums"].get(key, 0.0) + v
         raw["tokens"] += update_tokens
     raw["peak_memory_gb"] = peak_memory_gb(device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # hand the training peak's cached blocks back for the engine
+        raw["resident_memory_gb"] = torch.cuda.memory_allocated() / 2**30  # kept between steps
     return raw
 
 
@@ -604,6 +608,8 @@ def finish_metrics(raws: list[dict]) -> dict:
     out["trained_tokens"] = sum(r["trained_tokens"] for r in raws)
     out["lr"] = raws[0]["lr"]
     out["peak_memory_gb"] = max(r.get("peak_memory_gb", 0.0) for r in raws)  # of any one rank
+    if "resident_memory_gb" in raws[0]:
+        out["resident_memory_gb"] = max(r["resident_memory_gb"] for r in raws)
     mismatch = {}
     for r in raws:
         _add_mismatch(mismatch, r["mismatch"])
@@ -902,11 +908,14 @@ def find_checkpoint(out: Path, resume: str) -> str:
 # Many processes: the same training step and engines, placed by Ray (distributed.py).
 
 
-def weights_of(trainer: Trainer) -> dict | None:
-    """The full weights on trainer rank 0, None on the others. Every rank calls it: a sharded
-    (FSDP) model gathers them collectively."""
+def weights_of(trainer: Trainer, dtype=None) -> dict | None:
+    """The full weights on trainer rank 0 (cast to `dtype` where they are, before any copy to the
+    host), None on the others. Every rank calls it: a sharded (FSDP) model gathers them."""
     weights = full_state_dict(trainer.model)  # references, unless sharded
-    return weights if trainer.group is None or dist.get_rank() == 0 else None
+    if trainer.group is not None and dist.get_rank() != 0:
+        return None
+    return {k: v.detach().to(dtype) if dtype and v.is_floating_point() else v
+            for k, v in weights.items()}
 
 
 def _make_engine(cfg: Config):
@@ -933,7 +942,9 @@ def launch_on_ray(cfg: Config, resume_dir: str = ""):
         return finish_metrics(trainers.run(grpo.train_on_rollout, args))
 
     def sync_weights():
-        return engines.update_weights(trainers.weights_ref(grpo.weights_of))
+        # engines run in bf16: cast on the trainer's device, so the host copy is half the size
+        return engines.update_weights(trainers.weights_ref(
+            functools.partial(grpo.weights_of, dtype=torch.bfloat16)))
 
     def save(folder):  # rank 0 writes; on several nodes --out must be on a shared filesystem
         trainers.run(grpo.save_trainer_state, [(folder,)] * cfg.num_trainers)

