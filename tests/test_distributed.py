@@ -132,7 +132,19 @@ def test_fsdp_two_trainers_equal_one_process(cluster, tiny_model_dir, tmp_path):
     saved = load_file(tmp_path / "model.safetensors")
     weights = ray.get(trainers.weights_ref(weights_of))
     assert set(saved) <= set(weights) and all(torch.equal(saved[k], weights[k]) for k in saved)
-    assert (tmp_path / "trainer_state.pt").exists()
+    # --resume scatters the saved optimizer state over the ranks again
+    resumed = cluster.trainers(setup_trainer, cfg, str(tmp_path))
+    before = trainers.run(_optimizer_state, [()] * 2)[0]["state"]
+    after = resumed.run(_optimizer_state, [()] * 2)[0]["state"]
+    assert before.keys() == after.keys() and len(before) > 0
+    for name in before:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(before[name][key], after[name][key]), (name, key)
+
+
+def _optimizer_state(trainer):
+    from model import full_optimizer_state
+    return full_optimizer_state(trainer.model, trainer.optimizer)
 
 
 def _is_sharded(trainer):
