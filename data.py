@@ -12,6 +12,7 @@ other fields travel along to reward functions. Sources:
 import argparse
 import ast
 import inspect
+import itertools
 import json
 import random
 import typing
@@ -179,6 +180,34 @@ def row_stream(rows: list[dict], seed: int):
         rng.shuffle(order)
         for i in order:
             yield rows[i]
+
+
+def load_problems(cfg):
+    """(an endless stream of training problems, the held-out problems) for a GRPO config: `arith`
+    and its held-out pairs, or a file / hub dataset whose tail is held out unless --eval-data."""
+    if cfg.data == "arith":
+        train_rows, eval_rows = arith_stream(cfg.seed), arith_heldout(cfg.eval_size)
+    else:
+        rows, eval_rows = load_rows(cfg.data), []
+        if not cfg.eval_data and cfg.eval_every:  # hold out the tail of the training file
+            n_eval = min(cfg.eval_size, len(rows) // 10)
+            rows, eval_rows = rows[:len(rows) - n_eval], rows[len(rows) - n_eval:]
+        train_rows = row_stream(rows, cfg.seed)
+    if cfg.eval_data:
+        eval_rows = load_rows(cfg.eval_data, limit=cfg.eval_size)
+    return train_rows, eval_rows
+
+
+class ProblemStream:
+    """Hands out problems from an endless stream and counts them: a checkpoint's data position."""
+
+    def __init__(self, rows, skip: int = 0):
+        self.rows, self.taken = itertools.islice(rows, skip, None), skip
+
+    def take(self, n: int) -> list[dict]:
+        out = list(itertools.islice(self.rows, n))
+        self.taken += len(out)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------

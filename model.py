@@ -280,21 +280,12 @@ def save_model(model, tokenizer, out_dir, state_dict=None) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_state(path, mmap: bool = False) -> dict:
-    """A checkpoint's training state (optimizer, schedule, RNG, step), loaded with
-    weights_only=True: tensors and plain containers only, so a checkpoint someone shares can never
-    run code on --resume (transformers' Trainer had to learn this: CVE-2026-1839). A damaged file
-    stops the run with one line that names it and says what to do."""
-    path = Path(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except Exception as e:
-        others = sorted(p.name for p in path.parent.parent.glob("step_*") if p != path.parent)
-        hint = f" (others there: {', '.join(others)})" if others else ""
-        raise SystemExit(f"error: checkpoint {path.parent}: {path.name} cannot be loaded safely "
-                         f"({type(e).__name__}): it is damaged, or holds more than tensors and "
-                         f"plain data, which smolrl never unpickles. Resume from another "
-                         f"checkpoint with --resume PATH{hint}.") from None
+def peak_memory_gb(device: str) -> float:
+    """Peak memory of this process: GPU memory allocated by PyTorch, or resident host memory."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 # ---------------------------------------------------------------------------------------------

@@ -225,6 +225,24 @@ class VLLMRollout:
         return Completions(prompts, completions, truncated, text, logprobs)
 
 
+def engine_mismatch(trainer_lp, engine_lp, mask) -> dict:
+    """How far the rollout engine's log-probs are from the trainer's on the same tokens (sums over
+    valid tokens; the caller divides). Large values mean the engine samples from a different policy
+    than the one being optimized (bf16 kernels, stale weights, a broken sync)."""
+    diff = (trainer_lp - engine_lp) * mask  # (b, T)
+    return {"token_mult_prob_error": float((torch.exp(diff.abs()) * mask).sum()),
+            "gen_kl_error": float(((torch.exp(diff) - diff - 1) * mask).sum()),  # k3
+            "logprob_max_abs_diff": float(diff.abs().max()),
+            "mismatch_tokens": int(mask.sum())}
+
+
+def add_mismatch(total: dict, part: dict):
+    """Accumulate engine_mismatch sums (and the running max) over micro-batches or ranks."""
+    for key, v in part.items():
+        total[key] = max(total.get(key, 0.0), v) if key.endswith("max_abs_diff") \
+            else total.get(key, 0) + v
+
+
 def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_tokens: int = 1024,
                  gpu_memory_utilization: float = 0.2, seed: int = 0):
     """The engine named by --rollout / --backend: "hf" or "vllm" (loads the folder `model` came

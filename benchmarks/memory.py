@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def one(model_dir, length, checkpointing, budget):
     sys.path.insert(0, str(ROOT))
     import torch
-    from grpo import Config, TrainBatch, loss_denominator, peak_memory_gb, setup_trainer
-    from grpo import train_on_rollout
-    from model import pack
+    from grpo import Config, TrainBatch, loss_denominator, train_on_rollout
+    from model import pack, peak_memory_gb
+    from trainer import setup_trainer
     cfg = Config(model=model_dir, beta=0.0, gradient_checkpointing=checkpointing,
                  max_tokens_per_microbatch=budget, max_new_tokens=length)
     trainer = setup_trainer(cfg)

@@ -1,13 +1,18 @@
-"""Shared fixtures: a tiny random Llama model with the real SmolLM2 tokenizer (pad == eos)."""
+"""Shared fixtures: a tiny random Llama model with the real SmolLM2 tokenizer (pad == eos); helpers
+that build training batches and run grpo.py as a user would."""
 
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TIMING = ("seconds", "tokens_per_s", "memory")  # metrics that differ between identical runs
 
 from model import GGUF_FILE, GGUF_PACKAGE  # noqa: E402
 
@@ -69,3 +74,24 @@ def record_grads(trainer) -> dict:
 
     trainer.optimizer.register_step_pre_hook(hook)
     return grads
+
+
+def run_grpo(args, timeout=600):
+    """python grpo.py ARGS from the repository root; fails the test if it fails."""
+    result = subprocess.run([sys.executable, "grpo.py", *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def small_run_args(model_dir, out):
+    """A few-second run of the tiny model; parity_reward gives groups signal, so steps update."""
+    return ["--model", model_dir, "--prompts-per-step", "2", "--num-generations", "4",
+            "--max-new-tokens", "6", "--eval-every", "0", "--beta", "0.01", "--temperature", "1.0",
+            "--lr", "1e-3", "--reward", "tests.rewards:parity_reward", "--out", str(out)]
+
+
+def read_metrics(out):
+    """metrics.jsonl without the timing figures."""
+    rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]

@@ -87,3 +87,26 @@ def test_a_hub_model_without_network_is_one_line(tmp_path):
     assert result.returncode != 0
     assert "the Hugging Face hub cannot be reached" in result.stderr
     assert "local folder" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_config_file_is_overridden_by_flags(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('lr = 3e-6\nsteps = 7\nloss-agg = "seq-mean"\n')
+    cfg = parse_config(Config, ["--config", str(path), "--steps", "9"])
+    assert (cfg.lr, cfg.steps, cfg.loss_agg) == (3e-6, 9, "seq-mean")
+    path.write_text("stepz = 3\n")
+    with pytest.raises(SystemExit, match="unknown option 'stepz'"):
+        parse_config(Config, ["--config", str(path)])
+    path.write_text('steps = "many"\n')
+    with pytest.raises(SystemExit, match="'steps' must be int"):
+        parse_config(Config, ["--config", str(path)])
+
+
+@pytest.mark.parametrize("recipe", sorted(str(p) for p in (ROOT / "recipes").rglob("*.toml")))
+
+
+def test_every_recipe_passes_dry_run(recipe, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_config(Config, ["--config", recipe, "--dry-run"])
+    assert exit_.value.code == 0
+    assert "max_new_tokens" in capsys.readouterr().out

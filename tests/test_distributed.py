@@ -14,7 +14,8 @@ ray = pytest.importorskip("ray")
 from distributed import Cluster, shard  # noqa: E402
 import conftest  # noqa: E402
 from conftest import make_batch, record_grads  # noqa: E402
-from grpo import Config, finish_metrics, setup_trainer, train_on_rollout, weights_of  # noqa: E402
+from grpo import Config, train_on_rollout  # noqa: E402
+from trainer import finish_metrics, setup_trainer, weights_of  # noqa: E402
 from rollout import HFRollout, Sampling  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -126,8 +127,8 @@ def test_fsdp_two_trainers_equal_one_process(cluster, tiny_model_dir, tmp_path):
     # rank 0's shard is sequences 0-2, of which two are out of the loss: 1 pass against rank 1's 3
     trainers = _one_vs_two_trainers(cluster, cfg, in_loss=torch.tensor([0, 0, 1, 1, 1, 1]).bool())
     assert trainers.run(_is_sharded, [()] * 2) == [True, True]
-    from grpo import save_trainer_state
-    trainers.run(save_trainer_state, [(str(tmp_path),)] * 2)
+    from trainer import save_trainer
+    trainers.run(save_trainer, [(str(tmp_path),)] * 2)
     from safetensors.torch import load_file
     saved = load_file(tmp_path / "model.safetensors")
     weights = ray.get(trainers.weights_ref(weights_of))

@@ -1,9 +1,12 @@
-"""A two-step grpo.py run on a tiny random model, through the command line."""
+"""grpo.py through the command line on a tiny random model: a two-step run, bad data, DAPO's
+dynamic sampling."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from conftest import read_metrics, run_grpo, small_run_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,3 +57,19 @@ def test_jsonl_data_with_prompt_column_and_too_few_rows_to_hold_out(tiny_model_d
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]  # 5 rows: nothing to hold out, no evaluation
     assert "eval_accuracy" not in records[0]
+
+
+def test_dynamic_sampling_never_loops_forever(tiny_model_dir, tmp_path):
+    # A random model never answers correctly: every group has zero spread, every round is dropped.
+    run_grpo(small_run_args(tiny_model_dir, tmp_path) + ["--steps", "1", "--dynamic-sampling",
+                                              "--max-fill-rounds", "2", "--reward", "correctness"])
+    r = read_metrics(tmp_path)[0]
+    assert (r["fill_rounds"], r["kept_groups"], r["dropped_groups"]) == (2, 0, 6)
+    assert r["trained_frac"] == 0.0
+
+
+def test_dynamic_sampling_fills_the_batch(tiny_model_dir, tmp_path):
+    run_grpo(small_run_args(tiny_model_dir, tmp_path) + ["--steps", "2", "--dynamic-sampling"])
+    for r in read_metrics(tmp_path):
+        assert r["kept_groups"] == 2  # the batch is full of groups that have signal
+        assert r["dropped_groups"] <= 2 * (r["fill_rounds"] + 1)

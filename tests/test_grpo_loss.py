@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from grpo import group_advantages, grpo_loss, loss_denominator
+from grpo import Config, group_advantages, grpo_loss, loss_denominator, overlong_penalty
 
 
 def _batch():
@@ -220,3 +220,56 @@ def test_each_clip_bound_uses_its_own_eps_in_loss_and_gradient(ratio, adv, eps_l
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     # d/dlp of -r A is -r A; a clipped token has no gradient
     assert lp.grad.item() == pytest.approx(0.0 if clipped else -ratio * adv, rel=1e-6)
+
+
+def test_overlong_penalty_values():
+    assert overlong_penalty([10, 12, 14, 16], max_new_tokens=16, buffer=4) == [0.0, 0.0, -0.5, -1.0]
+
+
+def test_gspo_sequence_ratio_against_hand_computed():
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]])
+    old = torch.tensor([[-1.1, -2.2, -2.7], [-0.5, -0.3, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0])
+    eps_low, eps_high = 3e-4, 4e-4
+    s0 = math.exp(((-1 + 1.1) + (-2 + 2.2) + (-3 + 2.7)) / 3)  # exp(0) = 1.0
+    s1 = math.exp(((-0.5 + 0.5) + (-0.5 + 0.3)) / 2)  # exp(-0.1)
+    per_seq = [-min(s * a, min(max(s, 1 - eps_low), 1 + eps_high) * a)
+               for s, a in ((s0, 1.0), (s1, -1.0))]
+    loss, m = grpo_loss(lp, old, None, adv, mask, eps_low=eps_low, eps_high=eps_high,
+                        loss_agg="seq-mean", ratio_level="sequence")
+    assert loss.item() == pytest.approx(sum(per_seq) / 2, rel=1e-4)  # fp32
+    assert m["clip_low"] == pytest.approx(2 / 5)  # sequence 1 (2 tokens) is clipped low
+    # GSPO's objective is a mean over sequences: any other aggregation is refused
+    for agg in ("token-mean", "seq-sum-norm"):
+        with pytest.raises(ValueError, match="seq-mean"):
+            grpo_loss(lp, old, None, adv, mask, loss_agg=agg, ratio_level="sequence")
+
+
+def test_gspo_gradient_is_the_papers():
+    """d loss / d log pi(y_i,t) = -(1/G) s_i A_i / |y_i| for every token of an unclipped sequence:
+    long answers do not weigh more than short ones."""
+    lens = torch.tensor([2, 6])
+    mask = torch.arange(6)[None] < lens[:, None]
+    old = -torch.rand(2, 6) - 0.5
+    lp = (old + 0.01 * torch.randn(2, 6) * mask).requires_grad_()
+    adv = torch.tensor([1.5, -0.7])
+    cfg = Config(ratio_level="sequence", seq_eps_low=0.5, seq_eps_high=0.5)  # nothing clipped
+    assert cfg.loss_agg == "seq-mean"  # what --ratio-level sequence resolves to
+    loss, _ = grpo_loss(lp, old, None, adv, mask, eps_low=cfg.seq_eps_low,
+                        eps_high=cfg.seq_eps_high, loss_agg=cfg.loss_agg,
+                        num_tokens=loss_denominator(cfg.loss_agg, lens, 6),
+                        ratio_level="sequence")
+    loss.backward()
+    for i in range(2):
+        n = int(lens[i])
+        s_i = math.exp(float((lp[i, :n] - old[i, :n]).mean()))
+        expected = -(1 / 2) * s_i * float(adv[i]) / n
+        assert torch.allclose(lp.grad[i, :n], torch.full((n,), expected), rtol=1e-5)
+        assert lp.grad[i, n:].eq(0).all()
+
+
+def test_gspo_refuses_a_contradictory_aggregation():
+    with pytest.raises(SystemExit, match="--loss-agg token-mean contradicts"):
+        Config(ratio_level="sequence", loss_agg="token-mean")
+    assert Config().loss_agg == "token-mean"

@@ -234,3 +234,12 @@ def test_a_non_finite_reward_counts_as_an_error(capsys):
     assert fns.errors == 4
     out = capsys.readouterr().out
     assert out.count("Traceback") == 2 and "non-finite score" in out  # each reported once
+
+
+def test_require_think_close():
+    fns = RewardFunctions("correctness", "boxed", Grader(), require_think_close=True)
+    completions = ["<think>maybe \\boxed{4}</think> so \\boxed{5}",
+                   "<think>still thinking \\boxed{5}",
+                   "<think>x</think> \\boxed{4}"]
+    total, _ = fns(["q"] * 3, completions, [{"answer": "5"}] * 3)
+    assert total == [1.0, 0.0, 0.0]

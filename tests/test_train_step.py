@@ -1,5 +1,6 @@
-"""train_on_rollout: what it skips changes nothing, the KL starts at 0, the engine mismatch covers
-every sampled token, and a non-finite step never touches the weights."""
+"""train_on_rollout: what it skips changes nothing (zero advantages, overlong-filtered samples),
+micro-batching changes nothing, the KL starts at 0, the engine mismatch covers every sampled token,
+a non-finite step never touches the weights, and a lone trainer issues no collective."""
 
 import copy
 import subprocess
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from conftest import make_batch, record_grads
-from grpo import Config, finish_metrics, grpo_loss, setup_trainer, train_on_rollout
+from grpo import Config, grpo_loss, train_on_rollout
 from model import completion_logprobs, length_mask
+from trainer import finish_metrics, setup_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6], [7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]
@@ -131,3 +133,47 @@ def test_one_trainer_issues_no_collective_even_inside_a_process_group(tiny_model
         monkeypatch.undo()
         dist.destroy_process_group()
     assert calls == []
+
+
+def _tiny_trainer(model_dir, **kw):
+    return setup_trainer(Config(model=model_dir, bf16=False, beta=0.0, lr=1e-3, **kw))
+
+
+def _flat(recorded):
+    return torch.cat([g.flatten() for g in recorded.values()])
+
+
+def test_overlong_filtered_sample_has_zero_weight(tiny_model_dir):
+    prompts = [[5, 6], [7, 8, 9], [10]]
+    completions = [[11, 12, 2], [13, 14, 15, 16], [17, 2]]
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    in_loss = torch.tensor([True, False, True])  # sample 1 was truncated: out of the loss
+    a = _tiny_trainer(tiny_model_dir)
+    grads_a = record_grads(a)
+    ra = finish_metrics([train_on_rollout(a, make_batch(prompts, completions, adv,
+                                                        in_loss=in_loss))])
+    keep = [0, 2]  # the same batch without sample 1 at all
+    b = _tiny_trainer(tiny_model_dir)
+    grads_b = record_grads(b)
+    rb = finish_metrics([train_on_rollout(b, make_batch([prompts[i] for i in keep],
+                                                        [completions[i] for i in keep],
+                                                        adv[keep]))])
+    assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+    assert torch.allclose(_flat(grads_a), _flat(grads_b), atol=1e-7)
+    assert ra["trained_frac"] == pytest.approx(2 / 3)
+
+
+def test_token_budget_micro_batches_leave_loss_and_gradient_unchanged(tiny_model_dir):
+    prompts = [[5, 6], [7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17]]
+    completions = [[20, 21, 2], [22, 2], [23, 24, 25, 26, 27, 28], [29], [30, 31, 2]]
+    batch = make_batch(prompts, completions, [1.0, -1.0, 0.5, 2.0, -0.3])
+    results = []
+    for kw in (dict(micro_batch_size=16), dict(max_tokens_per_microbatch=9),
+               dict(max_tokens_per_microbatch=16, gradient_checkpointing=True)):
+        trainer = _tiny_trainer(tiny_model_dir, **kw)
+        grads = record_grads(trainer)
+        metrics = finish_metrics([train_on_rollout(trainer, batch)])
+        results.append((metrics["loss"], _flat(grads)))
+    for loss, grads in results[1:]:
+        assert loss == pytest.approx(results[0][0], rel=1e-5)
+        assert torch.allclose(grads, results[0][1], atol=1e-6)

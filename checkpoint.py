@@ -1,0 +1,132 @@
+"""Checkpoints of a GRPO run: the one place their format is written and read.
+
+    <out>/checkpoints/step_N/
+        config.json, model.safetensors, tokenizer files   the policy as an HF folder, loadable as is
+        trainer_state.pt   optimizer, LR schedule, torch RNG          (written by trainer rank 0)
+        driver_state.pt    step, data position, python + numpy RNG    (written by the driver)
+        metrics.jsonl, grpo_config.json                               the run so far
+
+A checkpoint is written to `.tmp-step_N` and renamed into place, so a kill -9 during a save leaves
+the previous one whole. Training state is read with `weights_only=True`: tensors and plain
+containers only, so a checkpoint someone shares can never run code on --resume (transformers'
+Trainer had to learn this: CVE-2026-1839). A damaged file stops the run with one line naming it.
+"""
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model import full_optimizer_state, full_state_dict, load_optimizer_state, save_model
+
+
+def save_trainer_state(folder, model, tokenizer, optimizer, scheduler, writer: bool = True):
+    """The trainer's half: model, optimizer, schedule, RNG. Every rank calls it (a sharded model's
+    full tensors are gathered from all of them); only the `writer` (rank 0) writes."""
+    weights = full_state_dict(model)
+    optimizer_state = full_optimizer_state(model, optimizer)
+    if writer:
+        save_model(model, tokenizer, folder, weights)
+        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+                    "torch_rng": torch.get_rng_state()}, Path(folder) / "trainer_state.pt")
+
+
+def load_trainer_state(folder, model, optimizer, scheduler):
+    """Restore what save_trainer_state wrote (the model itself is loaded from the folder)."""
+    state = load_state(Path(folder) / "trainer_state.pt")
+    load_optimizer_state(model, optimizer, state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["torch_rng"])
+
+
+@dataclass
+class DriverState:
+    """Where the driver's loop stands: what a resumed run starts from."""
+    step: int = 0  # the last step done
+    consumed: int = 0  # training problems drawn from the data stream so far
+    history: list[dict] = field(default_factory=list)  # metrics.jsonl so far
+
+
+def save_checkpoint(out: Path, driver: DriverState, save_trainer, keep_last: int):
+    """<out>/checkpoints/step_N, atomically; then prune to the newest keep_last (0 keeps all)."""
+    folder = out / "checkpoints"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".tmp-step_{driver.step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_trainer(str(tmp))
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as lists: loadable weights-only
+    torch.save({"step": driver.step, "consumed": driver.consumed, "python_rng": random.getstate(),
+                "numpy_rng": [kind, keys.tolist(), pos, has_gauss, gauss]},
+               tmp / "driver_state.pt")
+    shutil.copy(out / "metrics.jsonl", tmp / "metrics.jsonl")
+    shutil.copy(out / "grpo_config.json", tmp / "grpo_config.json")
+    final = folder / f"step_{driver.step}"
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)  # atomic: the checkpoint exists whole, or not at all
+    if keep_last:
+        for old in sorted(_checkpoints(folder), key=_step_of)[:-keep_last]:
+            shutil.rmtree(old)
+
+
+def load_driver_state(folder) -> DriverState:
+    """The driver's half, with the python and numpy RNGs restored."""
+    state = load_state(Path(folder) / "driver_state.pt")
+    random.setstate(state["python_rng"])
+    kind, keys, *rest = state["numpy_rng"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
+    history = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    return DriverState(state["step"], state["consumed"], history)
+
+
+def find_checkpoint(out: Path, resume: str) -> str:
+    """--resume auto: the newest complete checkpoint in <out>/checkpoints; or the folder given.
+    Its files are checked here, before any model loads, so a damaged one is named at once."""
+    if resume != "auto":
+        if not (Path(resume) / "driver_state.pt").exists():
+            raise SystemExit(f"error: --resume {resume}: not a checkpoint folder (no driver_state.pt)")
+        folder = Path(resume)
+    else:
+        found = _checkpoints(out / "checkpoints")
+        if not found:
+            raise SystemExit(f"error: --resume auto: no checkpoint in {out / 'checkpoints'}")
+        folder = max(found, key=_step_of)
+    for name in ("driver_state.pt", "trainer_state.pt"):
+        load_state(folder / name, mmap=True)  # reads the structure, not gigabytes of tensors
+    from safetensors import safe_open
+    for weights in folder.glob("*.safetensors"):
+        try:
+            with safe_open(weights, "pt") as f:
+                f.keys()
+        except Exception as e:
+            raise SystemExit(f"error: checkpoint {folder}: {weights.name} is damaged ({e}); "
+                             f"resume from another checkpoint with --resume PATH") from None
+    return str(folder)
+
+
+def load_state(path, mmap: bool = False) -> dict:
+    """A training-state file, weights-only; a damaged or foreign one stops the run with one line
+    that names it and says what to do."""
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:
+        others = sorted(p.name for p in path.parent.parent.glob("step_*") if p != path.parent)
+        hint = f" (others there: {', '.join(others)})" if others else ""
+        raise SystemExit(f"error: checkpoint {path.parent}: {path.name} cannot be loaded safely "
+                         f"({type(e).__name__}): it is damaged, or holds more than tensors and "
+                         f"plain data, which smolrl never unpickles. Resume from another "
+                         f"checkpoint with --resume PATH{hint}.") from None
+
+
+def _step_of(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def _checkpoints(folder: Path) -> list[Path]:
+    return [p for p in folder.glob("step_*") if (p / "driver_state.pt").exists()]

@@ -1,0 +1,137 @@
+"""Checkpoints (checkpoint.py): exact resume, --keep-last, a kill during a save, --init-from,
+weights-only loading, damaged and crafted files."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import DriverState, find_checkpoint, load_state, save_checkpoint
+from conftest import ROOT, read_metrics, run_grpo, small_run_args
+
+
+def test_resume_is_exact(tiny_model_dir, tmp_path):
+    run_grpo(small_run_args(tiny_model_dir, tmp_path / "a") + ["--steps", "4"])
+    run_grpo(small_run_args(tiny_model_dir, tmp_path / "b") + ["--steps", "2", "--save-every", "2"])
+    assert (tmp_path / "b/checkpoints/step_2/trainer_state.pt").exists()
+    result = run_grpo(small_run_args(tiny_model_dir, tmp_path / "b") + ["--steps", "4",
+                                                                       "--resume", "auto"])
+    assert "resuming from" in result.stdout
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert a == b  # every non-timing metric of steps 3 and 4 (and 1, 2) is identical
+
+
+def test_keep_last_and_bad_resume(tiny_model_dir, tmp_path):
+    run_grpo(small_run_args(tiny_model_dir, tmp_path) + ["--steps", "3", "--save-every", "1",
+                                                         "--keep-last", "2"])
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_2", "step_3"]
+    with pytest.raises(SystemExit, match="not a checkpoint folder"):
+        find_checkpoint(tmp_path, str(tmp_path))
+
+
+KILL_DURING_SAVE = r"""
+import os, signal, sys, torch
+sys.path.insert(0, ".")
+import grpo
+real_save = torch.save
+def dying_save(obj, path, *a, **k):
+    if "driver_state" in str(path) and "step_2" in str(path):
+        os.kill(os.getpid(), signal.SIGKILL)  # kill -9 in the middle of writing checkpoint 2
+    return real_save(obj, path, *a, **k)
+torch.save = dying_save
+grpo.main(grpo.Config(model=sys.argv[1], out=sys.argv[2], steps=3, save_every=1, keep_last=5,
+                      prompts_per_step=2, num_generations=2, max_new_tokens=4, eval_every=0))
+"""
+
+
+def test_kill_during_save_leaves_the_last_checkpoint_whole(tiny_model_dir, tmp_path):
+    result = subprocess.run([sys.executable, "-c", KILL_DURING_SAVE, tiny_model_dir,
+                             str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == -9
+    folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert folders == [".tmp-step_2", "step_1"]  # half-written 2 never took step_2's name
+    assert find_checkpoint(tmp_path, "auto").endswith("step_1")
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints/step_1")  # loadable
+    run_grpo(["--model", tiny_model_dir, "--out", str(tmp_path), "--resume", "auto", "--steps", "2",
+          "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "4",
+          "--eval-every", "0"])
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_init_from_starts_from_the_weights(tiny_model_dir, tmp_path):
+    run_grpo(small_run_args(tiny_model_dir, tmp_path / "a") + ["--steps", "1", "--save-every",
+                                                                "1"])
+    ckpt = tmp_path / "a/checkpoints/step_1"
+    run_grpo(small_run_args(tiny_model_dir, tmp_path / "b") + ["--steps", "0", "--init-from",
+                                                                str(ckpt)])
+    from safetensors.torch import load_file
+    start, saved = load_file(ckpt / "model.safetensors"), load_file(tmp_path / "b/model.safetensors")
+    original = load_file(Path(tiny_model_dir) / "model.safetensors")
+    for name in start:
+        assert torch.equal(start[name], saved[name]), name
+    assert any(not torch.equal(start[n], original[n]) for n in start)  # really other weights
+
+
+def _fake_checkpoints(out, steps, keep_last):
+    """save_checkpoint with a stand-in for the trainer's half (no model needed)."""
+    out.mkdir(exist_ok=True)
+    (out / "metrics.jsonl").write_text("")
+    (out / "grpo_config.json").write_text("{}")
+
+    def save_trainer(folder):
+        torch.save({"optimizer": {}, "scheduler": {}, "torch_rng": torch.get_rng_state()},
+                   Path(folder) / "trainer_state.pt")
+
+    for step in steps:
+        save_checkpoint(out, DriverState(step, consumed=step * 2), save_trainer, keep_last)
+    return sorted((p.name for p in (out / "checkpoints").iterdir()), key=lambda n: int(n[5:]))
+
+
+def test_keep_last_zero_keeps_every_checkpoint(tmp_path):
+    assert _fake_checkpoints(tmp_path / "a", [1, 2, 3], keep_last=0) == ["step_1", "step_2",
+                                                                          "step_3"]
+    assert _fake_checkpoints(tmp_path / "b", [1, 2, 3], keep_last=1) == ["step_3"]
+
+
+def test_checkpoint_state_loads_weights_only(tmp_path):
+    _fake_checkpoints(tmp_path, [4], keep_last=0)
+    state = load_state(tmp_path / "checkpoints/step_4/driver_state.pt")
+    assert state["step"] == 4 and state["consumed"] == 8
+    assert find_checkpoint(tmp_path, "auto").endswith("step_4")
+
+
+def test_a_damaged_checkpoint_is_named(tmp_path):
+    _fake_checkpoints(tmp_path, [1, 2], keep_last=0)
+    driver = tmp_path / "checkpoints/step_2/driver_state.pt"
+    driver.write_bytes(driver.read_bytes()[:100])  # truncated by a full disk, say
+    with pytest.raises(SystemExit, match=r"checkpoint .*step_2: driver_state.pt cannot be loaded"
+                                         r".*--resume PATH \(others there: step_1\)"):
+        find_checkpoint(tmp_path, "auto")
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_crafted_checkpoint_cannot_run_code(tiny_model_dir, tmp_path):
+    _fake_checkpoints(tmp_path, [1], keep_last=0)
+    marker = tmp_path / "code-ran"
+    ckpt = tmp_path / "checkpoints/step_1"
+    torch.save({"step": 1, "consumed": 2, "payload": _Exploit(str(marker))},
+               ckpt / "driver_state.pt")
+    result = subprocess.run([sys.executable, "grpo.py", "--model", tiny_model_dir, "--resume",
+                             str(ckpt), "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0
+    assert "driver_state.pt cannot be loaded safely" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not marker.exists()

@@ -1,0 +1,219 @@
+"""One GRPO training process and what runs around its loss: set-up (model, KL reference, FSDP2,
+optimizer, resume), agreement between ranks, the gradient all-reduce and the optimizer step, the
+ranks' metrics combined -- and the `Run` the loop drives, built in this process or on Ray.
+
+grpo.py holds the algorithm (the loss, the training step, the loop); this module holds the
+plumbing it needs, so a student reads the first without the second. It imports nothing above it:
+the training step is handed in (`train_step`), and Ray runs the functions it is given
+(distributed.py).
+"""
+
+import copy
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import load_trainer_state, save_trainer_state
+from model import adamw_with_warmup, check_head_logits, full_state_dict, load_model, pick_device
+from model import shard_model
+from rollout import add_mismatch, make_rollout
+
+
+@dataclass
+class Trainer:
+    """What one training process holds. One of them in a plain run; one per rank under Ray."""
+    model: torch.nn.Module
+    tokenizer: object
+    ref_model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    cfg: object  # grpo.Config
+    device: str
+    group: object = None  # the trainers' data-parallel process group; None for one trainer
+
+    @property
+    def sharded(self) -> bool:  # FSDP2 over the trainers
+        return self.cfg.fsdp and self.group is not None
+
+    @property
+    def world(self) -> int:
+        return dist.get_world_size(self.group) if self.group is not None else 1
+
+
+def setup_trainer(cfg, resume_dir: str = "", group=None) -> Trainer:
+    """Model, optimizer and schedule of one training process: from --model, from --init-from's
+    weights, or (resume_dir) from a checkpoint with its optimizer and schedule state. group: the
+    trainers' data-parallel process group (distributed.py passes it), None for one trainer -- never
+    whatever torch.distributed happens to hold (vLLM's in-process engine sets up a group of its
+    own, one rank, in this very process)."""
+    torch.manual_seed(cfg.seed)
+    device = pick_device()
+    start = cfg.init_from or cfg.model
+    model, tokenizer = load_model(resume_dir or start, device)
+    check_head_logits(model)
+    ref_model = None
+    if cfg.beta != 0.0:  # a frozen copy of the *initial* policy
+        # In the policy's precision scheme (fp32 weights, bf16 autocast), not pure bf16: then
+        # KL(pi || ref) is exactly 0 before the first update instead of bf16 noise with a gradient.
+        ref_model = load_model(start, device)[0] if resume_dir else copy.deepcopy(model)
+        ref_model = ref_model.eval()  # not in the optimizer; run under no_grad
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if cfg.fsdp and group is not None:
+        # Models too large for one GPU: shard parameters, gradients and optimizer state over the
+        # ranks (FSDP2). Its gradient reduction *averages* over ranks, so train_on_rollout scales
+        # the loss by the world size to keep the sum-over-global-batch convention.
+        shard_model(model)
+        if ref_model is not None:
+            shard_model(ref_model)
+    optimizer, scheduler = adamw_with_warmup(model, cfg.lr, cfg.warmup_steps, cfg.weight_decay,
+                                             betas=(0.9, 0.99))
+    if resume_dir:
+        load_trainer_state(resume_dir, model, optimizer, scheduler)
+    return Trainer(model, tokenizer, ref_model, optimizer, scheduler, cfg, device, group)
+
+
+def save_trainer(trainer: Trainer, folder: str):
+    """The trainer's half of a checkpoint (checkpoint.py); every rank calls it, rank 0 writes."""
+    save_trainer_state(folder, trainer.model, trainer.tokenizer, trainer.optimizer,
+                       trainer.scheduler, writer=trainer.group is None or dist.get_rank() == 0)
+
+
+def weights_of(trainer: Trainer, dtype=None) -> dict | None:
+    """The full weights on trainer rank 0 (cast to `dtype` where they are, before any copy to the
+    host), None on the others. Every rank calls it: a sharded (FSDP) model gathers them."""
+    weights = full_state_dict(trainer.model)  # references, unless sharded
+    if trainer.group is not None and dist.get_rank() != 0:
+        return None
+    return {k: v.detach().to(dtype) if dtype and v.is_floating_point() else v
+            for k, v in weights.items()}
+
+
+def same_pass_count(mbs: list, trainer: "Trainer") -> tuple[list, int]:
+    """FSDP2 gathers each layer's parameters from every rank in every forward and backward, so all
+    ranks must run the same number of passes: pad the shorter lists with passes over sequence 0
+    whose loss is multiplied by 0. Returns (micro-batches, how many of them are real)."""
+    real = len(mbs)
+    if not trainer.sharded:
+        return mbs, real
+    most = int(_all_reduce(torch.tensor(real, device=trainer.device), trainer.group,
+                           dist.ReduceOp.MAX))
+    return mbs + [torch.zeros(1, dtype=torch.long, device=trainer.device)] * (most - real), real
+
+
+def any_rank_trains(trainer, trained: int) -> bool:
+    """Every rank must agree on whether to step: a rank with nothing to train still joins the
+    gradient all-reduce; if no rank has anything, nobody steps (Adam would move on zero grads)."""
+    return int(_all_reduce(torch.tensor(trained, device=trainer.device), trainer.group)) > 0
+
+
+def optimizer_step(trainer, loss: float) -> float | None:
+    """Reduce the gradients over the ranks, clip, step; returns the gradient norm, or None when
+    the loss or the gradient is not finite: then the weights are left alone (main stops the run
+    after a few such steps in a row). grad_norm is global, so every rank decides alike."""
+    model, group = trainer.model, trainer.group
+    if group is not None and not trainer.sharded:
+        for p in model.parameters():  # data parallel: the global gradient is the sum
+            if p.grad is None:  # a rank that had no sequence to train this step
+                p.grad = torch.zeros_like(p)
+            _all_reduce(p.grad, group)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.cfg.max_grad_norm)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if math.isfinite(grad_norm) and math.isfinite(loss):
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    # Free the gradients now, not at the next step: a colocated engine generates in between.
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return grad_norm if math.isfinite(grad_norm) and math.isfinite(loss) else None
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def finish_metrics(raws: list[dict]) -> dict:
+    """Combine the raw sums of one or more ranks into the step's metrics."""
+    tokens = sum(r["tokens"] for r in raws)
+    out = {}
+    for r in raws:
+        for key, v in r["sums"].items():
+            out[key] = out.get(key, 0.0) + v / max(tokens, 1)
+    out["loss"] = sum(r["loss"] for r in raws)  # each rank holds its share of the global loss
+    out["grad_norm"] = raws[0]["grad_norm"]  # all-reduced: the same on every rank
+    out["skipped_updates"] = max(r["skipped_updates"] for r in raws)
+    out["trained_frac"] = sum(r["trained_seqs"] for r in raws) / sum(r["seqs"] for r in raws)
+    out["trained_tokens"] = sum(r["trained_tokens"] for r in raws)
+    out["lr"] = raws[0]["lr"]
+    out["peak_memory_gb"] = max(r.get("peak_memory_gb", 0.0) for r in raws)  # of any one rank
+    if "resident_memory_gb" in raws[0]:
+        out["resident_memory_gb"] = max(r["resident_memory_gb"] for r in raws)
+    mismatch = {}
+    for r in raws:
+        add_mismatch(mismatch, r["mismatch"])
+    n = mismatch.pop("mismatch_tokens", 0)
+    for key, v in mismatch.items():
+        out[key] = v if key.endswith("max_abs_diff") else v / max(n, 1)
+    return out
+
+
+def make_engine(cfg):
+    """A rollout engine on an engine worker."""
+    model, tokenizer = load_model(cfg.model, pick_device())
+    return make_rollout(cfg.rollout, model, tokenizer, device=pick_device(), seed=cfg.seed,
+                        max_new_tokens=cfg.max_new_tokens,
+                        gpu_memory_utilization=cfg.gpu_memory_utilization)
+
+
+
+@dataclass
+class Run:
+    """What the loop drives, the same whether everything lives in this process or on Ray."""
+    tokenizer: object
+    rollout: object  # generate(prompt_ids, n, sampling) -> Completions (rollout.py)
+    train: Callable[[object], dict]  # one policy update on a grpo.TrainBatch -> its metrics
+    sync_weights: Callable[[], float]  # the engines take the trainers' weights -> seconds
+    save: Callable[[str], None]  # the trainer's half of a checkpoint (or the final model)
+
+
+def setup_local(cfg, train_step, resume_dir: str = "") -> "Run":
+    """One process: the trainer and the rollout engine live here. train_step(trainer, batch) is
+    grpo.train_on_rollout."""
+    trainer = setup_trainer(cfg, resume_dir)
+    rollout = make_rollout(cfg.rollout, trainer.model, trainer.tokenizer, device=trainer.device,
+                           seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+                           gpu_memory_utilization=cfg.gpu_memory_utilization)
+    return Run(trainer.tokenizer, rollout,
+               train=lambda batch: finish_metrics([train_step(trainer, batch)]),
+               sync_weights=lambda: rollout.update_weights(trainer.model),
+               save=lambda folder: save_trainer(trainer, folder))
+
+
+def setup_ray(cfg, train_step, resume_dir: str = "") -> "Run":
+    """Ray: the same functions, run by trainer and engine workers placed by distributed.py."""
+    from distributed import Cluster, shard
+    from model import load_tokenizer
+    cluster = Cluster(cfg.num_trainers, cfg.num_engines, colocate=cfg.colocate,
+                      address=cfg.ray_address)
+    trainers = cluster.trainers(setup_trainer, cfg, resume_dir)
+    engines = cluster.engines(make_engine, cfg)
+
+    def train(batch):
+        parts = shard(len(batch.advantages), cfg.num_trainers)  # each rank: a contiguous slice
+        return finish_metrics(trainers.run(train_step, [(batch.select(slice(r.start, r.stop)),)
+                                                        for r in parts]))
+
+    def sync_weights():  # engines run in bf16: cast on the trainers' device, half the host copy
+        return engines.update_weights(trainers.weights_ref(
+            functools.partial(weights_of, dtype=torch.bfloat16)))
+
+    def save(folder):  # rank 0 writes; on several nodes --out must be on a shared filesystem
+        trainers.run(save_trainer, [(folder,)] * cfg.num_trainers)
+
+    sync_weights()  # engines start from exactly the trainers' weights
+    return Run(load_tokenizer(cfg.model), engines, train, sync_weights, save)
