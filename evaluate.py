@@ -155,6 +155,24 @@ def plot_curves(history: list[dict], path, title: str = "",
     plt.close(fig)
 
 
+def format_step(r: dict) -> str:
+    """The line grpo.py prints for each step (and for its step-0 evaluation)."""
+    if r["step"] == 0:
+        return f"step    0 | held-out accuracy {r['eval_accuracy']:.3f} (greedy)"
+    line = (f"step {r['step']:4d} | reward {r['reward']:.3f} acc {r['accuracy']:.3f} "
+            f"zero-std {r['zero_std_frac']:.2f} | len {r['completion_len']:.1f} "
+            f"trunc {r['truncated_frac']:.2f} | gnorm {r['grad_norm']:.3f}")
+    if "entropy_trained" in r:
+        line += f" ent {r['entropy_trained']:.3f} clip {r['clip_low'] + r['clip_high']:.3f}"
+    if "kl" in r:
+        line += f" kl {r['kl']:.4f}"
+    line += (f" | gen {r['gen_seconds']:.1f}s train {r['train_seconds']:.1f}s "
+             f"({r['gen_tokens_per_s']:.0f} tok/s gen)")
+    if "eval_accuracy" in r:
+        line += f" | held-out {r['eval_accuracy']:.3f}"
+    return line
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line
 

@@ -28,7 +28,7 @@ import functools
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -38,7 +38,7 @@ from tqdm import tqdm
 from checkpoint import DriverState, find_checkpoint, load_driver_state, save_checkpoint
 from data import TEMPLATES, ProblemStream, Template, check, encode_prompts, flag, load_problems
 from data import parse_config
-from evaluate import evaluate_rows, plot_curves
+from evaluate import evaluate_rows, format_step, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, pack, peak_memory_gb
 from model import right_pad
 from reward import Grader, RewardFunctions, correctness_reward
@@ -205,8 +205,7 @@ class Config:
               f"leave --loss-agg out or pass seq-mean")
 
 
-
-
+# ---------------------------------------------------------------------------------------------
 # Advantages and loss: pure functions of tensors.
 
 
@@ -311,8 +310,6 @@ def loss_denominator(loss_agg: str, completion_lens: torch.Tensor, max_new_token
             "seq-sum-norm": sequences * max_new_tokens}[loss_agg]
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # Sampling and scoring: N prompts -> G completions each -> rewards.
 
@@ -332,6 +329,14 @@ class Scored:
         return Scored([self.rows[i] for i in indices], self.completions.select(indices),
                       self.rewards[indices], [self.correct[i] for i in indices],
                       {name: [s[i] for i in indices] for name, s in self.per_fn.items()})
+
+    @staticmethod
+    def concat(parts: list["Scored"]) -> "Scored":
+        return Scored([r for p in parts for r in p.rows],
+                      Completions.concat([p.completions for p in parts]),
+                      torch.cat([p.rewards for p in parts]), [c for p in parts for c in p.correct],
+                      {name: [s for p in parts for s in p.per_fn[name]] for name in parts[0].per_fn},
+                      sum(p.gen_seconds for p in parts), sum(p.reward_seconds for p in parts))
 
 
 def rollout_and_score(run: "Run", rows: list[dict], cfg: Config, reward_fns: RewardFunctions,
@@ -378,13 +383,7 @@ def groups_with_signal(rounds: list[Scored], G: int, limit: int) -> tuple[Scored
         dropped += int((~signal).sum())
         for i in signal.nonzero().flatten().tolist()[:limit - len(parts)]:
             parts.append(scored.select(list(range(i * G, (i + 1) * G))))
-    if not parts:
-        return rounds[0].select([]), dropped
-    return Scored([r for p in parts for r in p.rows],
-                  Completions.concat([p.completions for p in parts]),
-                  torch.cat([p.rewards for p in parts]), [c for p in parts for c in p.correct],
-                  {name: [s for p in parts for s in p.per_fn[name]] for name in parts[0].per_fn}
-                  ), dropped
+    return Scored.concat(parts) if parts else rounds[0].select([]), dropped
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,17 +402,15 @@ class TrainBatch:
     denom: float  # grpo_loss's denominator for the *global* batch (see loss_denominator)
 
     def select(self, idx) -> "TrainBatch":
-        """Rows `idx` (a slice, or an index tensor), on their current device."""
-        pick = lambda t: None if t is None else t[idx]  # noqa: E731
-        return TrainBatch(pick(self.input_ids), pick(self.prompt_lens),
-                          pick(self.completion_lens), pick(self.advantages), pick(self.in_loss),
-                          pick(self.engine_logprobs), self.denom)
+        """Rows `idx` (a slice, or an index tensor)."""
+        return self._map(lambda t: t[idx])
 
     def to(self, device) -> "TrainBatch":
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return TrainBatch(move(self.input_ids), move(self.prompt_lens),
-                          move(self.completion_lens), move(self.advantages), move(self.in_loss),
-                          move(self.engine_logprobs), self.denom)
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn) -> "TrainBatch":
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
 def train_batch(comps: Completions, advantages, cfg: Config, pad_id: int) -> TrainBatch:
@@ -624,7 +621,8 @@ def main(cfg: Config):
         # 5. The engines take the new weights.
         sync_seconds = run.sync_weights()
         # 6. Metrics, held-out evaluation, samples, checkpoint.
-        record = step_record(step, rounds, update, train_seconds, sync_seconds, cfg)
+        record = step_record(step, Scored.concat(rounds), update, train_seconds, sync_seconds,
+                             cfg)
         if cfg.dynamic_sampling:
             record.update(dropped_groups=dropped, fill_rounds=len(rounds) - 1,
                           kept_groups=len(scored.completions) // G)
@@ -665,33 +663,27 @@ def count_bad_steps(update: dict, bad_steps: int, step: int, cfg: Config) -> int
     return bad_steps
 
 
-def step_record(step: int, rounds: list[Scored], update: dict, train_seconds: float,
+def step_record(step: int, sampled: Scored, update: dict, train_seconds: float,
                 sync_seconds: float, cfg: Config) -> dict:
     """The step's metrics: rewards and lengths over everything sampled (every round), then the
     update's. These, not the loss (~0 by construction on-policy), say whether RL is working."""
-    rewards = torch.cat([r.rewards for r in rounds])
-    correct = [c for r in rounds for c in r.correct]
-    comps = Completions.concat([r.completions for r in rounds])
+    comps, rewards = sampled.completions, sampled.rewards
     lens = torch.tensor([len(c) for c in comps.completion_ids], dtype=torch.float)
-    gen_seconds = sum(r.gen_seconds for r in rounds)
     record = {
         "step": step,
         "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
-        "accuracy": sum(correct) / len(correct),
+        "accuracy": sum(sampled.correct) / len(sampled.correct),
         "zero_std_frac": float((~has_signal(rewards, cfg.num_generations)).float().mean()),
         "completion_len": float(lens.mean()), "completion_len_max": int(lens.max()),
         "truncated_frac": sum(comps.truncated) / len(comps),
         **update,
-        "gen_seconds": gen_seconds, "reward_seconds": sum(r.reward_seconds for r in rounds),
+        "gen_seconds": sampled.gen_seconds, "reward_seconds": sampled.reward_seconds,
         "train_seconds": train_seconds, "sync_seconds": sync_seconds,
-        "gen_tokens_per_s": float(lens.sum()) / gen_seconds,
+        "gen_tokens_per_s": float(lens.sum()) / sampled.gen_seconds,
         "train_tokens_per_s": update["trained_tokens"] / max(train_seconds, 1e-9),
     }
-    per_fn = rounds[0].per_fn
-    if len(per_fn) > 1:
-        for name in per_fn:
-            scores = [s for r in rounds for s in r.per_fn[name]]
-            record[f"reward_{name}"] = sum(scores) / len(scores)
+    if len(sampled.per_fn) > 1:
+        record.update({f"reward_{name}": sum(s) / len(s) for name, s in sampled.per_fn.items()})
     return record
 
 
@@ -709,7 +701,7 @@ def log(out: Path, driver: DriverState, record: dict):
     driver.history.append(record)
     with open(out / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
-    tqdm.write(format_line(record))
+    tqdm.write(format_step(record))
 
 
 def show_samples(scored: Scored, k: int = 2):
@@ -717,23 +709,6 @@ def show_samples(scored: Scored, k: int = 2):
     for i in range(0, n, max(1, n // k))[:k]:
         tqdm.write(f"  sample (reward {float(scored.rewards[i]):.2f}, answer "
                    f"{scored.rows[i]['answer']}): {scored.completions.text[i]!r}")
-
-
-def format_line(r: dict) -> str:
-    if r["step"] == 0:
-        return f"step    0 | held-out accuracy {r['eval_accuracy']:.3f} (greedy)"
-    line = (f"step {r['step']:4d} | reward {r['reward']:.3f} acc {r['accuracy']:.3f} "
-            f"zero-std {r['zero_std_frac']:.2f} | len {r['completion_len']:.1f} "
-            f"trunc {r['truncated_frac']:.2f} | gnorm {r['grad_norm']:.3f}")
-    if "entropy_trained" in r:
-        line += f" ent {r['entropy_trained']:.3f} clip {r['clip_low'] + r['clip_high']:.3f}"
-    if "kl" in r:
-        line += f" kl {r['kl']:.4f}"
-    line += (f" | gen {r['gen_seconds']:.1f}s train {r['train_seconds']:.1f}s "
-             f"({r['gen_tokens_per_s']:.0f} tok/s gen)")
-    if "eval_accuracy" in r:
-        line += f" | held-out {r['eval_accuracy']:.3f}"
-    return line
 
 
 if __name__ == "__main__":

@@ -111,3 +111,16 @@ def test_majority_vote_counts_equivalent_answers_together():
         assert majority_vote(["\\sqrt{8}", "4", "2\\sqrt{2}"], [False, True, False], same) is False
     finally:
         grader.close()
+
+
+def test_correct_answers_vote_together_even_when_only_math_verify_equates_them():
+    # gold 2*sqrt(2): three correct answers in two spellings beat "5" twice
+    assert majority_vote(["5", "\\sqrt{8}", "2\\sqrt{2}", "\\sqrt{8}", "5"],
+                         [False, True, True, True, False]) is True
+
+
+def test_summarize_reports_exactly_these_columns():
+    samples = [{"id": "a", "correct": ok, "extracted": "1", "length": 3, "truncated": False}
+               for ok in (True, False, True, True)]
+    assert list(summarize(samples, 4)) == ["problems", "avg@n", "pass@1", "pass@2", "pass@4",
+                                           "maj@2", "maj@n", "mean_len", "truncated"]

@@ -141,7 +141,9 @@ def test_advantages_group_scale():
 
 
 def test_advantages_zero_std_groups_never_nan():
-    for r in (torch.zeros(8), torch.ones(8), torch.full((8,), 0.1)):
+    # 0.7 and 1/3: values whose float32 mean differs from them by an ulp (r - mean != 0)
+    for r in (torch.zeros(8), torch.ones(8), torch.full((8,), 0.1), torch.full((8,), 0.7),
+              torch.full((8,), 1 / 3)):
         for scale in ("group", "batch", "none"):
             for loo in (False, True):
                 adv = group_advantages(r, 4, scale=scale, leave_one_out=loo)
@@ -181,13 +183,14 @@ def test_token_weights_scale_the_surrogate_not_the_kl():
 
 
 def test_engine_mismatch_metrics():
-    from grpo import engine_mismatch
-    trainer = torch.tensor([[-1.0, -2.0, -3.0]])
-    engine = torch.tensor([[-1.0, -2.5, -9.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the third token is padding: ignored
+    from rollout import engine_mismatch
+    trainer = torch.tensor([[-1.0, -2.0, -3.0, -1.2]])
+    engine = torch.tensor([[-1.0, -2.5, -9.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0]])  # the third token is padding: ignored
     m = engine_mismatch(trainer, engine, mask)
-    assert m["token_mult_prob_error"] == pytest.approx(math.exp(0) + math.exp(0.5))  # sums
-    assert m["gen_kl_error"] == pytest.approx(math.exp(0.5) - 0.5 - 1)
+    # sums over valid tokens; exp(|d|) counts the trainer-below-engine token (d = -0.2) as 0.2 too
+    assert m["token_mult_prob_error"] == pytest.approx(math.exp(0) + math.exp(0.5) + math.exp(0.2))
+    assert m["gen_kl_error"] == pytest.approx((math.exp(0.5) - 0.5 - 1) + (math.exp(-0.2) + 0.2 - 1))
     assert m["logprob_max_abs_diff"] == pytest.approx(0.5)
 
 
@@ -273,3 +276,30 @@ def test_gspo_refuses_a_contradictory_aggregation():
     with pytest.raises(SystemExit, match="--loss-agg token-mean contradicts"):
         Config(ratio_level="sequence", loss_agg="token-mean")
     assert Config().loss_agg == "token-mean"
+
+
+def test_seq_sum_norm_without_a_global_count_divides_by_all_slots():
+    lp, old, mask, adv = _batch()
+    pt = _per_token(lp, old, adv)
+    total = pt[0][0] + pt[0][1] + pt[0][2] + pt[1][0] + pt[1][1]
+    loss, _ = grpo_loss(lp, old, None, adv, mask, loss_agg="seq-sum-norm")  # (B * T) = 6 slots
+    assert loss.item() == pytest.approx(total / 6, rel=1e-6)
+
+
+def test_loss_denominator_counts_only_sequences_in_the_loss():
+    lens = torch.tensor([3, 0, 2])  # the middle one was overlong-filtered
+    assert loss_denominator("token-mean", lens, 4) == 5.0
+    assert loss_denominator("seq-mean", lens, 4) == 2.0
+    assert loss_denominator("seq-sum-norm", lens, 4) == 2.0 * 4
+
+
+def test_token_budget_micro_batches_respect_the_budget():
+    from grpo import micro_batches
+    cfg = Config(max_tokens_per_microbatch=12)
+    seq_lens = torch.tensor([5, 2, 6, 3, 4, 1])
+    mbs = micro_batches(torch.arange(6), seq_lens, cfg)
+    assert sorted(i for mb in mbs for i in mb.tolist()) == list(range(6))  # each exactly once
+    for mb in mbs:
+        assert len(mb) * int(seq_lens[mb].max()) <= 12  # padded size within the budget
+        assert seq_lens[mb].tolist() == sorted(seq_lens[mb].tolist(), reverse=True)
+    assert [mb.tolist() for mb in mbs] == [[2, 0], [4, 3, 1], [5]]  # longest first, packed greedily

