@@ -155,6 +155,32 @@ def plot_curves(history: list[dict], path, title: str = "",
     plt.close(fig)
 
 
+def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> dict:
+    """grpo.py's held-out metrics: greedy accuracy with the same engine and grader as training
+    (run: a trainer.Run, cfg: a grpo.Config)."""
+    t0 = time.time()
+    summary, _ = evaluate_rows(run.rollout, run.tokenizer, rows, template=cfg.template,
+                               chat=cfg.chat, sampling=Sampling(cfg.max_new_tokens, 0.0), n=1,
+                               grader=grader, dataset="held-out")
+    return {"eval_accuracy": summary["avg@n"], "eval_completion_len": summary["mean_len"],
+            "eval_seconds": time.time() - t0}
+
+
+def log_step(out: Path, history: list[dict], record: dict):
+    """Append a step's record to the history, to <out>/metrics.jsonl, and print its line."""
+    history.append(record)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    tqdm.write(format_step(record))
+
+
+def show_samples(rows: list[dict], texts: list[str], rewards, k: int = 2):
+    """Print k sampled completions spread over the batch, with their reward and the answer."""
+    for i in range(0, len(texts), max(1, len(texts) // k))[:k]:
+        tqdm.write(f"  sample (reward {float(rewards[i]):.2f}, answer {rows[i]['answer']}): "
+                   f"{texts[i]!r}")
+
+
 def format_step(r: dict) -> str:
     """The line grpo.py prints for each step (and for its step-0 evaluation)."""
     if r["step"] == 0:

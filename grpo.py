@@ -24,7 +24,6 @@ and model plumbing in model.py, checkpoints in checkpoint.py, Ray placement in d
     python grpo.py --ray-address auto --num-trainers 16 --num-engines 8 --rollout vllm  # nodes
 """
 
-import functools
 import json
 import random
 import time
@@ -38,13 +37,13 @@ from tqdm import tqdm
 from checkpoint import DriverState, find_checkpoint, load_driver_state, save_checkpoint
 from data import TEMPLATES, ProblemStream, Template, check, encode_prompts, flag, load_problems
 from data import parse_config
-from evaluate import evaluate_rows, format_step, plot_curves
-from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, pack, peak_memory_gb
-from model import right_pad
+from evaluate import evaluate_held_out, log_step, plot_curves, show_samples
+from model import DEFAULT_MODEL, length_mask, pack, peak_memory_gb, right_pad
 from reward import Grader, RewardFunctions, correctness_reward
-from rollout import Completions, Sampling, add_mismatch, engine_mismatch
-from trainer import Run, Trainer, any_rank_trains, optimizer_step, same_pass_count, setup_local
-from trainer import setup_ray
+from rollout import Completions, Sampling
+from trainer import Trainer, any_rank_trains, count_bad_steps, engine_correction, frozen_logprobs
+from trainer import micro_batches, optimizer_step, policy_logprobs, same_pass_count, setup_local
+from trainer import setup_ray, untrained_mismatch
 
 
 @dataclass
@@ -339,9 +338,9 @@ class Scored:
                       sum(p.gen_seconds for p in parts), sum(p.reward_seconds for p in parts))
 
 
-def rollout_and_score(run: "Run", rows: list[dict], cfg: Config, reward_fns: RewardFunctions,
+def rollout_and_score(run, rows: list[dict], cfg: Config, reward_fns: RewardFunctions,
                       grader: Grader, seed: int) -> Scored:
-    """G completions for each problem in `rows`, and their rewards."""
+    """G completions for each problem in `rows`, and their rewards (run: a trainer.Run)."""
     G = cfg.num_generations
     t0 = time.time()
     prompts = encode_prompts(run.tokenizer, rows, cfg.template, cfg.chat)
@@ -506,66 +505,8 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
     return raw
 
 
-def policy_logprobs(model, batch: TrainBatch, idx, cfg, device):
-    """Log-probs (and entropy) of micro-batch `idx` of the rollout batch under `model`."""
-    mb = batch.select(idx)
-    L = int((mb.prompt_lens + mb.completion_lens).max())  # drop padding columns it does not need
-    # An FSDP-sharded model carries completion_logprobs as a registered forward (shard_model).
-    logprobs_of = getattr(model, "completion_logprobs", functools.partial(completion_logprobs, model))
-    with autocast(device, cfg.bf16):
-        return logprobs_of(mb.input_ids[:, :L], mb.prompt_lens, mb.completion_lens,
-                           temperature=cfg.temperature)
-
-
-@torch.no_grad()
-def frozen_logprobs(model, batch, mbs, cfg, device):
-    """Per-micro-batch log-probs under a model we do not train (reference, or the old policy)."""
-    return [policy_logprobs(model, batch, idx, cfg, device)[0] for idx in mbs]
-
-
-def micro_batches(keep, seq_lens, cfg):
-    """Index tensors of the micro-batches over sequences `keep`. By count (micro_batch_size), or
-    with max_tokens_per_microbatch by padded tokens: sorted by length, so little is padding."""
-    if not cfg.max_tokens_per_microbatch:
-        return [keep[s:s + cfg.micro_batch_size] for s in range(0, len(keep), cfg.micro_batch_size)]
-    order = keep[torch.argsort(seq_lens[keep], descending=True)]
-    out, current = [], []
-    for i in order.tolist():  # longest first: a micro-batch is padded to its first sequence
-        if current and (len(current) + 1) * int(seq_lens[current[0]]) > cfg.max_tokens_per_microbatch:
-            out.append(torch.tensor(current, device=keep.device))
-            current = []
-        current.append(i)
-    return out + ([torch.tensor(current, device=keep.device)] if current else [])
-
-
-def engine_correction(batch, idx, old, mask, cfg, mismatch: dict | None):
-    """With a vLLM engine: add its mismatch to the trainer's log-probs to `mismatch` (when given),
-    and return the truncated importance weights min(pi_old / pi_engine, is_cap) (None when off)."""
-    if batch.engine_logprobs is None:
-        return None
-    engine = batch.engine_logprobs[idx][:, :old.shape[1]]  # (b, T)
-    if mismatch is not None:
-        add_mismatch(mismatch, engine_mismatch(old, engine, mask))
-    return torch.exp(old - engine).clamp(max=cfg.is_cap) if cfg.is_cap else None
-
-
-def untrained_mismatch(trainer, batch, rest, mismatch: dict):
-    """The mismatch metrics describe the engine, so they cover every sampled token: the sequences
-    not trained (zero advantage, overlong-filtered) get a no-grad pass for them."""
-    cfg, lens = trainer.cfg, batch.completion_lens
-    mbs, real = same_pass_count(micro_batches(rest, batch.prompt_lens + lens, cfg), trainer)
-    for idx, lp in list(zip(mbs, frozen_logprobs(trainer.model, batch, mbs, cfg,
-                                                 trainer.device)))[:real]:
-        mask = length_mask(lens[idx], lp.shape[1])
-        add_mismatch(mismatch, engine_mismatch(lp, batch.engine_logprobs[idx][:, :lp.shape[1]],
-                                                mask))
-
-
 # ---------------------------------------------------------------------------------------------
 # The loop.
-
-MAX_BAD_STEPS = 3  # non-finite updates in a row before the run stops
-
 
 def main(cfg: Config):
     random.seed(cfg.seed)
@@ -574,8 +515,7 @@ def main(cfg: Config):
     out.mkdir(parents=True, exist_ok=True)
     resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
     train_rows, eval_rows = load_problems(cfg)  # data first: a bad file fails before the model
-    grader = Grader()
-    grader.start()  # its worker processes warm up while the model loads
+    grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
     reward_fns = RewardFunctions(cfg.reward, TEMPLATES[cfg.template][1], grader,
                                  cfg.require_think_close)
     on_ray = cfg.num_trainers > 1 or cfg.num_engines > 1 or cfg.ray_address
@@ -589,7 +529,8 @@ def main(cfg: Config):
     (out / "grpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     evaluating = bool(cfg.eval_every and eval_rows)
     if evaluating and driver.step == 0:
-        log(out, driver, {"step": 0, **evaluate_held_out(run, eval_rows, cfg, grader)})
+        log_step(out, driver.history, {"step": 0, **evaluate_held_out(run, eval_rows, cfg,
+                                                                         grader)})
     G, N, bad_steps = cfg.num_generations, cfg.prompts_per_step, 0
 
     for step in tqdm(range(driver.step + 1, cfg.steps + 1), desc="grpo", unit="step",
@@ -617,7 +558,7 @@ def main(cfg: Config):
             update = run.train(train_batch(scored.completions, advantages, cfg,
                                            run.tokenizer.pad_token_id))
         train_seconds = time.time() - t0
-        bad_steps = count_bad_steps(update, bad_steps, step, cfg)
+        bad_steps = count_bad_steps(update, bad_steps, step, cfg.lr)
         # 5. The engines take the new weights.
         sync_seconds = run.sync_weights()
         # 6. Metrics, held-out evaluation, samples, checkpoint.
@@ -630,9 +571,9 @@ def main(cfg: Config):
                       step_seconds=time.time() - t_step)
         if evaluating and (step % cfg.eval_every == 0 or step == cfg.steps):
             record.update(evaluate_held_out(run, eval_rows, cfg, grader))
-        log(out, driver, record)
+        log_step(out, driver.history, record)
         if cfg.log_samples_every and step % cfg.log_samples_every == 0:
-            show_samples(scored)
+            show_samples(scored.rows, scored.completions.text, scored.rewards)
         driver.step, driver.consumed = step, problems.taken
         if cfg.save_every and step % cfg.save_every == 0 and not bad_steps:
             save_checkpoint(out, driver, run.save, cfg.keep_last)
@@ -647,20 +588,6 @@ def main(cfg: Config):
 def sampling_seed(cfg: Config, step: int, attempt: int) -> int:
     """A seed per step and rollout round, so a resumed run samples what the original would."""
     return (cfg.seed * 1_000_003 + step) * 16 + attempt
-
-
-def count_bad_steps(update: dict, bad_steps: int, step: int, cfg: Config) -> int:
-    """Steps in a row whose update was skipped (non-finite loss or gradient); stop at the limit."""
-    if not update["skipped_updates"]:
-        return 0
-    bad_steps += 1
-    tqdm.write(f"step {step}: the loss or the gradient was not finite; update skipped, weights "
-               f"unchanged ({bad_steps} in a row)")
-    if bad_steps >= MAX_BAD_STEPS:
-        raise SystemExit(f"error: {bad_steps} steps in a row had a non-finite loss or gradient "
-                         f"(lr {cfg.lr}); stopping with the last good weights untouched. Lower "
-                         f"--lr or check the reward functions; --resume from the last checkpoint.")
-    return bad_steps
 
 
 def step_record(step: int, sampled: Scored, update: dict, train_seconds: float,
@@ -685,30 +612,6 @@ def step_record(step: int, sampled: Scored, update: dict, train_seconds: float,
     if len(sampled.per_fn) > 1:
         record.update({f"reward_{name}": sum(s) / len(s) for name, s in sampled.per_fn.items()})
     return record
-
-
-def evaluate_held_out(run: Run, rows: list[dict], cfg: Config, grader: Grader) -> dict:
-    """Greedy accuracy on the held-out problems, with the same engine and grader as training."""
-    t0 = time.time()
-    summary, _ = evaluate_rows(run.rollout, run.tokenizer, rows, template=cfg.template,
-                               chat=cfg.chat, sampling=Sampling(cfg.max_new_tokens, 0.0), n=1,
-                               grader=grader, dataset="held-out")
-    return {"eval_accuracy": summary["avg@n"], "eval_completion_len": summary["mean_len"],
-            "eval_seconds": time.time() - t0}
-
-
-def log(out: Path, driver: DriverState, record: dict):
-    driver.history.append(record)
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-    tqdm.write(format_step(record))
-
-
-def show_samples(scored: Scored, k: int = 2):
-    n = len(scored.completions)
-    for i in range(0, n, max(1, n // k))[:k]:
-        tqdm.write(f"  sample (reward {float(scored.rewards[i]):.2f}, answer "
-                   f"{scored.rows[i]['answer']}): {scored.completions.text[i]!r}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """One GRPO training process and what runs around its loss: set-up (model, KL reference, FSDP2,
-optimizer, resume), agreement between ranks, the gradient all-reduce and the optimizer step, the
-ranks' metrics combined -- and the `Run` the loop drives, built in this process or on Ray.
+optimizer, resume), log-probs of micro-batches, the engine's importance correction and mismatch,
+agreement between ranks, the gradient all-reduce and the optimizer step, the ranks' metrics
+combined, a guard against non-finite steps -- and the `Run` the loop drives, built in this process
+or on Ray.
 
 grpo.py holds the algorithm (the loss, the training step, the loop); this module holds the
 plumbing it needs, so a student reads the first without the second. It imports nothing above it:
@@ -16,11 +18,12 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from checkpoint import load_trainer_state, save_trainer_state
-from model import adamw_with_warmup, check_head_logits, full_state_dict, load_model, pick_device
-from model import shard_model
-from rollout import add_mismatch, make_rollout
+from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
+from model import full_state_dict, length_mask, load_model, pick_device, shard_model
+from rollout import add_mismatch, engine_mismatch, make_rollout
 
 
 @dataclass
@@ -93,6 +96,61 @@ def weights_of(trainer: Trainer, dtype=None) -> dict | None:
             for k, v in weights.items()}
 
 
+def policy_logprobs(model, batch, idx, cfg, device):
+    """Log-probs (and entropy) of micro-batch `idx` of a grpo.TrainBatch under `model`."""
+    mb = batch.select(idx)
+    L = int((mb.prompt_lens + mb.completion_lens).max())  # drop padding columns it does not need
+    # An FSDP-sharded model carries completion_logprobs as a registered forward (shard_model).
+    logprobs_of = getattr(model, "completion_logprobs", functools.partial(completion_logprobs, model))
+    with autocast(device, cfg.bf16):
+        return logprobs_of(mb.input_ids[:, :L], mb.prompt_lens, mb.completion_lens,
+                           temperature=cfg.temperature)
+
+
+@torch.no_grad()
+def frozen_logprobs(model, batch, mbs, cfg, device):
+    """Per-micro-batch log-probs under a model we do not train (reference, or the old policy)."""
+    return [policy_logprobs(model, batch, idx, cfg, device)[0] for idx in mbs]
+
+
+def micro_batches(keep, seq_lens, cfg):
+    """Index tensors of the micro-batches over sequences `keep`. By count (micro_batch_size), or
+    with max_tokens_per_microbatch by padded tokens: sorted by length, so little is padding."""
+    if not cfg.max_tokens_per_microbatch:
+        return [keep[s:s + cfg.micro_batch_size] for s in range(0, len(keep), cfg.micro_batch_size)]
+    order = keep[torch.argsort(seq_lens[keep], descending=True)]
+    out, current = [], []
+    for i in order.tolist():  # longest first: a micro-batch is padded to its first sequence
+        if current and (len(current) + 1) * int(seq_lens[current[0]]) > cfg.max_tokens_per_microbatch:
+            out.append(torch.tensor(current, device=keep.device))
+            current = []
+        current.append(i)
+    return out + ([torch.tensor(current, device=keep.device)] if current else [])
+
+
+def engine_correction(batch, idx, old, mask, cfg, mismatch: dict | None):
+    """With a vLLM engine: add its mismatch to the trainer's log-probs to `mismatch` (when given),
+    and return the truncated importance weights min(pi_old / pi_engine, is_cap) (None when off)."""
+    if batch.engine_logprobs is None:
+        return None
+    engine = batch.engine_logprobs[idx][:, :old.shape[1]]  # (b, T)
+    if mismatch is not None:
+        add_mismatch(mismatch, engine_mismatch(old, engine, mask))
+    return torch.exp(old - engine).clamp(max=cfg.is_cap) if cfg.is_cap else None
+
+
+def untrained_mismatch(trainer, batch, rest, mismatch: dict):
+    """The mismatch metrics describe the engine, so they cover every sampled token: the sequences
+    not trained (zero advantage, overlong-filtered) get a no-grad pass for them."""
+    cfg, lens = trainer.cfg, batch.completion_lens
+    mbs, real = same_pass_count(micro_batches(rest, batch.prompt_lens + lens, cfg), trainer)
+    for idx, lp in list(zip(mbs, frozen_logprobs(trainer.model, batch, mbs, cfg,
+                                                 trainer.device)))[:real]:
+        mask = length_mask(lens[idx], lp.shape[1])
+        add_mismatch(mismatch, engine_mismatch(lp, batch.engine_logprobs[idx][:, :lp.shape[1]],
+                                                mask))
+
+
 def same_pass_count(mbs: list, trainer: "Trainer") -> tuple[list, int]:
     """FSDP2 gathers each layer's parameters from every rank in every forward and backward, so all
     ranks must run the same number of passes: pad the shorter lists with passes over sequence 0
@@ -135,6 +193,23 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(x, op=op, group=group)
     return x
+
+
+MAX_BAD_STEPS = 3  # non-finite updates in a row before the run stops
+
+
+def count_bad_steps(update: dict, bad_steps: int, step: int, lr: float) -> int:
+    """Steps in a row whose update was skipped (non-finite loss or gradient); stop at the limit."""
+    if not update["skipped_updates"]:
+        return 0
+    bad_steps += 1
+    tqdm.write(f"step {step}: the loss or the gradient was not finite; update skipped, weights "
+               f"unchanged ({bad_steps} in a row)")
+    if bad_steps >= MAX_BAD_STEPS:
+        raise SystemExit(f"error: {bad_steps} steps in a row had a non-finite loss or gradient "
+                         f"(lr {lr}); stopping with the last good weights untouched. Lower "
+                         f"--lr or check the reward functions; --resume from the last checkpoint.")
+    return bad_steps
 
 
 def finish_metrics(raws: list[dict]) -> dict:

@@ -294,7 +294,7 @@ def test_loss_denominator_counts_only_sequences_in_the_loss():
 
 
 def test_token_budget_micro_batches_respect_the_budget():
-    from grpo import micro_batches
+    from trainer import micro_batches
     cfg = Config(max_tokens_per_microbatch=12)
     seq_lens = torch.tensor([5, 2, 6, 3, 4, 1])
     mbs = micro_batches(torch.arange(6), seq_lens, cfg)
