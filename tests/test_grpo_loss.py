@@ -141,13 +141,14 @@ def test_advantages_group_scale():
 
 
 def test_advantages_zero_std_groups_never_nan():
-    # 0.7 and 1/3: values whose float32 mean differs from them by an ulp (r - mean != 0)
+    # In groups of 8, the float32 mean of eight 0.7s (or 0.1s, 1/3s) is an ulp off: r - mean != 0
     for r in (torch.zeros(8), torch.ones(8), torch.full((8,), 0.1), torch.full((8,), 0.7),
               torch.full((8,), 1 / 3)):
-        for scale in ("group", "batch", "none"):
-            for loo in (False, True):
-                adv = group_advantages(r, 4, scale=scale, leave_one_out=loo)
-                assert torch.equal(adv, torch.zeros(8)), (r, scale, loo)
+        for G in (4, 8):
+            for scale in ("group", "batch", "none"):
+                for loo in (False, True):
+                    adv = group_advantages(r, G, scale=scale, leave_one_out=loo)
+                    assert torch.equal(adv, torch.zeros(8)), (r, G, scale, loo)
 
 
 def test_advantages_leave_one_out_and_batch_scale():
