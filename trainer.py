@@ -129,8 +129,9 @@ def micro_batches(keep, seq_lens, cfg):
 
 
 def engine_correction(batch, idx, old, mask, cfg, mismatch: dict | None):
-    """With a vLLM engine: add its mismatch to the trainer's log-probs to `mismatch` (when given),
-    and return the truncated importance weights min(pi_old / pi_engine, is_cap) (None when off)."""
+    """With a vLLM engine: add the engine's mismatch against the trainer's log-probs to `mismatch`
+    (when given), and return the truncated importance weights min(pi_old / pi_engine, is_cap)
+    (None when --is-cap is off)."""
     if batch.engine_logprobs is None:
         return None
     engine = batch.engine_logprobs[idx][:, :old.shape[1]]  # (b, T)
@@ -181,12 +182,13 @@ def optimizer_step(trainer, loss: float) -> float | None:
             _all_reduce(p.grad, group)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.cfg.max_grad_norm)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    if math.isfinite(grad_norm) and math.isfinite(loss):
+    finite = math.isfinite(grad_norm) and math.isfinite(loss)
+    if finite:
         trainer.optimizer.step()
         trainer.scheduler.step()
     # Free the gradients now, not at the next step: a colocated engine generates in between.
     trainer.optimizer.zero_grad(set_to_none=True)
-    return grad_norm if math.isfinite(grad_norm) and math.isfinite(loss) else None
+    return grad_norm if finite else None
 
 
 def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
