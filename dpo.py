@@ -37,7 +37,7 @@ from data import InputError, TEMPLATES, arith_heldout, arith_stream, encode_prom
 from data import Template, check, flag, parse_config
 from evaluate import evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
-from model import adamw_with_warmup, check_head_logits, pick_device, save_model
+from model import adamw_with_warmup, check_head_logits, pick_device, save_model, source_dtype
 from reward import Grader, extract_answer
 from rollout import HFRollout, Sampling
 
@@ -409,7 +409,7 @@ def main(cfg: Config):
             bar.update(1)
     bar.close()
     grader.close()
-    save_model(model, tokenizer, out)
+    save_model(model, tokenizer, out, dtype=source_dtype(cfg.model))  # as the model came in
     plot_curves(history, out / "curves.png", title=f"DPO on {cfg.data} ({cfg.model})",
                 train_keys=("reward_accuracy",), eval_keys=("eval_accuracy", "eval_reward_accuracy"))
     print(f"saved the model, metrics.jsonl and curves.png in {out}/")

@@ -579,7 +579,7 @@ def main(cfg: Config):
             save_checkpoint(out, driver, run.save, cfg.keep_last)
 
     grader.close()
-    run.save(str(out))
+    run.export(str(out))  # the model alone; optimizer state lives in checkpoints only
     plot_curves(driver.history, out / "curves.png", title=f"GRPO on {cfg.data} ({cfg.model})")
     print(f"saved the model, metrics.jsonl and curves.png in {out}/")
     return driver.history

@@ -14,6 +14,7 @@ algorithm:
 
 import functools
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -112,6 +113,13 @@ def load_model(name: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(_resolve(name), dtype=torch.float32).to(device)
     return model, load_tokenizer(name)
+
+
+def source_dtype(name: str) -> torch.dtype:
+    """The dtype a model comes in (its config's; bf16 for Qwen): what its trained copy is saved in."""
+    from transformers import AutoConfig
+    dtype = AutoConfig.from_pretrained(_resolve(name)).dtype
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
 def pick_device() -> str:
@@ -267,13 +275,21 @@ def adamw_with_warmup(model, lr: float, warmup_steps: int, weight_decay: float =
     return optimizer, scheduler
 
 
-def save_model(model, tokenizer, out_dir, state_dict=None) -> None:
+def save_model(model, tokenizer, out_dir, state_dict=None, dtype=None) -> None:
     """Save an HF-format folder (safetensors), written beside the target and renamed into place.
-    state_dict: the full weights, when the model's own are sharded (see full_state_dict)."""
+    state_dict: the full weights, when the model's own are sharded (see full_state_dict); dtype:
+    cast the weights (and say so in config.json), e.g. back to the bf16 a model came in."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".model-"))
+    state_dict = model.state_dict() if state_dict is None else state_dict
+    if dtype is not None:
+        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    if dtype is not None:  # save_pretrained writes the (fp32) parameters' dtype into config.json
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(tmp)
     for f in tmp.iterdir():
         os.replace(f, out_dir / f.name)

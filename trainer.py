@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from checkpoint import load_trainer_state, save_trainer_state
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
-from model import full_state_dict, length_mask, load_model, pick_device, shard_model
+from model import full_state_dict, length_mask, load_model, pick_device, save_model, shard_model
+from model import source_dtype
 from rollout import add_mismatch, engine_mismatch, make_rollout
 
 
@@ -78,6 +79,15 @@ def setup_trainer(cfg, resume_dir: str = "", group=None) -> Trainer:
     if resume_dir:
         load_trainer_state(resume_dir, model, optimizer, scheduler)
     return Trainer(model, tokenizer, ref_model, optimizer, scheduler, cfg, device, group)
+
+
+def export_model(trainer: Trainer, folder: str):
+    """The run's result: the model alone, in the dtype it came in (no optimizer state, which
+    belongs in checkpoints). Every rank calls it; rank 0 writes."""
+    weights = full_state_dict(trainer.model)
+    if trainer.group is None or dist.get_rank() == 0:
+        dtype = source_dtype(trainer.cfg.init_from or trainer.cfg.model)
+        save_model(trainer.model, trainer.tokenizer, folder, weights, dtype=dtype)
 
 
 def save_trainer(trainer: Trainer, folder: str):
@@ -255,7 +265,8 @@ class Run:
     rollout: object  # generate(prompt_ids, n, sampling) -> Completions (rollout.py)
     train: Callable[[object], dict]  # one policy update on a grpo.TrainBatch -> its metrics
     sync_weights: Callable[[], float]  # the engines take the trainers' weights -> seconds
-    save: Callable[[str], None]  # the trainer's half of a checkpoint (or the final model)
+    save: Callable[[str], None]  # the trainer's half of a checkpoint
+    export: Callable[[str], None]  # the trained model alone, in the dtype it came in
 
 
 def setup_local(cfg, train_step, resume_dir: str = "") -> "Run":
@@ -268,7 +279,8 @@ def setup_local(cfg, train_step, resume_dir: str = "") -> "Run":
     return Run(trainer.tokenizer, rollout,
                train=lambda batch: finish_metrics([train_step(trainer, batch)]),
                sync_weights=lambda: rollout.update_weights(trainer.model),
-               save=lambda folder: save_trainer(trainer, folder))
+               save=lambda folder: save_trainer(trainer, folder),
+               export=lambda folder: export_model(trainer, folder))
 
 
 def setup_ray(cfg, train_step, resume_dir: str = "") -> "Run":
@@ -292,5 +304,8 @@ def setup_ray(cfg, train_step, resume_dir: str = "") -> "Run":
     def save(folder):  # rank 0 writes; on several nodes --out must be on a shared filesystem
         trainers.run(save_trainer, [(folder,)] * cfg.num_trainers)
 
+    def export(folder):
+        trainers.run(export_model, [(folder,)] * cfg.num_trainers)
+
     sync_weights()  # engines start from exactly the trainers' weights
-    return Run(load_tokenizer(cfg.model), engines, train, sync_weights, save)
+    return Run(load_tokenizer(cfg.model), engines, train, sync_weights, save, export)

@@ -135,3 +135,23 @@ def test_a_crafted_checkpoint_cannot_run_code(tiny_model_dir, tmp_path):
     assert "driver_state.pt cannot be loaded safely" in result.stderr
     assert "Traceback" not in result.stderr
     assert not marker.exists()
+
+
+def test_the_trained_model_is_saved_in_the_dtype_it_came_in(tiny_model_dir, tmp_path):
+    """bf16 in (as Qwen ships), bf16 out, and no optimizer state beside it -- though training ran
+    on fp32 master weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    from grpo import Config
+    from model import load_model
+    from trainer import export_model, setup_trainer
+    model, tokenizer = load_model(tiny_model_dir)
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    tokenizer.save_pretrained(tmp_path / "bf16")
+    trainer = setup_trainer(Config(model=str(tmp_path / "bf16")))
+    assert next(trainer.model.parameters()).dtype == torch.float32  # fp32 master weights
+    export_model(trainer, str(tmp_path / "out"))
+    weights = load_file(tmp_path / "out/model.safetensors")
+    assert {v.dtype for v in weights.values()} == {torch.bfloat16}
+    assert AutoConfig.from_pretrained(tmp_path / "out").dtype == torch.bfloat16
+    assert not (tmp_path / "out/trainer_state.pt").exists()

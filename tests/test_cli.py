@@ -110,3 +110,18 @@ def test_every_recipe_passes_dry_run(recipe, capsys):
         parse_config(Config, ["--config", recipe, "--dry-run"])
     assert exit_.value.code == 0
     assert "max_new_tokens" in capsys.readouterr().out
+
+
+def test_installing_smolrl_shadows_no_other_package(tmp_path):
+    """`pip install -e .` installs the dependencies only: outside the checkout, `import evaluate`
+    is Hugging Face's package (here a stand-in), and smolrl's helper names are not importable."""
+    fake = tmp_path / "site" / "evaluate"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("WHO = 'huggingface'\n")
+    probe = ("import importlib.util, evaluate; print(evaluate.WHO); "
+             "print([m for m in ('data', 'model', 'trainer', 'grpo', 'checkpoint') "
+             "if importlib.util.find_spec(m)])")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60, env={"PYTHONPATH": str(tmp_path / "site"),
+                                                        "PATH": "/usr/bin:/bin"})
+    assert result.stdout.split() == ["huggingface", "[]"], result.stderr

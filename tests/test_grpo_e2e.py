@@ -31,6 +31,7 @@ def test_two_step_run(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(out)  # the trained model is a plain HF folder
     assert model.config.num_hidden_layers == 2
+    assert not (out / "trainer_state.pt").exists()  # optimizer state belongs in checkpoints only
 
 
 def test_bad_data_file_is_a_one_line_error(tmp_path):
