@@ -11,6 +11,7 @@ other fields travel along to reward functions. Sources:
 
 import argparse
 import ast
+import csv
 import inspect
 import itertools
 import json
@@ -45,10 +46,21 @@ def build_prompt(tokenizer, problem: str, template: str, chat: bool = True) -> s
 
 
 def encode_prompts(tokenizer, rows, template: str, chat: bool = True) -> list[list[int]]:
-    texts = [build_prompt(tokenizer, r["problem"], template, chat) for r in rows]
-    # Chat templates already contain the special tokens; plain text gets the tokenizer's defaults.
-    add_special = not (chat and tokenizer.chat_template)
-    return [tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in texts]
+    """Token ids of each row's prompt. A conversational row (TRL's format: `prompt` is a list of
+    messages) goes through the chat template as it is; a string goes through `template` first."""
+    ids = []
+    for row in rows:
+        if isinstance(row.get("prompt"), list):
+            if not tokenizer.chat_template:
+                raise InputError("conversational prompts need a model with a chat template")
+            text, special = tokenizer.apply_chat_template(
+                row["prompt"], tokenize=False, add_generation_prompt=True), False
+        else:
+            text = build_prompt(tokenizer, row["problem"], template, chat)
+            # Chat templates contain the special tokens; plain text gets the tokenizer's own.
+            special = not (chat and tokenizer.chat_template)
+        ids.append(tokenizer(text, add_special_tokens=special)["input_ids"])
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,64 +117,94 @@ class InputError(SystemExit):
         super().__init__(f"error: {message}")
 
 
-def _check_rows(rows: list[dict], source: str) -> list[dict]:
+def check_rows(rows: list[dict], source: str, prompt_field: str = "",
+               answer_field: str = "answer", need_answers: bool = False) -> list[dict]:
+    """Problems with a `problem` string for the prompt template -- from `prompt_field` (default:
+    `problem`, else `prompt`), or, for TRL's conversational format, from chat messages kept as
+    `prompt` -- and `answer` from `answer_field`. Answers are optional when no row has one (a
+    reward function may not need them) unless need_answers; once one row has one, every row must."""
     if not rows:
         raise InputError(f"{source}: no rows")
+    prompt_fields = [prompt_field] if prompt_field else ["problem", "prompt"]
+    need_answers = need_answers or any(isinstance(r, dict) and r.get(answer_field) is not None
+                                       for r in rows)
     out = []
     for i, row in enumerate(rows, start=1):
         if not isinstance(row, dict):
             raise InputError(f"{source}: row {i} is not a JSON object")
-        if "problem" not in row and "prompt" in row:
-            row = {**row, "problem": row["prompt"]}
-        for field in ("problem", "answer"):
-            value = row.get(field)
-            if value is None or (isinstance(value, str) and not value.strip()):
-                what = "problem (or prompt)" if field == "problem" else field
-                raise InputError(f"{source}: row {i} has no '{what}' field")
-        row = {**row, "answer": str(row["answer"])}
+        value = next((row[f] for f in prompt_fields if row.get(f) is not None), None)
+        if isinstance(value, list):  # conversational: [{"role": ..., "content": ...}, ...]
+            if not value or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                    and m.get("role") for m in value):
+                raise InputError(f"{source}: row {i}: the prompt is a list but not of "
+                                 f"{{'role', 'content'}} messages")
+            row = {**row, "prompt": value, "problem": value[-1]["content"]}
+        elif isinstance(value, str) and value.strip():
+            row = {**row, "problem": value}
+        else:
+            raise InputError(f"{source}: row {i} has no '{' (or '.join(prompt_fields)}"
+                             f"{')' * (len(prompt_fields) - 1)} field")
+        answer = row.get(answer_field)
+        if need_answers and (answer is None or (isinstance(answer, str) and not answer.strip())):
+            raise InputError(f"{source}: row {i} has no '{answer_field}' field")
+        if answer is not None:
+            row["answer"] = str(answer)
         row.setdefault("id", str(i - 1))
         out.append(row)
     return out
 
 
-def load_table(source: str) -> list[dict]:
-    """Raw rows of a .jsonl/.parquet file or a hub dataset (mapped by HUB_DATASETS)."""
+def load_table(source: str, split: str = "") -> list[dict]:
+    """Raw rows of a .jsonl/.json/.csv/.parquet file, or of a hub dataset (mapped by HUB_DATASETS;
+    others take `split`, default train)."""
     path = Path(source)
-    if path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
+    if path.suffix in (".jsonl", ".json", ".csv", ".parquet") or path.exists():
         if not path.exists():
             raise InputError(f"{source}: no such file")
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
-            return pq.read_table(path).to_pylist()
-        rows = []
-        for i, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
-                continue
+            rows = pq.read_table(path).to_pylist()
+        elif path.suffix == ".csv":
+            with open(path, newline="") as f:
+                rows = list(csv.DictReader(f))  # row i of the error messages is data row i
+        elif path.suffix == ".json" and path.read_text().lstrip().startswith("["):
             try:
-                rows.append(json.loads(line))
+                rows = json.loads(path.read_text())
             except json.JSONDecodeError as e:
-                raise InputError(f"{source}: line {i} is not valid JSON ({e.msg})") from None
+                raise InputError(f"{source}: not valid JSON ({e.msg}, line {e.lineno})") from None
+        else:
+            rows = []
+            for i, line in enumerate(path.read_text().splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise InputError(f"{source}: line {i} is not valid JSON ({e.msg})") from None
         if not rows:
             raise InputError(f"{source}: no rows")
         return rows
-    return _load_hub(source)
+    return _load_hub(source, split)
 
 
-def load_rows(source: str, limit: int | None = None) -> list[dict]:
-    """Problems of a JSONL/Parquet file or a hub dataset, validated. `arith` gives its held-out set."""
+def load_rows(source: str, limit: int | None = None, prompt_field: str = "",
+              answer_field: str = "answer", split: str = "",
+              need_answers: bool = False) -> list[dict]:
+    """Problems of a file or a hub dataset, validated (check_rows). `arith`: its held-out set."""
     if source == "arith":
         return arith_heldout(limit or 256)
-    rows = load_table(source)
-    return _check_rows(rows[:limit] if limit else rows, source)
+    rows = load_table(source, split)
+    return check_rows(rows[:limit] if limit else rows, source, prompt_field, answer_field,
+                      need_answers)
 
 
-def _load_hub(name: str) -> list[dict]:
+def _load_hub(name: str, split: str = "") -> list[dict]:
     import datasets
     try:
         if name not in HUB_DATASETS:
-            return list(datasets.load_dataset(name, split="train"))
-        split, field, answer = HUB_DATASETS[name]
-        ds = datasets.load_dataset(name, split=split)
+            return list(datasets.load_dataset(name, split=split or "train"))
+        default_split, field, answer = HUB_DATASETS[name]
+        ds = datasets.load_dataset(name, split=split or default_split)
     except Exception as e:  # no network, unknown id, gated dataset ...
         raise InputError(f"could not load {name!r} as a file or a Hugging Face dataset: {e}") from None
     return [{**r, "problem": r[field], "answer": answer(r)} for r in ds]
@@ -183,19 +225,25 @@ def row_stream(rows: list[dict], seed: int):
 
 
 def load_problems(cfg):
-    """(an endless stream of training problems, the held-out problems) for a GRPO config: `arith`
-    and its held-out pairs, or a file / hub dataset whose tail is held out unless --eval-data."""
+    """(an endless stream of training problems, the held-out problems, the data's column names) for
+    a GRPO config: `arith` and its held-out pairs, or a file / hub dataset whose tail is held out
+    unless --eval-data."""
     if cfg.data == "arith":
+        first = next(arith_stream(cfg.seed))
         train_rows, eval_rows = arith_stream(cfg.seed), arith_heldout(cfg.eval_size)
     else:
-        rows, eval_rows = load_rows(cfg.data), []
-        if not cfg.eval_data and cfg.eval_every:  # hold out the tail of the training file
+        rows = load_rows(cfg.data, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
+                         split=cfg.split)
+        first, eval_rows = rows[0], []
+        # Hold out the tail of the training data for evaluation -- if it has answers to check.
+        if not cfg.eval_data and cfg.eval_every and "answer" in first:
             n_eval = min(cfg.eval_size, len(rows) // 10)
             rows, eval_rows = rows[:len(rows) - n_eval], rows[len(rows) - n_eval:]
         train_rows = row_stream(rows, cfg.seed)
     if cfg.eval_data:
-        eval_rows = load_rows(cfg.eval_data, limit=cfg.eval_size)
-    return train_rows, eval_rows
+        eval_rows = load_rows(cfg.eval_data, limit=cfg.eval_size, prompt_field=cfg.prompt_field,
+                              answer_field=cfg.answer_field, need_answers=True)
+    return train_rows, eval_rows, set(first)
 
 
 class ProblemStream:

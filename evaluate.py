@@ -185,7 +185,8 @@ def format_step(r: dict) -> str:
     """The line grpo.py prints for each step (and for its step-0 evaluation)."""
     if r["step"] == 0:
         return f"step    0 | held-out accuracy {r['eval_accuracy']:.3f} (greedy)"
-    line = (f"step {r['step']:4d} | reward {r['reward']:.3f} acc {r['accuracy']:.3f} "
+    accuracy = f"acc {r['accuracy']:.3f} " if "accuracy" in r else ""
+    line = (f"step {r['step']:4d} | reward {r['reward']:.3f} {accuracy}"
             f"zero-std {r['zero_std_frac']:.2f} | len {r['completion_len']:.1f} "
             f"trunc {r['truncated_frac']:.2f} | gnorm {r['grad_norm']:.3f}")
     if "entropy_trained" in r:
@@ -196,6 +197,8 @@ def format_step(r: dict) -> str:
              f"({r['gen_tokens_per_s']:.0f} tok/s gen)")
     if "eval_accuracy" in r:
         line += f" | held-out {r['eval_accuracy']:.3f}"
+    if r.get("reward_errors"):
+        line += f" | reward errors {r['reward_errors']}"
     return line
 
 
@@ -209,6 +212,12 @@ class EvalConfig:
     """model: the offline default, a hub id, or a local HF folder (e.g. a grpo.py run's --out)"""
     data: str = "arith"
     """comma-separated datasets: `arith` (built-in held-out set), .jsonl/.parquet files, hub ids"""
+    prompt_field: str = ""
+    """the prompt column (default: `problem`, else `prompt`; chat messages are fine)"""
+    answer_field: str = "answer"
+    """the reference-answer column"""
+    split: str = ""
+    """hub datasets: the split (default: the one data.HUB_DATASETS names, else train)"""
     limit: int = 0
     """evaluate only the first N problems of each dataset (0 = all)"""
     n: int = 1
@@ -246,7 +255,10 @@ class EvalConfig:
 def main(argv=None):
     cfg = parse_config(EvalConfig, argv, description=__doc__.split("\n")[0])
     # Load every dataset before the model, so a bad file fails in a second, not after a minute.
-    datasets = {dataset_name(src): load_rows(src, limit=cfg.limit or None)
+    datasets = {dataset_name(src): load_rows(src, limit=cfg.limit or None,
+                                             prompt_field=cfg.prompt_field,
+                                             answer_field=cfg.answer_field, split=cfg.split,
+                                             need_answers=True)
                 for src in cfg.data.split(",")}
     from model import load_model, pick_device
     from rollout import make_rollout

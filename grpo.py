@@ -52,7 +52,14 @@ class Config:
     model: str = DEFAULT_MODEL
     """policy to train: the offline default, a hub id, or a local HF folder"""
     data: str = "arith"
-    """training problems: `arith` (built-in, offline), a .jsonl/.parquet file, or a hub dataset id"""
+    """training problems: `arith` (built-in, offline), a .jsonl/.json/.csv/.parquet file, or a hub
+    dataset id; a `prompt` may be a string or chat messages (TRL's conversational format)"""
+    prompt_field: str = ""
+    """the data's prompt column (default: `problem`, else `prompt`)"""
+    answer_field: str = "answer"
+    """the data's reference-answer column (e.g. `solution`); optional if no reward needs it"""
+    split: str = ""
+    """hub datasets: the split to train on (default: train, or the split data.HUB_DATASETS names)"""
     template: Template = "answer-is"
     """prompt template from data.TEMPLATES: answer-is, boxed, raw"""
     chat: bool = True
@@ -319,7 +326,7 @@ class Scored:
     rows: list[dict]  # the problem of every sample (each repeated G times)
     completions: Completions
     rewards: torch.Tensor  # (N*G,) weighted sum of the reward functions (+ overlong penalty)
-    correct: list[float]  # (N*G,) answer correctness, measured whatever the reward is
+    correct: list[float]  # (N*G,) answer correctness whatever the reward is ([]: no answers)
     per_fn: dict[str, list[float]]  # each reward function's scores
     gen_seconds: float = 0.0
     reward_seconds: float = 0.0
@@ -348,11 +355,13 @@ def rollout_and_score(run, rows: list[dict], cfg: Config, reward_fns: RewardFunc
                                                       cfg.top_p, seed))
     gen_seconds, t0 = time.time() - t0, time.time()
     group_rows = [r for r in rows for _ in range(G)]
-    problems = [r["problem"] for r in group_rows]
-    rewards, per_fn = reward_fns(problems, comps.text, group_rows)
-    correct = per_fn.get("correctness") or correctness_reward(
-        problems, comps.text, [r["answer"] for r in group_rows],
-        answer_format=TEMPLATES[cfg.template][1], grader=grader)
+    # As TRL passes them: the prompt column as it is (chat messages, or the problem text).
+    prompts = [r["prompt"] if isinstance(r.get("prompt"), list) else r["problem"]
+               for r in group_rows]
+    rewards, per_fn = reward_fns(prompts, comps.text, comps.completion_ids, group_rows)
+    correct = per_fn.get("correctness") or ([] if "answer" not in rows[0] else correctness_reward(
+        prompts, comps.text, [r["answer"] for r in group_rows],
+        answer_format=TEMPLATES[cfg.template][1], grader=grader))
     if cfg.overlong_buffer:
         penalty = overlong_penalty([len(c) for c in comps.completion_ids], cfg.max_new_tokens,
                                    cfg.overlong_buffer)
@@ -514,10 +523,10 @@ def main(cfg: Config):
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
-    train_rows, eval_rows = load_problems(cfg)  # data first: a bad file fails before the model
+    train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
     reward_fns = RewardFunctions(cfg.reward, TEMPLATES[cfg.template][1], grader,
-                                 cfg.require_think_close)
+                                 cfg.require_think_close, columns)
     on_ray = cfg.num_trainers > 1 or cfg.num_engines > 1 or cfg.ray_address
     run = (setup_ray if on_ray else setup_local)(cfg, train_on_rollout, resume_dir)
     # A resumed run picks up its step, data position, RNG and metrics where the checkpoint left them.
@@ -599,7 +608,6 @@ def step_record(step: int, sampled: Scored, update: dict, train_seconds: float,
     record = {
         "step": step,
         "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
-        "accuracy": sum(sampled.correct) / len(sampled.correct),
         "zero_std_frac": float((~has_signal(rewards, cfg.num_generations)).float().mean()),
         "completion_len": float(lens.mean()), "completion_len_max": int(lens.max()),
         "truncated_frac": sum(comps.truncated) / len(comps),
@@ -609,8 +617,12 @@ def step_record(step: int, sampled: Scored, update: dict, train_seconds: float,
         "gen_tokens_per_s": float(lens.sum()) / sampled.gen_seconds,
         "train_tokens_per_s": update["trained_tokens"] / max(train_seconds, 1e-9),
     }
-    if len(sampled.per_fn) > 1:
-        record.update({f"reward_{name}": sum(s) / len(s) for name, s in sampled.per_fn.items()})
+    if sampled.correct:  # data with reference answers
+        record["accuracy"] = sum(sampled.correct) / len(sampled.correct)
+    if len(sampled.per_fn) > 1:  # each function's mean over the samples it applied to
+        for name, scores in sampled.per_fn.items():
+            scores = [x for x in scores if x is not None]
+            record[f"reward_{name}"] = sum(scores) / max(len(scores), 1)
     return record
 
 

@@ -8,19 +8,28 @@ Imports nothing from smolrl, so a student can test it alone.
     Grader.grade(preds, golds)   normalised/numeric fast path, then math-verify in worker
                                  processes with a hard timeout: a hostile answer scores 0 and
                                  never stalls the run
-    RewardFunctions              TRL-style reward functions `fn(prompts, completions, **row_fields)
-                                 -> list[float]`, weighted and summed; a crashing function is
-                                 reported once, scores 0 for that batch and is counted
+    RewardFunctions              reward functions called as TRL calls them (`prompts=`,
+                                 `completions=`, `completion_ids=`, every column by name; None
+                                 = "does not apply"), weighted and summed; signatures checked
+                                 at startup; a crashing function is reported once, scores 0
+                                 for that batch and is counted
 """
 
+import asyncio
+import functools
 import importlib
+import importlib.util
+import inspect
 import math
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import re
+import sys
 import time
 import traceback
 from fractions import Fraction
+from pathlib import Path
 
 # ---------------------------------------------------------------------------------------------
 # Extraction
@@ -244,92 +253,193 @@ class Grader:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reward functions. Same convention as TRL: `fn(prompts, completions, **row_fields)` where each
-# row field (answer, id, ...) is a list aligned with completions; returns one float per completion.
+# Reward functions, called the way TRL calls them:
+#
+#     fn(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]
+#
+# Every dataset column arrives by name, as a list aligned with the completions. For conversational
+# prompts (lists of messages) prompts and completions are message lists, as TRL passes them. None
+# for a sample means "this function does not apply here": the sample's total leaves it out.
+
+MAX_FAILED_BATCHES = 3  # a function failing on this many batches in a row stops the run
+
+
+def completion_text(completion) -> str:
+    """The text of a completion, given as a string or as TRL's [{"role": "assistant", ...}]."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
 
 
 def correctness_reward(prompts, completions, answer, *, answer_format="boxed", grader=None,
                        **_):
     """1.0 when the answer in `answer_format` matches the reference answer, else 0.0."""
     grader = grader or Grader()
-    preds = [extract_answer(c, answer_format) for c in completions]
+    preds = [extract_answer(completion_text(c), answer_format) for c in completions]
     return [float(ok) for ok in grader.grade(preds, answer)]
 
 
 def format_reward(prompts, completions, *, answer_format="boxed", **_):
     """1.0 when the completion states an answer in the declared format at all."""
+    texts = [completion_text(c) for c in completions]
     if answer_format == "boxed":
-        return [float(extract_boxed(c) is not None) for c in completions]
-    return [float(bool(re.search(r"answer is\s*:?\s*\$?" + _NUMBER, c, re.IGNORECASE)))
-            for c in completions]
+        return [float(extract_boxed(t) is not None) for t in texts]
+    return [float(bool(re.search(r"answer is\s*:?\s*\$?" + _NUMBER, t, re.IGNORECASE)))
+            for t in texts]
 
 
 BUILTIN = {"correctness": correctness_reward, "format": format_reward}
 
 
 class RewardFunctions:
-    """Weighted sum of reward functions given as "name[:weight],..." (built-in or module:function).
+    """Weighted sum of reward functions given as "name[=weight],...": built-ins, or your own as
+    `module:fn` (importable from the current directory), `path/to/file.py:fn` or `module.fn`.
 
-    A user function that raises or returns a non-finite score (inf, NaN) is reported once with its
-    traceback, scores 0 for that batch, and is counted in `errors`; the run goes on.
+    `columns` (the dataset's column names) are checked against every function's signature at
+    startup: a parameter no column can fill is an error that names it, not a silent 0 later. A
+    function that raises or returns a non-finite score is reported once with its traceback,
+    scores 0 for that batch and is counted in `errors`; failing on MAX_FAILED_BATCHES batches in
+    a row stops the run. `async def` functions are awaited, concurrently.
     """
 
     def __init__(self, spec: str, answer_format: str, grader: Grader,
-                 require_think_close: bool = False):
+                 require_think_close: bool = False, columns=None):
         self.require_think_close = require_think_close
         self.fns = []  # (name, fn, weight)
         for part in spec.split(","):
             name, _, weight = part.strip().rpartition("=") if "=" in part else (part.strip(), "", "1")
-            self.fns.append((name, self._resolve(name, answer_format, grader), float(weight)))
+            fn = self._resolve(name, answer_format, grader)
+            if columns is not None:
+                _check_signature(name, fn, {"prompts", "completions", "completion_ids", *columns})
+            self.fns.append((name, fn, float(weight)))
         self.errors = 0
-        self._reported = set()
+        self._reported, self._failing = set(), {}
 
     @staticmethod
     def _resolve(name, answer_format, grader):
         if name == "correctness":
-            return lambda *a, **k: correctness_reward(*a, answer_format=answer_format,
-                                                      grader=grader, **k)
+            return functools.partial(correctness_reward, answer_format=answer_format, grader=grader)
         if name == "format":
-            return lambda *a, **k: format_reward(*a, answer_format=answer_format, **k)
-        module, _, attr = name.partition(":")
-        if not attr:
-            raise SystemExit(f"error: unknown reward {name!r}: use one of {sorted(BUILTIN)} or "
-                             f"'module:function'")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as e:
-            raise SystemExit(f"error: cannot load reward function {name!r}: {e}") from None
+            return functools.partial(format_reward, answer_format=answer_format)
+        return load_function(name, what="reward function")
 
-    def __call__(self, prompts, completions, rows) -> tuple[list[float], dict[str, list[float]]]:
-        """(total reward per completion, {function name: its scores})."""
-        fields = {k: [r.get(k) for r in rows] for k in rows[0]} if rows else {}
-        fields.pop("prompts", None)
-        fields.pop("completions", None)
+    def __call__(self, prompts, completions: list[str], completion_ids, rows):
+        """(total reward per completion, {function name: its scores, None where it abstained})."""
+        columns = {k: [r.get(k) for r in rows] for k in rows[0]} if rows else {}
+        for taken in ("prompt", "prompts", "completions", "completion_ids"):
+            columns.pop(taken, None)
         thought = [True] * len(completions)
         if self.require_think_close:  # reasoning models: only the text after </think> is graded
             thought = ["</think>" in c for c in completions]
             completions = [c.rsplit("</think>", 1)[-1] if ok else "" for c, ok in
                            zip(completions, thought)]
-        total = [0.0] * len(completions)
-        per_fn = {}
-        for name, fn, weight in self.fns:
-            try:
-                scores = [float(s) for s in fn(prompts, completions, **fields)]
-                if len(scores) != len(completions):
-                    raise ValueError(f"returned {len(scores)} scores for {len(completions)} "
-                                     f"completions")
-                # One inf or NaN would turn every advantage of the batch into NaN, and the weights
-                # with them: treat it like a crash.
-                if not all(math.isfinite(s) for s in scores):
-                    raise ValueError(f"returned a non-finite score: {scores}")
-            except Exception:
-                self.errors += 1
-                if name not in self._reported:
-                    self._reported.add(name)
-                    print(f"reward function {name!r} raised; scoring 0 for this batch "
-                          f"(reported once, counted in reward_errors):\n{traceback.format_exc()}")
-                scores = [0.0] * len(completions)
-            scores = [s if ok else 0.0 for s, ok in zip(scores, thought)]  # no </think>: 0
+        if prompts and isinstance(prompts[0], list):  # conversational, as TRL passes them
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                      **columns)
+        total, per_fn = [0.0] * len(completions), {}
+        for (name, _, weight), result in zip(self.fns, self._call_all(kwargs)):
+            scores = self._checked(name, result, len(completions))
+            scores = [s if ok or s is None else 0.0 for s, ok in zip(scores, thought)]
             per_fn[name] = scores
-            total = [t + weight * s for t, s in zip(total, scores)]
+            total = [t if s is None else t + weight * s for t, s in zip(total, scores)]
         return total, per_fn
+
+    def _call_all(self, kwargs) -> list:
+        """Each function's result (or the exception it raised); async ones run concurrently."""
+        results, pending = [], {}
+        for i, (_, fn, _) in enumerate(self.fns):
+            try:
+                result = fn(**_accepted(fn, kwargs))
+            except Exception as e:
+                result = e
+            if inspect.isawaitable(result):
+                pending[i] = result
+            results.append(result)
+        if pending:
+            async def gather():
+                return await asyncio.gather(*pending.values(), return_exceptions=True)
+            for i, result in zip(pending, asyncio.run(gather())):
+                results[i] = result
+        return results
+
+    def _checked(self, name, result, n) -> list[float | None]:
+        try:
+            if isinstance(result, BaseException):
+                raise result
+            scores = [None if s is None else float(s) for s in result]
+            if len(scores) != n:
+                raise ValueError(f"returned {len(scores)} scores for {n} completions")
+            # One inf or NaN would turn every advantage of the batch into NaN, and the weights
+            # with them: treat it like a crash.
+            if not all(s is None or math.isfinite(s) for s in scores):
+                raise ValueError(f"returned a non-finite score: {scores}")
+        except Exception as e:
+            self.errors += 1
+            self._failing[name] = self._failing.get(name, 0) + 1
+            trace = "".join(traceback.format_exception(e))
+            if self._failing[name] >= MAX_FAILED_BATCHES:
+                raise SystemExit(f"error: reward function {name!r} failed on {MAX_FAILED_BATCHES} "
+                                 f"batches in a row; the last time:\n{trace}") from None
+            if name not in self._reported:
+                self._reported.add(name)
+                print(f"reward function {name!r} failed; scoring 0 for this batch (reported "
+                      f"once, counted in reward_errors):\n{trace}")
+            return [0.0] * n
+        self._failing[name] = 0
+        return scores
+
+
+def load_function(spec: str, what: str = "function"):
+    """`module:fn` (importable from the current directory), `path/to/file.py:fn` or `module.fn`."""
+    where, sep, attr = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+    if not sep or not where or not attr:
+        raise SystemExit(f"error: unknown {what} {spec!r}: use one of {sorted(BUILTIN)}, "
+                         f"module:function, path/to/file.py:function or module.function")
+    try:
+        if where.endswith(".py") or "/" in where:
+            path = Path(where)
+            if not path.is_file():
+                raise ImportError(f"no such file: {where}")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path:  # what `python -c "import my_rewards"` would find
+                sys.path.insert(0, os.getcwd())
+            module = importlib.import_module(where)
+        fn = getattr(module, attr)
+    except (ImportError, AttributeError, SyntaxError) as e:
+        raise SystemExit(f"error: cannot load {what} {spec!r}: {e}") from None
+    if not callable(fn):
+        raise SystemExit(f"error: {what} {spec!r} is not callable")
+    return fn
+
+
+def _accepted(fn, kwargs: dict) -> dict:
+    """The keyword arguments fn takes: all of them with **kwargs (as TRL's functions have)."""
+    params = _parameters(fn)
+    if params is None or any(p.kind == p.VAR_KEYWORD for p in params):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in {p.name for p in params}}
+
+
+def _parameters(fn):
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: call it with everything
+        return None
+
+
+def _check_signature(name: str, fn, available: set[str]):
+    """Every parameter without a default must be something we pass: stop now if not."""
+    params = _parameters(fn) or []
+    needed = [p.name for p in params if p.default is p.empty and
+              p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in available]
+    positional = [p.name for p in params if p.kind == p.POSITIONAL_ONLY]
+    if positional:
+        raise SystemExit(f"error: reward function {name!r}: positional-only parameters "
+                         f"{positional} cannot be filled; rewards are passed by keyword")
+    if needed:
+        columns = sorted(available - {"prompts", "completions", "completion_ids"})
+        raise SystemExit(f"error: reward function {name!r} needs {', '.join(needed)}, which the "
+                         f"data does not have (columns: {', '.join(columns)}); map a column "
+                         f"(--answer-field, --prompt-field) or give the parameter a default")

@@ -116,14 +116,14 @@ def test_reward_functions_weights_and_user_errors(capsys):
     fns = RewardFunctions("correctness,format=0.5", "answer-is", Grader())
     completions = ["The answer is 5.", "It is 6", "bla"]
     rows = [{"answer": "5"}, {"answer": "5"}, {"answer": "5"}]
-    total, per_fn = fns(["q"] * 3, completions, rows)
+    total, per_fn = fns(["q"] * 3, completions, None, rows)
     assert per_fn["correctness"] == [1.0, 0.0, 0.0]
     assert per_fn["format"] == [1.0, 0.0, 0.0]
     assert total == [1.5, 0.0, 0.0]
 
     broken = RewardFunctions("tests.test_reward:_broken_reward,correctness", "answer-is", Grader())
     for _ in range(2):
-        total, per_fn = broken(["q"] * 3, completions, rows)
+        total, per_fn = broken(["q"] * 3, completions, None, rows)
     assert per_fn["tests.test_reward:_broken_reward"] == [0.0, 0.0, 0.0]
     assert total == [1.0, 0.0, 0.0]  # the other function still counts
     assert broken.errors == 2
@@ -138,8 +138,8 @@ def _broken_reward(prompts, completions, **fields):
 
 def test_user_reward_gets_row_fields():
     fns = RewardFunctions("tests.test_reward:_length_reward", "boxed", Grader())
-    total, _ = fns(["q", "q"], ["ab", "abcd"], [{"answer": "1", "target": 2},
-                                                {"answer": "1", "target": 4}])
+    total, _ = fns(["q", "q"], ["ab", "abcd"], None, [{"answer": "1", "target": 2},
+                                                      {"answer": "1", "target": 4}])
     assert total == [1.0, 1.0]
 
 
@@ -236,7 +236,7 @@ def test_a_non_finite_reward_counts_as_an_error(capsys):
                           "correctness", "answer-is", Grader())
     rows = [{"answer": "5"}] * 2
     for _ in range(2):
-        total, per_fn = fns(["q"] * 2, ["The answer is 5.", "6"], rows)
+        total, per_fn = fns(["q"] * 2, ["The answer is 5.", "6"], None, rows)
         assert total == [1.0, 0.0]  # both functions score 0; correctness still counts
     assert per_fn["tests.test_reward:_inf_reward"] == [0.0, 0.0]
     assert fns.errors == 4
@@ -249,7 +249,7 @@ def test_require_think_close():
     completions = ["<think>maybe \\boxed{4}</think> so \\boxed{5}",
                    "<think>still thinking \\boxed{5}",
                    "<think>x</think> \\boxed{4}"]
-    total, _ = fns(["q"] * 3, completions, [{"answer": "5"}] * 3)
+    total, _ = fns(["q"] * 3, completions, None, [{"answer": "5"}] * 3)
     assert total == [1.0, 0.0, 0.0]
 
 
