@@ -4,7 +4,7 @@
         config.json, model.safetensors, tokenizer files   the policy as an HF folder, loadable as is
         trainer_state.pt   optimizer, LR schedule, torch RNG          (written by trainer rank 0)
         driver_state.pt    step, data position, python + numpy RNG    (written by the driver)
-        metrics.jsonl, grpo_config.json                               the run so far
+        metrics.jsonl, grpo_config.json (or dpo_config.json)          the run so far
 
 A checkpoint is written to `.tmp-step_N` and renamed into place, so a kill -9 during a save leaves
 the previous one whole. Training state is read with `weights_only=True`: tensors and plain
@@ -64,8 +64,8 @@ def save_checkpoint(out: Path, driver: DriverState, save_trainer, keep_last: int
     torch.save({"step": driver.step, "consumed": driver.consumed, "python_rng": random.getstate(),
                 "numpy_rng": [kind, keys.tolist(), pos, has_gauss, gauss]},
                tmp / "driver_state.pt")
-    shutil.copy(out / "metrics.jsonl", tmp / "metrics.jsonl")
-    shutil.copy(out / "grpo_config.json", tmp / "grpo_config.json")
+    for name in ["metrics.jsonl", *(p.name for p in out.glob("*_config.json"))]:
+        shutil.copy(out / name, tmp / name)  # the run so far, and its config (grpo's or dpo's)
     final = folder / f"step_{driver.step}"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # atomic: the checkpoint exists whole, or not at all

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from checkpoint import DriverState, find_checkpoint, load_driver_state, load_trainer_state
+from checkpoint import save_checkpoint, save_trainer_state
 from data import InputError, TEMPLATES, arith_heldout, arith_stream, encode_prompts, load_table
 from data import Template, check, flag, parse_config
 from evaluate import evaluate_rows, plot_curves
@@ -47,7 +49,15 @@ class Config:
     model: str = DEFAULT_MODEL
     """policy to train (and, frozen, the reference): offline default, hub id or local HF folder"""
     data: str = "builtin"
-    """`builtin` (on-policy arith pairs), a .jsonl/.parquet file, or a hub dataset id"""
+    """`builtin` (on-policy arith pairs), a .jsonl/.json/.csv/.parquet file, or a hub dataset id"""
+    prompt_field: str = "prompt"
+    """the data's prompt column (a string or chat messages)"""
+    chosen_field: str = "chosen"
+    """the data's preferred-response column"""
+    rejected_field: str = "rejected"
+    """the data's dispreferred-response column"""
+    split: str = ""
+    """hub datasets: the split (default: train)"""
     eval_pairs: int = 32
     """preference pairs held out to measure reward accuracy on data the model never trained on"""
     template: Template = "answer-is"
@@ -90,6 +100,12 @@ class Config:
     """held-out arith problems for the task metric (builtin data only)"""
     bf16: bool = True
     """bf16 autocast around fp32 master weights"""
+    save_every: int = 0
+    """write <out>/checkpoints/step_N every N steps (0 = never); the format is checkpoint.py's"""
+    keep_last: int = 2
+    """checkpoints kept (the oldest are deleted); 0 keeps all"""
+    resume: str = ""
+    """continue a run exactly: `auto` (latest checkpoint in --out) or a checkpoint folder"""
     seed: int = 0
     """seed for sampling, data order and splits"""
     out: str = "out/dpo"
@@ -99,7 +115,8 @@ class Config:
         for name in ("epochs", "batch_size", "micro_batch_size", "max_length",
                      "max_prompt_length", "builtin_problems", "eval_size"):
             check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
-        for name in ("eval_pairs", "lr", "warmup_steps", "eval_every", "sft_weight"):
+        for name in ("eval_pairs", "lr", "warmup_steps", "eval_every", "sft_weight", "save_every",
+                     "keep_last"):
             check(getattr(self, name) >= 0, f"{flag(name)} must not be negative")
         check(self.builtin_samples >= 2, "--builtin-samples must be at least 2 (a pair needs two "
               "answers)")
@@ -181,16 +198,33 @@ def _response_ids(tokenizer, prompt, prompt_ids, response) -> list[int]:
     return _text_response(tokenizer, response)
 
 
-def tokenize_pairs(tokenizer, rows, source, cfg):
-    """Pairs of token ids. Over-long pairs lose prompt tokens (from the left) down to
-    max_prompt_length, then response tokens; a pair whose prompt alone is too long is skipped
-    and counted."""
-    pairs, skipped = [], 0
+def check_pairs(rows, source, cfg) -> list[dict]:
+    """Every row, before any model loads: {prompt, chosen, rejected} from the configured columns,
+    each a non-empty string or a list of {role, content} messages (TRL's preference format)."""
+    out = []
     for i, row in enumerate(rows, start=1):
-        for field in ("prompt", "chosen", "rejected"):
+        pair = {}
+        for key, field in (("prompt", cfg.prompt_field), ("chosen", cfg.chosen_field),
+                           ("rejected", cfg.rejected_field)):
             value = row.get(field) if isinstance(row, dict) else None
             if not value or (isinstance(value, str) and not value.strip()):
                 raise InputError(f"{source}: row {i} has no '{field}' field (or it is empty)")
+            if isinstance(value, list) and not all(
+                    isinstance(m, dict) and m.get("role") and isinstance(m.get("content"), str)
+                    for m in value):
+                raise InputError(f"{source}: row {i}: '{field}' is a list but not of "
+                                 f"{{'role', 'content'}} messages")
+            pair[key] = value
+        out.append(pair)
+    return out
+
+
+def tokenize_pairs(tokenizer, rows, source, cfg):
+    """Pairs of token ids from check_pairs' rows. Over-long pairs lose prompt tokens (from the
+    left) down to max_prompt_length, then response tokens; a pair whose prompt alone is too long
+    is skipped and counted."""
+    pairs, skipped = [], 0
+    for row in rows:
         prompt = row["prompt"]
         if isinstance(prompt, list):
             prompt_ids = _chat_ids(tokenizer, prompt, add_generation_prompt=True)
@@ -315,9 +349,10 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").write_text("")
-    (out / "dpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    rows = None if cfg.data == "builtin" else load_table(cfg.data)  # fail fast on a bad file
+    resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
+    # Every row is checked before the model loads: a bad file fails in a second, not a minute.
+    rows = None if cfg.data == "builtin" else check_pairs(load_table(cfg.data, cfg.split),
+                                                          cfg.data, cfg)
 
     device = pick_device()
     model, tokenizer = load_model(cfg.model, device)
@@ -333,14 +368,23 @@ def main(cfg: Config):
     n_eval = min(cfg.eval_pairs, len(pairs) // 5)
     eval_pairs, train_pairs = pairs[:n_eval], pairs[n_eval:]
 
+    # The reference is the starting model, also on --resume: its log-probs come first.
     refs = None if cfg.reference_free else reference_logps(model, pairs, cfg, device)
     eval_refs, train_refs = (refs[:n_eval], refs[n_eval:]) if refs else (None, None)
 
     grader = Grader()
     optimizer, scheduler = adamw_with_warmup(model, cfg.lr, cfg.warmup_steps)
+    driver = DriverState()
+    if resume_dir:  # the checkpoint's weights, optimizer, schedule, RNG, step and metrics
+        model.load_state_dict(load_model(resume_dir, device)[0].state_dict())
+        load_trainer_state(resume_dir, model, optimizer, scheduler)
+        driver = load_driver_state(resume_dir)
+        print(f"resuming from {resume_dir} at step {driver.step + 1}")
+    history = driver.history
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    (out / "dpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     steps_per_epoch = max(1, len(train_pairs) // cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
-    history = []
 
     def evaluate_now():
         record, t0 = {}, time.time()
@@ -375,14 +419,17 @@ def main(cfg: Config):
 
     print(f"{len(train_pairs)} training pairs, {len(eval_pairs)} held-out pairs, "
           f"{total_steps} steps of {cfg.batch_size} pairs")
-    if cfg.eval_every:
+    if cfg.eval_every and driver.step == 0:
         log({"step": 0, **evaluate_now()})
     step = 0
-    bar = tqdm(total=total_steps, desc="dpo", unit="step")
+    bar = tqdm(total=total_steps, desc="dpo", unit="step", initial=driver.step)
     for epoch in range(cfg.epochs):
         order = list(range(len(train_pairs)))
-        random.Random(cfg.seed + epoch).shuffle(order)
+        random.Random(cfg.seed + epoch).shuffle(order)  # the same order on --resume
         for b in range(steps_per_epoch):
+            if step < driver.step:  # done before the checkpoint
+                step += 1
+                continue
             t0 = time.time()
             idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
             model.train()
@@ -407,6 +454,10 @@ def main(cfg: Config):
                 record.update(evaluate_now())
             log(record)
             bar.update(1)
+            if cfg.save_every and step % cfg.save_every == 0:
+                driver.step = driver.consumed = step
+                save_checkpoint(out, driver, lambda folder: save_trainer_state(
+                    folder, model, tokenizer, optimizer, scheduler), cfg.keep_last)
     bar.close()
     grader.close()
     save_model(model, tokenizer, out, dtype=source_dtype(cfg.model))  # as the model came in

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpo import Config, Pair, batch_loss, dpo_loss, pair_logps, tokenize_pairs
+from dpo import Config, Pair, batch_loss, check_pairs, dpo_loss, pair_logps, tokenize_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,10 +122,30 @@ def test_micro_batching_leaves_loss_and_gradient_unchanged(tiny_model):
     ({"prompt": "hi", "rejected": "no"}, "row 1 has no 'chosen' field"),
     ({"prompt": "hi", "chosen": "yes", "rejected": ""}, "row 1 has no 'rejected' field"),
     ({"prompt": [], "chosen": "yes", "rejected": "no"}, "row 1 has no 'prompt' field"),
+    ({"prompt": [{"content": "x"}], "chosen": "y", "rejected": "n"}, "not of {'role', 'content'}"),
 ])
-def test_bad_pairs_are_clear_errors(tokenizer, row, message):
+def test_bad_pairs_are_clear_errors(row, message):
     with pytest.raises(SystemExit, match=message):
-        tokenize_pairs(tokenizer, [row], "prefs.jsonl", _cfg())
+        check_pairs([row], "prefs.jsonl", _cfg())
+
+
+def test_bad_pairs_fail_before_the_model_loads(tmp_path):
+    data = tmp_path / "prefs.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"
+                    + json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
+    result = subprocess.run([sys.executable, "dpo.py", "--model", "no/such-model", "--data",
+                             str(data), "--out", str(tmp_path / "o")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0  # the model id would fail too, but the data is named first
+    assert result.stderr.strip() == f"error: {data}: row 2 has no 'rejected' field (or it is empty)"
+
+
+def test_other_column_names(tokenizer):
+    rows = check_pairs([{"question": "q", "good": "y", "bad": "n"}], "prefs.csv",
+                       _cfg(prompt_field="question", chosen_field="good", rejected_field="bad"))
+    assert rows == [{"prompt": "q", "chosen": "y", "rejected": "n"}]
+    pairs, _ = tokenize_pairs(tokenizer, rows, "prefs.csv", _cfg())
+    assert len(pairs) == 1
 
 
 def test_too_long_prompt_is_skipped_and_counted_and_long_pairs_keep_the_response(tokenizer):
@@ -164,3 +184,27 @@ def test_two_step_run(tiny_model_dir, tmp_path):
                 "chosen_logp", "rejected_logp", "eval_reward_accuracy"):
         assert key in records[-1], key
     assert (out / "curves.png").exists() and (out / "model.safetensors").exists()
+
+
+def test_resume_is_exact(tiny_model_dir, tmp_path):
+    """--save-every / --resume with GRPO's checkpoint code: the resumed run's metrics equal the
+    uninterrupted run's (the reference stays the starting model)."""
+    from conftest import read_metrics
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1),
+                                        "rejected": str(i + 7)}) + "\n" for i in range(20)))
+    common = [sys.executable, "dpo.py", "--model", tiny_model_dir, "--data", str(data),
+              "--batch-size", "4", "--micro-batch-size", "2", "--epochs", "1", "--eval-every", "2",
+              "--lr", "1e-3", "--no-bf16"]
+    first = subprocess.run(common + ["--save-every", "2", "--keep-last", "0", "--out",
+                                     str(tmp_path / "a")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = subprocess.run(common + ["--resume", str(tmp_path / "a/checkpoints/step_2"),
+                                       "--out", str(tmp_path / "b")], cwd=ROOT,
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    assert a == b
