@@ -37,7 +37,7 @@ from checkpoint import DriverState, find_checkpoint, load_driver_state, load_tra
 from checkpoint import save_checkpoint, save_trainer_state
 from data import InputError, TEMPLATES, arith_heldout, arith_stream, encode_prompts, load_table
 from data import Template, check, flag, parse_config
-from evaluate import evaluate_rows, plot_curves
+from evaluate import TRACKERS, RunLog, evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
 from model import adamw_with_warmup, check_head_logits, pick_device, save_model, source_dtype
 from reward import Grader, extract_answer
@@ -106,6 +106,8 @@ class Config:
     """checkpoints kept (the oldest are deleted); 0 keeps all"""
     resume: str = ""
     """continue a run exactly: `auto` (latest checkpoint in --out) or a checkpoint folder"""
+    report_to: str = ""
+    """also log metrics to: tensorboard, wandb (comma-separated; pip install them first)"""
     seed: int = 0
     """seed for sampling, data order and splits"""
     out: str = "out/dpo"
@@ -124,6 +126,8 @@ class Config:
         check(0 <= self.label_smoothing < 0.5, f"--label-smoothing {self.label_smoothing}: must "
               f"be in [0, 0.5) (at 0.5 the labels carry no information)")
         check(self.max_grad_norm > 0, "--max-grad-norm must be positive")
+        check(all(n in TRACKERS for n in self.report_to.split(",") if n), f"--report-to "
+              f"{self.report_to}: choose from {', '.join(TRACKERS)} (comma-separated)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,8 +384,7 @@ def main(cfg: Config):
         load_trainer_state(resume_dir, model, optimizer, scheduler)
         driver = load_driver_state(resume_dir)
         print(f"resuming from {resume_dir} at step {driver.step + 1}")
-    history = driver.history
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    log = RunLog(out, driver.history, cfg.report_to, asdict(cfg), line=format_dpo_step)
     (out / "dpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     steps_per_epoch = max(1, len(train_pairs) // cfg.batch_size)
     total_steps = steps_per_epoch * cfg.epochs
@@ -407,15 +410,6 @@ def main(cfg: Config):
             record["eval_accuracy"] = summary["avg@n"]
         record["eval_seconds"] = time.time() - t0
         return record
-
-    def log(record):
-        history.append(record)
-        with open(out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        shown = ("step", "loss", "reward_accuracy", "reward_margin", "chosen_logp", "rejected_logp",
-                 "step_seconds", "eval_reward_accuracy", "eval_accuracy")
-        tqdm.write(" | ".join(f"{k} {record[k]:.4g}" if isinstance(record[k], float) else
-                              f"{k} {record[k]}" for k in shown if k in record))
 
     print(f"{len(train_pairs)} training pairs, {len(eval_pairs)} held-out pairs, "
           f"{total_steps} steps of {cfg.batch_size} pairs")
@@ -460,11 +454,19 @@ def main(cfg: Config):
                     folder, model, tokenizer, optimizer, scheduler), cfg.keep_last)
     bar.close()
     grader.close()
+    log.close()
     save_model(model, tokenizer, out, dtype=source_dtype(cfg.model))  # as the model came in
-    plot_curves(history, out / "curves.png", title=f"DPO on {cfg.data} ({cfg.model})",
+    plot_curves(log.history, out / "curves.png", title=f"DPO on {cfg.data} ({cfg.model})",
                 train_keys=("reward_accuracy",), eval_keys=("eval_accuracy", "eval_reward_accuracy"))
     print(f"saved the model, metrics.jsonl and curves.png in {out}/")
-    return history
+    return log.history
+
+
+def format_dpo_step(record: dict) -> str:
+    shown = ("step", "loss", "reward_accuracy", "reward_margin", "chosen_logp", "rejected_logp",
+             "step_seconds", "eval_reward_accuracy", "eval_accuracy")
+    return " | ".join(f"{k} {record[k]:.4g}" if isinstance(record[k], float) else
+                      f"{k} {record[k]}" for k in shown if k in record)
 
 
 if __name__ == "__main__":

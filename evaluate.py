@@ -166,12 +166,51 @@ def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> dict:
             "eval_seconds": time.time() - t0}
 
 
-def log_step(out: Path, history: list[dict], record: dict):
-    """Append a step's record to the history, to <out>/metrics.jsonl, and print its line."""
-    history.append(record)
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-    tqdm.write(format_step(record))
+TRACKERS = ("tensorboard", "wandb")
+
+
+class RunLog:
+    """Where a run's metrics go: the history, <out>/metrics.jsonl (rewritten from `history` on
+    resume), the printed step line, and the trackers asked for with --report-to -- TensorBoard
+    (<out>/tensorboard) and Weights & Biases -- imported only then."""
+
+    def __init__(self, out: Path, history: list[dict], report_to: str = "", config=None,
+                 line=None):
+        self.out, self.history, self.line = out, history, line or format_step
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+        self.tensorboard = self.wandb = None
+        names = [n for n in report_to.split(",") if n]
+        try:
+            if "tensorboard" in names:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tensorboard = SummaryWriter(log_dir=str(out / "tensorboard"))
+            if "wandb" in names:
+                import wandb
+                self.wandb = wandb.init(project="smolrl", name=out.name, dir=str(out),
+                                        config=config or {})
+        except ImportError as e:
+            raise SystemExit(f"error: --report-to {report_to}: {e.name} is not installed; "
+                             f"pip install {e.name}") from None
+
+    def __call__(self, record: dict):
+        self.history.append(record)
+        with open(self.out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        tqdm.write(self.line(record))
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.tensorboard:
+            for key, value in scalars.items():
+                self.tensorboard.add_scalar(key, value, record["step"])
+            self.tensorboard.flush()
+        if self.wandb:
+            self.wandb.log(scalars, step=record["step"])
+
+    def close(self):
+        if self.tensorboard:
+            self.tensorboard.close()
+        if self.wandb:
+            self.wandb.finish()
 
 
 def show_samples(rows: list[dict], texts: list[str], rewards, k: int = 2):

@@ -37,7 +37,7 @@ from tqdm import tqdm
 from checkpoint import DriverState, find_checkpoint, load_driver_state, save_checkpoint
 from data import TEMPLATES, ProblemStream, Template, check, encode_prompts, flag, load_problems
 from data import parse_config
-from evaluate import evaluate_held_out, log_step, plot_curves, show_samples
+from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples
 from model import DEFAULT_MODEL, length_mask, pack, peak_memory_gb, right_pad
 from reward import Grader, RewardFunctions, correctness_reward
 from rollout import Completions, Sampling
@@ -149,6 +149,8 @@ class Config:
     """print a few sampled completions every N steps (0 = never)"""
     out: str = "out/grpo"
     """output folder: metrics.jsonl, curves.png, the final model in HF format"""
+    report_to: str = ""
+    """also log metrics to: tensorboard, wandb (comma-separated; pip install them first)"""
 
     # Checkpoints
     save_every: int = 0
@@ -200,6 +202,8 @@ class Config:
               f"{self.overlong_buffer} is longer than --max-new-tokens {self.max_new_tokens}")
         check(not (self.resume and self.init_from), "--resume continues a run, --init-from starts "
               "a new one from other weights: give one of them")
+        check(all(n in TRACKERS for n in self.report_to.split(",") if n), f"--report-to "
+              f"{self.report_to}: choose from {', '.join(TRACKERS)} (comma-separated)")
         check(not self.fsdp or self.num_trainers > 1, "--fsdp shards the model over several "
               "trainers: use it with --num-trainers N, N > 1")
         # GSPO's objective is (1/G) sum_i min(s_i A_i, clip(s_i) A_i): a mean over sequences. Any
@@ -534,12 +538,11 @@ def main(cfg: Config):
     if resume_dir:
         print(f"resuming from {resume_dir} at step {driver.step + 1}")
     problems = ProblemStream(train_rows, skip=driver.consumed)
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in driver.history))
+    log = RunLog(out, driver.history, cfg.report_to, asdict(cfg))
     (out / "grpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     evaluating = bool(cfg.eval_every and eval_rows)
     if evaluating and driver.step == 0:
-        log_step(out, driver.history, {"step": 0, **evaluate_held_out(run, eval_rows, cfg,
-                                                                         grader)})
+        log({"step": 0, **evaluate_held_out(run, eval_rows, cfg, grader)})
     G, N, bad_steps = cfg.num_generations, cfg.prompts_per_step, 0
 
     for step in tqdm(range(driver.step + 1, cfg.steps + 1), desc="grpo", unit="step",
@@ -580,7 +583,7 @@ def main(cfg: Config):
                       step_seconds=time.time() - t_step)
         if evaluating and (step % cfg.eval_every == 0 or step == cfg.steps):
             record.update(evaluate_held_out(run, eval_rows, cfg, grader))
-        log_step(out, driver.history, record)
+        log(record)
         if cfg.log_samples_every and step % cfg.log_samples_every == 0:
             show_samples(scored.rows, scored.completions.text, scored.rewards)
         driver.step, driver.consumed = step, problems.taken
@@ -588,6 +591,7 @@ def main(cfg: Config):
             save_checkpoint(out, driver, run.save, cfg.keep_last)
 
     grader.close()
+    log.close()
     run.export(str(out))  # the model alone; optimizer state lives in checkpoints only
     plot_curves(driver.history, out / "curves.png", title=f"GRPO on {cfg.data} ({cfg.model})")
     print(f"saved the model, metrics.jsonl and curves.png in {out}/")

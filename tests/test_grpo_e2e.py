@@ -1,10 +1,13 @@
 """grpo.py through the command line on a tiny random model: a two-step run, bad data, DAPO's
-dynamic sampling."""
+dynamic sampling, TensorBoard and W&B logging."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import read_metrics, run_grpo, small_run_args
 
@@ -74,3 +77,26 @@ def test_dynamic_sampling_fills_the_batch(tiny_model_dir, tmp_path):
     for r in read_metrics(tmp_path):
         assert r["kept_groups"] == 2  # the batch is full of groups that have signal
         assert r["dropped_groups"] <= 2 * (r["fill_rounds"] + 1)
+
+
+def test_report_to_tensorboard_and_wandb(tiny_model_dir, tmp_path):
+    """TensorBoard's event files hold exactly metrics.jsonl's scalars; W&B runs offline."""
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = tmp_path / "run"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    result = subprocess.run([sys.executable, "grpo.py", *small_run_args(tiny_model_dir, out),
+                             "--steps", "2", "--eval-every", "2", "--eval-size", "4",
+                             "--report-to", "tensorboard,wandb"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    for key in ("reward", "loss", "grad_norm", "completion_len", "eval_accuracy"):
+        logged = {e.step: e.value for e in events.Scalars(key)}
+        expected = {r["step"]: r[key] for r in records if key in r}
+        assert logged.keys() == expected.keys(), key
+        for step, value in expected.items():
+            assert abs(logged[step] - value) <= 1e-6 * max(1.0, abs(value)), (key, step)
+    assert list((out / "wandb").glob("offline-run-*"))  # the W&B run, ready for `wandb sync`
