@@ -16,8 +16,9 @@ import inspect
 import itertools
 import json
 import random
+import types
 import typing
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # ---------------------------------------------------------------------------------------------
@@ -100,13 +101,99 @@ def arith_stream(seed: int):
 # ---------------------------------------------------------------------------------------------
 # Files and hub datasets.
 
-# Column mappings for the datasets users ask for most: hub id -> (split, problem field, answer fn).
+def _last_boxed(solution: str) -> str | None:
+    from reward import extract_boxed  # reward.py imports nothing from smolrl: no cycle
+    return extract_boxed(solution)
+
+
+def _after_hashes(answer: str) -> str:
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+# The datasets users ask for most: hub id -> (config, default split, problem field, answer of a row).
 HUB_DATASETS = {
-    "HuggingFaceH4/aime_2024": ("train", "problem", lambda r: str(r["answer"])),
-    "HuggingFaceH4/MATH-500": ("test", "problem", lambda r: str(r["answer"])),
-    "openai/gsm8k": ("test", "question", lambda r: r["answer"].split("####")[-1].strip()),
-    "agentica-org/DeepScaleR-Preview-Dataset": ("train", "problem", lambda r: str(r["answer"])),
+    "DigitalLearningGmbH/MATH-lighteval": (None, "train", "problem",
+                                           lambda r: _last_boxed(r["solution"])),
+    "HuggingFaceH4/MATH-500": (None, "test", "problem", lambda r: str(r["answer"])),
+    "openai/gsm8k": ("main", "test", "question", lambda r: _after_hashes(r["answer"])),
+    "HuggingFaceH4/aime_2024": (None, "train", "problem", lambda r: str(r["answer"])),
+    "agentica-org/DeepScaleR-Preview-Dataset": (None, "train", "problem", lambda r: str(r["answer"])),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# Tasks: a source of problems and the settings that go with it. grpo.py's --data names a task or a
+# source; every setting left unset on the command line comes from the task's row here.
+
+@dataclass(frozen=True)
+class Task:
+    data: str  # where the training problems come from
+    split: str  # which split of it
+    template: str  # prompt template (TEMPLATES), which also names the answer format
+    max_new_tokens: int
+    temperature: float
+    eval_data: str  # held-out set; "" = the tail of the training data
+    eval_size: int
+    lr: float
+    steps: int
+
+
+TASKS = {
+    # two-digit addition, offline: what `python grpo.py` runs on the offline default model
+    "arith": Task("arith", "", "answer-is", 24, 0.7, "arith", 256, 1e-5, 30),
+    # MATH's 7,500 training problems (the answer: the solution's last \boxed{}), tested on
+    # MATH-500 (drawn from MATH's test split): the R1-Zero-style experiment for Qwen2.5-Math
+    "math": Task("DigitalLearningGmbH/MATH-lighteval", "train", "boxed", 1024, 1.0,
+                 "HuggingFaceH4/MATH-500", 500, 1e-6, 300),
+    # grade-school word problems (the answer: after ####), tested on GSM8K's test split
+    "gsm8k": Task("openai/gsm8k", "train", "boxed", 512, 1.0, "openai/gsm8k", 1319, 1e-6, 300),
+    # your own file or hub dataset: `problem`/`prompt` and `answer` columns (--prompt-field, ...)
+    "custom": Task("", "", "answer-is", 24, 0.7, "", 256, 1e-5, 30),
+}
+
+
+def task_of(data: str, model: str) -> str:
+    """The task --data names: `auto` is arith for the offline default model and math for any other;
+    a file whose columns look like MATH's (problem + solution) or GSM8K's (question + answer with
+    ####) gets that task's settings; anything else is custom."""
+    if data == "auto":
+        return "arith" if model == "SmolLM2-135M-Instruct-GGUF" else "math"
+    if data in TASKS:
+        return data
+    for name, task in TASKS.items():
+        if data == task.data:
+            return name
+    first = _first_row(data)
+    if first and "solution" in first and "answer" not in first and "\\boxed" in str(first["solution"]):
+        return "math"
+    if first and "question" in first and "####" in str(first.get("answer", "")):
+        return "gsm8k"
+    return "custom"
+
+
+def _first_row(source: str) -> dict | None:
+    """The first row of a local file, cheaply (None for a hub id)."""
+    path = Path(source)
+    if not path.is_file():
+        return None
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+        rows = pq.ParquetFile(path).read_row_group(0).slice(0, 1).to_pylist()
+        return rows[0] if rows else None
+    try:
+        return load_table(source)[0]
+    except SystemExit:
+        return None  # load_problems names the problem properly
+
+
+def prepare_rows(rows: list[dict], task: str) -> list[dict]:
+    """Rows of a file with a task's hub schema get their answers as the hub mapping would."""
+    if task == "math":
+        return [{**r, "answer": r.get("answer") or _last_boxed(str(r["solution"]))} for r in rows]
+    if task == "gsm8k":
+        return [{**r, "problem": r.get("problem") or r["question"],
+                 "answer": _after_hashes(str(r["answer"]))} for r in rows]
+    return rows
 
 
 class InputError(SystemExit):
@@ -200,12 +287,20 @@ def load_rows(source: str, limit: int | None = None, prompt_field: str = "",
 
 def _load_hub(name: str, split: str = "") -> list[dict]:
     import datasets
+    from model import hub_reachable
+    offline = not hub_reachable()  # datasets would retry for half a minute before failing
+    if offline:
+        datasets.config.HF_HUB_OFFLINE = True  # a dataset downloaded before still loads
     try:
         if name not in HUB_DATASETS:
             return list(datasets.load_dataset(name, split=split or "train"))
-        default_split, field, answer = HUB_DATASETS[name]
-        ds = datasets.load_dataset(name, split=split or default_split)
+        config, default_split, field, answer = HUB_DATASETS[name]
+        ds = datasets.load_dataset(name, config, split=split or default_split)
     except Exception as e:  # no network, unknown id, gated dataset ...
+        if offline:
+            raise InputError(f"--data {name}: the Hugging Face hub cannot be reached and the "
+                             f"dataset is not in the local cache; pass a local file (.jsonl, "
+                             f".csv, .parquet) or run where the hub is reachable") from None
         raise InputError(f"could not load {name!r} as a file or a Hugging Face dataset: {e}") from None
     return [{**r, "problem": r[field], "answer": answer(r)} for r in ds]
 
@@ -226,23 +321,25 @@ def row_stream(rows: list[dict], seed: int):
 
 def load_problems(cfg):
     """(an endless stream of training problems, the held-out problems, the data's column names) for
-    a GRPO config: `arith` and its held-out pairs, or a file / hub dataset whose tail is held out
-    unless --eval-data."""
+    a resolved GRPO config (cfg.task, cfg.data, ...): `arith` and its held-out pairs, or a file / hub
+    dataset whose tail is held out unless there is an eval set."""
     if cfg.data == "arith":
         first = next(arith_stream(cfg.seed))
         train_rows, eval_rows = arith_stream(cfg.seed), arith_heldout(cfg.eval_size)
     else:
-        rows = load_rows(cfg.data, prompt_field=cfg.prompt_field, answer_field=cfg.answer_field,
-                         split=cfg.split)
+        rows = prepare_rows(load_table(cfg.data, cfg.split), cfg.task)
+        rows = check_rows(rows, cfg.data, cfg.prompt_field, cfg.answer_field)
         first, eval_rows = rows[0], []
         # Hold out the tail of the training data for evaluation -- if it has answers to check.
         if not cfg.eval_data and cfg.eval_every and "answer" in first:
             n_eval = min(cfg.eval_size, len(rows) // 10)
             rows, eval_rows = rows[:len(rows) - n_eval], rows[len(rows) - n_eval:]
         train_rows = row_stream(rows, cfg.seed)
-    if cfg.eval_data:
-        eval_rows = load_rows(cfg.eval_data, limit=cfg.eval_size, prompt_field=cfg.prompt_field,
-                              answer_field=cfg.answer_field, need_answers=True)
+    if cfg.eval_data:  # (a hub id's default split: gsm8k's is test)
+        own = cfg.task == "custom"  # a custom eval set is read with the training data's columns
+        eval_rows = load_rows(cfg.eval_data, limit=cfg.eval_size, need_answers=True,
+                              prompt_field=cfg.prompt_field if own else "",
+                              answer_field=cfg.answer_field if own else "answer")
     return train_rows, eval_rows, set(first)
 
 
@@ -280,7 +377,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _base(kind):
+    """X for a field typed `X | None` (None: "from the task", see grpo.Config), else the type."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return args[0] if typing.get_origin(kind) in (typing.Union, types.UnionType) else kind
+
+
 def _choices(kind):
+    kind = _base(kind)
     return typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
 
 
@@ -305,7 +409,7 @@ def parse_config(cls, argv=None, description=None):
                                 help=docs.get(name))
         else:
             choices = _choices(field.type)
-            parser.add_argument(flag(name), type=type(choices[0]) if choices else field.type,
+            parser.add_argument(flag(name), type=type(choices[0]) if choices else _base(field.type),
                                 choices=choices, default=field.default, help=docs.get(name))
     first, _ = parser.parse_known_args(argv)
     if first.config:
@@ -314,6 +418,8 @@ def parse_config(cls, argv=None, description=None):
     config_file, dry_run = args.pop("config"), args.pop("dry_run")
     cfg = cls(**args)  # __post_init__ checks the values
     if dry_run:
+        if hasattr(cfg, "summary"):
+            print(f"# {cfg.summary()}")
         print(f"# resolved config{' (from ' + config_file + ' and the command line)' if config_file else ''}")
         for name, value in asdict(cfg).items():
             print(f"{name} = {json.dumps(value)}")
@@ -335,7 +441,7 @@ def read_toml_config(path: str, fields: dict) -> dict:
         name = key.replace("-", "_")
         if name not in fields:
             raise SystemExit(f"error: {path}: unknown option '{key}'")
-        kind, choices = fields[name].type, _choices(fields[name].type)
+        kind, choices = _base(fields[name].type), _choices(fields[name].type)
         if choices:
             if value not in choices:
                 raise SystemExit(f"error: {path}: '{key}' must be one of {list(choices)}, "

@@ -24,6 +24,7 @@ and model plumbing in model.py, checkpoints in checkpoint.py, Ray placement in d
     python grpo.py --ray-address auto --num-trainers 16 --num-engines 8 --rollout vllm  # nodes
 """
 
+import importlib.util
 import json
 import random
 import time
@@ -35,7 +36,8 @@ import torch
 from tqdm import tqdm
 
 from checkpoint import DriverState, find_checkpoint, load_driver_state, save_checkpoint
-from data import TEMPLATES, ProblemStream, Template, check, encode_prompts, flag, load_problems
+from data import TASKS, TEMPLATES, ProblemStream, Template, check, encode_prompts, flag
+from data import load_problems, task_of
 from data import parse_config
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples
 from model import DEFAULT_MODEL, length_mask, pack, peak_memory_gb, right_pad
@@ -51,17 +53,19 @@ class Config:
     # Model and data
     model: str = DEFAULT_MODEL
     """policy to train: the offline default, a hub id, or a local HF folder"""
-    data: str = "arith"
-    """training problems: `arith` (built-in, offline), a .jsonl/.json/.csv/.parquet file, or a hub
-    dataset id; a `prompt` may be a string or chat messages (TRL's conversational format)"""
+    data: str = "auto"
+    """a task -- arith (offline), math, gsm8k; auto: arith for the offline default model, math for
+    any other (data.TASKS) -- or a .jsonl/.json/.csv/.parquet file or hub dataset id"""
+    task: Literal["", "arith", "math", "gsm8k", "custom"] = ""
+    """whose defaults apply (data.TASKS); "" = what --data says, a file by its columns"""
     prompt_field: str = ""
     """the data's prompt column (default: `problem`, else `prompt`)"""
     answer_field: str = "answer"
     """the data's reference-answer column (e.g. `solution`); optional if no reward needs it"""
     split: str = ""
-    """hub datasets: the split to train on (default: train, or the split data.HUB_DATASETS names)"""
-    template: Template = "answer-is"
-    """prompt template from data.TEMPLATES: answer-is, boxed, raw"""
+    """hub datasets: the split to train on (default: the task's, else train)"""
+    template: Template | None = None
+    """prompt template from data.TEMPLATES: answer-is, boxed, raw (default: the task's)"""
     chat: bool = True
     """wrap prompts in the model's chat template (turn off for base models)"""
     reward: str = "correctness"
@@ -72,16 +76,17 @@ class Config:
     """seed for data order, sampling and initialisation"""
 
     # Sampling: the rollouts of one step
-    rollout: Literal["hf", "vllm"] = "hf"
-    """generation engine: hf (transformers generate) or vllm (in-process vLLM, weights synced)"""
+    rollout: Literal["auto", "hf", "vllm"] = "auto"
+    """generation engine: hf (transformers generate) or vllm (in-process vLLM, weights synced);
+    auto: vllm when a GPU and vLLM are there, else hf"""
     prompts_per_step: int = 8
     """prompts sampled per step (N)"""
     num_generations: int = 8
     """completions per prompt: the group size G"""
-    max_new_tokens: int = 24
-    """response length limit; responses that hit it are truncated"""
-    temperature: float = 0.7
-    """sampling temperature for training rollouts (log-probs use the same temperature)"""
+    max_new_tokens: int | None = None
+    """response length limit; responses that hit it are truncated (default: the task's)"""
+    temperature: float | None = None
+    """sampling temperature for training rollouts; the log-probs use it too (default: the task's)"""
     top_p: float = 1.0
     """must stay 1: the trainer's log-probs describe the full distribution (see __post_init__)"""
     dynamic_sampling: bool = False
@@ -117,10 +122,10 @@ class Config:
     """vLLM: truncated importance-sampling correction, weight min(pi_trainer/pi_engine, cap); 0=off"""
 
     # Optimisation
-    steps: int = 30
-    """optimizer steps (one rollout batch each when updates_per_rollout is 1)"""
-    lr: float = 1e-5
-    """AdamW learning rate (constant after warmup)"""
+    steps: int | None = None
+    """optimizer steps, one rollout batch each when updates_per_rollout is 1 (default: the task's)"""
+    lr: float | None = None
+    """AdamW learning rate, constant after warmup (default: the task's)"""
     warmup_steps: int = 0
     """linear learning-rate warmup steps"""
     weight_decay: float = 0.0
@@ -140,9 +145,9 @@ class Config:
 
     # Evaluation and logging
     eval_data: str = ""
-    """held-out problems (default: arith's held-out set, or the last eval_size rows of --data)"""
-    eval_size: int = 256
-    """number of held-out problems evaluated greedily"""
+    """held-out problems (default: the task's eval set, else the last eval_size rows of --data)"""
+    eval_size: int | None = None
+    """number of held-out problems evaluated greedily (default: the task's)"""
     eval_every: int = 10
     """held-out greedy evaluation every N steps, at step 0 and at the end (0 = never)"""
     log_samples_every: int = 10
@@ -175,7 +180,29 @@ class Config:
     """Ray, GPU: shard the model over the trainers with FSDP2 (for models that don't fit one GPU)"""
     gpu_memory_utilization: float = 0.2
     """vLLM: fraction of GPU memory (of host memory on CPU) for weights and KV cache"""
-    def __post_init__(self):  # impossible values stop here, before anything loads
+    def summary(self) -> str:
+        """The resolved task and its settings, printed before anything loads."""
+        held_out = (f"{self.eval_data} ({self.eval_size})" if self.eval_data else
+                    f"the last {self.eval_size} rows")
+        split = f" ({self.split})" if self.split else ""
+        return (f"task {self.task}: train on {self.data}{split}, evaluate on {held_out} | "
+                f"template {self.template}, max_new_tokens "
+                f"{self.max_new_tokens}, temperature {self.temperature}, lr {self.lr}, steps "
+                f"{self.steps}, rollout {self.rollout}")
+
+    def __post_init__(self):  # the task's defaults fill what is unset; impossible values stop here
+        self.task = self.task or task_of(self.data, self.model)
+        task = TASKS[self.task]
+        if self.data in ("auto", self.task) and task.data:
+            self.data, self.split = task.data, self.split or task.split
+        local = Path(self.data).exists()  # a local file: the held-out set is its tail
+        self.eval_data = self.eval_data or ("" if local and self.task != "arith" else task.eval_data)
+        for name in ("template", "max_new_tokens", "temperature", "eval_size", "lr", "steps"):
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(task, name))
+        if self.rollout == "auto":
+            gpu_and_vllm = torch.cuda.is_available() and importlib.util.find_spec("vllm")
+            self.rollout = "vllm" if gpu_and_vllm else "hf"
         check(self.num_generations >= 2, f"--num-generations {self.num_generations}: a group needs "
               f"at least 2 samples, or it has no baseline to be better than")
         for name in ("prompts_per_step", "max_new_tokens", "updates_per_rollout",
@@ -526,6 +553,7 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    print(cfg.summary())
     resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     grader = Grader()  # math-verify workers start (untimed) when an answer first needs them

@@ -75,7 +75,7 @@ def _resolve(name: str) -> str:
     if not ("/" in path and not path.startswith((".", "/"))):
         raise SystemExit(f"error: --model {name!r} is neither a local folder nor a hub id "
                          f"(owner/name); the offline default is {DEFAULT_MODEL!r}")
-    if not _hub_reachable():  # transformers would retry for about a minute, then print 30 lines
+    if not hub_reachable():  # transformers would retry for about a minute, then print 30 lines
         from huggingface_hub import snapshot_download
         try:
             return snapshot_download(name, local_files_only=True)  # downloaded before: use that
@@ -88,7 +88,7 @@ def _resolve(name: str) -> str:
 
 
 @functools.cache
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     from huggingface_hub import constants
     if constants.HF_HUB_OFFLINE:
         return False

@@ -58,7 +58,7 @@ if __name__ == "__main__":
         Qwen2ForCausalLM(config).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         ray_args = dict(ray_address="local", colocate=True) if args.ray else {}
-        cfg = Config(model=str(model_dir), rollout="vllm", steps=2 if args.ray else 3, eval_every=0,
+        cfg = Config(data="arith", model=str(model_dir), rollout="vllm", steps=2 if args.ray else 3, eval_every=0,
                      **ray_args,
                      log_samples_every=0, prompts_per_step=2 if args.tiny else 32,
                      num_generations=4 if args.tiny else 8,

@@ -86,9 +86,10 @@ def run_grpo(args, timeout=600):
 
 def small_run_args(model_dir, out):
     """A few-second run of the tiny model; parity_reward gives groups signal, so steps update."""
-    return ["--model", model_dir, "--prompts-per-step", "2", "--num-generations", "4",
-            "--max-new-tokens", "6", "--eval-every", "0", "--beta", "0.01", "--temperature", "1.0",
-            "--lr", "1e-3", "--reward", "tests.rewards:parity_reward", "--out", str(out)]
+    return ["--model", model_dir, "--data", "arith", "--prompts-per-step", "2",
+            "--num-generations", "4", "--max-new-tokens", "6", "--eval-every", "0", "--beta", "0.01",
+            "--temperature", "1.0", "--lr", "1e-3", "--reward", "tests.rewards:parity_reward",
+            "--out", str(out)]
 
 
 def read_metrics(out):

@@ -43,8 +43,9 @@ def dying_save(obj, path, *a, **k):
         os.kill(os.getpid(), signal.SIGKILL)  # kill -9 in the middle of writing checkpoint 2
     return real_save(obj, path, *a, **k)
 torch.save = dying_save
-grpo.main(grpo.Config(model=sys.argv[1], out=sys.argv[2], steps=3, save_every=1, keep_last=5,
-                      prompts_per_step=2, num_generations=2, max_new_tokens=4, eval_every=0))
+grpo.main(grpo.Config(data="arith", model=sys.argv[1], out=sys.argv[2], steps=3, save_every=1,
+                      keep_last=5, prompts_per_step=2, num_generations=2, max_new_tokens=4,
+                      eval_every=0))
 """
 
 
@@ -57,7 +58,8 @@ def test_kill_during_save_leaves_the_last_checkpoint_whole(tiny_model_dir, tmp_p
     assert find_checkpoint(tmp_path, "auto").endswith("step_1")
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints/step_1")  # loadable
-    run_grpo(["--model", tiny_model_dir, "--out", str(tmp_path), "--resume", "auto", "--steps", "2",
+    run_grpo(["--model", tiny_model_dir, "--data", "arith", "--out", str(tmp_path), "--resume",
+              "auto", "--steps", "2",
           "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "4",
           "--eval-every", "0"])
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
@@ -148,7 +150,7 @@ def test_the_trained_model_is_saved_in_the_dtype_it_came_in(tiny_model_dir, tmp_
     model, tokenizer = load_model(tiny_model_dir)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     tokenizer.save_pretrained(tmp_path / "bf16")
-    trainer = setup_trainer(Config(model=str(tmp_path / "bf16")))
+    trainer = setup_trainer(Config(data="arith", model=str(tmp_path / "bf16")))
     assert next(trainer.model.parameters()).dtype == torch.float32  # fp32 master weights
     export_model(trainer, str(tmp_path / "out"))
     weights = load_file(tmp_path / "out/model.safetensors")

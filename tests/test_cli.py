@@ -82,7 +82,7 @@ def test_impossible_values_are_refused_in_a_toml_config(tmp_path):
 def test_a_hub_model_without_network_is_one_line(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run([sys.executable, "grpo.py", "--model", "Qwen/Qwen2.5-Math-1.5B",
-                             "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True,
+                             "--data", "arith", "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True,
                             text=True, timeout=120, env=env)
     assert result.returncode != 0
     assert "the Hugging Face hub cannot be reached" in result.stderr
@@ -125,3 +125,15 @@ def test_installing_smolrl_shadows_no_other_package(tmp_path):
                             text=True, timeout=60, env={"PYTHONPATH": str(tmp_path / "site"),
                                                         "PATH": "/usr/bin:/bin"})
     assert result.stdout.split() == ["huggingface", "[]"], result.stderr
+
+
+def test_a_hub_dataset_without_network_is_one_line(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "grpo.py", "--model", "Qwen/Qwen2.5-Math-1.5B",
+                             "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines() == [
+        "error: --data DigitalLearningGmbH/MATH-lighteval: the Hugging Face hub cannot be reached "
+        "and the dataset is not in the local cache; pass a local file (.jsonl, .csv, .parquet) or "
+        "run where the hub is reachable"]

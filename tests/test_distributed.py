@@ -27,7 +27,8 @@ ray.cloudpickle.register_pickle_by_value(conftest)
 def test_two_step_grpo_run_with_two_trainers_and_one_engine(tiny_model_dir, tmp_path):
     # First in this file: it starts its own local Ray, before the module's cluster exists.
     out = tmp_path / "run"
-    cmd = [sys.executable, "grpo.py", "--model", tiny_model_dir, "--num-trainers", "2",
+    cmd = [sys.executable, "grpo.py", "--model", tiny_model_dir, "--data", "arith",
+           "--num-trainers", "2",
            "--num-engines", "1", "--colocate", "--steps", "2", "--prompts-per-step", "2",
            "--num-generations", "4", "--max-new-tokens", "8", "--eval-size", "4",
            "--eval-every", "2", "--beta", "0.01", "--out", str(out)]
@@ -53,7 +54,7 @@ def cluster():
 
 def _cfg(model_dir):
     # fp32 so that one and two trainers can be compared tightly; beta > 0 trains every sequence.
-    return Config(model=model_dir, bf16=False, beta=0.02, lr=1e-3, micro_batch_size=2,
+    return Config(data="arith", model=model_dir, bf16=False, beta=0.02, lr=1e-3, micro_batch_size=2,
                   max_new_tokens=6)
 
 

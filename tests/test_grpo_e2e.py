@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_two_step_run(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "grpo.py", "--model", tiny_model_dir, "--steps", "2",
+    cmd = [sys.executable, "grpo.py", "--model", tiny_model_dir, "--data", "arith", "--steps", "2",
            "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "8",
            "--eval-size", "6", "--eval-every", "1", "--micro-batch-size", "3", "--beta", "0.04",
            "--updates-per-rollout", "2", "--reward", "correctness,format=0.1", "--out", str(out)]

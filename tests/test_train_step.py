@@ -22,7 +22,8 @@ ADVANTAGES = [1.0, 0.0, -0.5, 0.0, 2.0, -1.0]  # positive, zero and negative
 
 
 def _trainer(model_dir, **kw):
-    return setup_trainer(Config(model=model_dir, bf16=False, lr=1e-3, micro_batch_size=2, **kw))
+    return setup_trainer(Config(data="arith", model=model_dir, bf16=False, lr=1e-3,
+                                micro_batch_size=2, **kw))
 
 
 def _grads(model):
@@ -52,7 +53,8 @@ def test_skipping_zero_advantage_sequences_changes_neither_loss_nor_gradient(tin
 
 def test_kl_is_zero_before_the_first_update(tiny_model_dir):
     """The reference runs in the policy's precision scheme (fp32 weights, bf16 autocast)."""
-    trainer = setup_trainer(Config(model=tiny_model_dir, bf16=True, beta=0.04, lr=1e-3))
+    trainer = setup_trainer(Config(data="arith", model=tiny_model_dir, bf16=True, beta=0.04,
+                                   lr=1e-3))
     metrics = finish_metrics([train_on_rollout(trainer, make_batch(PROMPTS, COMPLETIONS,
                                                                    [0.0] * 6))])
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-7)
@@ -105,7 +107,8 @@ grpo.main(grpo.parse_config(grpo.Config, sys.argv[1:]))
 
 def test_a_run_stops_after_three_non_finite_steps_in_a_row(tiny_model_dir, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-c", NAN_AFTER_STEP_1, "--model", tiny_model_dir, "--steps", "8",
+        [sys.executable, "-c", NAN_AFTER_STEP_1, "--model", tiny_model_dir, "--data", "arith",
+         "--steps", "8",
          "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "6",
          "--beta", "0.01", "--eval-every", "0", "--save-every", "1", "--keep-last", "0",
          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -136,7 +139,7 @@ def test_one_trainer_issues_no_collective_even_inside_a_process_group(tiny_model
 
 
 def _tiny_trainer(model_dir, **kw):
-    return setup_trainer(Config(model=model_dir, bf16=False, beta=0.0, lr=1e-3, **kw))
+    return setup_trainer(Config(data="arith", model=model_dir, bf16=False, beta=0.0, lr=1e-3, **kw))
 
 
 def _flat(recorded):

@@ -111,7 +111,8 @@ def test_both_engines_stop_on_every_eos_id_without_truncation(engine, model_and_
 
 def test_two_step_grpo_run_with_vllm(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "grpo.py", "--model", tiny_model_dir, "--rollout", "vllm",
+    cmd = [sys.executable, "grpo.py", "--model", tiny_model_dir, "--data", "arith",
+           "--rollout", "vllm",
            "--gpu-memory-utilization", "0.2", "--steps", "2", "--prompts-per-step", "2",
            "--num-generations", "4", "--max-new-tokens", "8", "--eval-every", "0",
            "--beta", "0.01", "--is-cap", "2.0", "--out", str(out)]

@@ -1,0 +1,92 @@
+"""Tasks (data.TASKS): --data auto picks one, files with MATH's or GSM8K's schema get its answers
+and settings, explicit flags win, and the math task runs end to end on a tiny Qwen2 model."""
+
+import json
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import ROOT
+from data import load_problems
+from grpo import Config
+
+MATH_ROWS = [{"problem": f"Compute ${i} + {i}$.", "level": "Level 1", "type": "Algebra",
+              "solution": f"We add: ${i} + {i} = \\boxed{{{2 * i}}}$."} for i in range(1, 41)]
+GSM8K_ROWS = [{"question": f"Tom has {i} apples and buys 1000 more. How many now?",
+               "answer": f"He has {i} + 1000 = {i + 1000}.\n#### {i + 1000:,}"} for i in range(30)]
+
+
+def _parquet(path, rows):
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_auto_is_arith_for_the_offline_model_and_math_for_any_other():
+    assert (Config().task, Config().data, Config().template) == ("arith", "arith", "answer-is")
+    cfg = Config(model="Qwen/Qwen2.5-Math-1.5B")
+    assert (cfg.task, cfg.data, cfg.split) == ("math", "DigitalLearningGmbH/MATH-lighteval", "train")
+    assert (cfg.template, cfg.max_new_tokens, cfg.eval_data) == ("boxed", 1024,
+                                                                 "HuggingFaceH4/MATH-500")
+    assert "task math" in cfg.summary() and "MATH-500 (500)" in cfg.summary()
+
+
+def test_explicit_flags_win_over_the_task():
+    cfg = Config(model="Qwen/Qwen2.5-Math-1.5B", max_new_tokens=512, lr=3e-6, template="raw",
+                 eval_data="HuggingFaceH4/aime_2024")
+    assert (cfg.max_new_tokens, cfg.lr, cfg.template, cfg.eval_data) == (512, 3e-6, "raw",
+                                                                          "HuggingFaceH4/aime_2024")
+    assert cfg.temperature == 1.0  # the rest still from the task
+
+
+def test_files_with_a_tasks_schema_get_its_answers(tmp_path):
+    cfg = Config(data=_parquet(tmp_path / "math.parquet", MATH_ROWS), eval_every=1, eval_size=4)
+    assert cfg.task == "math" and cfg.eval_data == ""  # a local file: its tail is held out
+    train, held_out, columns = load_problems(cfg)
+    assert {"problem", "solution", "answer"} <= columns
+    assert [r["answer"] for r in held_out] == ["74", "76", "78", "80"]  # the last \boxed{}
+    assert next(train)["answer"] in {str(2 * i) for i in range(1, 37)}
+
+    cfg = Config(data=_parquet(tmp_path / "gsm8k.parquet", GSM8K_ROWS), eval_size=3)
+    assert cfg.task == "gsm8k"
+    _, held_out, _ = load_problems(cfg)
+    assert [r["answer"] for r in held_out] == ["1027", "1028", "1029"]  # after ####, no comma
+    assert held_out[0]["problem"].startswith("Tom has 27 apples")
+
+
+def test_the_math_task_end_to_end_on_a_tiny_qwen2(tmp_path, tokenizer):
+    """`python grpo.py --model <tiny qwen2> --data <math parquet>`: task, template and evaluation
+    chosen by themselves (the sizes are made small for a CPU test)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model_dir = tmp_path / "tiny-qwen2"
+    Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        dtype=torch.bfloat16)).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data = _parquet(tmp_path / "math.parquet", MATH_ROWS)
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "grpo.py", "--model", str(model_dir), "--data", data,
+                             "--steps", "2", "--prompts-per-step", "2", "--num-generations", "2",
+                             "--max-new-tokens", "8", "--eval-every", "2", "--eval-size", "4",
+                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "task math: train on" in result.stdout and "template boxed" in result.stdout
+    config = json.loads((out / "grpo_config.json").read_text())
+    assert (config["task"], config["template"], config["temperature"]) == ("math", "boxed", 1.0)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2] and "eval_accuracy" in records[-1]
+
+
+@pytest.mark.parametrize("argv", [["--task", "maths"], ["--data", "auto", "--task", "nope"]])
+def test_unknown_tasks_are_refused(argv):
+    from data import parse_config
+    with pytest.raises(SystemExit):
+        parse_config(Config, argv + ["--dry-run"])
