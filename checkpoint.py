@@ -2,6 +2,8 @@
 
     <out>/checkpoints/step_N/
         config.json, model.safetensors, tokenizer files   the policy as an HF folder, loadable as is
+                                                          (LoRA: adapter_config.json and
+                                                          adapter_model.safetensors instead)
         trainer_state.pt   optimizer, LR schedule, torch RNG          (written by trainer rank 0)
         driver_state.pt    step, data position, python + numpy RNG    (written by the driver)
         metrics.jsonl, grpo_config.json (or dpo_config.json)          the run so far
@@ -22,13 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model import full_optimizer_state, full_state_dict, load_optimizer_state, save_model
+from model import full_optimizer_state, full_state_dict, is_lora, load_optimizer_state
+from model import save_model
 
 
 def save_trainer_state(folder, model, tokenizer, optimizer, scheduler, writer: bool = True):
     """The trainer's half: model, optimizer, schedule, RNG. Every rank calls it (a sharded model's
     full tensors are gathered from all of them); only the `writer` (rank 0) writes."""
-    weights = full_state_dict(model)
+    weights = None if is_lora(model) else full_state_dict(model)  # LoRA: the adapters alone
     optimizer_state = full_optimizer_state(model, optimizer)
     if writer:
         save_model(model, tokenizer, folder, weights)

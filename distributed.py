@@ -173,22 +173,12 @@ def _put_state_dict(state, get_weights):
     return [ray.put(weights)]  # a ref inside a list stays a ref when it crosses to the driver
 
 
-class _Weights:
-    """What an engine's update_weights(model) needs from a model: its state_dict()."""
-
-    def __init__(self, state):
-        self._state = state
-
-    def state_dict(self):
-        return self._state
-
-
 def _generate(engine, prompt_ids, n, sampling):
     return engine.generate(prompt_ids, n, sampling)
 
 
 def _update(engine, state):
-    return engine.update_weights(_Weights(state))
+    return engine.update_weights(state)
 
 
 class EngineGroup:

@@ -39,7 +39,8 @@ from data import InputError, TEMPLATES, arith_heldout, arith_stream, encode_prom
 from data import Template, check, flag, parse_config
 from evaluate import TRACKERS, RunLog, evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
-from model import adamw_with_warmup, check_head_logits, pick_device, save_model, source_dtype
+from model import adamw_with_warmup, add_lora, check_head_logits, full_state_dict, load_adapters
+from model import pick_device, save_model, source_dtype
 from reward import Grader, extract_answer
 from rollout import HFRollout, Sampling
 
@@ -100,6 +101,12 @@ class Config:
     """held-out arith problems for the task metric (builtin data only)"""
     bf16: bool = True
     """bf16 autocast around fp32 master weights"""
+    lora_rank: int = 0
+    """LoRA (peft): train rank-R adapters only (0 = full fine-tuning); the reference stays the base"""
+    lora_alpha: int = 0
+    """LoRA scale numerator (0 = 2 * rank)"""
+    lora_targets: str = "all-linear"
+    """LoRA: the modules adapted (comma-separated names, or all-linear)"""
     save_every: int = 0
     """write <out>/checkpoints/step_N every N steps (0 = never); the format is checkpoint.py's"""
     keep_last: int = 2
@@ -118,7 +125,7 @@ class Config:
                      "max_prompt_length", "builtin_problems", "eval_size"):
             check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
         for name in ("eval_pairs", "lr", "warmup_steps", "eval_every", "sft_weight", "save_every",
-                     "keep_last"):
+                     "keep_last", "lora_rank", "lora_alpha"):
             check(getattr(self, name) >= 0, f"{flag(name)} must not be negative")
         check(self.builtin_samples >= 2, "--builtin-samples must be at least 2 (a pair needs two "
               "answers)")
@@ -377,10 +384,15 @@ def main(cfg: Config):
     eval_refs, train_refs = (refs[:n_eval], refs[n_eval:]) if refs else (None, None)
 
     grader = Grader()
+    if cfg.lora_rank:  # train adapters only; the reference log-probs above are the base's
+        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
     optimizer, scheduler = adamw_with_warmup(model, cfg.lr, cfg.warmup_steps)
     driver = DriverState()
     if resume_dir:  # the checkpoint's weights, optimizer, schedule, RNG, step and metrics
-        model.load_state_dict(load_model(resume_dir, device)[0].state_dict())
+        if cfg.lora_rank:
+            load_adapters(model, resume_dir)
+        else:
+            model.load_state_dict(load_model(resume_dir, device)[0].state_dict())
         load_trainer_state(resume_dir, model, optimizer, scheduler)
         driver = load_driver_state(resume_dir)
         print(f"resuming from {resume_dir} at step {driver.step + 1}")
@@ -403,7 +415,7 @@ def main(cfg: Config):
             record["eval_reward_accuracy"] = sums["reward_accuracy"] / len(eval_pairs)
             record["eval_reward_margin"] = sums["reward_margin"] / len(eval_pairs)
         if rollout:
-            rollout.update_weights(model)
+            rollout.update_weights(full_state_dict(model))
             summary, _ = evaluate_rows(rollout, tokenizer, task_rows, template=cfg.template,
                                        chat=cfg.chat, sampling=Sampling(32, temperature=0.0), n=1,
                                        grader=grader, dataset="held-out")
@@ -455,7 +467,8 @@ def main(cfg: Config):
     bar.close()
     grader.close()
     log.close()
-    save_model(model, tokenizer, out, dtype=source_dtype(cfg.model))  # as the model came in
+    # The model alone (LoRA merged in), in the dtype it came in.
+    save_model(model, tokenizer, out, full_state_dict(model), dtype=source_dtype(cfg.model))
     plot_curves(log.history, out / "curves.png", title=f"DPO on {cfg.data} ({cfg.model})",
                 train_keys=("reward_accuracy",), eval_keys=("eval_accuracy", "eval_reward_accuracy"))
     print(f"saved the model, metrics.jsonl and curves.png in {out}/")

@@ -45,7 +45,7 @@ from reward import Grader, RewardFunctions, correctness_reward
 from rollout import Completions, Sampling
 from trainer import Trainer, any_rank_trains, count_bad_steps, engine_correction, frozen_logprobs
 from trainer import micro_batches, optimizer_step, policy_logprobs, same_pass_count, setup_local
-from trainer import setup_ray, untrained_mismatch
+from trainer import reference_logprobs, setup_ray, untrained_mismatch
 
 
 @dataclass
@@ -142,6 +142,12 @@ class Config:
     """recompute activations in backward: less memory for long responses, ~30 % more compute"""
     bf16: bool = True
     """bf16 autocast around fp32 master weights"""
+    lora_rank: int = 0
+    """LoRA (peft): train rank-R adapters only, for a 1.5B model on a 24 GB GPU (0 = full)"""
+    lora_alpha: int = 0
+    """LoRA scale numerator (0 = 2 * rank)"""
+    lora_targets: str = "all-linear"
+    """LoRA: the modules adapted (comma-separated names, e.g. q_proj,v_proj; or all-linear)"""
 
     # Evaluation and logging
     eval_data: str = ""
@@ -210,7 +216,8 @@ class Config:
             check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
         for name in ("steps", "warmup_steps", "max_fill_rounds", "overlong_buffer",
                      "max_tokens_per_microbatch", "save_every", "keep_last", "eval_every",
-                     "log_samples_every", "lr", "weight_decay", "beta", "is_cap"):
+                     "log_samples_every", "lr", "weight_decay", "beta", "is_cap", "lora_rank",
+                     "lora_alpha"):
             check(getattr(self, name) >= 0, f"{flag(name)} must not be negative")
         check(self.temperature > 0, f"--temperature {self.temperature}: training rollouts must "
               f"sample (the log-probs are divided by the temperature); greedy is for evaluation")
@@ -231,6 +238,8 @@ class Config:
               "a new one from other weights: give one of them")
         check(all(n in TRACKERS for n in self.report_to.split(",") if n), f"--report-to "
               f"{self.report_to}: choose from {', '.join(TRACKERS)} (comma-separated)")
+        check(not (self.fsdp and self.lora_rank), "--fsdp with --lora-rank is not supported: "
+              "LoRA is for models that fit one device")
         check(not self.fsdp or self.num_trainers > 1, "--fsdp shards the model over several "
               "trainers: use it with --num-trainers N, N > 1")
         # GSPO's objective is (1/G) sum_i min(s_i A_i, clip(s_i) A_i): a mean over sequences. Any
@@ -500,8 +509,7 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
     # d/dtheta exp(lp - sg(lp)) = grad lp -- so the loss still trains (and its value is ~0).
     old_lps = frozen_logprobs(model, batch, mbs, cfg, device) if cfg.updates_per_rollout > 1 \
         else None
-    ref_lps = frozen_logprobs(trainer.ref_model, batch, mbs, cfg, device) \
-        if trainer.ref_model is not None else None
+    ref_lps = reference_logprobs(trainer, batch, mbs)
     seq_level = cfg.ratio_level == "sequence"
     for update in range(cfg.updates_per_rollout):
         model.train()

@@ -268,8 +268,10 @@ def length_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:
 
 def adamw_with_warmup(model, lr: float, warmup_steps: int, weight_decay: float = 0.0,
                       betas=(0.9, 0.999)):
-    """AdamW and its schedule: linear warmup over warmup_steps, then a constant learning rate."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+    """AdamW over the trainable parameters (with LoRA: the adapters only) and its schedule: linear
+    warmup over warmup_steps, then a constant learning rate."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=betas, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
     return optimizer, scheduler
@@ -282,11 +284,17 @@ def save_model(model, tokenizer, out_dir, state_dict=None, dtype=None) -> None:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".model-"))
+    if is_lora(model) and state_dict is None:  # a checkpoint of a LoRA run: the adapters alone
+        model.save_pretrained(tmp)
+        state_dict = {}
+    elif is_lora(model):  # merged weights (merged_state_dict) go out as a plain HF model
+        model = model.get_base_model()
     state_dict = model.state_dict() if state_dict is None else state_dict
-    if dtype is not None:
+    if dtype is not None and state_dict:
         state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-    if dtype is not None:  # save_pretrained writes the (fp32) parameters' dtype into config.json
+    if state_dict:
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+    if dtype is not None and state_dict:  # save_pretrained writes the fp32 params' dtype
         config = json.loads((tmp / "config.json").read_text())
         config["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -329,7 +337,10 @@ def is_sharded(model) -> bool:
 
 
 def full_state_dict(model) -> dict | None:
-    """The full weights (on CPU for a sharded model; None on ranks other than 0 then)."""
+    """The full weights under the model's HF names (LoRA merged in; on CPU for a sharded model,
+    None on ranks other than 0 then)."""
+    if is_lora(model):
+        return merged_state_dict(model)
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -355,3 +366,45 @@ def load_optimizer_state(model, optimizer, state: dict):
                                                          set_optimizer_state_dict)
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state,
                              options=StateDictOptions(full_state_dict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA (peft): low-rank adapters train, the base weights stay frozen -- and are the KL reference.
+
+
+def add_lora(model, rank: int, alpha: int = 0, targets: str = "all-linear"):
+    """Wrap `model` with LoRA adapters of rank `rank` on `targets` (module names, comma-separated,
+    or peft's all-linear); alpha defaults to 2 * rank. The adapters start at zero (B = 0), so the
+    wrapped model computes exactly what the base did."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0,
+                        target_modules=targets if targets == "all-linear" else targets.split(","),
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def merged_state_dict(model) -> dict:
+    """A LoRA model's weights as the plain model's: W + scale * B @ A for every adapted layer,
+    under the HF names (no `base_layer`, no lora_*). Computed, not merged in place: in-place
+    merge/unmerge would round the fp32 base a little at every sync."""
+    from peft.tuners.lora import LoraLayer
+    base = model.get_base_model()
+    weights = {name.replace(".base_layer", ""): tensor for name, tensor in base.state_dict().items()
+               if ".lora_" not in name}
+    with torch.no_grad():
+        for name, module in base.named_modules():
+            if isinstance(module, LoraLayer):
+                key = f"{name}.weight"
+                weights[key] = weights[key] + module.get_delta_weight(module.active_adapters[0])
+    return weights
+
+
+def load_adapters(model, folder):
+    """Put a LoRA checkpoint's adapter weights (adapter_model.safetensors) into `model`."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+    set_peft_model_state_dict(model, load_file(Path(folder) / "adapter_model.safetensors"))

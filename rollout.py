@@ -1,7 +1,8 @@
 """Rollout engines: turn prompts into sampled completions, behind one small interface.
 
     engine.generate(prompt_ids, n, sampling) -> Completions
-    engine.update_weights(model)             -> seconds spent pushing the trainer's weights in
+    engine.update_weights(weights)           -> seconds spent taking the trainer's weights
+                                                (a dict of tensors under the HF names)
 
 grpo.py and evaluate.py only ever call these two methods, so a vLLM engine (or a group of
 engines on other machines) can stand in for HFRollout without the algorithm changing.
@@ -87,10 +88,9 @@ class HFRollout:
             eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id)
 
     @torch.no_grad()
-    def update_weights(self, model) -> float:
+    def update_weights(self, weights: dict) -> float:
         t0 = time.perf_counter()
-        for dst, src in zip(self.model.state_dict().values(), model.state_dict().values()):
-            dst.copy_(src)
+        self.model.load_state_dict(weights)  # copies by name, cast to the engine's dtype
         return time.perf_counter() - t0
 
     @torch.no_grad()
@@ -171,14 +171,14 @@ class VLLMRollout:
         self.runner = self.llm.collective_rpc("runner_name")[0]
         print(f"vLLM model runner: {self.runner}")
 
-    def update_weights(self, model) -> float:
+    def update_weights(self, weights: dict) -> float:
         t0 = time.perf_counter()
         # Only the weights need memory for a sync; the KV cache stays freed until generate, so it
         # never coexists with the trainer's memory.
         self._wake({"weights"})
         # Cast to the engine's dtype where the tensors are (on the GPU, before any host copy);
         # the loader would cast anyway, with a warning per tensor.
-        named = [(name, p.detach().to(self.dtype)) for name, p in model.state_dict().items()]
+        named = [(name, p.detach().to(self.dtype)) for name, p in weights.items()]
         self.llm.collective_rpc("load_trainer_weights", args=(named,))
         if "kv_cache" in self.awake:  # (sleep discards the prefix cache by itself)
             self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
@@ -259,6 +259,6 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
         engine = VLLMRollout(model.name_or_path, tokenizer, stop_token_ids(model, tokenizer),
                              seed=seed, max_model_len=max_model_len,
                              gpu_memory_utilization=gpu_memory_utilization)
-        engine.update_weights(model)  # start from the trainer's weights, whatever is on disk
+        engine.update_weights(model.state_dict())  # the trainer's weights, whatever is on disk
         return engine
     raise SystemExit(f"error: unknown rollout engine {kind!r}; choose hf or vllm")

@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from checkpoint import load_trainer_state, save_trainer_state
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
-from model import full_state_dict, length_mask, load_model, pick_device, save_model, shard_model
-from model import source_dtype
+from model import add_lora, full_state_dict, length_mask, load_adapters, load_model, pick_device
+from model import save_model, shard_model, source_dtype
 from rollout import add_mismatch, engine_mismatch, make_rollout
 
 
@@ -57,10 +57,15 @@ def setup_trainer(cfg, resume_dir: str = "", group=None) -> Trainer:
     torch.manual_seed(cfg.seed)
     device = pick_device()
     start = cfg.init_from or cfg.model
-    model, tokenizer = load_model(resume_dir or start, device)
+    # A LoRA checkpoint holds adapters only: the base comes from where the run started.
+    model, tokenizer = load_model(resume_dir if resume_dir and not cfg.lora_rank else start, device)
     check_head_logits(model)
     ref_model = None
-    if cfg.beta != 0.0:  # a frozen copy of the *initial* policy
+    if cfg.lora_rank:  # the reference is this base model with the adapters off: no second copy
+        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+        if resume_dir:
+            load_adapters(model, resume_dir)
+    elif cfg.beta != 0.0:  # a frozen copy of the *initial* policy
         # In the policy's precision scheme (fp32 weights, bf16 autocast), not pure bf16: then
         # KL(pi || ref) is exactly 0 before the first update instead of bf16 noise with a gradient.
         ref_model = load_model(start, device)[0] if resume_dir else copy.deepcopy(model)
@@ -121,6 +126,17 @@ def policy_logprobs(model, batch, idx, cfg, device):
 def frozen_logprobs(model, batch, mbs, cfg, device):
     """Per-micro-batch log-probs under a model we do not train (reference, or the old policy)."""
     return [policy_logprobs(model, batch, idx, cfg, device)[0] for idx in mbs]
+
+
+def reference_logprobs(trainer, batch, mbs):
+    """Per-micro-batch log-probs under the initial policy (for the KL term; None without one):
+    its frozen copy, or with LoRA the model itself with its adapters switched off."""
+    if trainer.cfg.beta == 0.0:
+        return None
+    if trainer.ref_model is not None:
+        return frozen_logprobs(trainer.ref_model, batch, mbs, trainer.cfg, trainer.device)
+    with trainer.model.disable_adapter():
+        return frozen_logprobs(trainer.model, batch, mbs, trainer.cfg, trainer.device)
 
 
 def micro_batches(keep, seq_lens, cfg):
@@ -273,12 +289,17 @@ def setup_local(cfg, train_step, resume_dir: str = "") -> "Run":
     """One process: the trainer and the rollout engine live here. train_step(trainer, batch) is
     grpo.train_on_rollout."""
     trainer = setup_trainer(cfg, resume_dir)
-    rollout = make_rollout(cfg.rollout, trainer.model, trainer.tokenizer, device=trainer.device,
+    # The engine holds a plain model (LoRA wraps the trainer's in place: load one for it), and
+    # starts from the trainer's weights.
+    plain = load_model(cfg.init_from or cfg.model, trainer.device)[0] if cfg.lora_rank \
+        else trainer.model
+    rollout = make_rollout(cfg.rollout, plain, trainer.tokenizer, device=trainer.device,
                            seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
                            gpu_memory_utilization=cfg.gpu_memory_utilization)
+    rollout.update_weights(weights_of(trainer))
     return Run(trainer.tokenizer, rollout,
                train=lambda batch: finish_metrics([train_step(trainer, batch)]),
-               sync_weights=lambda: rollout.update_weights(trainer.model),
+               sync_weights=lambda: rollout.update_weights(weights_of(trainer)),
                save=lambda folder: save_trainer(trainer, folder),
                export=lambda folder: export_model(trainer, folder))
 

@@ -46,7 +46,7 @@ if __name__ == "__main__":
             out = engine.generate(prompts, args.n, sampling)
             seconds = time.perf_counter() - t0
             speeds.append(sum(len(c) for c in out.completion_ids) / seconds)
-            syncs.append(engine.update_weights(model))
+            syncs.append(engine.update_weights(model.state_dict()))
         rows.append((backend, statistics.median(speeds), statistics.median(syncs)))
         del engine
     print(f"\n{args.model}: {args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} "

@@ -64,7 +64,7 @@ def test_update_weights_copies_the_trainer(tiny_model):
         trained = type(model)(model.config)
         trained.load_state_dict(model.state_dict())
         trained.model.layers[0].mlp.up_proj.weight.add_(1.0)
-    seconds = rollout.update_weights(trained)
+    seconds = rollout.update_weights(trained.state_dict())
     assert seconds >= 0
     assert torch.allclose(rollout.model.model.layers[0].mlp.up_proj.weight.float(),
                           trained.model.layers[0].mlp.up_proj.weight, atol=1e-2)

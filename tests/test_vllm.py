@@ -70,7 +70,7 @@ def test_weight_sync_changes_the_engine_and_matches_the_trainer(engine, model_an
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # a large, unmistakable update
-    seconds = engine.update_weights(trained)
+    seconds = engine.update_weights(trained.state_dict())
     assert seconds > 0
     prompts = [tokenizer("What is 2 + 3?")["input_ids"], tokenizer("Hello")["input_ids"]]
     out = engine.generate(prompts, 4, Sampling(max_new_tokens=8, temperature=0.8, seed=3))
@@ -80,12 +80,12 @@ def test_weight_sync_changes_the_engine_and_matches_the_trainer(engine, model_an
     assert (new - eng).abs().max() < LOGPROB_ATOL, (new - eng).abs().max()
     old, _ = _trainer_logprobs(model, out, 0.8)
     assert (old - eng).abs().max() > 10 * LOGPROB_ATOL  # the sync really did something
-    engine.update_weights(model)  # leave the shared engine as the fixture made it
+    engine.update_weights(model.state_dict())  # leave the shared engine as the fixture made it
 
 
 def test_greedy_generations_agree_with_hf(engine, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    engine.update_weights(model)
+    engine.update_weights(model.state_dict())
     hf = HFRollout(model, tokenizer, dtype=torch.float32)  # fp32 reference for the argmax
     prompts = [tokenizer(t)["input_ids"] for t in ("What is 1 + 1?", "Name a colour.", "Hi")]
     sampling = Sampling(max_new_tokens=6, temperature=0.0)
@@ -99,7 +99,7 @@ def test_greedy_generations_agree_with_hf(engine, model_and_tokenizer):
 
 def test_both_engines_stop_on_every_eos_id_without_truncation(engine, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
-    engine.update_weights(model)
+    engine.update_weights(model.state_dict())
     hf = HFRollout(model, tokenizer, dtype=torch.float32)
     assert engine.stop_ids == hf.stop_ids and len(engine.stop_ids) == 2
     greedy = Sampling(max_new_tokens=6, temperature=0.0)
@@ -107,6 +107,25 @@ def test_both_engines_stop_on_every_eos_id_without_truncation(engine, model_and_
     for out in (engine.generate(hi, 1, greedy), hf.generate(hi, 1, greedy)):
         assert len(out.completion_ids[0]) == 1 and out.completion_ids[0][0] in engine.stop_ids
         assert out.truncated == [False]  # stopped by the second eos id: not cut off
+
+
+def test_lora_weights_reach_the_engine_merged(engine, model_dir, model_and_tokenizer):
+    from grpo import Config
+    from trainer import setup_trainer, weights_of
+    model, tokenizer = model_and_tokenizer
+    trainer = setup_trainer(Config(data="arith", model=model_dir, bf16=False, lora_rank=4))
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.3)
+    engine.update_weights(weights_of(trainer))
+    prompts = [tokenizer("What is 2 + 3?")["input_ids"]]
+    out = engine.generate(prompts, 4, Sampling(max_new_tokens=8, temperature=0.8, seed=3))
+    lora, eng = _trainer_logprobs(trainer.model, out, 0.8)
+    assert (lora - eng).abs().max() < LOGPROB_ATOL, (lora - eng).abs().max()
+    base, _ = _trainer_logprobs(model, out, 0.8)
+    assert (base - eng).abs().max() > 10 * LOGPROB_ATOL  # the adapters really arrived
+    engine.update_weights(model.state_dict())
 
 
 def test_two_step_grpo_run_with_vllm(tiny_model_dir, tmp_path):

@@ -1,0 +1,98 @@
+"""LoRA (--lora-rank): only the adapters train, the base is the KL reference, engines get merged
+weights, checkpoints hold adapters and resume exactly, the final model is a merged HF folder."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from conftest import ROOT, make_batch, read_metrics, run_grpo, small_run_args
+from grpo import Config, train_on_rollout
+from model import completion_logprobs, is_lora, pack
+from rollout import HFRollout
+from trainer import finish_metrics, setup_trainer, weights_of
+
+PROMPTS = [[5, 6], [7, 8, 9], [10], [11, 12]]
+COMPLETIONS = [[20, 21, 2], [22, 2], [23, 24, 25, 26], [27, 2]]
+
+
+def _lora_trainer(model_dir, **kw):
+    return setup_trainer(Config(data="arith", model=model_dir, bf16=False, lr=1e-2, lora_rank=4,
+                                **kw))
+
+
+def _logprobs(model, temperature=1.0):
+    ids, pl, cl = pack(PROMPTS, COMPLETIONS, pad_id=2)
+    with torch.no_grad():
+        return completion_logprobs(model, ids, pl, cl, temperature=temperature)[0]
+
+
+def test_only_the_adapters_train(tiny_model_dir):
+    trainer = _lora_trainer(tiny_model_dir)
+    assert is_lora(trainer.model) and trainer.ref_model is None
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n for n in trained)
+    assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} == \
+        {id(p) for n, p in trainer.model.named_parameters() if n in trained}
+    finish_metrics([train_on_rollout(trainer, make_batch(PROMPTS, COMPLETIONS,
+                                                         [1.0, -1.0, 0.5, -0.5]))])
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    # the base is frozen; of the adapters B moves first (A's gradient is 0 while B is 0)
+    assert changed and all("lora_B" in n for n in changed)
+
+
+def test_engines_get_the_merged_weights_and_the_reference_is_the_base(tiny_model_dir,
+                                                                       tiny_model):
+    model, tokenizer = tiny_model
+    trainer = _lora_trainer(tiny_model_dir, beta=0.04)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)  # a trained-looking adapter
+    engine = HFRollout(model, tokenizer, dtype=torch.float32)
+    engine.update_weights(weights_of(trainer))
+    assert torch.allclose(_logprobs(engine.model), _logprobs(trainer.model), atol=1e-5)
+    assert not torch.allclose(_logprobs(engine.model), _logprobs(model), atol=1e-2)
+    with trainer.model.disable_adapter():  # the KL reference: the base, no second copy
+        assert torch.allclose(_logprobs(trainer.model), _logprobs(model), atol=1e-6)
+
+
+def test_kl_is_zero_before_the_first_update(tiny_model_dir):
+    trainer = _lora_trainer(tiny_model_dir, beta=0.04)
+    metrics = finish_metrics([train_on_rollout(trainer, make_batch(PROMPTS, COMPLETIONS,
+                                                                   [0.0] * 4))])
+    assert abs(metrics["kl"]) < 1e-7
+
+
+def test_resume_with_lora_is_exact_and_the_output_is_a_merged_model(tiny_model_dir, tmp_path):
+    args = small_run_args(tiny_model_dir, tmp_path / "a") + ["--lora-rank", "4", "--lr", "1e-2"]
+    run_grpo(args + ["--steps", "4"])
+    args_b = small_run_args(tiny_model_dir, tmp_path / "b") + ["--lora-rank", "4", "--lr", "1e-2"]
+    run_grpo(args_b + ["--steps", "2", "--save-every", "2"])
+    checkpoint = tmp_path / "b/checkpoints/step_2"
+    assert (checkpoint / "adapter_model.safetensors").exists()
+    assert not (checkpoint / "model.safetensors").exists()  # adapters only
+    run_grpo(args_b + ["--steps", "4", "--resume", "auto"])
+    assert read_metrics(tmp_path / "a") == read_metrics(tmp_path / "b")
+    from transformers import AutoModelForCausalLM
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "b")  # a plain HF folder
+    assert not is_lora(merged) and not (tmp_path / "b/adapter_model.safetensors").exists()
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.allclose(_logprobs(merged), _logprobs(base), atol=1e-4)  # it trained
+
+
+def test_dpo_with_lora(tiny_model_dir, tmp_path):
+    data = tmp_path / "prefs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1),
+                                        "rejected": str(i + 7)}) + "\n" for i in range(10)))
+    result = subprocess.run([sys.executable, "dpo.py", "--model", tiny_model_dir, "--data",
+                             str(data), "--batch-size", "4", "--epochs", "1", "--eval-every", "0",
+                             "--lora-rank", "4", "--lr", "1e-2", "--out", str(tmp_path / "o")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "o")
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.allclose(_logprobs(merged), _logprobs(base), atol=1e-4)
