@@ -17,9 +17,8 @@ Generation engines live in rollout.py, rewards in reward.py, evaluation in evalu
 and model plumbing in model.py, checkpoints in checkpoint.py, Ray placement in distributed.py.
 
     python grpo.py                                   # CPU, offline: SmolLM2-135M learns arithmetic
-    python grpo.py --model Qwen/Qwen2.5-Math-1.5B --rollout vllm --template boxed \\
-        --data agentica-org/DeepScaleR-Preview-Dataset --eval-data HuggingFaceH4/MATH-500 \\
-        --max-new-tokens 1024                  # one GPU: train on a training set, test on MATH-500
+    python grpo.py --model Qwen/Qwen2.5-Math-1.5B    # one GPU: MATH train -> MATH-500 (task math)
+    python grpo.py --model Qwen/Qwen2.5-Math-1.5B --lora-rank 16 --lr 1e-5   # a 24 GB GPU
     python grpo.py --num-trainers 8 --num-engines 4 --rollout vllm   # 12 GPUs through Ray
     python grpo.py --ray-address auto --num-trainers 16 --num-engines 8 --rollout vllm  # nodes
 """

@@ -56,7 +56,8 @@ def test_files_with_a_tasks_schema_get_its_answers(tmp_path):
     assert held_out[0]["problem"].startswith("Tom has 27 apples")
 
 
-def test_the_math_task_end_to_end_on_a_tiny_qwen2(tmp_path, tokenizer):
+@pytest.mark.parametrize("task, rows", [("math", MATH_ROWS), ("gsm8k", GSM8K_ROWS)])
+def test_a_task_end_to_end_on_a_tiny_qwen2(task, rows, tmp_path, tokenizer):
     """`python grpo.py --model <tiny qwen2> --data <math parquet>`: task, template and evaluation
     chosen by themselves (the sizes are made small for a CPU test)."""
     import torch
@@ -70,7 +71,7 @@ def test_the_math_task_end_to_end_on_a_tiny_qwen2(tmp_path, tokenizer):
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         dtype=torch.bfloat16)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    data = _parquet(tmp_path / "math.parquet", MATH_ROWS)
+    data = _parquet(tmp_path / f"{task}.parquet", rows)
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "grpo.py", "--model", str(model_dir), "--data", data,
                              "--steps", "2", "--prompts-per-step", "2", "--num-generations", "2",
@@ -78,9 +79,9 @@ def test_the_math_task_end_to_end_on_a_tiny_qwen2(tmp_path, tokenizer):
                              "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "task math: train on" in result.stdout and "template boxed" in result.stdout
+    assert f"task {task}: train on" in result.stdout and "template boxed" in result.stdout
     config = json.loads((out / "grpo_config.json").read_text())
-    assert (config["task"], config["template"], config["temperature"]) == ("math", "boxed", 1.0)
+    assert (config["task"], config["template"], config["temperature"]) == (task, "boxed", 1.0)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2] and "eval_accuracy" in records[-1]
 
