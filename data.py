@@ -171,6 +171,29 @@ def task_of(data: str, model: str) -> str:
     return "custom"
 
 
+def apply_task(cfg) -> None:
+    """Fill the settings a grpo.Config left unset (None) from its task's row: explicit flags win."""
+    cfg.task = cfg.task or task_of(cfg.data, cfg.model)
+    task = TASKS[cfg.task]
+    if cfg.data in ("auto", cfg.task) and task.data:
+        cfg.data, cfg.split = task.data, cfg.split or task.split
+    local = Path(cfg.data).exists()  # a local file: the held-out set is its tail
+    cfg.eval_data = cfg.eval_data or ("" if local and cfg.task != "arith" else task.eval_data)
+    for name in ("template", "max_new_tokens", "temperature", "eval_size", "lr", "steps"):
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, getattr(task, name))
+
+
+def task_summary(cfg) -> str:
+    """The resolved task and its settings, in one line printed before anything loads."""
+    held_out = (f"{cfg.eval_data} ({cfg.eval_size})" if cfg.eval_data else
+                f"the data's tail (a tenth, at most {cfg.eval_size} rows)")
+    split = f" ({cfg.split})" if cfg.split else ""
+    return (f"task {cfg.task}: train on {cfg.data}{split}, evaluate on {held_out} | template "
+            f"{cfg.template}, max_new_tokens {cfg.max_new_tokens}, temperature {cfg.temperature}, "
+            f"lr {cfg.lr}, steps {cfg.steps}, rollout {cfg.rollout}")
+
+
 def _first_row(source: str) -> dict | None:
     """The first row of a local file, cheaply (None for a hub id)."""
     path = Path(source)
@@ -418,8 +441,8 @@ def parse_config(cls, argv=None, description=None):
     config_file, dry_run = args.pop("config"), args.pop("dry_run")
     cfg = cls(**args)  # __post_init__ checks the values
     if dry_run:
-        if hasattr(cfg, "summary"):
-            print(f"# {cfg.summary()}")
+        if hasattr(cfg, "task"):
+            print(f"# {task_summary(cfg)}")
         print(f"# resolved config{' (from ' + config_file + ' and the command line)' if config_file else ''}")
         for name, value in asdict(cfg).items():
             print(f"{name} = {json.dumps(value)}")

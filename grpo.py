@@ -35,12 +35,11 @@ import torch
 from tqdm import tqdm
 
 from checkpoint import DriverState, find_checkpoint, load_driver_state, save_checkpoint
-from data import TASKS, TEMPLATES, ProblemStream, Template, check, encode_prompts, flag
-from data import load_problems, task_of
-from data import parse_config
+from data import TEMPLATES, ProblemStream, Template, apply_task, check, encode_prompts, flag
+from data import load_problems, parse_config, task_summary
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples
 from model import DEFAULT_MODEL, length_mask, pack, peak_memory_gb, right_pad
-from reward import Grader, RewardFunctions, correctness_reward
+from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from rollout import Completions, Sampling
 from trainer import Trainer, any_rank_trains, count_bad_steps, engine_correction, frozen_logprobs
 from trainer import micro_batches, optimizer_step, policy_logprobs, same_pass_count, setup_local
@@ -185,26 +184,9 @@ class Config:
     """Ray, GPU: shard the model over the trainers with FSDP2 (for models that don't fit one GPU)"""
     gpu_memory_utilization: float = 0.2
     """vLLM: fraction of GPU memory (of host memory on CPU) for weights and KV cache"""
-    def summary(self) -> str:
-        """The resolved task and its settings, printed before anything loads."""
-        held_out = (f"{self.eval_data} ({self.eval_size})" if self.eval_data else
-                    f"the last {self.eval_size} rows")
-        split = f" ({self.split})" if self.split else ""
-        return (f"task {self.task}: train on {self.data}{split}, evaluate on {held_out} | "
-                f"template {self.template}, max_new_tokens "
-                f"{self.max_new_tokens}, temperature {self.temperature}, lr {self.lr}, steps "
-                f"{self.steps}, rollout {self.rollout}")
 
     def __post_init__(self):  # the task's defaults fill what is unset; impossible values stop here
-        self.task = self.task or task_of(self.data, self.model)
-        task = TASKS[self.task]
-        if self.data in ("auto", self.task) and task.data:
-            self.data, self.split = task.data, self.split or task.split
-        local = Path(self.data).exists()  # a local file: the held-out set is its tail
-        self.eval_data = self.eval_data or ("" if local and self.task != "arith" else task.eval_data)
-        for name in ("template", "max_new_tokens", "temperature", "eval_size", "lr", "steps"):
-            if getattr(self, name) is None:
-                setattr(self, name, getattr(task, name))
+        apply_task(self)
         if self.rollout == "auto":
             gpu_and_vllm = torch.cuda.is_available() and importlib.util.find_spec("vllm")
             self.rollout = "vllm" if gpu_and_vllm else "hf"
@@ -409,13 +391,6 @@ def rollout_and_score(run, rows: list[dict], cfg: Config, reward_fns: RewardFunc
                   time.time() - t0)
 
 
-def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> list[float]:
-    """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer, then falling linearly to
-    -1 at max_new_tokens."""
-    start = max_new_tokens - buffer
-    return [0.0 if n <= start else -min(1.0, (n - start) / buffer) for n in lengths]
-
-
 def has_signal(rewards: torch.Tensor, G: int) -> torch.Tensor:
     """(N,) True for groups whose rewards are not all equal: only those have non-zero advantages."""
     return rewards.view(-1, G).std(1) > 1e-6
@@ -560,7 +535,7 @@ def main(cfg: Config):
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(cfg.summary())
+    print(task_summary(cfg))
     resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     grader = Grader()  # math-verify workers start (untimed) when an answer first needs them

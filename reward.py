@@ -289,6 +289,13 @@ def format_reward(prompts, completions, *, answer_format="boxed", **_):
 BUILTIN = {"correctness": correctness_reward, "format": format_reward}
 
 
+def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> list[float]:
+    """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer, then falling linearly to
+    -1 at max_new_tokens."""
+    start = max_new_tokens - buffer
+    return [0.0 if n <= start else -min(1.0, (n - start) / buffer) for n in lengths]
+
+
 class RewardFunctions:
     """Weighted sum of reward functions given as "name[=weight],...": built-ins, or your own as
     `module:fn` (importable from the current directory), `path/to/file.py:fn` or `module.fn`.

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from grpo import Config, group_advantages, grpo_loss, loss_denominator, overlong_penalty
+from grpo import Config, group_advantages, grpo_loss, loss_denominator
+from reward import overlong_penalty
 
 
 def _batch():

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ROOT
-from data import load_problems
+from data import load_problems, task_summary
 from grpo import Config
 
 MATH_ROWS = [{"problem": f"Compute ${i} + {i}$.", "level": "Level 1", "type": "Algebra",
@@ -30,7 +30,7 @@ def test_auto_is_arith_for_the_offline_model_and_math_for_any_other():
     assert (cfg.task, cfg.data, cfg.split) == ("math", "DigitalLearningGmbH/MATH-lighteval", "train")
     assert (cfg.template, cfg.max_new_tokens, cfg.eval_data) == ("boxed", 1024,
                                                                  "HuggingFaceH4/MATH-500")
-    assert "task math" in cfg.summary() and "MATH-500 (500)" in cfg.summary()
+    assert "task math" in task_summary(cfg) and "MATH-500 (500)" in task_summary(cfg)
 
 
 def test_explicit_flags_win_over_the_task():
