@@ -1,6 +1,9 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    -- create .venv, install, train SmolLM2-135M-Instruct offline on CPU (python grpo.py)
 #   make test   -- create .venv, install, run the test suite (.ci/run calls exactly this)
+# For instructors (course/README.md):
+#   make exercises [OUT=assignment]  -- write the GRPO/DPO assignment: this project, six functions stubbed
+#   make grade STUDENT=assignment    -- score a student's copy per exercise (and write grade.json)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -24,4 +27,12 @@ run: install
 test: install
 	$(PY) -m pytest
 
-.PHONY: install run test
+OUT ?= assignment
+exercises: install
+	$(PY) course/make_exercises.py $(OUT)
+
+grade: install
+	@test -n "$(STUDENT)" || { echo "error: say whose copy to grade: make grade STUDENT=folder"; exit 2; }
+	$(PY) course/grade.py $(STUDENT)
+
+.PHONY: install run test exercises grade

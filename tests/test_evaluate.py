@@ -19,7 +19,7 @@ def test_pass_at_k_matches_enumeration_of_all_k_subsets(n, c):
     for k in range(1, n + 1):
         subsets = list(itertools.combinations(outcomes, k))
         brute = sum(any(s) for s in subsets) / len(subsets)
-        assert pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+        assert pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12), f"pass_at_k({n}, {c}, {k})"
 
 
 def test_majority_vote_and_ties():

@@ -136,9 +136,10 @@ def test_micro_batching_leaves_loss_and_gradient_unchanged(loss_agg):
 def test_advantages_group_scale():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
     adv = group_advantages(r, 4)
-    std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()
-    assert torch.allclose(adv[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
-    assert torch.equal(adv[4:], torch.zeros(4))  # zero-std group: exactly 0
+    std = math.sqrt(4 * 0.5 ** 2 / 3)  # the group's unbiased std: 0.5774
+    expected = [x / (std + 1e-6) for x in (0.5, -0.5, -0.5, 0.5)]  # +-0.8660
+    assert adv[:4].tolist() == pytest.approx(expected, rel=1e-5)
+    assert adv[4:].tolist() == [0.0, 0.0, 0.0, 0.0]  # zero-std group: exactly 0
 
 
 def test_advantages_zero_std_groups_never_nan():
@@ -149,24 +150,28 @@ def test_advantages_zero_std_groups_never_nan():
             for scale in ("group", "batch", "none"):
                 for loo in (False, True):
                     adv = group_advantages(r, G, scale=scale, leave_one_out=loo)
-                    assert torch.equal(adv, torch.zeros(8)), (r, G, scale, loo)
+                    assert adv.tolist() == [0.0] * 8, (r.tolist(), G, scale, loo)
 
 
 def test_advantages_leave_one_out_and_batch_scale():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0, 3.0, 1.0, 1.0, 1.0])
     adv = group_advantages(r, 4, scale="none", leave_one_out=True)
-    assert torch.allclose(adv[:4], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]))
-    assert torch.allclose(adv[4:], torch.tensor([2.0, -2 / 3, -2 / 3, -2 / 3]))
-    adv = group_advantages(r, 4, scale="batch")
-    expected = (r.view(2, 4) - r.view(2, 4).mean(1, keepdim=True)).view(-1) / (r.std() + 1e-6)
-    assert torch.allclose(adv, expected)
+    assert adv.tolist() == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3, 2.0, -2 / 3, -2 / 3, -2 / 3])
+    adv = group_advantages(r, 4, scale="batch")  # group means 0.25 and 1.5, batch std 1.0351
+    batch_std = float(r.std())
+    expected = [(x - 0.25) / (batch_std + 1e-6) for x in r[:4].tolist()] + \
+               [(x - 1.5) / (batch_std + 1e-6) for x in r[4:].tolist()]
+    assert adv.tolist() == pytest.approx(expected, rel=1e-5)
     adv = group_advantages(r, 4, scale="none")
-    assert torch.allclose(adv[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    assert adv[:4].tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
 
 
-def test_bad_options_raise():
+def test_advantages_refuse_an_unknown_scale():
     with pytest.raises(ValueError):
         group_advantages(torch.ones(4), 2, scale="median")
+
+
+def test_grpo_loss_refuses_an_unknown_aggregation():
     with pytest.raises(ValueError):
         grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), None, torch.zeros(1),
                   torch.ones(1, 1), loss_agg="sum")

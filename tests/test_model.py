@@ -2,6 +2,9 @@
 architecture, fp32 rotary buffers in bf16 copies, a reference in the policy's precision, no KV
 cache in training forwards."""
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM,
@@ -31,6 +34,46 @@ ARCHITECTURES = {
     "granite (logits_scaling)": lambda: GraniteForCausalLM(GraniteConfig(**SMALL,
                                                                          logits_scaling=4.0)),
 }
+
+
+class _Bigram(torch.nn.Module):
+    """A model whose next-token distribution depends on the current token only: the decoder's
+    state is a row of `table` (log-probabilities) and the head is the identity. Its log-probs can
+    be read off the table by hand."""
+
+    def __init__(self, probs):
+        super().__init__()
+        self.embed = torch.nn.Embedding.from_pretrained(torch.tensor(probs).log(), freeze=False)
+        self.head = torch.nn.Identity()
+        self.config = SimpleNamespace(get_text_config=lambda: SimpleNamespace())
+
+    def get_decoder(self):
+        return lambda input_ids, use_cache: SimpleNamespace(last_hidden_state=self.embed(input_ids))
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_completion_logprobs_of_a_bigram_model_by_hand():
+    """Prompt [0] then completion [1, 2, 0]; prompt [1, 2] then [2] (padded with 0). Token t's
+    log-prob is log P(t | token before t); entropies are of the row it was sampled from."""
+    P = [[0.5, 0.25, 0.25],  # P(next | 0)
+         [0.1, 0.6, 0.3],  # P(next | 1)
+         [0.2, 0.2, 0.6]]  # P(next | 2)
+    model = _Bigram(P)
+    ids, pl, cl = pack([[0], [1, 2]], [[1, 2, 0], [2]], pad_id=0)
+    for chunk_tokens in (1, 2048):  # chunking changes nothing
+        lp, ent = completion_logprobs(model, ids, pl, cl, chunk_tokens=chunk_tokens)
+        expected = [math.log(0.25), math.log(0.3), math.log(0.2),  # P(1|0), P(2|1), P(0|2)
+                    math.log(0.6), 0.0, 0.0]  # P(2|2), then zeros past the completion
+        assert lp.flatten().tolist() == pytest.approx(expected, abs=1e-6)
+        H = [-sum(p * math.log(p) for p in row) for row in P]
+        assert ent.flatten().tolist() == pytest.approx([H[0], H[1], H[2], H[2], 0, 0], abs=1e-6)
+    # At temperature 0.5 the sampled distribution after 0 is (0.25, 0.0625, 0.0625) / 0.375.
+    lp, _ = completion_logprobs(model, ids, pl, cl, temperature=0.5)
+    assert lp[0, 0].item() == pytest.approx(math.log(0.0625 / 0.375), abs=1e-6)
+    lp.sum().backward()  # the log-probs carry the gradient back to the weights
+    assert model.embed.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))

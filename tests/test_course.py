@@ -1,0 +1,136 @@
+"""The course kit: the assignment is cut from the library itself, the reference scores 100 % and the
+stubs 0 %, a single classic bug costs exactly its exercise's points, the student copy's own tests
+run, and docs/walkthrough.md shows what the code computes."""
+
+import ast
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "course"))
+from grade import grade, gradescope  # noqa: E402
+from make_exercises import INSTRUCTOR_ONLY, load_exercises, make_exercises, project_files  # noqa: E402
+from walkthrough import DOC, doc_blocks, walkthrough  # noqa: E402
+
+EXERCISES = load_exercises()
+POINTS = {ex["name"]: ex["points"] for ex in EXERCISES}
+# The classic bugs, one line each: (exercise, file, right line, wrong line).
+BUGS = {
+    "KL sign flipped": ("grpo_loss", "grpo.py", "log_r = ref_logprobs - logprobs",
+                        "log_r = logprobs - ref_logprobs"),
+    "token-mean replaced by seq-mean": (
+        "grpo_loss", "grpo.py",
+        "loss = (per_token * mask).sum() / (num_tokens or mask.sum().clamp(min=1))",
+        "loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / "
+        "(num_tokens or mask.shape[0])"),
+    "biased pass@k": ("pass_at_k", "evaluate.py",
+                      "return 1.0 - math.comb(n - c, k) / math.comb(n, k)",
+                      "return 1.0 - (1 - c / n) ** k"),
+    "log-prob positions off by one": ("completion_logprobs", "model.py",
+                                      "hidden = hidden[rows, pos - 1]", "hidden = hidden[rows, pos]"),
+}
+
+
+def _copy_with_bug(dest: Path, file: str, right: str, wrong: str) -> Path:
+    for rel in project_files(ROOT):
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, dest / rel)
+    source = (dest / file).read_text()
+    assert source.count(right) == 1, f"{file} no longer has `{right}`: update BUGS"
+    (dest / file).write_text(source.replace(right, wrong))
+    return dest
+
+
+def _grades(folder: Path):
+    return grade(folder, EXERCISES)
+
+
+def test_grades_reference_stubs_and_each_classic_bug(tmp_path):
+    """Reference 100 %, stubs 0 %, and every seeded bug loses exactly its exercise's points."""
+    stubs = tmp_path / "assignment"
+    make_exercises(stubs, ROOT, EXERCISES)
+    buggy = {name: _copy_with_bug(tmp_path / f"bug{i}", *bug[1:])
+             for i, (name, bug) in enumerate(BUGS.items())}
+    folders = {"reference": ROOT, "stubs": stubs, **buggy}
+    with ThreadPoolExecutor(2) as pool:  # each grade is a pytest subprocess
+        grades = dict(zip(folders, pool.map(_grades, folders.values())))
+    scores = {folder: {g.name: g.score for g in gs} for folder, gs in grades.items()}
+    assert scores["reference"] == POINTS
+    assert scores["stubs"] == {name: 0 for name in POINTS}
+    for name, (exercise, *_) in BUGS.items():
+        assert scores[name] == {**POINTS, exercise: 0}, name
+    # A failure reads as the hand-computed example's expected value against the student's.
+    failed = [r for g in grades["biased pass@k"] for r in g.results if not r.passed]
+    assert "[4-1]" in failed[0].test and "expected 0.5 ± 1.0e-12, got 0.4375" in failed[0].message
+    assert all("not written yet" in r.message for g in grades["stubs"] for r in g.results)
+    # grade.json in Gradescope's format: one entry per exercise
+    results = gradescope(grades["biased pass@k"])
+    assert results["score"] == 90
+    assert {(t["name"], t["score"], t["max_score"]) for t in results["tests"]} == \
+        {(name, 0 if name == "pass_at_k" else p, p) for name, p in POINTS.items()}
+    assert "FAIL test_pass_at_k" in next(t["output"] for t in results["tests"]
+                                         if t["name"] == "pass_at_k")
+
+
+def test_stubs_keep_signature_and_docstring_and_nothing_else_changes(tmp_path):
+    make_exercises(tmp_path / "a", ROOT, EXERCISES)
+    assert sorted(set(project_files(ROOT)) - INSTRUCTOR_ONLY) == sorted(project_files(tmp_path / "a"))
+    for ex in EXERCISES:
+        ours, theirs = (ast.parse((root / ex["file"]).read_text()) for root in (ROOT, tmp_path / "a"))
+        fn = [n for n in ast.walk(ours) if getattr(n, "name", None) == ex["name"]][0]
+        stub = [n for n in ast.walk(theirs) if getattr(n, "name", None) == ex["name"]][0]
+        assert ast.dump(stub.args) == ast.dump(fn.args)
+        assert ast.get_docstring(stub) == ast.get_docstring(fn)
+        assert isinstance(stub.body[-1], ast.Raise) and len(stub.body) == 2  # docstring + raise
+    # The library's own files carry no exercise markers; only the copy's stubs do.
+    assert not any("NotImplementedError(\"exercise" in (ROOT / p).read_text(errors="ignore")
+                   for p in project_files(ROOT) if p.suffix == ".py" and p.parts[0] != "course")
+
+
+def test_an_existing_folder_is_never_overwritten(tmp_path):
+    (tmp_path / "mine.py").write_text("a student's work")
+    with pytest.raises(SystemExit, match="not empty"):
+        make_exercises(tmp_path, ROOT, EXERCISES)
+    assert (tmp_path / "mine.py").read_text() == "a student's work"
+
+
+def test_the_student_copy_runs_its_own_tests(tmp_path):
+    """In the copy, the exercises' tests fail, a test that needs an exercise waits for it
+    (skipped, naming it), the rest pass."""
+    copy = tmp_path / "assignment"
+    make_exercises(copy, ROOT, EXERCISES)
+    report = tmp_path / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                    f"--junitxml={report}", "tests/test_grpo_loss.py",
+                    "tests/test_evaluate.py::test_summarize_avg_pass_maj"],
+                   cwd=copy, capture_output=True, text=True, timeout=300)
+    outcome = {}
+    for case in ET.parse(report).iter("testcase"):
+        kind = next((k for k in ("failure", "error", "skipped") if case.find(k) is not None), "pass")
+        outcome[case.get("name").split("[")[0]] = (kind, (case.find(kind).get("message")
+                                                          if kind != "pass" else ""))
+    exercise_tests = {t.split("::")[1] for ex in EXERCISES for t in ex["tests"]}
+    for name, (kind, message) in outcome.items():
+        if name in exercise_tests:
+            assert kind == "failure", name
+        elif name == "test_summarize_avg_pass_maj":
+            assert kind == "skipped" and "waits for exercise pass_at_k" in message
+        else:
+            assert kind == "pass", (name, message)
+    assert "test_loss_denominator_counts_only_sequences_in_the_loss" in outcome  # others ran
+
+
+def test_walkthrough_doc_matches_the_code():
+    sections = walkthrough()
+    blocks = doc_blocks(DOC.read_text())
+    assert len(blocks) == len(sections)
+    for (title, text), block in zip(sections, blocks):
+        assert block == text, f"docs/walkthrough.md's '{title}' block is stale: run " \
+                              f"python course/walkthrough.py --update-doc"
