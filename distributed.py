@@ -15,7 +15,12 @@ What runs where (one bundle = one GPU, or one CPU on a machine without GPUs):
     driver (grpo.py) --prompts--> engines (sharded, results gathered in order)
                      --batch----> trainers (sharded; torch.distributed all-reduce of gradients:
                                   gloo on CPU, NCCL on GPU; the loss uses the global token count)
-    trainer 0 --state dict (Ray object store)--> every engine, after each step
+
+    after each step, the weights (--weight-sync):
+    collective     trainer 0 ==broadcast, bucket by bucket==> engine 0, engine 1, ...
+                   a process group of their own (rollout.WeightGroup): NCCL GPU to GPU, gloo on
+                   CPU or when an engine shares its trainer's GPU; bf16, <= 256 MB per bucket
+    object-store   trainer 0 --state dict--> Ray object store --> every engine pulls a copy
 
 This file knows nothing about GRPO: it places actors, runs the functions it is given on them, and
 turns Ray's failures into messages that say what to change. It never imports grpo.py or dpo.py.
@@ -158,11 +163,39 @@ class TrainerGroup:
     def run_rank0(self, fn, *args):
         return _get(self.workers[0].run.remote(fn, *args), "trainer")
 
+    def submit(self, fn, per_rank_args: list[tuple]) -> list:
+        """Like run, without waiting: the refs, for gather() (with the engines' work)."""
+        return [w.run.remote(fn, *args) for w, args in zip(self.workers, per_rank_args)]
+
+    def check_shared_folder(self, folder: str, sees=None):
+        """Stop now if a trainer cannot see `folder` (the driver's --out): rank 0 writes the
+        checkpoints and the model there and every rank reads a checkpoint back on --resume, so
+        on several nodes it must be one shared filesystem. sees(state, path): (node, visible?)."""
+        probe = Path(folder) / f".shared-check-{os.getpid()}-{time.time_ns()}"
+        probe.write_text("written by the driver\n")
+        try:
+            seen = self.run(sees or _sees, [(str(probe),)] * len(self.workers))
+        finally:
+            probe.unlink()
+        for rank, (node, visible) in enumerate(seen):
+            if not visible:
+                raise SystemExit(f"error: --out {folder} is not visible from trainer rank {rank} "
+                                 f"on node {node}: on several nodes --out must be a shared "
+                                 f"filesystem (NFS, a cluster mount), the same path everywhere")
+
+    def address(self) -> tuple[str, int]:
+        """Rank 0's node address and a free port there (for a process group it leads)."""
+        return _get(self.workers[0].address.remote(), "trainer")
+
     def weights_ref(self, get_weights) -> "ray.ObjectRef":
         """The weights, put in the object store by rank 0 itself (they never pass through the
         driver). get_weights(state) runs on every rank -- sharded weights are gathered
         collectively -- and returns them on rank 0, None elsewhere."""
         return self.run(_put_state_dict, [(get_weights,)] * len(self.workers))[0][0]
+
+
+def _sees(state, path: str) -> tuple[str, bool]:
+    return ray.util.get_node_ip_address(), Path(path).exists()
 
 
 def _put_state_dict(state, get_weights):
@@ -177,8 +210,28 @@ def _generate(engine, prompt_ids, n, sampling):
     return engine.generate(prompt_ids, n, sampling)
 
 
-def _update(engine, state):
-    return engine.update_weights(state)
+def _update(engine, state, version):
+    return engine.update_weights(state, version)
+
+
+def gather(refs: list, what: str = "trainer or engine") -> list:
+    """Wait for work submitted to trainers and engines together (say, both ends of a broadcast)."""
+    return _get(refs, what)
+
+
+class Pending:
+    """Completions being generated while the driver does something else (--async-steps)."""
+
+    def __init__(self, refs):
+        self.refs = refs
+
+    def result(self):
+        outs = _get(self.refs, "engine")
+        versions = sorted({out.policy_version for out in outs})
+        if len(versions) > 1:
+            raise SystemExit(f"error: the rollout engines hold the weights of different steps "
+                             f"{versions}: a weight sync failed or was skipped")
+        return type(outs[0]).concat(outs)  # prompt-major order is kept: shards are contiguous
 
 
 class EngineGroup:
@@ -188,21 +241,29 @@ class EngineGroup:
         self.workers = workers
 
     def generate(self, prompt_ids, n, sampling):
+        return self.submit_generate(prompt_ids, n, sampling).result()
+
+    def submit_generate(self, prompt_ids, n, sampling) -> Pending:
+        """Start generating on the engines; .result() waits for the completions. An engine works
+        through its calls in order: a weight sync sent meanwhile waits for the generation."""
         parts = [r for r in shard(len(prompt_ids), len(self.workers)) if len(r)]
-        outs = _get([w.run.remote(_generate, [prompt_ids[i] for i in r], n, sampling)
-                     for w, r in zip(self.workers, parts)], "engine")
-        return type(outs[0]).concat(outs)  # prompt-major order is kept: shards are contiguous
+        return Pending([w.run.remote(_generate, [prompt_ids[i] for i in r], n, sampling)
+                        for w, r in zip(self.workers, parts)])
 
     def run(self, fn, *args) -> list:
         """fn(engine, *args) on every engine, e.g. to inspect them."""
-        return _get([w.run.remote(fn, *args) for w in self.workers], "engine")
+        return _get(self.submit(fn, [args] * len(self.workers)), "engine")
 
-    def update_weights(self, state) -> float:
+    def submit(self, fn, per_engine_args: list[tuple]) -> list:
+        """fn(engine, *per_engine_args[i]) on engine i, without waiting: the refs."""
+        return [w.run.remote(fn, *args) for w, args in zip(self.workers, per_engine_args)]
+
+    def update_weights(self, state, version: int = 0) -> float:
         """Broadcast a state dict (or an object ref to one) to every engine through the object
         store; returns the wall time of the whole broadcast."""
         t0 = time.perf_counter()
         ref = state if isinstance(state, ray.ObjectRef) else ray.put(state)
-        _get([w.run.remote(_update, ref) for w in self.workers], "engine")
+        _get([w.run.remote(_update, ref, version) for w in self.workers], "engine")
         return time.perf_counter() - t0
 
 

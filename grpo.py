@@ -91,6 +91,9 @@ class Config:
     """DAPO: drop groups whose rewards are all equal, sample more prompts to refill the batch"""
     max_fill_rounds: int = 3
     """dynamic sampling: extra rollout rounds per step at most (then train on what there is)"""
+    async_steps: int = 0
+    """1: engines sample step t+1's batch with step t's weights while the trainers train on step
+    t (one step off-policy: pi_old is the engine's log-prob of each token); 0: on-policy"""
 
     # The GRPO loss
     adv_scale: Literal["group", "batch", "none"] = "group"
@@ -184,6 +187,9 @@ class Config:
     """Ray, GPU: shard the model over the trainers with FSDP2 (for models that don't fit one GPU)"""
     gpu_memory_utilization: float = 0.2
     """vLLM: fraction of GPU memory (of host memory on CPU) for weights and KV cache"""
+    weight_sync: Literal["collective", "object-store"] = "collective"
+    """Ray: trainer rank 0 broadcasts the weights to the engines (bf16, bucketed), or puts them in
+    Ray's object store for every engine to pull"""
 
     def __post_init__(self):  # the task's defaults fill what is unset; impossible values stop here
         apply_task(self)
@@ -219,6 +225,11 @@ class Config:
               "a new one from other weights: give one of them")
         check(all(n in TRACKERS for n in self.report_to.split(",") if n), f"--report-to "
               f"{self.report_to}: choose from {', '.join(TRACKERS)} (comma-separated)")
+        check(self.async_steps in (0, 1), f"--async-steps {self.async_steps}: 0 (on-policy) or 1 "
+              f"(one step off-policy) are supported")
+        check(not (self.async_steps and self.is_cap), "--is-cap corrects on-policy training for "
+              "the engine's numerics; with --async-steps 1 the ratio is already taken against the "
+              "engine's log-probs: leave --is-cap out")
         check(not (self.fsdp and self.lora_rank), "--fsdp with --lora-rank is not supported: "
               "LoRA is for models that fit one device")
         check(not self.fsdp or self.num_trainers > 1, "--fsdp shards the model over several "
@@ -366,15 +377,28 @@ class Scored:
                       sum(p.gen_seconds for p in parts), sum(p.reward_seconds for p in parts))
 
 
-def rollout_and_score(run, rows: list[dict], cfg: Config, reward_fns: RewardFunctions,
-                      grader: Grader, seed: int) -> Scored:
-    """G completions for each problem in `rows`, and their rewards (run: a trainer.Run)."""
-    G = cfg.num_generations
-    t0 = time.time()
+@dataclass
+class Started:
+    """A round of rollouts on its way: the problems, and the engines' work (.result())."""
+    rows: list[dict]
+    pending: object  # .result() -> Completions
+    t0: float
+
+
+def start_rollout(run, rows: list[dict], cfg: Config, seed: int) -> Started:
+    """Ask the engines (run: a trainer.Run) for G completions of each problem in `rows`. Engines on
+    Ray work in the background; an engine in this process generates right away."""
     prompts = encode_prompts(run.tokenizer, rows, cfg.template, cfg.chat)
-    comps = run.rollout.generate(prompts, G, Sampling(cfg.max_new_tokens, cfg.temperature,
-                                                      cfg.top_p, seed))
-    gen_seconds, t0 = time.time() - t0, time.time()
+    sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed)
+    return Started(rows, run.rollout.submit_generate(prompts, cfg.num_generations, sampling),
+                   time.time())
+
+
+def score(started: Started, cfg: Config, reward_fns: RewardFunctions, grader: Grader) -> Scored:
+    """The completions of a started round, and their rewards."""
+    G, rows = cfg.num_generations, started.rows
+    comps = started.pending.result()
+    gen_seconds, t0 = time.time() - started.t0, time.time()
     group_rows = [r for r in rows for _ in range(G)]
     # As TRL passes them: the prompt column as it is (chat messages, or the problem text).
     prompts = [r["prompt"] if isinstance(r.get("prompt"), list) else r["problem"]
@@ -494,6 +518,9 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
             old = old_lps[k] if old_lps else logprobs.detach()
             weights = engine_correction(batch, idx, old, mask, cfg,
                                         raw["mismatch"] if update == 0 and k < real else None)
+            if cfg.async_steps:  # sampled by last step's weights: pi_old is the policy that
+                # sampled, as the engine reported it, so the clip bounds pi_theta / pi_sampler
+                old = batch.engine_logprobs[idx][:, :logprobs.shape[1]]
             loss, metrics = grpo_loss(logprobs, old, ref_lps[k] if ref_lps else None,
                                       batch.advantages[idx], mask,
                                       eps_low=cfg.seq_eps_low if seq_level else cfg.eps_low,
@@ -541,10 +568,10 @@ def main(cfg: Config):
     grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
     reward_fns = RewardFunctions(cfg.reward, TEMPLATES[cfg.template][1], grader,
                                  cfg.require_think_close, columns)
-    on_ray = cfg.num_trainers > 1 or cfg.num_engines > 1 or cfg.ray_address
-    run = (setup_ray if on_ray else setup_local)(cfg, train_on_rollout, resume_dir)
     # A resumed run picks up its step, data position, RNG and metrics where the checkpoint left them.
     driver = load_driver_state(resume_dir) if resume_dir else DriverState()
+    on_ray = cfg.num_trainers > 1 or cfg.num_engines > 1 or cfg.ray_address
+    run = (setup_ray if on_ray else setup_local)(cfg, train_on_rollout, resume_dir, driver.step)
     if resume_dir:
         print(f"resuming from {resume_dir} at step {driver.step + 1}")
     problems = ProblemStream(train_rows, skip=driver.consumed)
@@ -553,23 +580,27 @@ def main(cfg: Config):
     evaluating = bool(cfg.eval_every and eval_rows)
     if evaluating and driver.step == 0:
         log({"step": 0, **evaluate_held_out(run, eval_rows, cfg, grader)})
-    G, N, bad_steps = cfg.num_generations, cfg.prompts_per_step, 0
+    G, N, bad_steps, started = cfg.num_generations, cfg.prompts_per_step, 0, None
 
     for step in tqdm(range(driver.step + 1, cfg.steps + 1), desc="grpo", unit="step",
                      initial=driver.step, total=cfg.steps):
         t_step = time.time()
-        # 1-2. Rollout and rewards: G completions for each of N prompts, scored.
-        rounds = [rollout_and_score(run, problems.take(N), cfg, reward_fns, grader,
-                                    seed=sampling_seed(cfg, step, 0))]
-        scored, dropped = rounds[0], 0
+        # 1-2. Rollout and rewards: G completions for each of N prompts, scored. (With
+        # --async-steps 1 they were started during the last step, and sampled by its weights.)
+        started = started or start_rollout(run, problems.take(N), cfg, sampling_seed(cfg, step, 0))
+        rounds = [score(started, cfg, reward_fns, grader)]
+        scored, dropped, lag = rounds[0], 0, policy_lag(rounds[0].completions, step, cfg)
         # Dynamic sampling (DAPO): groups with zero reward spread carry no signal; drop them and
         # sample fresh prompts until N groups have some, for at most max_fill_rounds more rounds.
         if cfg.dynamic_sampling:
             while (sum(int(has_signal(r.rewards, G).sum()) for r in rounds) < N
                    and len(rounds) <= cfg.max_fill_rounds):
-                rounds.append(rollout_and_score(run, problems.take(N), cfg, reward_fns, grader,
-                                                seed=sampling_seed(cfg, step, len(rounds))))
+                rounds.append(score(start_rollout(run, problems.take(N), cfg, sampling_seed(
+                    cfg, step, len(rounds))), cfg, reward_fns, grader))
             scored, dropped = groups_with_signal(rounds, G, N)
+        # --async-steps 1: the engines sample the next step's batch while the trainers train.
+        started = (start_rollout(run, problems.take(N), cfg, sampling_seed(cfg, step + 1, 0))
+                   if cfg.async_steps and step < cfg.steps else None)
         # 3. Advantages: each completion against the rest of its group. 4. Policy update.
         t0 = time.time()
         update = {"loss": 0.0, "grad_norm": 0.0, "trained_frac": 0.0, "trained_tokens": 0,
@@ -582,7 +613,7 @@ def main(cfg: Config):
         train_seconds = time.time() - t0
         bad_steps = count_bad_steps(update, bad_steps, step, cfg.lr)
         # 5. The engines take the new weights.
-        sync_seconds = run.sync_weights()
+        sync_seconds = run.sync_weights(step)
         # 6. Metrics, held-out evaluation, samples, checkpoint.
         record = step_record(step, Scored.concat(rounds), update, train_seconds, sync_seconds,
                              cfg)
@@ -590,13 +621,14 @@ def main(cfg: Config):
             record.update(dropped_groups=dropped, fill_rounds=len(rounds) - 1,
                           kept_groups=len(scored.completions) // G)
         record.update(reward_errors=reward_fns.errors, grader_timeouts=grader.timeouts,
-                      step_seconds=time.time() - t_step)
+                      policy_lag=lag, step_seconds=time.time() - t_step)
         if evaluating and (step % cfg.eval_every == 0 or step == cfg.steps):
             record.update(evaluate_held_out(run, eval_rows, cfg, grader))
         log(record)
         if cfg.log_samples_every and step % cfg.log_samples_every == 0:
             show_samples(scored.rows, scored.completions.text, scored.rewards)
-        driver.step, driver.consumed = step, problems.taken
+        # (a started next batch is not consumed: a resumed run samples it anew, on-policy)
+        driver.step, driver.consumed = step, problems.taken - (N if started else 0)
         if cfg.save_every and step % cfg.save_every == 0 and not bad_steps:
             save_checkpoint(out, driver, run.save, cfg.keep_last)
 
@@ -606,6 +638,17 @@ def main(cfg: Config):
     plot_curves(driver.history, out / "curves.png", title=f"GRPO on {cfg.data} ({cfg.model})")
     print(f"saved the model, metrics.jsonl and curves.png in {out}/")
     return driver.history
+
+
+def policy_lag(comps, step: int, cfg: Config) -> int:
+    """Updates between the weights that sampled step `step`'s batch and the trainers' (0 on-policy,
+    1 with --async-steps 1). Any other value means a weight sync went missing: stop."""
+    lag = step - 1 - comps.policy_version
+    if not 0 <= lag <= cfg.async_steps:
+        raise SystemExit(f"error: step {step}'s batch was sampled with the weights of step "
+                         f"{comps.policy_version}, {lag} updates behind the trainers (allowed: "
+                         f"{cfg.async_steps}): a weight sync was skipped or failed")
+    return lag
 
 
 def sampling_seed(cfg: Config, step: int, attempt: int) -> int:

@@ -1,11 +1,14 @@
 """Rollout engines: turn prompts into sampled completions, behind one small interface.
 
     engine.generate(prompt_ids, n, sampling) -> Completions
-    engine.update_weights(weights)           -> seconds spent taking the trainer's weights
+    engine.update_weights(weights, version)  -> seconds spent taking the trainer's weights
                                                 (a dict of tensors under the HF names)
 
 grpo.py and evaluate.py only ever call these two methods, so a vLLM engine (or a group of
-engines on other machines) can stand in for HFRollout without the algorithm changing.
+engines on other machines) can stand in for HFRollout without the algorithm changing. Engines on
+Ray can also take the weights by a collective (join_weight_group / receive_weights, below).
+Every engine knows the version (trainer step) of the weights it holds, and says it with each
+batch of completions: a sync that was skipped cannot go unnoticed.
 
 Masks are never inferred from token values: with SmolLM2 and Llama tokenizers pad == eos, so a
 completion's length is where its first stop token is (that stop token included: the model must
@@ -13,13 +16,15 @@ learn to stop), or max_new_tokens when it never stopped (then it is `truncated`)
 """
 
 import copy
+import math
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 from transformers import GenerationConfig
 
-from model import cast_parameters, stop_token_ids
+from model import cast_parameters, completion_logprobs, pack, stop_token_ids
 
 
 @dataclass
@@ -37,7 +42,8 @@ class Completions:
     completion_ids: list[list[int]]  # sampled tokens, stop token included when there was one
     truncated: list[bool]  # True when the sample hit max_new_tokens without a stop token
     text: list[str]  # decoded completion, special tokens removed
-    engine_logprobs: list[list[float]] | None = None  # engine's log-prob per token (vLLM only)
+    engine_logprobs: list[list[float]] | None = None  # the sampling policy's log-prob per token
+    policy_version: int = 0  # the trainer step whose weights sampled these
 
     def __len__(self):
         return len(self.completion_ids)
@@ -45,14 +51,25 @@ class Completions:
     def select(self, indices: list[int]) -> "Completions":
         pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
         return Completions(pick(self.prompt_ids), pick(self.completion_ids), pick(self.truncated),
-                           pick(self.text), pick(self.engine_logprobs))
+                           pick(self.text), pick(self.engine_logprobs), self.policy_version)
 
     @staticmethod
     def concat(parts: list["Completions"]) -> "Completions":
         join = lambda name: None if getattr(parts[0], name) is None else [  # noqa: E731
             x for p in parts for x in getattr(p, name)]
         return Completions(join("prompt_ids"), join("completion_ids"), join("truncated"),
-                           join("text"), join("engine_logprobs"))
+                           join("text"), join("engine_logprobs"),
+                           min(p.policy_version for p in parts))  # the stalest part's
+
+
+class Ready:
+    """Completions already generated, behind the interface of ones still on their way."""
+
+    def __init__(self, completions: Completions):
+        self.completions = completions
+
+    def result(self) -> Completions:
+        return self.completions
 
 
 def cut_at_stop(tokens: list[int], stop_ids: set[int], max_new_tokens: int):
@@ -72,8 +89,10 @@ class HFRollout:
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int = 64, device: str = "cpu",
-                 dtype=torch.bfloat16):
+                 dtype=torch.bfloat16, logprobs: bool = False):
         self.tokenizer, self.batch_size, self.device = tokenizer, batch_size, device
+        self.logprobs = logprobs  # also return the sampling policy's log-probs (a forward more)
+        self.version, self.weight_group = 0, None
         # Not requires_grad_(False): measured here, it makes bf16 CPU generation 2.5x slower (a
         # different matmul path is taken); generate() already runs without autograd.
         self.model = cast_parameters(copy.deepcopy(model), dtype).eval()
@@ -88,10 +107,24 @@ class HFRollout:
             eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id)
 
     @torch.no_grad()
-    def update_weights(self, weights: dict) -> float:
+    def update_weights(self, weights: dict, version: int = 0) -> float:
         t0 = time.perf_counter()
         self.model.load_state_dict(weights)  # copies by name, cast to the engine's dtype
+        self.version = version
         return time.perf_counter() - t0
+
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str):
+        self.weight_group = WeightGroup(host, port, rank, world_size, backend)
+
+    @torch.no_grad()
+    def receive_weights(self, layout: list, version: int) -> float:
+        t0 = time.perf_counter()
+        self.model.load_state_dict(dict(self.weight_group.receive(layout)))
+        self.version = version
+        return time.perf_counter() - t0
+
+    def submit_generate(self, prompt_ids, n: int, sampling: Sampling) -> Ready:
+        return Ready(self.generate(prompt_ids, n, sampling))  # in this process: right away
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Completions:
@@ -118,7 +151,88 @@ class HFRollout:
                 completions.append(tokens)
                 truncated.append(cut)
         text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        return Completions(prompts, completions, truncated, text)
+        logprobs = self._logprobs(prompts, completions, sampling) if self.logprobs else None
+        return Completions(prompts, completions, truncated, text, logprobs, self.version)
+
+    @torch.no_grad()
+    def _logprobs(self, prompts, completions, sampling: Sampling) -> list[list[float]]:
+        """Log-probs of the sampled tokens under the engine's own weights at the sampling
+        temperature: what it sampled from (up to the numerics of a batched forward)."""
+        out = []
+        for s in range(0, len(prompts), self.batch_size):
+            ids, prompt_lens, completion_lens = pack(prompts[s:s + self.batch_size],
+                                                     completions[s:s + self.batch_size],
+                                                     self.pad_id, self.device)
+            lp, _ = completion_logprobs(self.model, ids, prompt_lens, completion_lens,
+                                        temperature=sampling.temperature or 1.0)
+            out += [row[:n] for row, n in zip(lp.tolist(), completion_lens.tolist())]
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight sync by a collective (Ray runs; see distributed.py's diagram). After each step trainer
+# rank 0 broadcasts the weights to every engine: in the engine's dtype, one bucket of at most
+# BUCKET_MB at a time, under the names the engine's loader expects. Neither side ever holds a
+# second full copy for the transfer, and nothing goes through Ray's object store.
+
+BUCKET_MB = 256
+
+
+@dataclass
+class WeightSpec:
+    """One tensor of a sync: its name (as the engine loads it), shape and dtype."""
+    name: str
+    shape: tuple
+    dtype: str  # a torch dtype's name, e.g. "bfloat16"
+
+
+def weight_layout(weights: dict, dtype: torch.dtype, bucket_mb: int = BUCKET_MB) -> list[list]:
+    """The buckets of WeightSpecs a sync sends, in order: floating tensors cast to `dtype`, each
+    bucket of one dtype and at most bucket_mb (a larger tensor goes alone)."""
+    buckets, size = [[]], 0
+    for name, tensor in weights.items():
+        kind = dtype if tensor.is_floating_point() else tensor.dtype
+        nbytes = tensor.numel() * kind.itemsize
+        if buckets[-1] and (size + nbytes > bucket_mb * 2**20
+                            or buckets[-1][-1].dtype != str(kind).removeprefix("torch.")):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(WeightSpec(name, tuple(tensor.shape), str(kind).removeprefix("torch.")))
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+class WeightGroup:
+    """Trainer rank 0 (rank 0 here) and the engines (ranks 1..M) in a process group of their own,
+    on its own TCPStore: torch.distributed's default group -- the trainers' data-parallel group,
+    or the one vLLM sets up inside an engine process -- is never touched. gloo through host memory
+    on CPU (and between processes sharing one GPU), NCCL between GPUs."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str):
+        import torch.distributed as dist
+        timeout = timedelta(minutes=10)
+        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        self.device = "cuda" if backend == "nccl" else "cpu"
+        self.group = (dist.ProcessGroupNCCL(self.store, rank, world_size) if backend == "nccl"
+                      else dist.ProcessGroupGloo(self.store, rank, world_size, timeout))
+
+    def send(self, weights: dict, layout: list[list[WeightSpec]]):
+        """Rank 0: each bucket flattened into one buffer (the only copy made) and broadcast."""
+        for bucket in layout:
+            dtype = getattr(torch, bucket[0].dtype)
+            flat = torch.cat([weights[s.name].detach().to(self.device, dtype).reshape(-1)
+                              for s in bucket])
+            self.group.broadcast(flat.view(torch.uint8), 0).wait()
+
+    def receive(self, layout: list[list[WeightSpec]]):
+        """Engines: (name, tensor) pairs, one bucket received at a time as the loader asks."""
+        for bucket in layout:
+            sizes = [math.prod(s.shape) for s in bucket]
+            flat = torch.empty(sum(sizes), dtype=getattr(torch, bucket[0].dtype),
+                               device=self.device)
+            self.group.broadcast(flat.view(torch.uint8), 0).wait()
+            for spec, part in zip(bucket, flat.split(sizes)):
+                yield spec.name, part.view(spec.shape)
 
 
 class WeightSync:
@@ -130,6 +244,13 @@ class WeightSync:
         # embeddings) and then the backend's weight post-processing -- what a plain
         # model.load_weights() skips, which breaks the CPU backend.
         self.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str):
+        self.weight_group = WeightGroup(host, port, rank, world_size, backend)
+
+    def receive_trainer_weights(self, layout: list[list[WeightSpec]]):
+        # The loader pulls bucket after bucket from the broadcast as it loads them.
+        self.model_runner.reload_weights(weights_iterator=self.weight_group.receive(layout))
 
     def runner_name(self) -> str:
         """Which model runner this vLLM chose: on a GPU 0.32 uses V2 (vllm.v1.worker.gpu.*)
@@ -168,10 +289,11 @@ class VLLMRollout:
         # the generation config's eos ids, and a completion ending in one is not truncated.
         self.stop_ids = stop_ids
         self.awake = {"weights", "kv_cache"}  # what of the engine is in (GPU) memory
+        self.version = 0  # the trainer step whose weights the engine holds
         self.runner = self.llm.collective_rpc("runner_name")[0]
         print(f"vLLM model runner: {self.runner}")
 
-    def update_weights(self, weights: dict) -> float:
+    def update_weights(self, weights: dict, version: int = 0) -> float:
         t0 = time.perf_counter()
         # Only the weights need memory for a sync; the KV cache stays freed until generate, so it
         # never coexists with the trainer's memory.
@@ -180,9 +302,23 @@ class VLLMRollout:
         # the loader would cast anyway, with a warning per tensor.
         named = [(name, p.detach().to(self.dtype)) for name, p in weights.items()]
         self.llm.collective_rpc("load_trainer_weights", args=(named,))
+        self._weights_changed(version)
+        return time.perf_counter() - t0
+
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str):
+        self.llm.collective_rpc("join_weight_group", args=(host, port, rank, world_size, backend))
+
+    def receive_weights(self, layout: list, version: int) -> float:
+        t0 = time.perf_counter()
+        self._wake({"weights"})
+        self.llm.collective_rpc("receive_trainer_weights", args=(layout,))
+        self._weights_changed(version)
+        return time.perf_counter() - t0
+
+    def _weights_changed(self, version: int):
         if "kv_cache" in self.awake:  # (sleep discards the prefix cache by itself)
             self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        return time.perf_counter() - t0
+        self.version = version
 
     def sleep(self):
         """Free the engine's GPU memory while the trainer works (no-op on CPU)."""
@@ -195,6 +331,9 @@ class VLLMRollout:
         if missing:
             self.llm.wake_up(tags=sorted(missing))
             self.awake |= missing
+
+    def submit_generate(self, prompt_ids, n: int, sampling: Sampling) -> Ready:
+        return Ready(self.generate(prompt_ids, n, sampling))  # in this process: right away
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Completions:
         from vllm import SamplingParams
@@ -222,7 +361,7 @@ class VLLMRollout:
                 logprobs.append(lps[:len(tokens)])
         self.sleep()
         text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        return Completions(prompts, completions, truncated, text, logprobs)
+        return Completions(prompts, completions, truncated, text, logprobs, self.version)
 
 
 def engine_mismatch(trainer_lp, engine_lp, mask) -> dict:
@@ -244,11 +383,12 @@ def add_mismatch(total: dict, part: dict):
 
 
 def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_tokens: int = 1024,
-                 gpu_memory_utilization: float = 0.2, seed: int = 0):
+                 gpu_memory_utilization: float = 0.2, seed: int = 0, logprobs: bool = False):
     """The engine named by --rollout / --backend: "hf" or "vllm" (loads the folder `model` came
-    from, then takes the trainer's current weights)."""
+    from, then takes the trainer's current weights). vLLM always returns the log-probs it sampled
+    with; HF when asked (`logprobs`: one more forward per batch)."""
     if kind == "hf":
-        return HFRollout(model, tokenizer, device=device)
+        return HFRollout(model, tokenizer, device=device, logprobs=logprobs)
     if kind == "vllm":
         try:
             import vllm  # noqa: F401

@@ -13,6 +13,7 @@ the training step is handed in (`train_step`), and Ray runs the functions it is 
 import copy
 import functools
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,7 +25,7 @@ from checkpoint import load_trainer_state, save_trainer_state
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
 from model import add_lora, full_state_dict, length_mask, load_adapters, load_model, pick_device
 from model import save_model, shard_model, source_dtype
-from rollout import add_mismatch, engine_mismatch, make_rollout
+from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, weight_layout
 
 
 @dataclass
@@ -38,6 +39,8 @@ class Trainer:
     cfg: object  # grpo.Config
     device: str
     group: object = None  # the trainers' data-parallel process group; None for one trainer
+    weight_group: object = None  # rank 0 on Ray: its rollout.WeightGroup with the engines
+    weight_layout: list | None = None  # what a weight sync sends, bucket by bucket
 
     @property
     def sharded(self) -> bool:  # FSDP2 over the trainers
@@ -109,6 +112,63 @@ def weights_of(trainer: Trainer, dtype=None) -> dict | None:
         return None
     return {k: v.detach().to(dtype) if dtype and v.is_floating_point() else v
             for k, v in weights.items()}
+
+
+def layout_of(trainer: Trainer) -> list | None:
+    """The buckets of a weight sync (rollout.weight_layout), on rank 0. Every rank calls it."""
+    weights = weights_of(trainer)
+    return None if weights is None else weight_layout(weights, torch.bfloat16)
+
+
+def join_weight_group(trainer: Trainer, host, port, world_size, backend, layout):
+    """Rank 0 leads the weight-sync group (rollout.WeightGroup); the other ranks are not in it."""
+    if trainer.group is None or dist.get_rank(trainer.group) == 0:
+        trainer.weight_group = WeightGroup(host, port, 0, world_size, backend)
+        trainer.weight_layout = layout
+
+
+def send_weights(trainer: Trainer):
+    """Rank 0 broadcasts its weights to the engines, bucket by bucket. Every rank calls it: a
+    sharded (FSDP) model gathers them."""
+    weights = weights_of(trainer)  # references to the parameters, unless sharded or LoRA-merged
+    if weights is not None:
+        trainer.weight_group.send(weights, trainer.weight_layout)
+
+
+def weight_sync_by_collective(trainers, engines, nccl: bool) -> Callable[[int], float]:
+    """Join trainer rank 0 and every engine in a weight-sync group (rollout.WeightGroup); returns
+    sync(step) -> seconds, after which every engine holds the weights of `step`. nccl: GPU to GPU
+    (NCCL cannot join two processes on one GPU: colocated engines take them by gloo)."""
+    from distributed import gather
+    ranks = [()] * len(trainers.workers)
+    layout = trainers.run(layout_of, ranks)[0]
+    (host, port), world = trainers.address(), 1 + len(engines.workers)
+    backend = "nccl" if nccl else "gloo"
+    gather(trainers.submit(join_weight_group, [(host, port, world, backend, layout)] * len(ranks))
+           + engines.submit(_engine_joins, [(host, port, 1 + i, world, backend)
+                                            for i in range(len(engines.workers))]))
+
+    def sync(step: int) -> float:
+        t0 = time.perf_counter()
+        gather(trainers.submit(send_weights, ranks)
+               + engines.submit(_engine_receives, [(layout, step)] * len(engines.workers)))
+        return time.perf_counter() - t0
+    return sync
+
+
+def weight_sync_by_object_store(trainers, engines) -> Callable[[int], float]:
+    """sync(step): rank 0 puts its weights (cast to the engines' bf16 on its device) in Ray's
+    object store, and every engine pulls a copy."""
+    return lambda step: engines.update_weights(trainers.weights_ref(
+        functools.partial(weights_of, dtype=torch.bfloat16)), step)
+
+
+def _engine_joins(engine, host, port, rank, world_size, backend):
+    engine.join_weight_group(host, port, rank, world_size, backend)
+
+
+def _engine_receives(engine, layout, version):
+    return engine.receive_weights(layout, version)
 
 
 def policy_logprobs(model, batch, idx, cfg, device):
@@ -270,7 +330,8 @@ def make_engine(cfg):
     model, tokenizer = load_model(cfg.model, pick_device())
     return make_rollout(cfg.rollout, model, tokenizer, device=pick_device(), seed=cfg.seed,
                         max_new_tokens=cfg.max_new_tokens,
-                        gpu_memory_utilization=cfg.gpu_memory_utilization)
+                        gpu_memory_utilization=cfg.gpu_memory_utilization,
+                        logprobs=cfg.async_steps > 0)
 
 
 
@@ -280,14 +341,14 @@ class Run:
     tokenizer: object
     rollout: object  # generate(prompt_ids, n, sampling) -> Completions (rollout.py)
     train: Callable[[object], dict]  # one policy update on a grpo.TrainBatch -> its metrics
-    sync_weights: Callable[[], float]  # the engines take the trainers' weights -> seconds
+    sync_weights: Callable[[int], float]  # the engines take the weights of step N -> seconds
     save: Callable[[str], None]  # the trainer's half of a checkpoint
     export: Callable[[str], None]  # the trained model alone, in the dtype it came in
 
 
-def setup_local(cfg, train_step, resume_dir: str = "") -> "Run":
+def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Run":
     """One process: the trainer and the rollout engine live here. train_step(trainer, batch) is
-    grpo.train_on_rollout."""
+    grpo.train_on_rollout; start_step: the step the weights are from (a resumed run's)."""
     trainer = setup_trainer(cfg, resume_dir)
     # The engine holds a plain model (LoRA wraps the trainer's in place: load one for it), and
     # starts from the trainer's weights.
@@ -295,32 +356,35 @@ def setup_local(cfg, train_step, resume_dir: str = "") -> "Run":
         else trainer.model
     rollout = make_rollout(cfg.rollout, plain, trainer.tokenizer, device=trainer.device,
                            seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
-                           gpu_memory_utilization=cfg.gpu_memory_utilization)
-    rollout.update_weights(weights_of(trainer))
+                           gpu_memory_utilization=cfg.gpu_memory_utilization,
+                           logprobs=cfg.async_steps > 0)
+    rollout.update_weights(weights_of(trainer), version=start_step)
     return Run(trainer.tokenizer, rollout,
                train=lambda batch: finish_metrics([train_step(trainer, batch)]),
-               sync_weights=lambda: rollout.update_weights(weights_of(trainer)),
+               sync_weights=lambda step: rollout.update_weights(weights_of(trainer), step),
                save=lambda folder: save_trainer(trainer, folder),
                export=lambda folder: export_model(trainer, folder))
 
 
-def setup_ray(cfg, train_step, resume_dir: str = "") -> "Run":
+def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Run":
     """Ray: the same functions, run by trainer and engine workers placed by distributed.py."""
     from distributed import Cluster, shard
     from model import load_tokenizer
     cluster = Cluster(cfg.num_trainers, cfg.num_engines, colocate=cfg.colocate,
                       address=cfg.ray_address)
     trainers = cluster.trainers(setup_trainer, cfg, resume_dir)
+    trainers.check_shared_folder(cfg.out)  # before anything is trained, not at the first save
     engines = cluster.engines(make_engine, cfg)
+    if cfg.weight_sync == "collective":
+        sync_weights = weight_sync_by_collective(trainers, engines,
+                                                 nccl=cluster.use_gpu and not cfg.colocate)
+    else:
+        sync_weights = weight_sync_by_object_store(trainers, engines)
 
     def train(batch):
         parts = shard(len(batch.advantages), cfg.num_trainers)  # each rank: a contiguous slice
         return finish_metrics(trainers.run(train_step, [(batch.select(slice(r.start, r.stop)),)
                                                         for r in parts]))
-
-    def sync_weights():  # engines run in bf16: cast on the trainers' device, half the host copy
-        return engines.update_weights(trainers.weights_ref(
-            functools.partial(weights_of, dtype=torch.bfloat16)))
 
     def save(folder):  # rank 0 writes; on several nodes --out must be on a shared filesystem
         trainers.run(save_trainer, [(folder,)] * cfg.num_trainers)
@@ -328,5 +392,5 @@ def setup_ray(cfg, train_step, resume_dir: str = "") -> "Run":
     def export(folder):
         trainers.run(export_model, [(folder,)] * cfg.num_trainers)
 
-    sync_weights()  # engines start from exactly the trainers' weights
+    sync_weights(start_step)  # engines start from exactly the trainers' weights
     return Run(load_tokenizer(cfg.model), engines, train, sync_weights, save, export)

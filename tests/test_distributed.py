@@ -13,9 +13,10 @@ ray = pytest.importorskip("ray")
 
 from distributed import Cluster, shard  # noqa: E402
 import conftest  # noqa: E402
-from conftest import make_batch, record_grads  # noqa: E402
-from grpo import Config, train_on_rollout  # noqa: E402
-from trainer import finish_metrics, setup_trainer, weights_of  # noqa: E402
+from conftest import make_batch, read_metrics, record_grads, run_grpo  # noqa: E402
+from grpo import Config, policy_lag, train_on_rollout  # noqa: E402
+from model import completion_logprobs, pack  # noqa: E402
+from trainer import finish_metrics, setup_trainer, weight_sync_by_collective, weights_of  # noqa: E402
 from rollout import HFRollout, Sampling  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,27 @@ def test_two_step_grpo_run_with_two_trainers_and_one_engine(tiny_model_dir, tmp_
     assert [r["step"] for r in records] == [0, 1, 2]
     assert records[-1]["trained_frac"] == 1.0 and "eval_accuracy" in records[-1]
     assert (out / "model.safetensors").exists()  # saved by trainer rank 0
+
+
+def test_async_steps_on_ray_one_trainer_one_engine(tiny_model_dir, tmp_path):
+    """--async-steps 1 with 1 trainer + 1 engine on Ray: the engine samples step t+1 while the
+    trainer trains step t. With lr 0 the lag cannot change what is sampled, so everything but
+    the numerics of pi_old (the engine's bf16 log-probs instead of the trainer's) must equal a
+    synchronous run's: the same problems, seeds, completions and rewards."""
+    args = ["--model", tiny_model_dir, "--data", "arith", "--steps", "3", "--prompts-per-step",
+            "2", "--num-generations", "4", "--max-new-tokens", "6", "--eval-every", "0",
+            "--temperature", "1.0", "--lr", "0", "--beta", "0.01",
+            "--reward", "tests.rewards:parity_reward"]
+    run_grpo([*args, "--ray-address", "local", "--async-steps", "1", "--out", str(tmp_path / "a")])
+    run_grpo([*args, "--out", str(tmp_path / "s")])
+    lagged, synced = (read_metrics(tmp_path / run) for run in ("a", "s"))
+    assert [r["policy_lag"] for r in lagged] == [0, 1, 1]
+    assert [r["policy_lag"] for r in synced] == [0, 0, 0]
+    for a, s in zip(lagged, synced):
+        for key in ("reward", "completion_len", "zero_std_frac", "truncated_frac", "trained_frac"):
+            assert a[key] == s[key], key
+        assert a["ratio"] == pytest.approx(1.0, abs=0.02)  # pi_theta / pi_engine, weights equal
+        assert a["loss"] == pytest.approx(s["loss"], abs=0.02)
 
 
 def test_shard_is_contiguous_and_complete():
@@ -197,3 +219,74 @@ def test_a_dead_worker_ends_the_run_with_a_message(cluster, tiny_model_dir, toke
     ray.kill(engines.workers[1])
     with pytest.raises(SystemExit, match="an engine worker died"):
         engines.generate([tokenizer("Hi")["input_ids"]] * 2, 1, Sampling(4, temperature=0.0))
+
+
+def _perturb(trainer, seed):
+    """The same noise on every rank (replicas stay equal), large enough to see in log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+def _sent_logprobs(trainer, ids, pl, cl):
+    """Log-probs under rank 0's weights as a sync sends them (rounded to bf16), computed in fp32
+    like the test engines."""
+    import copy
+    model = copy.deepcopy(trainer.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+        return completion_logprobs(model, ids, pl, cl)[0]
+
+
+def _engine_logprobs(engine, ids, pl, cl):
+    with torch.no_grad():
+        return completion_logprobs(engine.model, ids, pl, cl)[0]
+
+
+def _version(engine):
+    return engine.version
+
+
+def test_collective_weight_sync_reaches_every_engine_and_a_skipped_one_is_caught(
+        cluster, tiny_model_dir):
+    """Trainer rank 0 (of 2) broadcasts to 2 engines in a gloo group of their own."""
+    cfg = _cfg(tiny_model_dir)
+    trainers = cluster.trainers(setup_trainer, cfg)
+    engines = cluster.engines(_engine_setup, tiny_model_dir)
+    sync = weight_sync_by_collective(trainers, engines, nccl=False)
+    ids, pl, cl = pack([[5, 6, 7], [8]], [[9, 10, 2], [11, 12, 13, 2]], pad_id=2)
+    trainers.run(_perturb, [(0,)] * 2)  # "step 1"
+    expected = trainers.run(_sent_logprobs, [(ids, pl, cl)] * 2)[0]
+    for stale in engines.run(_engine_logprobs, ids, pl, cl):  # the check below can fail
+        assert (stale - expected).abs().max() > 1e-2
+    assert sync(1) > 0
+    for got in engines.run(_engine_logprobs, ids, pl, cl):
+        assert torch.allclose(got, expected, atol=1e-6)
+    assert engines.run(_version) == [1, 1]
+    # The trainers' own group still works after the weight group joined them (a training step).
+    one = finish_metrics(trainers.run(train_on_rollout, [(_batch().select(slice(0, 3)),),
+                                                         (_batch().select(slice(3, 6)),)]))
+    assert one["grad_norm"] > 0
+    # Step 2's sync is skipped: step 3's batch says it was sampled with step 1's weights.
+    comps = engines.generate([[5, 6, 7]] * 2, 2, Sampling(4, temperature=1.0, seed=0))
+    assert comps.policy_version == 1
+    with pytest.raises(SystemExit, match="a weight sync was skipped"):
+        policy_lag(comps, step=3, cfg=cfg)
+    assert policy_lag(comps, step=3, cfg=replace(cfg, async_steps=1)) == 1  # allowed when async
+
+
+def _only_rank0_sees(trainer, path):
+    import torch.distributed as dist
+    return "10.0.0.2", dist.get_rank(trainer.group) == 0 and Path(path).exists()
+
+
+def test_an_out_folder_a_trainer_cannot_see_stops_the_run_at_startup(cluster, tiny_model_dir,
+                                                                     tmp_path):
+    trainers = cluster.trainers(setup_trainer, _cfg(tiny_model_dir))
+    trainers.check_shared_folder(str(tmp_path))  # one machine: every rank sees the driver's file
+    with pytest.raises(SystemExit, match=r"--out .* is not visible from trainer rank 1 on node "
+                                         r"10.0.0.2: on several nodes --out must be a shared"):
+        trainers.check_shared_folder(str(tmp_path), sees=_only_rank0_sees)
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone either way

@@ -83,6 +83,42 @@ def test_weight_sync_changes_the_engine_and_matches_the_trainer(engine, model_an
     engine.update_weights(model.state_dict())  # leave the shared engine as the fixture made it
 
 
+def test_collective_weight_sync_reaches_the_vllm_worker(engine, model_and_tokenizer):
+    """The broadcast path (rollout.WeightGroup through the worker extension): a sender in a thread
+    of this process stands in for trainer rank 0; the engine's loader pulls bucket after bucket."""
+    import socket
+    import threading
+    from rollout import WeightGroup, weight_layout
+    model, tokenizer = model_and_tokenizer
+    trained = copy.deepcopy(model)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    weights = trained.state_dict()
+    layout = weight_layout(weights, torch.bfloat16, bucket_mb=1)  # several buckets
+    assert len(layout) > 2
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    sender = {}
+    joined = threading.Thread(target=lambda: sender.update(
+        group=WeightGroup("127.0.0.1", port, 0, 2, "gloo")))
+    joined.start()
+    engine.join_weight_group("127.0.0.1", port, 1, 2, "gloo")
+    joined.join()
+    sending = threading.Thread(target=sender["group"].send, args=(weights, layout))
+    sending.start()
+    assert engine.receive_weights(layout, version=7) > 0
+    sending.join()
+    prompts = [tokenizer("What is 2 + 3?")["input_ids"]]
+    out = engine.generate(prompts, 4, Sampling(max_new_tokens=8, temperature=0.8, seed=3))
+    assert out.policy_version == 7
+    new, eng = _trainer_logprobs(trained, out, 0.8)
+    assert (new - eng).abs().max() < LOGPROB_ATOL, (new - eng).abs().max()
+    engine.update_weights(model.state_dict())  # leave the shared engine as the fixture made it
+
+
 def test_greedy_generations_agree_with_hf(engine, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine.update_weights(model.state_dict())
