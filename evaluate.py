@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
 from tqdm import tqdm
 
 from data import TEMPLATES, Template, check, flag, dataset_name, encode_prompts, load_rows
@@ -218,6 +219,33 @@ def show_samples(rows: list[dict], texts: list[str], rewards, k: int = 2):
     for i in range(0, len(texts), max(1, len(texts) // k))[:k]:
         tqdm.write(f"  sample (reward {float(rewards[i]):.2f}, answer {rows[i]['answer']}): "
                    f"{texts[i]!r}")
+
+
+def step_record(step: int, sampled, update: dict, train_seconds: float, sync_seconds: float,
+                group_size: int) -> dict:
+    """A GRPO step's metrics from what it sampled (a grpo.Scored, every round) and its update.
+    These, not the loss (~0 by construction on-policy), say whether RL is working."""
+    comps, rewards = sampled.completions, sampled.rewards
+    lens = torch.tensor([len(c) for c in comps.completion_ids], dtype=torch.float)
+    record = {
+        "step": step,
+        "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "zero_std_frac": float((rewards.view(-1, group_size).std(1) <= 1e-6).float().mean()),
+        "completion_len": float(lens.mean()), "completion_len_max": int(lens.max()),
+        "truncated_frac": sum(comps.truncated) / len(comps),
+        **update,
+        "gen_seconds": sampled.gen_seconds, "reward_seconds": sampled.reward_seconds,
+        "train_seconds": train_seconds, "sync_seconds": sync_seconds,
+        "gen_tokens_per_s": float(lens.sum()) / sampled.gen_seconds,
+        "train_tokens_per_s": update["trained_tokens"] / max(train_seconds, 1e-9),
+    }
+    if sampled.correct:  # data with reference answers
+        record["accuracy"] = sum(sampled.correct) / len(sampled.correct)
+    if len(sampled.per_fn) > 1:  # each function's mean over the samples it applied to
+        for name, scores in sampled.per_fn.items():
+            scores = [x for x in scores if x is not None]
+            record[f"reward_{name}"] = sum(scores) / max(len(scores), 1)
+    return record
 
 
 def format_step(r: dict) -> str:

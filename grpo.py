@@ -37,10 +37,10 @@ from tqdm import tqdm
 from checkpoint import DriverState, find_checkpoint, load_driver_state, save_checkpoint
 from data import TEMPLATES, ProblemStream, Template, apply_task, check, encode_prompts, flag
 from data import load_problems, parse_config, task_summary
-from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples
+from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples, step_record
 from model import DEFAULT_MODEL, length_mask, pack, peak_memory_gb, right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
-from rollout import Completions, Sampling
+from rollout import Completions, Sampling, policy_lag
 from trainer import Trainer, any_rank_trains, count_bad_steps, engine_correction, frozen_logprobs
 from trainer import micro_batches, optimizer_step, policy_logprobs, same_pass_count, setup_local
 from trainer import reference_logprobs, setup_ray, untrained_mismatch
@@ -518,9 +518,8 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
             old = old_lps[k] if old_lps else logprobs.detach()
             weights = engine_correction(batch, idx, old, mask, cfg,
                                         raw["mismatch"] if update == 0 and k < real else None)
-            if cfg.async_steps:  # sampled by last step's weights: pi_old is the policy that
-                # sampled, as the engine reported it, so the clip bounds pi_theta / pi_sampler
-                old = batch.engine_logprobs[idx][:, :logprobs.shape[1]]
+            if cfg.async_steps:  # sampled by the last step's weights: pi_old is the sampling
+                old = batch.engine_logprobs[idx][:, :logprobs.shape[1]]  # policy, per the engine
             loss, metrics = grpo_loss(logprobs, old, ref_lps[k] if ref_lps else None,
                                       batch.advantages[idx], mask,
                                       eps_low=cfg.seq_eps_low if seq_level else cfg.eps_low,
@@ -589,7 +588,7 @@ def main(cfg: Config):
         # --async-steps 1 they were started during the last step, and sampled by its weights.)
         started = started or start_rollout(run, problems.take(N), cfg, sampling_seed(cfg, step, 0))
         rounds = [score(started, cfg, reward_fns, grader)]
-        scored, dropped, lag = rounds[0], 0, policy_lag(rounds[0].completions, step, cfg)
+        scored, dropped, lag = rounds[0], 0, policy_lag(rounds[0].completions, step, cfg.async_steps)
         # Dynamic sampling (DAPO): groups with zero reward spread carry no signal; drop them and
         # sample fresh prompts until N groups have some, for at most max_fill_rounds more rounds.
         if cfg.dynamic_sampling:
@@ -615,8 +614,7 @@ def main(cfg: Config):
         # 5. The engines take the new weights.
         sync_seconds = run.sync_weights(step)
         # 6. Metrics, held-out evaluation, samples, checkpoint.
-        record = step_record(step, Scored.concat(rounds), update, train_seconds, sync_seconds,
-                             cfg)
+        record = step_record(step, Scored.concat(rounds), update, train_seconds, sync_seconds, G)
         if cfg.dynamic_sampling:
             record.update(dropped_groups=dropped, fill_rounds=len(rounds) - 1,
                           kept_groups=len(scored.completions) // G)
@@ -640,47 +638,9 @@ def main(cfg: Config):
     return driver.history
 
 
-def policy_lag(comps, step: int, cfg: Config) -> int:
-    """Updates between the weights that sampled step `step`'s batch and the trainers' (0 on-policy,
-    1 with --async-steps 1). Any other value means a weight sync went missing: stop."""
-    lag = step - 1 - comps.policy_version
-    if not 0 <= lag <= cfg.async_steps:
-        raise SystemExit(f"error: step {step}'s batch was sampled with the weights of step "
-                         f"{comps.policy_version}, {lag} updates behind the trainers (allowed: "
-                         f"{cfg.async_steps}): a weight sync was skipped or failed")
-    return lag
-
-
 def sampling_seed(cfg: Config, step: int, attempt: int) -> int:
     """A seed per step and rollout round, so a resumed run samples what the original would."""
     return (cfg.seed * 1_000_003 + step) * 16 + attempt
-
-
-def step_record(step: int, sampled: Scored, update: dict, train_seconds: float,
-                sync_seconds: float, cfg: Config) -> dict:
-    """The step's metrics: rewards and lengths over everything sampled (every round), then the
-    update's. These, not the loss (~0 by construction on-policy), say whether RL is working."""
-    comps, rewards = sampled.completions, sampled.rewards
-    lens = torch.tensor([len(c) for c in comps.completion_ids], dtype=torch.float)
-    record = {
-        "step": step,
-        "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
-        "zero_std_frac": float((~has_signal(rewards, cfg.num_generations)).float().mean()),
-        "completion_len": float(lens.mean()), "completion_len_max": int(lens.max()),
-        "truncated_frac": sum(comps.truncated) / len(comps),
-        **update,
-        "gen_seconds": sampled.gen_seconds, "reward_seconds": sampled.reward_seconds,
-        "train_seconds": train_seconds, "sync_seconds": sync_seconds,
-        "gen_tokens_per_s": float(lens.sum()) / sampled.gen_seconds,
-        "train_tokens_per_s": update["trained_tokens"] / max(train_seconds, 1e-9),
-    }
-    if sampled.correct:  # data with reference answers
-        record["accuracy"] = sum(sampled.correct) / len(sampled.correct)
-    if len(sampled.per_fn) > 1:  # each function's mean over the samples it applied to
-        for name, scores in sampled.per_fn.items():
-            scores = [x for x in scores if x is not None]
-            record[f"reward_{name}"] = sum(scores) / max(len(scores), 1)
-    return record
 
 
 if __name__ == "__main__":

@@ -72,6 +72,17 @@ class Ready:
         return self.completions
 
 
+def policy_lag(comps: Completions, step: int, allowed: int) -> int:
+    """Updates between the weights that sampled step `step`'s batch and the trainers' (0 on-policy,
+    1 with --async-steps 1). More than `allowed` means a weight sync went missing: stop."""
+    lag = step - 1 - comps.policy_version
+    if not 0 <= lag <= allowed:
+        raise SystemExit(f"error: step {step}'s batch was sampled with the weights of step "
+                         f"{comps.policy_version}, {lag} updates behind the trainers (allowed: "
+                         f"{allowed}): a weight sync was skipped or failed")
+    return lag
+
+
 def cut_at_stop(tokens: list[int], stop_ids: set[int], max_new_tokens: int):
     """(completion up to and including the first stop token, truncated?)."""
     for i, t in enumerate(tokens):
@@ -119,7 +130,11 @@ class HFRollout:
     @torch.no_grad()
     def receive_weights(self, layout: list, version: int) -> float:
         t0 = time.perf_counter()
-        self.model.load_state_dict(dict(self.weight_group.receive(layout)))
+        own = self.model.state_dict()  # references to the engine's own tensors
+        for name, tensor in self.weight_group.receive(layout):
+            own.pop(name).copy_(tensor)  # as each bucket arrives: never a second full copy
+        if own:  # the same architecture on both sides: every tensor has come
+            raise RuntimeError(f"weight sync: the trainer sent no {', '.join(list(own)[:3])}")
         self.version = version
         return time.perf_counter() - t0
 
@@ -291,7 +306,7 @@ class VLLMRollout:
         self.awake = {"weights", "kv_cache"}  # what of the engine is in (GPU) memory
         self.version = 0  # the trainer step whose weights the engine holds
         self.runner = self.llm.collective_rpc("runner_name")[0]
-        print(f"vLLM model runner: {self.runner}")
+        print(f"vLLM model runner: {self.runner}, CUDA graphs {'off' if enforce_eager else 'on'}")
 
     def update_weights(self, weights: dict, version: int = 0) -> float:
         t0 = time.perf_counter()

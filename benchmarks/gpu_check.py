@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_check.py            # one H200-class GPU
     python benchmarks/gpu_check.py --tiny     # the same path, CPU-sized (tiny random models)
-    python benchmarks/gpu_check.py --ray      # part 2 through distributed.py (1 trainer + 1 engine)
+    python benchmarks/gpu_check.py --ray      # part 2 through distributed.py (1 trainer + 1 engine
+                                              # colocated, collective weight sync, then async)
 
 Part 1: the offline default model (SmolLM2-135M-Instruct) learns arith for 20 GRPO steps with the
 vLLM engine on the GPU (sleep/wake, CUDA graphs): held-out accuracy before and after, s/step,
@@ -50,7 +51,7 @@ def run(title: str, args: list[str], out: Path) -> list[dict]:
 def report(rows: list[dict], utilization: float):
     import torch
     steps = [r for r in rows if r["step"] > 0]
-    for key in ("step_seconds", "gen_tokens_per_s", "train_seconds", "sync_seconds",
+    for key in ("step_seconds", "gen_tokens_per_s", "train_seconds", "sync_seconds", "policy_lag",
                 "resident_memory_gb", "peak_memory_gb", "token_mult_prob_error", "gen_kl_error",
                 "logprob_max_abs_diff"):
         values = [r[key] for r in steps if key in r]
@@ -79,7 +80,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny random models, CPU-sized runs")
     parser.add_argument("--ray", action="store_true", help="part 2 only, through distributed.py: "
-                        "1 trainer + 1 engine colocated on one device, 2 steps")
+                        "1 trainer + 1 engine colocated on one device, 2 steps with the collective "
+                        "weight sync, then 2 with --async-steps 1")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     import torch
@@ -125,8 +127,12 @@ if __name__ == "__main__":
                  "1024", "--micro-batch-size", "16"])
         if args.ray:  # one Ray trainer trains ~17K tokens per micro-batch: keep activations small
             big += ["--ray-address", "local", "--colocate", "--gradient-checkpointing"]
-            report(run("part 2 via Ray: 1.5B-shaped, full fine-tuning", big, tmp / "ray"),
-                   utilization)
+            print("\n(weight sync by collective: trainer rank 0 broadcasts bf16 buckets; gloo, as "
+                  "the engine shares the trainer's GPU, which NCCL cannot join twice)")
+            report(run("part 2 via Ray: 1.5B-shaped, full fine-tuning, collective weight sync",
+                       big, tmp / "ray"), utilization)
+            report(run("part 2 via Ray: the same with --async-steps 1 (one step off-policy)",
+                       big + ["--async-steps", "1"], tmp / "ray-async"), utilization)
         else:
             report(run("part 2: 1.5B-shaped, full fine-tuning", big, tmp / "full"), utilization)
             report(run("part 2: 1.5B-shaped, LoRA rank 16", big + ["--lora-rank", "16"],
