@@ -1,21 +1,31 @@
 """Seconds per GRPO step, split into generation / scoring / training, on a fixed config.
 
-    python benchmarks/grpo_step.py            # SmolLM2-135M-Instruct, 8 prompts x 4 samples,
-                                              # <= 64 new tokens, bf16, 1 warm-up + 4 timed steps
+    python benchmarks/grpo_step.py              # SmolLM2-135M-Instruct, 8 prompts x 4 samples,
+                                                # <= 64 new tokens, bf16, 1 warm-up + 4 timed steps
+    python benchmarks/grpo_step.py --train-all  # the policy update alone, every sequence trained
 
 Prints one row per timed step and the median. Training time depends on how many sequences carry
 a non-zero advantage (grpo.py skips the others when beta = 0), so `trained` is printed beside it;
 `--beta 1e-9` forces every sequence through forward and backward for a worst-case figure.
+
+--train-all times `train_on_rollout` alone on a fixed batch shaped like the benchmark's (32
+sequences of a 40-token prompt and a 64-token completion, random tokens, every advantage non-zero,
+no reference model), and prints forward+backward tokens/s and its FLOP rate (6 x parameters x
+tokens, the usual estimate, which leaves out attention) next to the bf16 matmul rate this CPU
+reaches at SmolLM2's shapes, measured in the same run.
 """
 
 import json
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
 
 from data import parse_config  # noqa: E402
 from grpo import Config, main  # noqa: E402
@@ -23,10 +33,54 @@ from grpo import Config, main  # noqa: E402
 BENCH = Config(prompts_per_step=8, num_generations=4, max_new_tokens=64, steps=5, eval_every=0,
                log_samples_every=0, temperature=1.0, micro_batch_size=32)
 
-if __name__ == "__main__":
-    cfg = parse_config(Config, sys.argv[1:])
+def matmul_gflops(m=1600, k=576, n=1536, repeats=50) -> float:
+    """bf16 (m, k) @ (k, n) at SmolLM2's MLP shape: what this machine can do."""
+    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+    for _ in range(5):
+        a @ b
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * m * k * n * repeats / (time.perf_counter() - t0) / 1e9
+
+
+def train_all(argv: list[str]):
+    """train_on_rollout alone, every sequence trained: forward+backward against the matmul rate."""
+    from grpo import TrainBatch, loss_denominator, train_on_rollout
+    from trainer import setup_trainer
+    cfg = replace(parse_config(Config, argv), beta=0.0)
+    cfg = replace(cfg, micro_batch_size=cfg.micro_batch_size if "--micro-batch-size" in argv
+                  else BENCH.micro_batch_size)
+    trainer = setup_trainer(cfg)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    B, P, T = 32, 40, 64  # the benchmark's 8 prompts x 4 samples, <= 64 new tokens
+    g = torch.Generator().manual_seed(0)
+    lens = torch.full((B,), T)
+    ids = torch.randint(0, trainer.model.config.vocab_size, (B, P + T), generator=g)
+    batch = TrainBatch(ids, torch.full((B,), P), lens, torch.randn(B, generator=g),
+                       torch.ones(B, dtype=torch.bool), None, loss_denominator(cfg.loss_agg, lens, T))
+    rate = matmul_gflops()
+    train_on_rollout(trainer, batch)  # warm-up
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        train_on_rollout(trainer, batch)
+        times.append(time.perf_counter() - t0)
+    seconds, tokens = statistics.median(times), B * (P + T)
+    flops = 6 * params * tokens / seconds / 1e9
+    print(f"{cfg.model}: {params / 1e6:.0f} M parameters; {B} sequences x ({P} + {T}) tokens, "
+          f"micro-batch {cfg.micro_batch_size}, bf16={cfg.bf16}, {torch.get_num_threads()} threads")
+    print(f"train_on_rollout: {seconds:.2f} s (median of {', '.join(f'{t:.2f}' for t in times)}), "
+          f"{tokens / seconds:,.0f} tokens/s")
+    print(f"forward+backward: {flops:,.0f} GFLOP/s (6 x params x tokens) = "
+          f"{100 * flops / rate:.0f} % of the bf16 matmul rate measured now ({rate:,.0f} GFLOP/s "
+          f"at 1600x576 @ 576x1536)")
+
+
+def full_steps(argv: list[str]):
+    cfg = parse_config(Config, argv)
     # Flags given on the command line win; everything else is the fixed benchmark config.
-    given = {a.lstrip("-").replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+    given = {a.lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
     cfg = replace(BENCH, **{k: getattr(cfg, k) for k in given if hasattr(cfg, k)})
     with tempfile.TemporaryDirectory() as tmp:
         cfg = replace(cfg, out=tmp)
@@ -41,3 +95,11 @@ if __name__ == "__main__":
     for r in timed:
         print(f"{r['step']:4d} " + "".join(f"{r.get(c, 0):20.2f}" for c in cols))
     print("med  " + "".join(f"{statistics.median(r.get(c, 0) for r in timed):20.2f}" for c in cols))
+
+
+if __name__ == "__main__":
+    argv = sys.argv[1:]
+    if "--train-all" in argv:
+        train_all([a for a in argv if a != "--train-all"])
+    else:
+        full_steps(argv)
