@@ -1,7 +1,5 @@
 """Ray placement groups, torch.distributed (gloo) trainers and sharded engines, on CPU."""
 
-import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -25,41 +23,32 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ray.cloudpickle.register_pickle_by_value(conftest)
 
 
-def test_two_step_grpo_run_with_two_trainers_and_one_engine(tiny_model_dir, tmp_path):
-    # First in this file: it starts its own local Ray, before the module's cluster exists.
-    out = tmp_path / "run"
-    cmd = [sys.executable, "grpo.py", "--model", tiny_model_dir, "--data", "arith",
-           "--num-trainers", "2",
-           "--num-engines", "1", "--colocate", "--steps", "2", "--prompts-per-step", "2",
-           "--num-generations", "4", "--max-new-tokens", "8", "--eval-size", "4",
-           "--eval-every", "2", "--beta", "0.01", "--out", str(out)]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2]
-    assert records[-1]["trained_frac"] == 1.0 and "eval_accuracy" in records[-1]
-    assert (out / "model.safetensors").exists()  # saved by trainer rank 0
-
-
-def test_async_steps_on_ray_one_trainer_one_engine(tiny_model_dir, tmp_path):
-    """--async-steps 1 with 1 trainer + 1 engine on Ray: the engine samples step t+1 while the
-    trainer trains step t. With lr 0 the lag cannot change what is sampled, so everything but
-    the numerics of pi_old (the engine's bf16 log-probs instead of the trainer's) must equal a
-    synchronous run's: the same problems, seeds, completions and rewards."""
+def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(tiny_model_dir,
+                                                                           tmp_path):
+    """grpo.py on Ray (2 trainers + 1 engine, colocated, collective weight sync) with
+    --async-steps 1: the engine samples step t+1 while the trainers train step t. With lr 0 the lag
+    cannot change what is sampled, so everything but the numerics of pi_old (the engine's bf16
+    log-probs instead of the trainer's) must equal a one-process synchronous run's: the same
+    problems, seeds, completions and rewards. (First in this file: it starts its own local Ray,
+    before the module's cluster exists.)"""
     args = ["--model", tiny_model_dir, "--data", "arith", "--steps", "3", "--prompts-per-step",
-            "2", "--num-generations", "4", "--max-new-tokens", "6", "--eval-every", "0",
-            "--temperature", "1.0", "--lr", "0", "--beta", "0.01",
+            "2", "--num-generations", "4", "--max-new-tokens", "6", "--eval-every", "3",
+            "--eval-size", "4", "--temperature", "1.0", "--lr", "0", "--beta", "0.01",
             "--reward", "tests.rewards:parity_reward"]
-    run_grpo([*args, "--ray-address", "local", "--async-steps", "1", "--out", str(tmp_path / "a")])
+    run_grpo([*args, "--num-trainers", "2", "--num-engines", "1", "--colocate",
+              "--async-steps", "1", "--out", str(tmp_path / "a")])
     run_grpo([*args, "--out", str(tmp_path / "s")])
     lagged, synced = (read_metrics(tmp_path / run) for run in ("a", "s"))
-    assert [r["policy_lag"] for r in lagged] == [0, 1, 1]
-    assert [r["policy_lag"] for r in synced] == [0, 0, 0]
-    for a, s in zip(lagged, synced):
+    assert [r["step"] for r in lagged] == [0, 1, 2, 3] and "eval_accuracy" in lagged[-1]
+    assert (tmp_path / "a" / "model.safetensors").exists()  # saved by trainer rank 0
+    assert [r["policy_lag"] for r in lagged[1:]] == [0, 1, 1]
+    assert [r["policy_lag"] for r in synced[1:]] == [0, 0, 0]
+    for a, s in zip(lagged[1:], synced[1:]):
         for key in ("reward", "completion_len", "zero_std_frac", "truncated_frac", "trained_frac"):
             assert a[key] == s[key], key
         assert a["ratio"] == pytest.approx(1.0, abs=0.02)  # pi_theta / pi_engine, weights equal
         assert a["loss"] == pytest.approx(s["loss"], abs=0.02)
+    assert lagged[-1]["eval_accuracy"] == synced[-1]["eval_accuracy"]
 
 
 def test_shard_is_contiguous_and_complete():
@@ -250,8 +239,9 @@ def _version(engine):
 
 
 def test_collective_weight_sync_reaches_every_engine_and_a_skipped_one_is_caught(
-        cluster, tiny_model_dir):
-    """Trainer rank 0 (of 2) broadcasts to 2 engines in a gloo group of their own."""
+        cluster, tiny_model_dir, tmp_path):
+    """Trainer rank 0 (of 2) broadcasts to 2 engines in a gloo group of their own; and the check
+    that every trainer sees --out."""
     cfg = _cfg(tiny_model_dir)
     trainers = cluster.trainers(setup_trainer, cfg)
     engines = cluster.engines(_engine_setup, tiny_model_dir)
@@ -275,18 +265,14 @@ def test_collective_weight_sync_reaches_every_engine_and_a_skipped_one_is_caught
     with pytest.raises(SystemExit, match="a weight sync was skipped"):
         policy_lag(comps, step=3, allowed=0)
     assert policy_lag(comps, step=3, allowed=1) == 1  # with --async-steps 1
-
-
-def _only_rank0_sees(trainer, path):
-    import torch.distributed as dist
-    return "10.0.0.2", dist.get_rank(trainer.group) == 0 and Path(path).exists()
-
-
-def test_an_out_folder_a_trainer_cannot_see_stops_the_run_at_startup(cluster, tiny_model_dir,
-                                                                     tmp_path):
-    trainers = cluster.trainers(setup_trainer, _cfg(tiny_model_dir))
+    # On several nodes --out must be shared: a trainer that cannot see it stops the run at start.
     trainers.check_shared_folder(str(tmp_path))  # one machine: every rank sees the driver's file
     with pytest.raises(SystemExit, match=r"--out .* is not visible from trainer rank 1 on node "
                                          r"10.0.0.2: on several nodes --out must be a shared"):
         trainers.check_shared_folder(str(tmp_path), sees=_only_rank0_sees)
     assert list(tmp_path.iterdir()) == []  # the probe file is gone either way
+
+
+def _only_rank0_sees(trainer, path):
+    import torch.distributed as dist
+    return "10.0.0.2", dist.get_rank(trainer.group) == 0 and Path(path).exists()
