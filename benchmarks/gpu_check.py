@@ -40,7 +40,7 @@ def run(title: str, args: list[str], out: Path) -> list[dict]:
     result = subprocess.run([sys.executable, "grpo.py", *args, "--out", str(out)], cwd=ROOT,
                             capture_output=True, text=True)
     for line in result.stdout.splitlines():
-        if line.startswith(("vLLM model runner", "task ")):
+        if line.startswith("task ") or "vLLM model runner" in line:  # (Ray prefixes its workers')
             print("   " + line)
     if result.returncode != 0:
         print(result.stderr[-3000:])
@@ -68,6 +68,9 @@ def report(rows: list[dict], utilization: float):
               f"{last.get('resident_memory_gb', 0):.1f}, trainer peak "
               f"{last['peak_memory_gb']:.1f}, engine {utilization} x {total:.0f} = "
               f"{utilization * total:.1f} (weights + KV cache; asleep while the trainer trains)")
+    if last.get("policy_lag"):  # async: the engine sampled with the previous step's weights
+        print(f"   async: the last batch was sampled {last['policy_lag']} update behind the "
+              f"trainer, so the mismatch below includes that lag")
     if "logprob_max_abs_diff" in last:
         synced = last["logprob_max_abs_diff"] < 0.5 and last["token_mult_prob_error"] < 1.05
         print(f"   weight sync: {'OK' if synced else 'MISMATCH'} -- after the last sync the "
