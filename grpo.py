@@ -505,8 +505,8 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
     # be frozen before the first update. With one update pi_old == pi_theta: we reuse the current
     # log-probs, detached. The ratio is then exactly 1 but its gradient is not zero --
     # d/dtheta exp(lp - sg(lp)) = grad lp -- so the loss still trains (and its value is ~0).
-    old_lps = frozen_logprobs(model, batch, mbs, cfg, device) if cfg.updates_per_rollout > 1 \
-        else None
+    old_lps = frozen_logprobs(model, batch, mbs, cfg, device) \
+        if cfg.updates_per_rollout > 1 and not cfg.async_steps else None  # (async: the engine's)
     ref_lps = reference_logprobs(trainer, batch, mbs)
     seq_level = cfg.ratio_level == "sequence"
     for update in range(cfg.updates_per_rollout):

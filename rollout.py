@@ -166,7 +166,8 @@ class HFRollout:
                 completions.append(tokens)
                 truncated.append(cut)
         text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        logprobs = self._logprobs(prompts, completions, sampling) if self.logprobs else None
+        sampled = self.logprobs and sampling.temperature > 0  # (greedy evaluation needs none)
+        logprobs = self._logprobs(prompts, completions, sampling) if sampled else None
         return Completions(prompts, completions, truncated, text, logprobs, self.version)
 
     @torch.no_grad()
@@ -179,7 +180,7 @@ class HFRollout:
                                                      completions[s:s + self.batch_size],
                                                      self.pad_id, self.device)
             lp, _ = completion_logprobs(self.model, ids, prompt_lens, completion_lens,
-                                        temperature=sampling.temperature or 1.0)
+                                        temperature=sampling.temperature)
             out += [row[:n] for row, n in zip(lp.tolist(), completion_lens.tolist())]
         return out
 
