@@ -388,10 +388,10 @@ class Started:
 def start_rollout(run, rows: list[dict], cfg: Config, seed: int) -> Started:
     """Ask the engines (run: a trainer.Run) for G completions of each problem in `rows`. Engines on
     Ray work in the background; an engine in this process generates right away."""
+    t0 = time.time()  # (an engine in this process has finished when submit_generate returns)
     prompts = encode_prompts(run.tokenizer, rows, cfg.template, cfg.chat)
     sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed)
-    return Started(rows, run.rollout.submit_generate(prompts, cfg.num_generations, sampling),
-                   time.time())
+    return Started(rows, run.rollout.submit_generate(prompts, cfg.num_generations, sampling), t0)
 
 
 def score(started: Started, cfg: Config, reward_fns: RewardFunctions, grader: Grader) -> Scored:

@@ -150,6 +150,9 @@ def weight_sync_by_collective(trainers, engines, nccl: bool) -> Callable[[int], 
 
     def sync(step: int) -> float:
         t0 = time.perf_counter()
+        # Engines still generating (--async-steps) would keep rank 0 waiting inside the broadcast
+        # for as long, against the group's timeout: start it once every engine is free.
+        gather(engines.submit(_engine_free, [()] * len(engines.workers)))
         gather(trainers.submit(send_weights, ranks)
                + engines.submit(_engine_receives, [(layout, step)] * len(engines.workers)))
         return time.perf_counter() - t0
@@ -161,6 +164,10 @@ def weight_sync_by_object_store(trainers, engines) -> Callable[[int], float]:
     object store, and every engine pulls a copy."""
     return lambda step: engines.update_weights(trainers.weights_ref(
         functools.partial(weights_of, dtype=torch.bfloat16)), step)
+
+
+def _engine_free(engine):
+    """Returns once the engine has finished the calls queued before this one."""
 
 
 def _engine_joins(engine, host, port, rank, world_size, backend):

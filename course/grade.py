@@ -75,13 +75,15 @@ def run_tests(work: Path, tests: list[str]) -> dict[str, list[Result]] | None:
     report.unlink(missing_ok=True)
     try:
         # -vv: pytest shows whole values, so a failure can be told as expected against got
-        subprocess.run([sys.executable, "-m", "pytest", "-q", "-vv", "-p", "no:cacheprovider",
-                        "-o", "addopts=", f"--junitxml={report}", *tests],
-                       cwd=work, capture_output=True, text=True, timeout=TIMEOUT)
+        ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-vv", "-p", "no:cacheprovider",
+                              "-o", "addopts=", f"--junitxml={report}", *tests],
+                             cwd=work, capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         return None
-    if not report.exists():
-        return None
+    if not report.exists():  # pytest stopped before any test: say why (e.g. conftest's imports)
+        why = import_error(ran.stdout + ran.stderr, work) if "rror" in ran.stdout + ran.stderr \
+            else None
+        return {t: [Result(t.split("::")[-1], False, why)] for t in tests} if why else None
     results: dict[str, list[Result]] = {}
     broken = {}  # test modules that could not be imported: every test in them fails with this
     for case in ET.parse(report).iter("testcase"):
@@ -109,8 +111,11 @@ def run_tests(work: Path, tests: list[str]) -> dict[str, list[Result]] | None:
 def import_error(traceback: str, work: Path) -> str:
     """A module that does not import, said in one line: the error and where it is."""
     lines = [line.removeprefix("E").strip() for line in traceback.splitlines()]
-    error = next((line for line in reversed(lines) if line), "?")
-    places = re.findall(r'File "([^"]+)", line (\d+)', traceback)
+    errors = [line for line in lines if re.match(r"\w*(Error|Exception)\b", line)]
+    error = errors[-1] if errors else next((line for line in reversed(lines) if line), "?")
+    # Python's `File "x.py", line 3` (a SyntaxError) or pytest's `x.py:3: in <module>`
+    places = re.findall(r'File "([^"]+)", line (\d+)|^(\S+\.py):(\d+): in ', traceback, re.M)
+    places = [(a or c, b or d) for a, b, c, d in places]
     if places:
         file, line = places[-1]
         error += f" ({Path(file).relative_to(work) if file.startswith(str(work)) else file}:{line})"
