@@ -38,12 +38,12 @@ from checkpoint import DriverState, find_checkpoint, load_driver_state, save_che
 from data import TEMPLATES, ProblemStream, Template, apply_task, check, encode_prompts, flag
 from data import load_problems, parse_config, task_summary
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples, step_record
-from model import DEFAULT_MODEL, length_mask, pack, peak_memory_gb, right_pad
+from model import DEFAULT_MODEL, length_mask, pack, right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from rollout import Completions, Sampling, policy_lag
 from trainer import Trainer, any_rank_trains, count_bad_steps, engine_correction, frozen_logprobs
 from trainer import micro_batches, optimizer_step, policy_logprobs, same_pass_count, setup_local
-from trainer import reference_logprobs, setup_ray, untrained_mismatch
+from trainer import UpdateStats, reference_logprobs, setup_ray, untrained_mismatch
 
 
 @dataclass
@@ -420,6 +420,21 @@ def has_signal(rewards: torch.Tensor, G: int) -> torch.Tensor:
     return rewards.view(-1, G).std(1) > 1e-6
 
 
+def dynamic_sampling(run, problems: ProblemStream, first: Scored, cfg: Config, step: int,
+                     reward_fns: RewardFunctions, grader: Grader) -> tuple[Scored, Scored, dict]:
+    """DAPO's dynamic sampling: groups whose rewards are all equal carry no signal; drop them and
+    sample fresh prompts until N groups have some, for at most max_fill_rounds more rounds.
+    Returns every round sampled (for the metrics), the groups to train on, and refill metrics."""
+    G, N, rounds = cfg.num_generations, cfg.prompts_per_step, [first]
+    while (sum(int(has_signal(r.rewards, G).sum()) for r in rounds) < N
+           and len(rounds) <= cfg.max_fill_rounds):
+        rounds.append(score(start_rollout(run, problems.take(N), cfg, sampling_seed(
+            cfg, step, len(rounds))), cfg, reward_fns, grader))
+    kept, dropped = groups_with_signal(rounds, G, N)
+    return Scored.concat(rounds), kept, {"dropped_groups": dropped, "fill_rounds": len(rounds) - 1,
+                                         "kept_groups": len(kept.completions) // G}
+
+
 def groups_with_signal(rounds: list[Scored], G: int, limit: int) -> tuple[Scored, int]:
     """Dynamic sampling: the first `limit` groups of the rounds that have signal, as one Scored,
     and how many groups were dropped."""
@@ -477,8 +492,8 @@ def train_batch(comps: Completions, advantages, cfg: Config, pad_id: int) -> Tra
 def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
     """`updates_per_rollout` optimizer steps on (this rank's shard of) one rollout batch.
 
-    Returns raw sums, combined over ranks by finish_metrics: every rank's loss is its share of one
-    global loss (batch.denom counts the global batch).
+    Returns raw sums (trainer.UpdateStats), combined over ranks by finish_metrics: every rank's
+    loss is its share of one global loss (batch.denom counts the global batch).
     """
     cfg, model, device = trainer.cfg, trainer.model, trainer.device
     batch = batch.to(device)
@@ -492,15 +507,10 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
         trained &= batch.advantages != 0
     keep = trained.nonzero().flatten()
     mbs, real = same_pass_count(micro_batches(keep, batch.prompt_lens + lens, cfg), trainer)
-    raw = {"sums": {}, "tokens": 0, "mismatch": {}, "loss": 0.0, "grad_norm": 0.0,
-           "skipped_updates": 0, "trained_seqs": len(keep), "seqs": len(lens),
-           "trained_tokens": int((batch.prompt_lens + lens)[keep].sum()),
-           "lr": trainer.scheduler.get_last_lr()[0]}
-    if batch.engine_logprobs is not None:  # the engine's mismatch on what is not trained below
-        untrained_mismatch(trainer, batch, (~trained & (lens > 0)).nonzero().flatten(),
-                           raw["mismatch"])
+    stats = UpdateStats(trainer, batch, keep)
+    untrained_mismatch(trainer, batch, trained, stats.mismatch)  # the engine's, on the rest
     if not any_rank_trains(trainer, len(keep)):
-        return raw
+        return stats.result()
     # With several updates per rollout the policy drifts from the one that sampled, so pi_old must
     # be frozen before the first update. With one update pi_old == pi_theta: we reuse the current
     # log-probs, detached. The ratio is then exactly 1 but its gradient is not zero --
@@ -511,13 +521,12 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
     seq_level = cfg.ratio_level == "sequence"
     for update in range(cfg.updates_per_rollout):
         model.train()
-        update_loss, update_sums, update_tokens = 0.0, {}, 0
         for k, idx in enumerate(mbs):
             logprobs, entropy = policy_logprobs(model, batch, idx, cfg, device)
             mask = length_mask(lens[idx], logprobs.shape[1])  # (b, T)
             old = old_lps[k] if old_lps else logprobs.detach()
             weights = engine_correction(batch, idx, old, mask, cfg,
-                                        raw["mismatch"] if update == 0 and k < real else None)
+                                        stats.mismatch if update == 0 and k < real else None)
             if cfg.async_steps:  # sampled by the last step's weights: pi_old is the sampling
                 old = batch.engine_logprobs[idx][:, :logprobs.shape[1]]  # policy, per the engine
             loss, metrics = grpo_loss(logprobs, old, ref_lps[k] if ref_lps else None,
@@ -531,26 +540,9 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
                 (loss * 0.0).backward()
                 continue
             (loss * trainer.world if trainer.sharded else loss).backward()  # micro-batches add up
-            update_loss += float(loss.detach())
-            tokens = int(mask.sum())
-            metrics["entropy_trained"] = float((entropy * mask).sum()) / max(tokens, 1)
-            for key, v in metrics.items():  # token-weighted, so they become full-batch means
-                update_sums[key] = update_sums.get(key, 0.0) + v * tokens
-            update_tokens += tokens
-        grad_norm = optimizer_step(trainer, update_loss)
-        if grad_norm is None:
-            raw["skipped_updates"] += 1
-            continue
-        raw["loss"] += update_loss / cfg.updates_per_rollout
-        raw["grad_norm"] += grad_norm / cfg.updates_per_rollout
-        for key, v in update_sums.items():
-            raw["sums"][key] = raw["sums"].get(key, 0.0) + v
-        raw["tokens"] += update_tokens
-    raw["peak_memory_gb"] = peak_memory_gb(device)
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()  # hand the training peak's cached blocks back for the engine
-        raw["resident_memory_gb"] = torch.cuda.memory_allocated() / 2**30  # kept between steps
-    return raw
+            stats.add(loss, metrics, entropy, mask)
+        stats.end_update(optimizer_step(trainer, stats.update_loss))
+    return stats.result()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,16 +579,11 @@ def main(cfg: Config):
         # 1-2. Rollout and rewards: G completions for each of N prompts, scored. (With
         # --async-steps 1 they were started during the last step, and sampled by its weights.)
         started = started or start_rollout(run, problems.take(N), cfg, sampling_seed(cfg, step, 0))
-        rounds = [score(started, cfg, reward_fns, grader)]
-        scored, dropped, lag = rounds[0], 0, policy_lag(rounds[0].completions, step, cfg.async_steps)
-        # Dynamic sampling (DAPO): groups with zero reward spread carry no signal; drop them and
-        # sample fresh prompts until N groups have some, for at most max_fill_rounds more rounds.
-        if cfg.dynamic_sampling:
-            while (sum(int(has_signal(r.rewards, G).sum()) for r in rounds) < N
-                   and len(rounds) <= cfg.max_fill_rounds):
-                rounds.append(score(start_rollout(run, problems.take(N), cfg, sampling_seed(
-                    cfg, step, len(rounds))), cfg, reward_fns, grader))
-            scored, dropped = groups_with_signal(rounds, G, N)
+        sampled = scored = score(started, cfg, reward_fns, grader)  # all sampled / trained on
+        lag, refill = policy_lag(sampled.completions, step, cfg.async_steps), {}
+        if cfg.dynamic_sampling:  # DAPO: train on groups with a reward spread; sample more of them
+            sampled, scored, refill = dynamic_sampling(run, problems, scored, cfg, step,
+                                                       reward_fns, grader)
         # --async-steps 1: the engines sample the next step's batch while the trainers train.
         started = (start_rollout(run, problems.take(N), cfg, sampling_seed(cfg, step + 1, 0))
                    if cfg.async_steps and step < cfg.steps else None)
@@ -614,11 +601,8 @@ def main(cfg: Config):
         # 5. The engines take the new weights.
         sync_seconds = run.sync_weights(step)
         # 6. Metrics, held-out evaluation, samples, checkpoint.
-        record = step_record(step, Scored.concat(rounds), update, train_seconds, sync_seconds, G)
-        if cfg.dynamic_sampling:
-            record.update(dropped_groups=dropped, fill_rounds=len(rounds) - 1,
-                          kept_groups=len(scored.completions) // G)
-        record.update(reward_errors=reward_fns.errors, grader_timeouts=grader.timeouts,
+        record = step_record(step, sampled, update, train_seconds, sync_seconds, G)
+        record.update(**refill, reward_errors=reward_fns.errors, grader_timeouts=grader.timeouts,
                       policy_lag=lag, step_seconds=time.time() - t_step)
         if evaluating and (step % cfg.eval_every == 0 or step == cfg.steps):
             record.update(evaluate_held_out(run, eval_rows, cfg, grader))

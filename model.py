@@ -304,14 +304,6 @@ def save_model(model, tokenizer, out_dir, state_dict=None, dtype=None) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def peak_memory_gb(device: str) -> float:
-    """Peak memory of this process: GPU memory allocated by PyTorch, or resident host memory."""
-    if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
 # ---------------------------------------------------------------------------------------------
 # FSDP2: one model sharded over the trainers. Everything else sees full tensors: saving and the
 # engines' weight sync gather them (a collective: every rank calls these), and a checkpoint's

@@ -233,10 +233,14 @@ def engine_correction(batch, idx, old, mask, cfg, mismatch: dict | None):
     return torch.exp(old - engine).clamp(max=cfg.is_cap) if cfg.is_cap else None
 
 
-def untrained_mismatch(trainer, batch, rest, mismatch: dict):
+def untrained_mismatch(trainer, batch, trained, mismatch: dict):
     """The mismatch metrics describe the engine, so they cover every sampled token: the sequences
-    not trained (zero advantage, overlong-filtered) get a no-grad pass for them."""
+    not `trained` (zero advantage, overlong-filtered) get a no-grad pass for them. Nothing to do
+    without the engine's log-probs."""
+    if batch.engine_logprobs is None:
+        return
     cfg, lens = trainer.cfg, batch.completion_lens
+    rest = (~trained & (lens > 0)).nonzero().flatten()
     mbs, real = same_pass_count(micro_batches(rest, batch.prompt_lens + lens, cfg), trainer)
     for idx, lp in list(zip(mbs, frozen_logprobs(trainer.model, batch, mbs, cfg,
                                                  trainer.device)))[:real]:
@@ -288,6 +292,57 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     if group is not None:
         dist.all_reduce(x, op=op, group=group)
     return x
+
+
+def peak_memory_gb(device: str) -> float:
+    """Peak memory of this process: GPU memory allocated by PyTorch, or resident host memory."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+class UpdateStats:
+    """What train_on_rollout reports, as raw sums on this rank: finish_metrics turns the ranks'
+    sums into the step's metrics (token-weighted means, the loss summed over ranks)."""
+
+    def __init__(self, trainer, batch, keep):
+        self.device, self.updates = trainer.device, trainer.cfg.updates_per_rollout
+        self.raw = {"sums": {}, "tokens": 0, "mismatch": {}, "loss": 0.0, "grad_norm": 0.0,
+                    "skipped_updates": 0, "trained_seqs": len(keep),
+                    "seqs": len(batch.completion_lens),
+                    "trained_tokens": int((batch.prompt_lens + batch.completion_lens)[keep].sum()),
+                    "lr": trainer.scheduler.get_last_lr()[0]}
+        self.mismatch = self.raw["mismatch"]
+        self.update_loss, self._sums, self._tokens = 0.0, {}, 0  # of the update in progress
+
+    def add(self, loss, metrics: dict, entropy, mask):
+        """One micro-batch of the current update: its loss, grpo_loss's metrics, the entropy."""
+        self.update_loss += float(loss.detach())
+        tokens = int(mask.sum())
+        metrics["entropy_trained"] = float((entropy * mask).sum()) / max(tokens, 1)
+        for key, v in metrics.items():  # token-weighted, so they become full-batch means
+            self._sums[key] = self._sums.get(key, 0.0) + v * tokens
+        self._tokens += tokens
+
+    def end_update(self, grad_norm: float | None):
+        """The update's optimizer step happened (grad_norm), or was skipped (None: not finite)."""
+        if grad_norm is None:
+            self.raw["skipped_updates"] += 1
+        else:
+            self.raw["loss"] += self.update_loss / self.updates
+            self.raw["grad_norm"] += grad_norm / self.updates
+            for key, v in self._sums.items():
+                self.raw["sums"][key] = self.raw["sums"].get(key, 0.0) + v
+            self.raw["tokens"] += self._tokens
+        self.update_loss, self._sums, self._tokens = 0.0, {}, 0
+
+    def result(self) -> dict:
+        self.raw["peak_memory_gb"] = peak_memory_gb(self.device)
+        if torch.device(self.device).type == "cuda":
+            torch.cuda.empty_cache()  # hand the training peak's cached blocks back for the engine
+            self.raw["resident_memory_gb"] = torch.cuda.memory_allocated() / 2**30  # between steps
+        return self.raw
 
 
 MAX_BAD_STEPS = 3  # non-finite updates in a row before the run stops

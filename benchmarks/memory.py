@@ -26,7 +26,8 @@ def one(model_dir, length, checkpointing, budget, lora_rank=0):
     sys.path.insert(0, str(ROOT))
     import torch
     from grpo import Config, TrainBatch, loss_denominator, train_on_rollout
-    from model import pack, peak_memory_gb
+    from model import pack
+    from trainer import peak_memory_gb
     from trainer import setup_trainer
     cfg = Config(data="arith", model=model_dir, beta=0.0, gradient_checkpointing=checkpointing,
                  max_tokens_per_microbatch=budget, max_new_tokens=length, lora_rank=lora_rank)
