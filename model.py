@@ -157,8 +157,8 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 # Log-probs of sampled tokens.
 # A (B, T, V) fp32 logit tensor is 8 x 8192 x 151936 x 4 bytes = 40 GB for a Qwen batch, so we
 # never build it: we run the decoder once, pick the hidden states that predict completion tokens,
-# and push them through the LM head a chunk at a time. Each chunk is checkpointed, so backward
-# recomputes its logits instead of keeping every chunk's (chunk, V) fp32 tensor alive.
+# and push them through the LM head a chunk at a time. Backward recomputes a chunk's logits instead
+# of keeping every chunk's (chunk, V) fp32 tensor alive.
 
 
 def head_logits(model, hidden):
@@ -178,12 +178,81 @@ def head_logits(model, hidden):
     return logits
 
 
-def _chunk_logprobs(model, hidden, targets, temperature):
+def chunk_logprobs(model, hidden, targets, temperature):
+    """(n,) log-probs of `targets` and (n,) entropies (detached) from final hidden states (n, H).
+    A bias-free linear head -- most models -- goes through LinearHeadLogprobs; any other head
+    through head_logits under autograd, checkpointed so that backward recomputes its logits."""
+    head, scale = linear_head(model)
+    if head is not None:
+        return LinearHeadLogprobs.apply(hidden, head.weight, targets, scale / temperature)
+    if torch.is_grad_enabled():
+        return checkpoint(_logprobs_by_autograd, model, hidden, targets, temperature,
+                          use_reentrant=False)
+    return _logprobs_by_autograd(model, hidden, targets, temperature)
+
+
+def _logprobs_by_autograd(model, hidden, targets, temperature):
     logits = head_logits(model, hidden) / temperature  # (n, V) fp32
     logp = torch.log_softmax(logits, dim=-1)  # (n, V)
     token_logp = logp.gather(-1, targets[:, None]).squeeze(-1)  # (n,)
     entropy = -(logp.exp() * logp).sum(-1)  # (n,)
     return token_logp, entropy.detach()
+
+
+def linear_head(model):
+    """(the LM head, the factor its logits are multiplied by) when the head is one bias-free
+    nn.Linear followed at most by a constant scale; (None, 1.0) otherwise (a bias, soft-capping,
+    adapters on the head)."""
+    config, head = model.config.get_text_config(), model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None \
+            or getattr(config, "final_logit_softcapping", None):
+        return None, 1.0
+    return head, (getattr(config, "logit_scale", None) or 1.0) / \
+        (getattr(config, "logits_scaling", None) or 1.0)
+
+
+class LinearHeadLogprobs(torch.autograd.Function):
+    """log softmax(scale * h W^T)[target] and the entropy, with the backward written out.
+
+    Autograd would keep or recompute a chain of (n, V) tensors (the cast logits, their scaled
+    copy, log_softmax, its exp for the entropy, a zero-filled gather gradient): on a CPU those
+    memory-bound passes cost more than the head's matmul. The derivative needs one of them:
+    d log p_y / d logits = onehot(y) - softmax(logits), so backward recomputes the logits from the
+    saved (n, H) states and subtracts their saved log-sum-exp. The matmuls run in the autocast
+    dtype (bf16), the softmax in fp32, as under autograd."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, scale):
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
+            else weight.dtype
+        with torch.autocast(device, enabled=False):
+            logits = _scaled_logits(hidden, weight, scale, dtype)  # (n, V) fp32
+            lse = torch.logsumexp(logits, dim=-1)  # (n,)
+            token_logp = logits.gather(-1, targets[:, None]).squeeze(-1) - lse  # (n,)
+            logp = logits.sub_(lse[:, None])  # (n, V), in place
+            entropy = -torch.linalg.vecdot(logp.exp(), logp)  # (n,)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.scale, ctx.dtype = scale, dtype
+        ctx.mark_non_differentiable(entropy)
+        return token_logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        probs = _scaled_logits(hidden, weight, ctx.scale, ctx.dtype).sub_(lse[:, None]).exp_()
+        g = grad_logp * ctx.scale  # (n,) and through logits = scale * (h W^T)
+        grad = probs.mul_(-g[:, None])  # (n, V): (onehot - softmax) * g, in place
+        grad[torch.arange(len(targets), device=grad.device), targets] += g
+        grad = grad.to(ctx.dtype)
+        grad_hidden = (grad @ weight.to(ctx.dtype)).to(hidden.dtype)  # (n, H)
+        grad_weight = (grad.T @ hidden.to(ctx.dtype)).to(weight.dtype)  # (V, H)
+        return grad_hidden, grad_weight, None, None
+
+
+def _scaled_logits(hidden, weight, scale, dtype):
+    """scale * (hidden @ weight^T), the matmul in `dtype`, the result in fp32: (n, V)."""
+    return (hidden.to(dtype) @ weight.to(dtype).T).float().mul_(scale)
 
 
 def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, temperature=1.0,
@@ -201,18 +270,21 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
     rows, cols = mask.nonzero(as_tuple=True)  # (n,), (n,) one entry per completion token
     pos = prompt_lens[rows] + cols  # (n,) position of each completion token in input_ids
     targets = input_ids[rows, pos]  # (n,)
-    # Right padding needs no attention mask: causal attention never looks at later (pad) positions,
-    # and position ids 0..L-1 are already right. This keeps the fast SDPA causal path. No KV cache:
-    # nothing is decoded after this forward.
-    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state  # (B, L, H)
-    hidden = hidden[rows, pos - 1]  # (n, H): the state at t-1 predicts token t
+    shared = share_prompts(model, input_ids, prompt_lens, completion_lens)
+    if shared is None:
+        # Right padding needs no attention mask: causal attention never looks at later (pad)
+        # positions, and position ids 0..L-1 are already right. This keeps the fast SDPA causal
+        # path. No KV cache: nothing is decoded after this forward.
+        hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden = hidden[rows, pos - 1]  # (n, H): the state at t-1 predicts token t
+    else:  # a group's prompt once, followed by each of its completions (share_prompts)
+        hidden = model.get_decoder()(input_ids=shared.input_ids, position_ids=shared.positions,
+                                     attention_mask=shared.mask, use_cache=False).last_hidden_state
+        hidden = hidden[shared.row[rows], shared.state[rows, cols]]  # (n, H)
     lp_chunks, ent_chunks = [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
-        args = (model, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens], temperature)
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-        else:
-            lp, ent = _chunk_logprobs(*args)
+        lp, ent = chunk_logprobs(model, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens],
+                                 temperature)
         lp_chunks.append(lp)
         ent_chunks.append(ent)
     logprobs = torch.zeros(B, T, device=input_ids.device, dtype=torch.float32)
@@ -220,6 +292,65 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
     logprobs = logprobs.index_put((rows, cols), torch.cat(lp_chunks))  # (B, T), differentiable
     entropy[rows, cols] = torch.cat(ent_chunks)
     return logprobs, entropy
+
+
+class SharedPrompts(NamedTuple):
+    input_ids: torch.Tensor  # (R, L') one row per distinct prompt: it, then its completions
+    positions: torch.Tensor  # (R, L') each completion's positions continue from its prompt's end
+    mask: torch.Tensor  # (R, 1, L', L') bool: who attends to whom
+    row: torch.Tensor  # (B,) the packed row of each input row
+    state: torch.Tensor  # (B, T) where the state that predicts completion token t of row b is
+
+
+MAX_SHARED_LEN = 2048  # the (L', L') masks and attention beyond this cost more than they save
+
+
+def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPrompts | None:
+    """The G samples of a GRPO group have one prompt, so the training forward need not run it G
+    times: each distinct prompt goes through the decoder once, followed by all of its completions,
+    in one row whose attention mask lets a completion see the prompt and its own earlier tokens --
+    never another completion -- and whose position ids restart at the prompt's end for each
+    completion. Every completion token gets exactly the state it would get in its own row (the
+    same keys, the same positions), for a fraction of the tokens when prompts are long next to
+    completions (arith: 55-token prompts, <= 24-token answers). None -- run the rows as they
+    are -- when no prompt repeats, when the model does not take a custom mask through SDPA or
+    has a sliding window shorter than the packed row, or when the row would be long."""
+    config = model.config.get_text_config()
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return None
+    B, T = input_ids.shape[0], int(completion_lens.max())
+    members: dict[tuple, list[int]] = {}  # prompt tokens -> the rows that have it
+    for b in range(B):
+        members.setdefault(tuple(input_ids[b, :prompt_lens[b]].tolist()), []).append(b)
+    lengths = [len(p) + sum(int(completion_lens[b]) for b in bs) for p, bs in members.items()]
+    window = getattr(config, "sliding_window", None)
+    if len(members) == B or max(lengths) > min(MAX_SHARED_LEN, window or MAX_SHARED_LEN):
+        return None
+    R, L = len(members), max(lengths)
+    device = input_ids.device
+    ids = torch.zeros(R, L, dtype=input_ids.dtype)
+    positions = torch.zeros(R, L, dtype=torch.long)
+    segment = torch.full((R, L), -1)  # 0: the prompt, i: the i-th completion, -1: padding
+    row, state = torch.zeros(B, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
+    for r, (prompt, bs) in enumerate(members.items()):
+        P = len(prompt)
+        ids[r, :P], positions[r, :P], segment[r, :P] = torch.tensor(prompt), torch.arange(P), 0
+        start = P
+        for i, b in enumerate(bs, start=1):
+            n = int(completion_lens[b])
+            ids[r, start:start + n] = input_ids[b, P:P + n].cpu()
+            positions[r, start:start + n] = torch.arange(P, P + n)
+            segment[r, start:start + n] = i
+            row[b] = r
+            state[b, :n] = torch.arange(start - 1, start + n - 1)
+            state[b, 0] = P - 1  # the first token is predicted by the prompt's last state
+            start += n
+    q, k = segment[:, :, None], segment[:, None, :]  # (R, L, 1), (R, 1, L)
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    # Padding attends to itself only: a query that attends to nothing gives NaN in SDPA.
+    mask = (causal & (q >= 0) & ((k == 0) | (k == q))) | torch.eye(L, dtype=torch.bool)
+    return SharedPrompts(ids.to(device), positions.to(device), mask[:, None].to(device),
+                         row.to(device), state.to(device))
 
 
 @torch.no_grad()

@@ -3,16 +3,18 @@
     python benchmarks/grpo_step.py              # SmolLM2-135M-Instruct, 8 prompts x 4 samples,
                                                 # <= 64 new tokens, bf16, 1 warm-up + 4 timed steps
     python benchmarks/grpo_step.py --train-all  # the policy update alone, every sequence trained
+    python benchmarks/grpo_step.py --train-all --distinct-prompts  # no prompt shared by samples
 
 Prints one row per timed step and the median. Training time depends on how many sequences carry
 a non-zero advantage (grpo.py skips the others when beta = 0), so `trained` is printed beside it;
 `--beta 1e-9` forces every sequence through forward and backward for a worst-case figure.
 
---train-all times `train_on_rollout` alone on a fixed batch shaped like the benchmark's (32
-sequences of a 40-token prompt and a 64-token completion, random tokens, every advantage non-zero,
-no reference model), and prints forward+backward tokens/s and its FLOP rate (6 x parameters x
-tokens, the usual estimate, which leaves out attention) next to the bf16 matmul rate this CPU
-reaches at SmolLM2's shapes, measured in the same run.
+--train-all times `train_on_rollout` alone on a fixed batch shaped like the benchmark's (8 random
+40-token prompts x 4 samples of 64 random tokens, every advantage non-zero, no reference model),
+and prints sequence tokens/s and the FLOP rate of the tokens the decoder actually runs (6 x
+parameters x tokens, the usual estimate, which leaves out attention; a group's prompt runs once,
+model.share_prompts) next to the bf16 matmul rate this CPU reaches at SmolLM2's shapes, measured
+in the same run. --distinct-prompts gives each sequence a prompt of its own (nothing to share).
 """
 
 import json
@@ -44,7 +46,7 @@ def matmul_gflops(m=1600, k=576, n=1536, repeats=50) -> float:
     return 2 * m * k * n * repeats / (time.perf_counter() - t0) / 1e9
 
 
-def train_all(argv: list[str]):
+def train_all(argv: list[str], distinct_prompts: bool = False):
     """train_on_rollout alone, every sequence trained: forward+backward against the matmul rate."""
     from grpo import TrainBatch, loss_denominator, train_on_rollout
     from trainer import setup_trainer
@@ -53,10 +55,13 @@ def train_all(argv: list[str]):
                   else BENCH.micro_batch_size)
     trainer = setup_trainer(cfg)
     params = sum(p.numel() for p in trainer.model.parameters())
-    B, P, T = 32, 40, 64  # the benchmark's 8 prompts x 4 samples, <= 64 new tokens
+    B, P, T, G = 32, 40, 64, 4  # the benchmark's 8 prompts x 4 samples, <= 64 new tokens
+    G = 1 if distinct_prompts else G
     g = torch.Generator().manual_seed(0)
     lens = torch.full((B,), T)
-    ids = torch.randint(0, trainer.model.config.vocab_size, (B, P + T), generator=g)
+    V = trainer.model.config.vocab_size
+    ids = torch.cat([torch.randint(0, V, (B // G, P), generator=g).repeat_interleave(G, 0),
+                     torch.randint(0, V, (B, T), generator=g)], dim=1)
     batch = TrainBatch(ids, torch.full((B,), P), lens, torch.randn(B, generator=g),
                        torch.ones(B, dtype=torch.bool), None, loss_denominator(cfg.loss_agg, lens, T))
     rate = matmul_gflops()
@@ -67,12 +72,14 @@ def train_all(argv: list[str]):
         train_on_rollout(trainer, batch)
         times.append(time.perf_counter() - t0)
     seconds, tokens = statistics.median(times), B * (P + T)
-    flops = 6 * params * tokens / seconds / 1e9
-    print(f"{cfg.model}: {params / 1e6:.0f} M parameters; {B} sequences x ({P} + {T}) tokens, "
-          f"micro-batch {cfg.micro_batch_size}, bf16={cfg.bf16}, {torch.get_num_threads()} threads")
+    run = B // G * P + B * T  # the tokens the decoder runs: a group's prompt once (share_prompts)
+    flops = 6 * params * run / seconds / 1e9
+    print(f"{cfg.model}: {params / 1e6:.0f} M parameters; {B // G} prompts x {G} samples, "
+          f"{B} sequences x ({P} + {T}) tokens, micro-batch {cfg.micro_batch_size}, "
+          f"bf16={cfg.bf16}, {torch.get_num_threads()} threads")
     print(f"train_on_rollout: {seconds:.2f} s (median of {', '.join(f'{t:.2f}' for t in times)}), "
-          f"{tokens / seconds:,.0f} tokens/s")
-    print(f"forward+backward: {flops:,.0f} GFLOP/s (6 x params x tokens) = "
+          f"{tokens / seconds:,.0f} sequence tokens/s ({run:,} decoder tokens)")
+    print(f"forward+backward: {flops:,.0f} GFLOP/s (6 x params x decoder tokens) = "
           f"{100 * flops / rate:.0f} % of the bf16 matmul rate measured now ({rate:,.0f} GFLOP/s "
           f"at 1600x576 @ 576x1536)")
 
@@ -100,6 +107,7 @@ def full_steps(argv: list[str]):
 if __name__ == "__main__":
     argv = sys.argv[1:]
     if "--train-all" in argv:
-        train_all([a for a in argv if a != "--train-all"])
+        train_all([a for a in argv if a not in ("--train-all", "--distinct-prompts")],
+                  distinct_prompts="--distinct-prompts" in argv)
     else:
         full_steps(argv)

@@ -92,6 +92,68 @@ def test_chunked_logprobs_equal_the_models_own(name):
     check_head_logits(model)  # passes for every architecture smolrl knows
 
 
+@pytest.mark.parametrize("name", ["llama", "cohere (logit_scale)", "granite (logits_scaling)"])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_linear_head_backward_equals_autograd(name, bf16, monkeypatch):
+    """LinearHeadLogprobs writes the head's backward out; autograd through head_logits (the path
+    every other head takes) must give the same log-probs, entropies and gradients."""
+    import model as model_module
+    torch.manual_seed(0)
+    model = ARCHITECTURES[name]()
+    assert model_module.linear_head(model)[0] is not None  # these take the written-out path
+    input_ids, pl, cl = pack([[5, 6, 7], [8]], [[9, 2], [10, 11, 12, 13, 2]], pad_id=0)
+    weights = torch.randn(2, 5)  # a loss that weighs every token differently
+
+    def run():
+        model.zero_grad()
+        with autocast("cpu", bf16):
+            lp, ent = completion_logprobs(model, input_ids, pl, cl, temperature=0.7,
+                                          chunk_tokens=3)
+        (lp * weights).sum().backward()
+        return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    fast = run()
+    monkeypatch.setattr(model_module, "linear_head", lambda model: (None, 1.0))
+    slow = run()
+    tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fast[0], slow[0], **tol)
+    torch.testing.assert_close(fast[1], slow[1], **tol)
+    for name in slow[2]:
+        torch.testing.assert_close(fast[2][name], slow[2][name], **tol, msg=name)
+
+
+def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(monkeypatch):
+    """A group's prompt runs once, followed by all its completions (model.share_prompts): every
+    log-prob, entropy and gradient must equal those of each sample in its own row."""
+    import model as model_module
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMALL))
+    a, b, c = [5, 6, 7, 8], [9, 10], [11, 12, 13]
+    prompts = [a, a, b, a, b, c]  # groups need not be contiguous; c is alone
+    completions = [[20, 21], [22, 23, 24, 25, 2], [26], [27], [28, 29, 30], [31, 32]]
+    input_ids, pl, cl = pack(prompts, completions, pad_id=0)
+    shared = model_module.share_prompts(model, input_ids, pl, cl)
+    assert shared is not None and shared.input_ids.shape[0] == 3  # three distinct prompts
+    weights = torch.randn(6, 5)
+
+    def run():
+        model.zero_grad()
+        lp, ent = completion_logprobs(model, input_ids, pl, cl, temperature=0.7)
+        (lp * weights).sum().backward()
+        return lp.detach(), ent, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    together = run()
+    monkeypatch.setattr(model_module, "share_prompts", lambda *args: None)
+    apart = run()
+    for x, y in zip(together[:2], apart[:2]):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    for name in apart[2]:
+        torch.testing.assert_close(together[2][name], apart[2][name], rtol=1e-4, atol=1e-6,
+                                   msg=name)
+    distinct = pack([a, b], [[20], [21]], pad_id=0)
+    assert model_module.share_prompts(model, *distinct) is None  # nothing to share
+
+
 def test_an_unknown_head_is_refused():
     model = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
     forward = model.forward
