@@ -343,7 +343,7 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
             segment[r, start:start + n] = i
             row[b] = r
             state[b, :n] = torch.arange(start - 1, start + n - 1)
-            state[b, 0] = P - 1  # the first token is predicted by the prompt's last state
+            state[b, :min(n, 1)] = P - 1  # the first token is predicted by the prompt's last state
             start += n
     q, k = segment[:, :, None], segment[:, None, :]  # (R, L, 1), (R, 1, L)
     causal = torch.ones(L, L, dtype=torch.bool).tril()

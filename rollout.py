@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from model import cast_parameters, completion_logprobs, pack, stop_token_ids
 
@@ -91,6 +91,22 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int], max_new_tokens: int):
     return tokens[:max_new_tokens], True
 
 
+class InverseCDFSampling(LogitsProcessor):
+    """Samples each row's next token from softmax(logits / temperature) by inverting its CDF with
+    one uniform number per row, and hands generate scores whose argmax is that token. generate's
+    own sampler (torch.multinomial) draws an exponential random number for every vocabulary entry
+    at every step: 42 ms of a 160 ms decoding step at 32 x 49,152 here, a quarter of generation."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+
+    def __call__(self, input_ids, scores):
+        cdf = torch.softmax(scores.float() / self.temperature, dim=-1).cumsum(-1)  # (B, V)
+        u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]  # (B, 1) below the total
+        token = torch.searchsorted(cdf, u, right=True)  # first index whose CDF exceeds u
+        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+
+
 class HFRollout:
     """transformers `generate`, batched with left padding.
 
@@ -156,11 +172,16 @@ class HFRollout:
                 ids[i, P - len(p):] = torch.tensor(p)
                 attn[i, P - len(p):] = 1
             greedy = sampling.temperature == 0
+            # Full-distribution sampling through InverseCDFSampling (then generate's own argmax
+            # takes its pick); greedy and top-p through generate's own code.
+            ours = not greedy and sampling.top_p == 1.0
             out = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
-                temperature=1.0 if greedy else sampling.temperature,
-                top_p=1.0 if greedy else sampling.top_p)
+                max_new_tokens=sampling.max_new_tokens, do_sample=not greedy and not ours,
+                temperature=1.0 if greedy or ours else sampling.temperature,
+                top_p=1.0 if greedy else sampling.top_p,
+                logits_processor=LogitsProcessorList(
+                    [InverseCDFSampling(sampling.temperature)] if ours else []))
             for row in out[:, P:].tolist():
                 tokens, cut = cut_at_stop(row, self.stop_ids, sampling.max_new_tokens)
                 completions.append(tokens)

@@ -132,3 +132,18 @@ def test_every_eos_id_stops_without_truncation(tiny_model):
     out = HFRollout(model, tok, dtype=torch.float32).generate([prompt], 2, Sampling(
         max_new_tokens=5, temperature=0.0))
     assert out.completion_ids == [[first]] * 2 and out.truncated == [False, False]
+
+
+def test_inverse_cdf_sampling_draws_from_the_tempered_distribution():
+    """HFRollout samples through InverseCDFSampling: the token frequencies must follow
+    softmax(logits / T), and a token with probability 0 must never come out."""
+    from rollout import InverseCDFSampling
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 0.5, -1.0, float("-inf"), 1.0])
+    rows = 200_000
+    scores = InverseCDFSampling(0.7)(None, logits.expand(rows, -1).clone())  # (rows, V)
+    assert ((scores == 0).sum(1) == 1).all()  # exactly one pick per row, the rest -inf
+    freq = torch.bincount(scores.argmax(1), minlength=5).float() / rows
+    expected = torch.softmax(logits / 0.7, -1)
+    assert freq[3] == 0
+    torch.testing.assert_close(freq, expected, atol=4e-3, rtol=0)  # ~4 standard errors

@@ -1,0 +1,125 @@
+"""smolrl and TRL's GRPOTrainer side by side: seconds per GRPO step on the same model, prompts and
+reward, every sequence trained.
+
+    python -m venv /tmp/trl-venv
+    /tmp/trl-venv/bin/pip install torch==2.13.0 trl       # TRL in a virtualenv of its own
+    python benchmarks/vs_trl.py --trl-python /tmp/trl-venv/bin/python
+
+Both sides get SmolLM2-135M-Instruct (the offline default, as its cached HF folder), the same 40
+conversational prompts (the arithmetic task's first problems with its answer-is instruction, as
+chat messages: each library applies the chat template itself), 8 prompts x 4 samples per step,
+<= 64 new tokens, T = 1.0, bf16, beta = 0 (no reference model), lr 1e-6, one optimizer step per
+batch, HF generation, no gradient checkpointing (TRL turns it on by default: off here, as in
+smolrl, so both do the same work), 5 steps of which the first is a warm-up. The reward is a random number per
+completion (the signature both libraries share), so every group has a reward spread and smolrl
+trains every sequence, as TRL always does. TRL runs in its own virtualenv (this script, in a
+subprocess), then smolrl here. Printed: each side's median seconds per step, the ratio, and each
+side's mean completion length -- a faster step over shorter completions would not be the same work.
+"""
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, PROMPTS, SAMPLES, MAX_NEW, LR = 5, 8, 4, 64, 1e-6
+
+
+def random_reward(prompts, completions, **_):
+    """Uniform in [0, 1): every group has a spread, so every sample has a non-zero advantage."""
+    return [random.random() for _ in completions]
+
+
+def trl_side(model_dir: str, prompts_file: str, result_file: str):
+    """Runs in TRL's virtualenv: GRPOTrainer for STEPS steps, timing each optimizer step."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = [json.loads(line) for line in Path(prompts_file).read_text().splitlines()]
+    times, lengths, t0 = [], [], [0.0]
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            t0[0] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - t0[0])
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    with tempfile.TemporaryDirectory() as out:
+        config = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * SAMPLES,
+                            num_generations=SAMPLES, max_completion_length=MAX_NEW,
+                            temperature=1.0, top_p=1.0, beta=0.0, learning_rate=LR,
+                            max_steps=STEPS, logging_steps=1, bf16=True, use_cpu=True,
+                            report_to=[], save_strategy="no", seed=0, shuffle_dataset=False,
+                            gradient_checkpointing=False)  # TRL's default; smolrl's is off
+        trainer = GRPOTrainer(model=model_dir, reward_funcs=random_reward, args=config,
+                              train_dataset=Dataset.from_list(rows), callbacks=[Timer()])
+        trainer.train()
+    Path(result_file).write_text(json.dumps({"step_seconds": times, "completion_len": lengths}))
+
+
+def smolrl_side(prompts_file: str) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from grpo import Config, main
+    with tempfile.TemporaryDirectory() as out:
+        cfg = Config(data=prompts_file, prompts_per_step=PROMPTS, num_generations=SAMPLES,
+                     max_new_tokens=MAX_NEW, temperature=1.0, beta=0.0, lr=LR, steps=STEPS,
+                     eval_every=0, log_samples_every=0, micro_batch_size=PROMPTS * SAMPLES,
+                     reward="vs_trl:random_reward", rollout="hf", out=out)
+        history = main(cfg)
+    steps = [r for r in history if r["step"] > 0]
+    assert all(r["trained_frac"] == 1.0 for r in steps), "smolrl skipped some sequences"
+    return {"step_seconds": [r["step_seconds"] for r in steps],
+            "completion_len": [r["completion_len"] for r in steps]}
+
+
+def prompts(n: int) -> list[dict]:
+    sys.path.insert(0, str(ROOT))
+    from data import TEMPLATES, arith_stream
+    stream = arith_stream(0)
+    return [{"prompt": [{"role": "user", "content": TEMPLATES["answer-is"][0].format(
+        problem=next(stream)["problem"])}]} for _ in range(n)]
+
+
+def main(trl_python: str):
+    sys.path.insert(0, str(ROOT))
+    from model import default_model_path
+    model_dir = default_model_path()
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts_file, result_file = Path(tmp) / "prompts.jsonl", Path(tmp) / "trl.json"
+        prompts_file.write_text("".join(json.dumps(r) + "\n" for r in prompts(STEPS * PROMPTS)))
+        print(f"TRL ({trl_python}) ...", flush=True)
+        subprocess.run([trl_python, __file__, "--trl-side", model_dir, str(prompts_file),
+                        str(result_file)], check=True, cwd=Path(__file__).parent)
+        trl = json.loads(result_file.read_text())
+        print("smolrl ...", flush=True)
+        ours = smolrl_side(str(prompts_file))
+    version = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
+    print(f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {MAX_NEW} new tokens, T = 1, bf16, every "
+          f"sequence trained; median of steps 2-{STEPS} (step 1 warms up)")
+    for name, r in ((f"TRL {version} GRPOTrainer", trl), ("smolrl grpo.py", ours)):
+        print(f"{name:28s} {statistics.median(r['step_seconds'][1:]):6.1f} s/step   mean "
+              f"completion length {statistics.mean(r['completion_len'][1:]):5.1f} tokens   "
+              f"(steps: {', '.join(f'{t:.1f}' for t in r['step_seconds'])})")
+    ratio = statistics.median(trl["step_seconds"][1:]) / statistics.median(ours["step_seconds"][1:])
+    print(f"smolrl is {ratio:.1f}x TRL's speed per step")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--trl-side"]:
+        trl_side(*sys.argv[2:5])
+    elif sys.argv[1:2] == ["--trl-python"] and len(sys.argv) == 3:
+        main(sys.argv[2])
+    else:
+        raise SystemExit("usage: python benchmarks/vs_trl.py --trl-python PATH/TO/TRL-VENV/bin/python")
