@@ -133,4 +133,8 @@ def main(all_files: bool):
 
 
 if __name__ == "__main__":
-    main("--all-files" in sys.argv[1:])
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--all-files", action="store_true",
+                        help="count every smolrl module the step passes through")
+    main(parser.parse_args().all_files)

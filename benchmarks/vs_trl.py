@@ -75,7 +75,8 @@ def smolrl_side(prompts_file: str) -> dict:
         cfg = Config(data=prompts_file, prompts_per_step=PROMPTS, num_generations=SAMPLES,
                      max_new_tokens=MAX_NEW, temperature=1.0, beta=0.0, lr=LR, steps=STEPS,
                      eval_every=0, log_samples_every=0, micro_batch_size=PROMPTS * SAMPLES,
-                     reward="vs_trl:random_reward", rollout="hf", out=out)
+                     reward="vs_trl:random_reward", rollout="hf", out=out,
+                     eval_data=prompts_file)  # (so no tail is held out: TRL's 40 prompts, in order)
         history = main(cfg)
     steps = [r for r in history if r["step"] > 0]
     assert all(r["trained_frac"] == 1.0 for r in steps), "smolrl skipped some sequences"
@@ -86,9 +87,9 @@ def smolrl_side(prompts_file: str) -> dict:
 def prompts(n: int) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     from data import TEMPLATES, arith_stream
-    stream = arith_stream(0)
+    rows = [next(stream) for stream in [arith_stream(0)] for _ in range(n)]
     return [{"prompt": [{"role": "user", "content": TEMPLATES["answer-is"][0].format(
-        problem=next(stream)["problem"])}]} for _ in range(n)]
+        problem=r["problem"])}], "answer": r["answer"]} for r in rows]
 
 
 def main(trl_python: str):
@@ -117,9 +118,16 @@ def main(trl_python: str):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--trl-side"]:
+    if sys.argv[1:2] == ["--trl-side"]:  # this script, run by TRL's virtualenv
         trl_side(*sys.argv[2:5])
-    elif sys.argv[1:2] == ["--trl-python"] and len(sys.argv) == 3:
-        main(sys.argv[2])
     else:
-        raise SystemExit("usage: python benchmarks/vs_trl.py --trl-python PATH/TO/TRL-VENV/bin/python")
+        import argparse
+        parser = argparse.ArgumentParser(description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--trl-python", required=True,
+                            help="the python of a virtualenv with TRL installed (see above)")
+        python = Path(parser.parse_args().trl_python)
+        if not python.exists():
+            raise SystemExit(f"error: --trl-python {python}: no such file; make a virtualenv "
+                             f"with TRL first (python benchmarks/vs_trl.py --help)")
+        main(str(python))
