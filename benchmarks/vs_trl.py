@@ -87,7 +87,8 @@ def smolrl_side(prompts_file: str) -> dict:
 def prompts(n: int) -> list[dict]:
     sys.path.insert(0, str(ROOT))
     from data import TEMPLATES, arith_stream
-    rows = [next(stream) for stream in [arith_stream(0)] for _ in range(n)]
+    stream = arith_stream(0)
+    rows = [next(stream) for _ in range(n)]
     return [{"prompt": [{"role": "user", "content": TEMPLATES["answer-is"][0].format(
         problem=r["problem"])}], "answer": r["answer"]} for r in rows]
 
