@@ -245,9 +245,10 @@ class LinearHeadLogprobs(torch.autograd.Function):
         grad = probs.mul_(-g[:, None])  # (n, V): (onehot - softmax) * g, in place
         grad[torch.arange(len(targets), device=grad.device), targets] += g
         grad = grad.to(ctx.dtype)
-        grad_hidden = (grad @ weight.to(ctx.dtype)).to(hidden.dtype)  # (n, H)
-        grad_weight = (grad.T @ hidden.to(ctx.dtype)).to(weight.dtype)  # (V, H)
-        return grad_hidden, grad_weight, None, None
+        need_hidden, need_weight = ctx.needs_input_grad[:2]  # (LoRA: the head is frozen)
+        grad_hidden = (grad @ weight.to(ctx.dtype)).to(hidden.dtype) if need_hidden else None
+        grad_weight = (grad.T @ hidden.to(ctx.dtype)).to(weight.dtype) if need_weight else None
+        return grad_hidden, grad_weight, None, None  # (n, H), (V, H)
 
 
 def _scaled_logits(hidden, weight, scale, dtype):
@@ -313,21 +314,27 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
     completion. Every completion token gets exactly the state it would get in its own row (the
     same keys, the same positions), for a fraction of the tokens when prompts are long next to
     completions (arith: 55-token prompts, <= 24-token answers). None -- run the rows as they
-    are -- when no prompt repeats, when the model does not take a custom mask through SDPA or
-    has a sliding window shorter than the packed row, or when the row would be long."""
+    are -- when sharing saves less than a fifth of the tokens, when the packed row would be long
+    or longer than the model's sliding window, and for models not verified to give every
+    completion the same log-probs shared as alone (check_head_logits sets
+    smolrl_shares_prompts: hybrid Mamba / linear-attention decoders run a packed row as one
+    sequence, and some models cannot take a custom mask at all)."""
     config = model.config.get_text_config()
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    if getattr(config, "_attn_implementation", None) != "sdpa" \
+            or not getattr(model, "smolrl_shares_prompts", False):  # see check_head_logits
         return None
+    input_ids, prompt_lens, completion_lens = input_ids.cpu(), prompt_lens.cpu(), completion_lens.cpu()
     B, T = input_ids.shape[0], int(completion_lens.max())
     members: dict[tuple, list[int]] = {}  # prompt tokens -> the rows that have it
     for b in range(B):
         members.setdefault(tuple(input_ids[b, :prompt_lens[b]].tolist()), []).append(b)
     lengths = [len(p) + sum(int(completion_lens[b]) for b in bs) for p, bs in members.items()]
     window = getattr(config, "sliding_window", None)
-    if len(members) == B or max(lengths) > min(MAX_SHARED_LEN, window or MAX_SHARED_LEN):
-        return None
     R, L = len(members), max(lengths)
-    device = input_ids.device
+    unshared = B * int((prompt_lens + completion_lens).max())  # tokens of the rows as they are
+    if R * L > 0.8 * unshared or L > min(MAX_SHARED_LEN, window or MAX_SHARED_LEN):
+        return None  # (few prompts repeat, or completions dwarf prompts: nothing to gain)
+    device = model.device
     ids = torch.zeros(R, L, dtype=input_ids.dtype)
     positions = torch.zeros(R, L, dtype=torch.long)
     segment = torch.full((R, L), -1)  # 0: the prompt, i: the i-th completion, -1: padding
@@ -338,7 +345,7 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
         start = P
         for i, b in enumerate(bs, start=1):
             n = int(completion_lens[b])
-            ids[r, start:start + n] = input_ids[b, P:P + n].cpu()
+            ids[r, start:start + n] = input_ids[b, P:P + n]
             positions[r, start:start + n] = torch.arange(P, P + n)
             segment[r, start:start + n] = i
             row[b] = r
@@ -368,6 +375,22 @@ def check_head_logits(model, atol: float = 1e-3):
         raise SystemExit(f"error: {type(model).__name__}: smolrl's log-probs differ from the "
                          f"model's own by {diff:.3g} nats (its head does something "
                          f"model.head_logits does not know); add it there")
+    model.smolrl_shares_prompts = _sharing_changes_nothing(model, ids[0], atol)
+
+
+def _sharing_changes_nothing(model, ids, atol: float) -> bool:
+    """Three samples of one prompt, log-probs with the prompt shared (share_prompts) and with each
+    sample in its own row: True when they agree, False when they differ or sharing fails."""
+    prompt, rest = ids[:4].tolist(), ids[4:].tolist()
+    batch = pack([prompt] * 3, [rest[:12], rest[3:12], rest[6:12]], pad_id=0, device=ids.device)
+    model.smolrl_shares_prompts = False
+    apart, _ = completion_logprobs(model, *batch)
+    model.smolrl_shares_prompts = True
+    try:
+        shared, _ = completion_logprobs(model, *batch)
+    except Exception:  # e.g. a model that builds its own 2D mask (Falcon's alibi)
+        return False
+    return float((shared - apart).abs().max()) <= atol
 
 
 class Packed(NamedTuple):

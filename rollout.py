@@ -101,9 +101,14 @@ class InverseCDFSampling(LogitsProcessor):
         self.temperature = temperature
 
     def __call__(self, input_ids, scores):
-        cdf = torch.softmax(scores.float() / self.temperature, dim=-1).cumsum(-1)  # (B, V)
-        u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]  # (B, 1) below the total
+        # fp64: past 0.5 an fp32 running sum no longer grows by probabilities below ~3e-8, and
+        # those tokens could never be drawn.
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
+        cdf = probs.cumsum(-1, dtype=torch.float64)  # (B, V)
+        u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]
         token = torch.searchsorted(cdf, u, right=True)  # first index whose CDF exceeds u
+        if not torch.isfinite(probs).all():
+            raise ValueError("sampling: the logits hold NaN or are all -inf in some row")
         return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
 
 

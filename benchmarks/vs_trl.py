@@ -10,11 +10,13 @@ conversational prompts (the arithmetic task's first problems with its answer-is 
 chat messages: each library applies the chat template itself), 8 prompts x 4 samples per step,
 <= 64 new tokens, T = 1.0, bf16, beta = 0 (no reference model), lr 1e-6, one optimizer step per
 batch, HF generation, no gradient checkpointing (TRL turns it on by default: off here, as in
-smolrl, so both do the same work), 5 steps of which the first is a warm-up. The reward is a random number per
-completion (the signature both libraries share), so every group has a reward spread and smolrl
-trains every sequence, as TRL always does. TRL runs in its own virtualenv (this script, in a
-subprocess), then smolrl here. Printed: each side's median seconds per step, the ratio, and each
-side's mean completion length -- a faster step over shorter completions would not be the same work.
+smolrl, so both do the same work), 5 steps of which the first is a warm-up. The reward is a
+random number per completion (the signature both libraries share), so every group has a reward
+spread and smolrl trains every sequence, as TRL always does. TRL runs in its own virtualenv (this
+script, in a subprocess), then smolrl here; both on the default device. TRL takes the prompts in
+file order, smolrl in its seeded shuffle of them: the timed steps see different prompt subsets.
+Printed: each side's median seconds per step, the ratio, and each side's mean completion length
+-- a faster step over shorter completions would not be the same work.
 """
 
 import json
@@ -59,9 +61,9 @@ def trl_side(model_dir: str, prompts_file: str, result_file: str):
         config = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * SAMPLES,
                             num_generations=SAMPLES, max_completion_length=MAX_NEW,
                             temperature=1.0, top_p=1.0, beta=0.0, learning_rate=LR,
-                            max_steps=STEPS, logging_steps=1, bf16=True, use_cpu=True,
+                            max_steps=STEPS, logging_steps=1, bf16=True,
                             report_to=[], save_strategy="no", seed=0, shuffle_dataset=False,
-                            gradient_checkpointing=False)  # TRL's default; smolrl's is off
+                            gradient_checkpointing=False)  # on by TRL's default; off in smolrl
         trainer = GRPOTrainer(model=model_dir, reward_funcs=random_reward, args=config,
                               train_dataset=Dataset.from_list(rows), callbacks=[Timer()])
         trainer.train()
@@ -75,8 +77,8 @@ def smolrl_side(prompts_file: str) -> dict:
         cfg = Config(data=prompts_file, prompts_per_step=PROMPTS, num_generations=SAMPLES,
                      max_new_tokens=MAX_NEW, temperature=1.0, beta=0.0, lr=LR, steps=STEPS,
                      eval_every=0, log_samples_every=0, micro_batch_size=PROMPTS * SAMPLES,
-                     reward="vs_trl:random_reward", rollout="hf", out=out,
-                     eval_data=prompts_file)  # (so no tail is held out: TRL's 40 prompts, in order)
+                     reward=f"{Path(__file__).resolve()}:random_reward", rollout="hf", out=out,
+                     eval_data=prompts_file)  # (else a tenth of the 40 would be held out)
         history = main(cfg)
     steps = [r for r in history if r["step"] > 0]
     assert all(r["trained_frac"] == 1.0 for r in steps), "smolrl skipped some sequences"

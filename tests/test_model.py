@@ -132,6 +132,8 @@ def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(monkeypatc
     prompts = [a, a, b, a, b, c]  # groups need not be contiguous; c is alone
     completions = [[20, 21], [22, 23, 24, 25, 2], [26], [27], [28, 29, 30], [31, 32]]
     input_ids, pl, cl = pack(prompts, completions, pad_id=0)
+    check_head_logits(model)  # verifies that sharing changes nothing for this architecture
+    assert model.smolrl_shares_prompts
     shared = model_module.share_prompts(model, input_ids, pl, cl)
     assert shared is not None and shared.input_ids.shape[0] == 3  # three distinct prompts
     weights = torch.randn(6, 5)
@@ -152,6 +154,20 @@ def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(monkeypatc
                                    msg=name)
     distinct = pack([a, b], [[20], [21]], pad_id=0)
     assert model_module.share_prompts(model, *distinct) is None  # nothing to share
+
+
+def test_a_hybrid_decoder_never_shares_prompts():
+    """LFM2's convolution layers run a packed row as one sequence, so a completion would see the
+    ones packed before it: the check at load must turn sharing off (rows run apart)."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+    import model as model_module
+    torch.manual_seed(0)
+    model = Lfm2ForCausalLM(Lfm2Config(**SMALL, initializer_range=0.5,
+                                       layer_types=["conv", "full_attention"])).eval()
+    check_head_logits(model)
+    assert model.smolrl_shares_prompts is False
+    input_ids, pl, cl = pack([[5, 6, 7]] * 3, [[9, 10, 11], [12, 13], [14]], pad_id=0)
+    assert model_module.share_prompts(model, input_ids, pl, cl) is None
 
 
 def test_an_unknown_head_is_refused():
