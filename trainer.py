@@ -73,6 +73,7 @@ def setup_trainer(cfg, resume_dir: str = "", group=None) -> Trainer:
         # KL(pi || ref) is exactly 0 before the first update instead of bf16 noise with a gradient.
         ref_model = load_model(start, device)[0] if resume_dir else copy.deepcopy(model)
         ref_model = ref_model.eval()  # not in the optimizer; run under no_grad
+        check_head_logits(ref_model)  # as the policy was: the same log-prob path (share_prompts)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.fsdp and group is not None:
