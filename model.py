@@ -323,7 +323,9 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
     if getattr(config, "_attn_implementation", None) != "sdpa" \
             or not getattr(model, "smolrl_shares_prompts", False):  # see check_head_logits
         return None
-    input_ids, prompt_lens, completion_lens = input_ids.cpu(), prompt_lens.cpu(), completion_lens.cpu()
+    # On the host once: the packing below is a Python loop over rows (no device sync per row).
+    input_ids, prompt_lens = input_ids.cpu(), prompt_lens.cpu()
+    completion_lens = completion_lens.cpu()
     B, T = input_ids.shape[0], int(completion_lens.max())
     members: dict[tuple, list[int]] = {}  # prompt tokens -> the rows that have it
     for b in range(B):
