@@ -75,7 +75,7 @@ class Config:
 
     # Sampling: the rollouts of one step
     rollout: Literal["auto", "hf", "vllm"] = "auto"
-    """generation engine: hf (transformers generate) or vllm (in-process vLLM, weights synced);
+    """generation engine: hf (a decoding loop over the HF model) or vllm (in-process vLLM, synced);
     auto: vllm when a GPU and vLLM are there, else hf"""
     prompts_per_step: int = 8
     """prompts sampled per step (N)"""

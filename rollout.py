@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from model import cast_parameters, completion_logprobs, pack, stop_token_ids
 
@@ -91,29 +90,49 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int], max_new_tokens: int):
     return tokens[:max_new_tokens], True
 
 
-class InverseCDFSampling(LogitsProcessor):
-    """Samples each row's next token from softmax(logits / temperature) by inverting its CDF with
-    one uniform number per row, and hands generate scores whose argmax is that token. generate's
-    own sampler (torch.multinomial) draws an exponential random number for every vocabulary entry
-    at every step: 42 ms of a 160 ms decoding step at 32 x 49,152 here, a quarter of generation."""
+def sample_next(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """One token per row of (B, V) logits: the argmax when greedy, else a draw from
+    softmax(logits / T), cut to the top-p nucleus when top_p < 1 -> (B,) token ids.
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
+    The draw inverts the CDF with one uniform number per row. torch.multinomial draws an
+    exponential random number for every vocabulary entry instead: a quarter of generation here."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)  # (B, V)
+    if not torch.isfinite(probs).all():
+        raise ValueError("sampling: the logits hold NaN or are all -inf in some row")
+    if sampling.top_p < 1:  # the smallest set of likeliest tokens holding top_p of the mass
+        sorted_probs, order = probs.sort(-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # (B, V)
+        probs = probs.scatter(-1, order, sorted_probs * (mass_before < sampling.top_p))
+    # fp64: past 0.5 an fp32 running sum no longer grows by probabilities below ~3e-8, and those
+    # tokens could never be drawn.
+    cdf = probs.cumsum(-1, dtype=torch.float64)  # (B, V)
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1)  # first index whose CDF exceeds u
 
-    def __call__(self, input_ids, scores):
-        # fp64: past 0.5 an fp32 running sum no longer grows by probabilities below ~3e-8, and
-        # those tokens could never be drawn.
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1)
-        cdf = probs.cumsum(-1, dtype=torch.float64)  # (B, V)
-        u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]
-        token = torch.searchsorted(cdf, u, right=True)  # first index whose CDF exceeds u
-        if not torch.isfinite(probs).all():
-            raise ValueError("sampling: the logits hold NaN or are all -inf in some row")
-        return torch.full_like(scores, float("-inf")).scatter_(1, token, 0.0)
+
+def group_batches(prompts: list, n: int, batch_size: int):
+    """Decoding batches of at most batch_size samples, prompt-major, as (prompts, copies of each):
+    whole groups of n while they fit, else each group split over several batches."""
+    if n <= batch_size:
+        per_batch = batch_size // n
+        for s in range(0, len(prompts), per_batch):
+            yield prompts[s:s + per_batch], n
+    else:
+        for p in prompts:
+            for k in range(0, n, batch_size):
+                yield [p], min(batch_size, n - k)
 
 
 class HFRollout:
-    """transformers `generate`, batched with left padding.
+    """A plain decoding loop over a Hugging Face model, batched with left padding.
+
+    Each distinct prompt runs through the model once; its key/value cache is then copied to its n
+    samples (GRPO's groups share a prompt: 8x less prefill). Every step feeds one token per row and
+    samples with `sample_next`, from the model's logits and nothing else -- unlike transformers'
+    `generate`, which merges the model's generation_config.json (a repetition penalty, top_k,
+    suppressed tokens) into every call: changes the trainer's log-probs would never see.
 
     Generation runs on its own bf16 copy of the policy: autocast would re-cast every fp32 weight at
     every decoding step, and the copy makes the HF engine behave like the vLLM one (it holds its own
@@ -126,17 +145,10 @@ class HFRollout:
         self.logprobs = logprobs  # also return the sampling policy's log-probs (a forward more)
         self.version, self.weight_group = 0, None
         # Not requires_grad_(False): measured here, it makes bf16 CPU generation 2.5x slower (a
-        # different matmul path is taken); generate() already runs without autograd.
+        # different matmul path is taken); decoding already runs without autograd.
         self.model = cast_parameters(copy.deepcopy(model), dtype).eval()
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
-        # Sample with exactly `Sampling` and nothing else: generate() merges the model's
-        # generation_config.json into every call (a repetition penalty, top_k, suppressed tokens:
-        # changes to the distribution the trainer's log-probs never see) and fills what is still
-        # unset with library defaults (top_k=50). The copy gets a neutral config instead.
-        self.model.generation_config = GenerationConfig(
-            do_sample=False, top_k=0, top_p=1.0, temperature=1.0, repetition_penalty=1.0,
-            eos_token_id=sorted(self.stop_ids), pad_token_id=self.pad_id)
 
     @torch.no_grad()
     def update_weights(self, weights: dict, version: int = 0) -> float:
@@ -166,35 +178,50 @@ class HFRollout:
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Completions:
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
-        prompts = [p for p in prompt_ids for _ in range(n)]  # prompt-major
         completions, truncated = [], []
-        for s in range(0, len(prompts), self.batch_size):
-            batch = prompts[s:s + self.batch_size]
-            P = max(len(p) for p in batch)
-            ids = torch.full((len(batch), P), self.pad_id, dtype=torch.long)
-            attn = torch.zeros((len(batch), P), dtype=torch.long)
-            for i, p in enumerate(batch):  # left padding: every prompt ends at column P
-                ids[i, P - len(p):] = torch.tensor(p)
-                attn[i, P - len(p):] = 1
-            greedy = sampling.temperature == 0
-            # Full-distribution sampling through InverseCDFSampling (then generate's own argmax
-            # takes its pick); greedy and top-p through generate's own code.
-            ours = not greedy and sampling.top_p == 1.0
-            out = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                max_new_tokens=sampling.max_new_tokens, do_sample=not greedy and not ours,
-                temperature=1.0 if greedy or ours else sampling.temperature,
-                top_p=1.0 if greedy else sampling.top_p,
-                logits_processor=LogitsProcessorList(
-                    [InverseCDFSampling(sampling.temperature)] if ours else []))
-            for row in out[:, P:].tolist():
+        for batch, copies in group_batches(prompt_ids, n, self.batch_size):
+            for row in self._decode(batch, copies, sampling):
                 tokens, cut = cut_at_stop(row, self.stop_ids, sampling.max_new_tokens)
                 completions.append(tokens)
                 truncated.append(cut)
+        prompts = [p for p in prompt_ids for _ in range(n)]  # prompt-major
         text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         sampled = self.logprobs and sampling.temperature > 0  # (greedy evaluation needs none)
         logprobs = self._logprobs(prompts, completions, sampling) if sampled else None
         return Completions(prompts, completions, truncated, text, logprobs, self.version)
+
+    def _decode(self, prompts: list[list[int]], copies: int, sampling: Sampling) -> list[list[int]]:
+        """`copies` samples of each prompt -> up to max_new_tokens tokens per sample, prompt-major
+        (the loop ends when every row has stopped; rows that stopped earlier continue with padding,
+        which cut_at_stop trims)."""
+        P = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), P), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at column P
+            ids[i, P - len(p):] = torch.tensor(p)
+            attn[i, P - len(p):] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)  # each prompt counts from its first token
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions,
+                         use_cache=True, logits_to_keep=1)
+        # Each prompt ran once; its cache (every layer's keys and values, or a recurrent state)
+        # and its last logits are copied to each of its samples.
+        rows = torch.arange(len(prompts), device=self.device).repeat_interleave(copies)
+        cache = out.past_key_values
+        cache.reorder_cache(rows)
+        logits, attn, position = out.logits[rows, -1], attn[rows], positions[rows, -1:]
+        stop = torch.tensor(sorted(self.stop_ids), device=self.device)
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)
+        tokens = []
+        while True:
+            token = sample_next(logits, sampling).masked_fill(done, self.pad_id)  # (B,)
+            tokens.append(token)
+            done |= torch.isin(token, stop)
+            if len(tokens) == sampling.max_new_tokens or done.all():
+                return torch.stack(tokens, 1).tolist()
+            attn, position = torch.cat([attn, attn.new_ones(len(rows), 1)], 1), position + 1
+            logits = self.model(input_ids=token[:, None], attention_mask=attn, use_cache=True,
+                                position_ids=position, past_key_values=cache).logits[:, -1]
 
     @torch.no_grad()
     def _logprobs(self, prompts, completions, sampling: Sampling) -> list[list[float]]:

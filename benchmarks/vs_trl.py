@@ -14,11 +14,13 @@ smolrl, so both do the same work), 5 steps of which the first is a warm-up. The 
 random number per completion (the signature both libraries share), so every group has a reward
 spread and smolrl trains every sequence, as TRL always does. TRL runs in its own virtualenv (this
 script, in a subprocess), then smolrl here; both on the default device. TRL takes the prompts in
-file order, smolrl in its seeded shuffle of them: the timed steps see different prompt subsets.
+file order, so its file lists them in the order smolrl's seeded shuffle draws them: each step
+trains on the same 8 prompts on both sides.
 Printed: each side's median seconds per step, the ratio, and each side's mean completion length
 -- a faster step over shorter completions would not be the same work.
 """
 
+import itertools
 import json
 import random
 import statistics
@@ -39,6 +41,7 @@ def random_reward(prompts, completions, **_):
 
 def trl_side(model_dir: str, prompts_file: str, result_file: str):
     """Runs in TRL's virtualenv: GRPOTrainer for STEPS steps, timing each optimizer step."""
+    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -63,7 +66,10 @@ def trl_side(model_dir: str, prompts_file: str, result_file: str):
                             temperature=1.0, top_p=1.0, beta=0.0, learning_rate=LR,
                             max_steps=STEPS, logging_steps=1, bf16=True,
                             report_to=[], save_strategy="no", seed=0, shuffle_dataset=False,
-                            gradient_checkpointing=False)  # on by TRL's default; off in smolrl
+                            gradient_checkpointing=False,  # on by TRL's default; off in smolrl
+                            # the default device, as smolrl's (Trainer refuses bf16 on a CPU
+                            # unless told that the CPU is meant)
+                            use_cpu=not torch.cuda.is_available())
         trainer = GRPOTrainer(model=model_dir, reward_funcs=random_reward, args=config,
                               train_dataset=Dataset.from_list(rows), callbacks=[Timer()])
         trainer.train()
@@ -97,13 +103,20 @@ def prompts(n: int) -> list[dict]:
 
 def main(trl_python: str):
     sys.path.insert(0, str(ROOT))
+    from data import row_stream
     from model import default_model_path
     model_dir = default_model_path()
     with tempfile.TemporaryDirectory() as tmp:
-        prompts_file, result_file = Path(tmp) / "prompts.jsonl", Path(tmp) / "trl.json"
-        prompts_file.write_text("".join(json.dumps(r) + "\n" for r in prompts(STEPS * PROMPTS)))
+        prompts_file, trl_file = Path(tmp) / "prompts.jsonl", Path(tmp) / "trl-order.jsonl"
+        rows, result_file = prompts(STEPS * PROMPTS), Path(tmp) / "trl.json"
+        prompts_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        # smolrl draws the rows in a seeded shuffle (seed 0); TRL, told not to shuffle, takes
+        # them in file order: its file lists them in smolrl's order, so each step sees the same
+        # prompts on both sides.
+        trl_file.write_text("".join(json.dumps(r) + "\n" for r in
+                                    itertools.islice(row_stream(rows, 0), len(rows))))
         print(f"TRL ({trl_python}) ...", flush=True)
-        subprocess.run([trl_python, __file__, "--trl-side", model_dir, str(prompts_file),
+        subprocess.run([trl_python, __file__, "--trl-side", model_dir, str(trl_file),
                         str(result_file)], check=True, cwd=Path(__file__).parent)
         trl = json.loads(result_file.read_text())
         print("smolrl ...", flush=True)

@@ -3,7 +3,7 @@
 import torch
 
 from model import completion_logprobs, length_mask, pack
-from rollout import HFRollout, Sampling, cut_at_stop
+from rollout import HFRollout, Sampling, cut_at_stop, group_batches, sample_next
 
 
 def test_cut_at_stop_keeps_the_stop_token():
@@ -134,16 +134,54 @@ def test_every_eos_id_stops_without_truncation(tiny_model):
     assert out.completion_ids == [[first]] * 2 and out.truncated == [False, False]
 
 
-def test_inverse_cdf_sampling_draws_from_the_tempered_distribution():
-    """HFRollout samples through InverseCDFSampling: the token frequencies must follow
-    softmax(logits / T), and a token with probability 0 must never come out."""
-    from rollout import InverseCDFSampling
+def test_sample_next_draws_from_the_tempered_distribution():
+    """The token frequencies must follow softmax(logits / T), and a token with probability 0
+    must never come out."""
     torch.manual_seed(0)
     logits = torch.tensor([2.0, 0.5, -1.0, float("-inf"), 1.0])
     rows = 200_000
-    scores = InverseCDFSampling(0.7)(None, logits.expand(rows, -1).clone())  # (rows, V)
-    assert ((scores == 0).sum(1) == 1).all()  # exactly one pick per row, the rest -inf
-    freq = torch.bincount(scores.argmax(1), minlength=5).float() / rows
+    tokens = sample_next(logits.expand(rows, -1), Sampling(temperature=0.7))  # (rows,)
+    freq = torch.bincount(tokens, minlength=5).float() / rows
     expected = torch.softmax(logits / 0.7, -1)
     assert freq[3] == 0
     torch.testing.assert_close(freq, expected, atol=4e-3, rtol=0)  # ~4 standard errors
+
+
+def test_sample_next_top_p_keeps_the_smallest_nucleus():
+    """top_p = 0.75 over probabilities (0.5, 0.3, 0.15, 0.05): the two likeliest hold 0.8 >= 0.75,
+    so only they are drawn, renormalised to (0.625, 0.375); greedy is the argmax."""
+    torch.manual_seed(0)
+    logits = torch.tensor([0.15, 0.5, 0.05, 0.3]).log()
+    rows = 100_000
+    tokens = sample_next(logits.expand(rows, -1), Sampling(temperature=1.0, top_p=0.75))
+    freq = torch.bincount(tokens, minlength=4).float() / rows
+    torch.testing.assert_close(freq, torch.tensor([0.0, 0.625, 0.0, 0.375]), atol=6e-3, rtol=0)
+    tokens = sample_next(logits.expand(rows, -1), Sampling(temperature=1.0, top_p=0.85))
+    assert torch.bincount(tokens, minlength=4)[0] > 0  # 0.85 needs the third token too
+    assert sample_next(logits[None], Sampling(temperature=0.0)).tolist() == [1]
+
+
+def test_group_batches_keep_groups_whole_and_split_only_large_ones():
+    assert list(group_batches([[1], [2], [3]], 2, 4)) == [([[1], [2]], 2), ([[3]], 2)]
+    assert list(group_batches([[1], [2]], 5, 4)) == [([[1]], 4), ([[1]], 1), ([[2]], 4),
+                                                     ([[2]], 1)]
+
+
+def test_prompts_of_different_lengths_decode_as_if_alone(tiny_model):
+    """Left padding, position ids and the prompt's cache copied to its samples: each prompt's
+    greedy completion in a mixed batch is the one the model gives it alone."""
+    import copy
+    model, tok = tiny_model
+    model = copy.deepcopy(model)
+    with torch.no_grad():  # sharp attention, so that a token's position changes the argmax
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(10)
+            layer.self_attn.k_proj.weight.mul_(10)
+    engine = HFRollout(model, tok, dtype=torch.float32)
+    prompts = [tok("What is 1 + 1? Think")["input_ids"], tok("Hi")["input_ids"], [7, 8, 9, 10]]
+    out = engine.generate(prompts, 2, Sampling(max_new_tokens=8, temperature=0.0))
+    for i, prompt in enumerate(prompts):
+        expected = _greedy_path(model, prompt, 8)
+        for k in range(2):
+            got = out.completion_ids[2 * i + k]
+            assert got == expected[:len(got)]
