@@ -168,8 +168,9 @@ def test_group_batches_keep_groups_whole_and_split_only_large_ones():
 
 
 def test_prompts_of_different_lengths_decode_as_if_alone(tiny_model):
-    """Left padding, position ids and the prompt's cache copied to its samples: each prompt's
-    greedy completion in a mixed batch is the one the model gives it alone."""
+    """Left padding, position ids, the prompt's cache copied to its samples, and samples that stop
+    leaving the batch: each prompt's greedy completion in a mixed batch is the one the model gives
+    it alone -- also for the samples that keep going after others have stopped."""
     import copy
     model, tok = tiny_model
     model = copy.deepcopy(model)
@@ -177,11 +178,15 @@ def test_prompts_of_different_lengths_decode_as_if_alone(tiny_model):
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(10)
             layer.self_attn.k_proj.weight.mul_(10)
-    engine = HFRollout(model, tok, dtype=torch.float32)
     prompts = [tok("What is 1 + 1? Think")["input_ids"], tok("Hi")["input_ids"], [7, 8, 9, 10]]
+    paths = [_greedy_path(model, p, 8) for p in prompts]
+    engine = HFRollout(model, tok, dtype=torch.float32)
+    # The first prompt's second token becomes a stop token: its samples leave the batch after two
+    # steps, while the other two prompts (which never produce it) decode on to the limit.
+    stop = paths[0][1]
+    assert stop not in paths[0][:1] + paths[1] + paths[2]
+    engine.stop_ids = {stop}
     out = engine.generate(prompts, 2, Sampling(max_new_tokens=8, temperature=0.0))
-    for i, prompt in enumerate(prompts):
-        expected = _greedy_path(model, prompt, 8)
-        for k in range(2):
-            got = out.completion_ids[2 * i + k]
-            assert got == expected[:len(got)]
+    expected = [paths[0][:2], paths[1], paths[2]]
+    assert out.completion_ids == [e for e in expected for _ in range(2)]
+    assert out.truncated == [False, False, True, True, True, True]
