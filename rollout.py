@@ -132,7 +132,8 @@ class HFRollout:
     samples (GRPO's groups share a prompt: 8x less prefill). Every step feeds one token per row and
     samples with `sample_next`, from the model's logits and nothing else -- unlike transformers'
     `generate`, which merges the model's generation_config.json (a repetition penalty, top_k,
-    suppressed tokens) into every call: changes the trainer's log-probs would never see.
+    suppressed tokens) into every call: changes the trainer's log-probs would never see. A sample
+    leaves the batch at its stop token, so the steps after it cost less.
 
     Generation runs on its own bf16 copy of the policy: autocast would re-cast every fp32 weight at
     every decoding step, and the copy makes the HF engine behave like the vLLM one (it holds its own
