@@ -219,8 +219,7 @@ class HFRollout:
             running = ~torch.isin(token, stop)
             if t + 1 == sampling.max_new_tokens or not running.any():
                 break
-            if not running.all():  # drop the samples that stopped: a step's cost grows with its
-                # rows (measured: 1.4x faster on the arith task's batch, whose answers are short)
+            if not running.all():  # drop the samples that stopped: a step costs ~ its rows
                 keep = running.nonzero().squeeze(1)
                 cache.reorder_cache(keep)
                 live, token, attn, position = live[keep], token[keep], attn[keep], position[keep]
