@@ -41,9 +41,10 @@ from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samp
 from model import DEFAULT_MODEL, length_mask, pack, right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from rollout import Completions, Sampling, policy_lag
-from trainer import Trainer, any_rank_trains, count_bad_steps, engine_correction, frozen_logprobs
-from trainer import micro_batches, optimizer_step, policy_logprobs, same_pass_count, setup_local
-from trainer import UpdateStats, reference_logprobs, setup_ray, untrained_mismatch
+from trainer import Trainer, UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
+from trainer import engine_correction, frozen_logprobs, micro_batches, optimizer_step
+from trainer import policy_logprobs, reference_logprobs, same_pass_count, setup_local, setup_ray
+from trainer import untrained_mismatch
 
 
 @dataclass
@@ -142,7 +143,7 @@ class Config:
     gradient_checkpointing: bool = False
     """recompute activations in backward: less memory for long responses, ~30 % more compute"""
     bf16: bool = True
-    """bf16 autocast around fp32 master weights"""
+    """bf16 compute, fp32 master weights: forward/backward on a bf16 copy (LoRA, FSDP: autocast)"""
     lora_rank: int = 0
     """LoRA (peft): train rank-R adapters only, for a 1.5B model on a 24 GB GPU (0 = full)"""
     lora_alpha: int = 0
@@ -495,7 +496,7 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
     Returns raw sums (trainer.UpdateStats), combined over ranks by finish_metrics: every rank's
     loss is its share of one global loss (batch.denom counts the global batch).
     """
-    cfg, model, device = trainer.cfg, trainer.model, trainer.device
+    cfg, model, device = trainer.cfg, trainer.compute, trainer.device  # (see trainer.bf16_copy)
     batch = batch.to(device)
     lens = batch.completion_lens
     # Without a KL term, a sequence with advantage 0 (e.g. from a zero-std group) adds exactly 0 to
@@ -540,6 +541,7 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
                 (loss * 0.0).backward()
                 continue
             (loss * trainer.world if trainer.sharded else loss).backward()  # micro-batches add up
+            add_to_master_grads(trainer)
             stats.add(loss, metrics, entropy, mask)
         stats.end_update(optimizer_step(trainer, stats.update_loss))
     return stats.result()

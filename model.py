@@ -127,7 +127,8 @@ def pick_device() -> str:
 
 
 def autocast(device: str, enabled: bool = True):
-    """bf16 autocast around fp32 master weights: the single place where compute dtype is chosen."""
+    """bf16 autocast around fp32 weights: DPO, and GRPO with LoRA or FSDP2 (any other GRPO run
+    computes on a bf16 copy of its weights: trainer.bf16_copy)."""
     if not enabled:
         return nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
