@@ -14,7 +14,7 @@ a non-zero advantage (grpo.py skips the others when beta = 0), so `trained` is p
 and prints sequence tokens/s and the FLOP rate of the tokens the decoder actually runs (6 x
 parameters x tokens, the usual estimate, which leaves out attention; a group's prompt runs once,
 model.share_prompts) next to the bf16 matmul rate this CPU reaches at SmolLM2's shapes, measured
-in the same run. --distinct-prompts gives each sequence a prompt of its own (nothing to share).
+in the same run just before each timed step (median of the four). --distinct-prompts gives each sequence a prompt of its own (nothing to share).
 """
 
 import json
@@ -35,7 +35,7 @@ from grpo import Config, main  # noqa: E402
 BENCH = Config(prompts_per_step=8, num_generations=4, max_new_tokens=64, steps=5, eval_every=0,
                log_samples_every=0, temperature=1.0, micro_batch_size=32)
 
-def matmul_gflops(m=1600, k=576, n=1536, repeats=50) -> float:
+def matmul_gflops(m=1600, k=576, n=1536, repeats=200) -> float:
     """bf16 (m, k) @ (k, n) at SmolLM2's MLP shape: what this machine can do."""
     a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
     for _ in range(5):
@@ -64,14 +64,14 @@ def train_all(argv: list[str], distinct_prompts: bool = False):
                      torch.randint(0, V, (B, T), generator=g)], dim=1)
     batch = TrainBatch(ids, torch.full((B,), P), lens, torch.randn(B, generator=g),
                        torch.ones(B, dtype=torch.bool), None, loss_denominator(cfg.loss_agg, lens, T))
-    rate = matmul_gflops()
     train_on_rollout(trainer, batch)  # warm-up
-    times = []
-    for _ in range(4):
+    times, rates = [], []
+    for _ in range(4):  # this machine's speed drifts: the matmul rate is sampled before each step
+        rates.append(matmul_gflops())
         t0 = time.perf_counter()
         train_on_rollout(trainer, batch)
         times.append(time.perf_counter() - t0)
-    seconds, tokens = statistics.median(times), B * (P + T)
+    seconds, rate, tokens = statistics.median(times), statistics.median(rates), B * (P + T)
     run = B // G * P + B * T  # the tokens the decoder runs: a group's prompt once (share_prompts)
     flops = 6 * params * run / seconds / 1e9
     print(f"{cfg.model}: {params / 1e6:.0f} M parameters; {B // G} prompts x {G} samples, "
@@ -80,8 +80,9 @@ def train_all(argv: list[str], distinct_prompts: bool = False):
     print(f"train_on_rollout: {seconds:.2f} s (median of {', '.join(f'{t:.2f}' for t in times)}), "
           f"{tokens / seconds:,.0f} sequence tokens/s ({run:,} decoder tokens)")
     print(f"forward+backward: {flops:,.0f} GFLOP/s (6 x params x decoder tokens) = "
-          f"{100 * flops / rate:.0f} % of the bf16 matmul rate measured now ({rate:,.0f} GFLOP/s "
-          f"at 1600x576 @ 576x1536)")
+          f"{100 * flops / rate:.0f} % of the bf16 matmul rate measured between the steps "
+          f"({rate:,.0f} GFLOP/s at 1600x576 @ 576x1536, median of "
+          f"{', '.join(f'{r:,.0f}' for r in rates)})")
 
 
 def full_steps(argv: list[str]):

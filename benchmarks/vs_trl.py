@@ -17,7 +17,9 @@ script, in a subprocess), then smolrl here; both on the default device. TRL take
 file order, so its file lists them in the order smolrl's seeded shuffle draws them: each step
 trains on the same 8 prompts on both sides.
 Printed: each side's median seconds per step, the ratio, and each side's mean completion length
--- a faster step over shorter completions would not be the same work.
+-- a faster step over shorter completions would not be the same work, so the ratio per completion
+token is printed too. The two sides draw different samples, and one seed's lengths can differ by
+a fifth: `--seed` (both sides; default 0) gives another draw.
 """
 
 import itertools
@@ -39,7 +41,7 @@ def random_reward(prompts, completions, **_):
     return [random.random() for _ in completions]
 
 
-def trl_side(model_dir: str, prompts_file: str, result_file: str):
+def trl_side(model_dir: str, prompts_file: str, result_file: str, seed: str):
     """Runs in TRL's virtualenv: GRPOTrainer for STEPS steps, timing each optimizer step."""
     import torch
     from datasets import Dataset
@@ -65,7 +67,7 @@ def trl_side(model_dir: str, prompts_file: str, result_file: str):
                             num_generations=SAMPLES, max_completion_length=MAX_NEW,
                             temperature=1.0, top_p=1.0, beta=0.0, learning_rate=LR,
                             max_steps=STEPS, logging_steps=1, bf16=True,
-                            report_to=[], save_strategy="no", seed=0, shuffle_dataset=False,
+                            report_to=[], save_strategy="no", seed=int(seed), shuffle_dataset=False,
                             gradient_checkpointing=False,  # on by TRL's default; off in smolrl
                             # the default device, as smolrl's (Trainer refuses bf16 on a CPU
                             # unless told that the CPU is meant)
@@ -76,7 +78,7 @@ def trl_side(model_dir: str, prompts_file: str, result_file: str):
     Path(result_file).write_text(json.dumps({"step_seconds": times, "completion_len": lengths}))
 
 
-def smolrl_side(prompts_file: str) -> dict:
+def smolrl_side(prompts_file: str, seed: int) -> dict:
     sys.path.insert(0, str(ROOT))
     from grpo import Config, main
     with tempfile.TemporaryDirectory() as out:
@@ -84,7 +86,7 @@ def smolrl_side(prompts_file: str) -> dict:
                      max_new_tokens=MAX_NEW, temperature=1.0, beta=0.0, lr=LR, steps=STEPS,
                      eval_every=0, log_samples_every=0, micro_batch_size=PROMPTS * SAMPLES,
                      reward=f"{Path(__file__).resolve()}:random_reward", rollout="hf", out=out,
-                     eval_data=prompts_file)  # (else a tenth of the 40 would be held out)
+                     seed=seed, eval_data=prompts_file)  # (else a tenth would be held out)
         history = main(cfg)
     steps = [r for r in history if r["step"] > 0]
     assert all(r["trained_frac"] == 1.0 for r in steps), "smolrl skipped some sequences"
@@ -101,7 +103,7 @@ def prompts(n: int) -> list[dict]:
         problem=r["problem"])}], "answer": r["answer"]} for r in rows]
 
 
-def main(trl_python: str):
+def main(trl_python: str, seed: int):
     sys.path.insert(0, str(ROOT))
     from data import row_stream
     from model import default_model_path
@@ -110,40 +112,44 @@ def main(trl_python: str):
         prompts_file, trl_file = Path(tmp) / "prompts.jsonl", Path(tmp) / "trl-order.jsonl"
         rows, result_file = prompts(STEPS * PROMPTS), Path(tmp) / "trl.json"
         prompts_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        # smolrl draws the rows in a seeded shuffle (seed 0); TRL, told not to shuffle, takes
+        # smolrl draws the rows in a seeded shuffle; TRL, told not to shuffle, takes
         # them in file order: its file lists them in smolrl's order, so each step sees the same
         # prompts on both sides.
         trl_file.write_text("".join(json.dumps(r) + "\n" for r in
-                                    itertools.islice(row_stream(rows, 0), len(rows))))
+                                    itertools.islice(row_stream(rows, seed), len(rows))))
         print(f"TRL ({trl_python}) ...", flush=True)
         subprocess.run([trl_python, __file__, "--trl-side", model_dir, str(trl_file),
-                        str(result_file)], check=True, cwd=Path(__file__).parent)
+                        str(result_file), str(seed)], check=True, cwd=Path(__file__).parent)
         trl = json.loads(result_file.read_text())
         print("smolrl ...", flush=True)
-        ours = smolrl_side(str(prompts_file))
+        ours = smolrl_side(str(prompts_file), seed)
     version = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
                              capture_output=True, text=True).stdout.strip()
     print(f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {MAX_NEW} new tokens, T = 1, bf16, every "
-          f"sequence trained; median of steps 2-{STEPS} (step 1 warms up)")
+          f"sequence trained, seed {seed}; median of steps 2-{STEPS} (step 1 warms up)")
     for name, r in ((f"TRL {version} GRPOTrainer", trl), ("smolrl grpo.py", ours)):
         print(f"{name:28s} {statistics.median(r['step_seconds'][1:]):6.1f} s/step   mean "
               f"completion length {statistics.mean(r['completion_len'][1:]):5.1f} tokens   "
               f"(steps: {', '.join(f'{t:.1f}' for t in r['step_seconds'])})")
     ratio = statistics.median(trl["step_seconds"][1:]) / statistics.median(ours["step_seconds"][1:])
-    print(f"smolrl is {ratio:.1f}x TRL's speed per step")
+    per_token = ratio * statistics.mean(ours["completion_len"][1:]) / statistics.mean(
+        trl["completion_len"][1:])
+    print(f"smolrl is {ratio:.1f}x TRL's speed per step, {per_token:.1f}x per completion token")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--trl-side"]:  # this script, run by TRL's virtualenv
-        trl_side(*sys.argv[2:5])
+        trl_side(*sys.argv[2:6])
     else:
         import argparse
         parser = argparse.ArgumentParser(description=__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("--trl-python", required=True,
                             help="the python of a virtualenv with TRL installed (see above)")
-        python = Path(parser.parse_args().trl_python)
+        parser.add_argument("--seed", type=int, default=0, help="both sides' seed")
+        args = parser.parse_args()
+        python = Path(args.trl_python)
         if not python.exists():
             raise SystemExit(f"error: --trl-python {python}: no such file; make a virtualenv "
                              f"with TRL first (python benchmarks/vs_trl.py --help)")
-        main(str(python))
+        main(str(python), args.seed)
