@@ -136,19 +136,21 @@ class Task:
     eval_size: int
     lr: float
     steps: int
+    micro_batch_size: int  # sequences per forward/backward: a step's whole batch when they are short
 
 
 TASKS = {
     # two-digit addition, offline: what `python grpo.py` runs on the offline default model
-    "arith": Task("arith", "", "answer-is", 24, 0.7, "arith", 256, 1e-5, 30),
+    "arith": Task("arith", "", "answer-is", 24, 0.7, "arith", 256, 1e-5, 30, 64),
     # MATH's 7,500 training problems (the answer: the solution's last \boxed{}), tested on
     # MATH-500 (drawn from MATH's test split): the R1-Zero-style experiment for Qwen2.5-Math
     "math": Task("DigitalLearningGmbH/MATH-lighteval", "train", "boxed", 1024, 1.0,
-                 "HuggingFaceH4/MATH-500", 500, 1e-6, 300),
+                 "HuggingFaceH4/MATH-500", 500, 1e-6, 300, 16),
     # grade-school word problems (the answer: after ####), tested on GSM8K's test split
-    "gsm8k": Task("openai/gsm8k", "train", "boxed", 512, 1.0, "openai/gsm8k", 1319, 1e-6, 300),
+    "gsm8k": Task("openai/gsm8k", "train", "boxed", 512, 1.0, "openai/gsm8k", 1319, 1e-6, 300,
+                  16),
     # your own file or hub dataset: `problem`/`prompt` and `answer` columns (--prompt-field, ...)
-    "custom": Task("", "", "answer-is", 24, 0.7, "", 256, 1e-5, 30),
+    "custom": Task("", "", "answer-is", 24, 0.7, "", 256, 1e-5, 30, 16),
 }
 
 
@@ -179,7 +181,8 @@ def apply_task(cfg) -> None:
         cfg.data, cfg.split = task.data, cfg.split or task.split
     local = Path(cfg.data).exists()  # a local file: the held-out set is its tail
     cfg.eval_data = cfg.eval_data or ("" if local and cfg.task != "arith" else task.eval_data)
-    for name in ("template", "max_new_tokens", "temperature", "eval_size", "lr", "steps"):
+    for name in ("template", "max_new_tokens", "temperature", "eval_size", "lr", "steps",
+                 "micro_batch_size"):
         if getattr(cfg, name) is None:
             setattr(cfg, name, getattr(task, name))
 

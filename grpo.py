@@ -136,8 +136,9 @@ class Config:
     """gradient clipping norm"""
     updates_per_rollout: int = 1
     """optimizer steps per rollout batch; >1 makes the ratio and the clipping matter"""
-    micro_batch_size: int = 16
-    """sequences per forward/backward; gradients accumulate over the batch"""
+    micro_batch_size: int | None = None
+    """sequences per forward/backward; gradients accumulate over the batch (default: the task's,
+    64 for arith's short sequences, else 16)"""
     max_tokens_per_microbatch: int = 0
     """micro-batches by token budget (padded tokens), sequences sorted by length (0 = by count)"""
     gradient_checkpointing: bool = False
