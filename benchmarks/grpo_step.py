@@ -14,7 +14,8 @@ a non-zero advantage (grpo.py skips the others when beta = 0), so `trained` is p
 and prints sequence tokens/s and the FLOP rate of the tokens the decoder actually runs (6 x
 parameters x tokens, the usual estimate, which leaves out attention; a group's prompt runs once,
 model.share_prompts) next to the bf16 matmul rate this CPU reaches at SmolLM2's shapes, measured
-in the same run just before each timed step (median of the four). --distinct-prompts gives each sequence a prompt of its own (nothing to share).
+in the same run just before each timed step (median of the four). --distinct-prompts gives each
+sequence a prompt of its own (nothing to share).
 """
 
 import json

@@ -31,6 +31,8 @@ def test_auto_is_arith_for_the_offline_model_and_math_for_any_other():
     assert (cfg.template, cfg.max_new_tokens, cfg.eval_data) == ("boxed", 1024,
                                                                  "HuggingFaceH4/MATH-500")
     assert "task math" in task_summary(cfg) and "MATH-500 (500)" in task_summary(cfg)
+    # arith's short sequences train a step's 64 samples in one micro-batch; 1,024-token math in 16s
+    assert (Config().micro_batch_size, cfg.micro_batch_size) == (64, 16)
 
 
 def test_explicit_flags_win_over_the_task():
@@ -39,6 +41,7 @@ def test_explicit_flags_win_over_the_task():
     assert (cfg.max_new_tokens, cfg.lr, cfg.template, cfg.eval_data) == (512, 3e-6, "raw",
                                                                           "HuggingFaceH4/aime_2024")
     assert cfg.temperature == 1.0  # the rest still from the task
+    assert Config(micro_batch_size=8).micro_batch_size == 8
 
 
 def test_files_with_a_tasks_schema_get_its_answers(tmp_path):
