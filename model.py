@@ -239,10 +239,11 @@ class LinearHeadLogprobs(torch.autograd.Function):
                 target = z.gather(-1, targets[b, None])  # (r, 1)
                 e = z.sub_(top).exp()  # (r, V): z is now logits - max, e = exp of it
                 total = e.sum(-1)  # (r,): log-sum-exp = max + log(total)
-                lse[b] = top.squeeze(-1) + total.log()
-                token_logp[b] = (target - top).squeeze(-1) - total.log()
+                log_total = total.log()
+                lse[b] = top.squeeze(-1) + log_total
+                token_logp[b] = (target - top).squeeze(-1) - log_total
                 # H = -sum p log p with p = e / total, log p = z - log(total)
-                entropy[b] = total.log() - torch.linalg.vecdot(e, z) / total
+                entropy[b] = log_total - torch.linalg.vecdot(e, z) / total
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.scale, ctx.dtype = scale, dtype
         ctx.mark_non_differentiable(entropy)
