@@ -13,6 +13,8 @@ the training step is handed in (`train_step`), and Ray runs the functions it is 
 import copy
 import functools
 import math
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -89,6 +91,8 @@ def setup_trainer(cfg, resume_dir: str = "", group=None) -> Trainer:
     if resume_dir:
         load_trainer_state(resume_dir, model, optimizer, scheduler)
     compute = bf16_copy(model) if uses_bf16_copy(cfg, group) else model
+    if cfg.compile:
+        compile_layers(compute)
     return Trainer(model, compute, tokenizer, ref_model, optimizer, scheduler, cfg, device, group)
 
 
@@ -106,6 +110,28 @@ def uses_bf16_copy(cfg, group) -> bool:
 
 def bf16_copy(model):
     return cast_parameters(copy.deepcopy(model), torch.bfloat16)
+
+
+def compile_layers(model):
+    """--compile: torch.compile each decoder layer of the model that forward and backward run on
+    (not the rollout's copy, whose decoding loop would recompile at every length). The layers share
+    one class, so one compiled graph serves them all; dynamic=True keeps it across the sequence
+    lengths of later steps. Inductor fuses each layer's element-wise chain -- RMSNorm's fp32 round
+    trip, rotary, SiLU times up-projection, residual adds -- which on a CPU costs nearly as much as
+    the matmuls (1.2-1.4x faster updates, measured in the README). Should compiling fail (no C++
+    compiler, an unsupported op), the layers run eagerly and the run goes on."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if layers is None:
+        raise SystemExit(f"error: --compile: {type(model).__name__} keeps its decoder layers "
+                         f"somewhere other than model.get_decoder().layers; run without --compile")
+    compiler = os.environ.get("CXX", "g++")  # what inductor builds its CPU kernels with
+    if model.device.type == "cpu" and not shutil.which(compiler):
+        print(f"warning: --compile needs a C++ compiler on a CPU ({compiler}; set CXX to choose "
+              f"another) and found none: the layers run eagerly")
+        return
+    torch._dynamo.config.suppress_errors = True  # any other failure warns and runs eagerly
+    for layer in layers:
+        layer.compile(dynamic=True)
 
 
 def add_to_master_grads(trainer: Trainer):
