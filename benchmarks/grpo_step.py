@@ -4,6 +4,7 @@
                                                 # <= 64 new tokens, bf16, 1 warm-up + 4 timed steps
     python benchmarks/grpo_step.py --train-all  # the policy update alone, every sequence trained
     python benchmarks/grpo_step.py --train-all --distinct-prompts  # no prompt shared by samples
+    python benchmarks/grpo_step.py --train-all --compile  # the decoder layers torch.compiled
 
 Prints one row per timed step and the median. Training time depends on how many sequences carry
 a non-zero advantage (grpo.py skips the others when beta = 0), so `trained` is printed beside it;
@@ -15,7 +16,8 @@ and prints sequence tokens/s and the FLOP rate of the tokens the decoder actuall
 parameters x tokens, the usual estimate, which leaves out attention; a group's prompt runs once,
 model.share_prompts) next to the bf16 matmul rate this CPU reaches at SmolLM2's shapes, measured
 in the same run just before each timed step (median of the four). --distinct-prompts gives each
-sequence a prompt of its own (nothing to share).
+sequence a prompt of its own (nothing to share). grpo.py's flags apply (--compile,
+--micro-batch-size, ...); with --compile the warm-up step pays for the compile.
 """
 
 import json
