@@ -146,8 +146,8 @@ class Config:
     bf16: bool = True
     """bf16 compute, fp32 master weights: forward/backward on a bf16 copy (LoRA, FSDP: autocast)"""
     compile: bool = False
-    """torch.compile the decoder layers for the update: 1.2-1.4x faster after a one-off ~30-50 s
-    compile on a CPU (cached on disk for later runs); pays off in runs longer than the default"""
+    """torch.compile the decoder layers for the update: 1.2-1.4x faster after a one-off ~45-60 s
+    compile on a CPU (~10 s once cached on disk); pays off in runs longer than the default"""
     lora_rank: int = 0
     """LoRA (peft): train rank-R adapters only, for a 1.5B model on a 24 GB GPU (0 = full)"""
     lora_alpha: int = 0

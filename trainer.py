@@ -13,8 +13,8 @@ the training step is handed in (`train_step`), and Ray runs the functions it is 
 import copy
 import functools
 import math
-import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -116,20 +116,22 @@ def compile_layers(model):
     """--compile: torch.compile each decoder layer of the model that forward and backward run on
     (not the rollout's copy, whose decoding loop would recompile at every length). The layers share
     one class, so one compiled graph serves them all; dynamic=True keeps it across the sequence
-    lengths of later steps. Inductor fuses each layer's element-wise chain -- RMSNorm's fp32 round
-    trip, rotary, SiLU times up-projection, residual adds -- which on a CPU costs nearly as much as
-    the matmuls (1.2-1.4x faster updates, measured in the README). Should compiling fail (no C++
-    compiler, an unsupported op), the layers run eagerly and the run goes on."""
+    lengths of later steps (a batch of one row, a forward without grad or without share_prompts'
+    mask each compile once more). Inductor fuses each layer's element-wise chain -- RMSNorm's fp32
+    round trip, rotary, SiLU times up-projection, residual adds -- which on a CPU costs nearly as
+    much as the matmuls (1.2-1.4x faster updates, measured in the README). Without a C++ compiler
+    (inductor's CPU kernels are C++) the layers run eagerly; any other compile error stops the run
+    with torch's message, rather than leaving it silently slower."""
     layers = getattr(model.get_decoder(), "layers", None)
     if layers is None:
         raise SystemExit(f"error: --compile: {type(model).__name__} keeps its decoder layers "
                          f"somewhere other than model.get_decoder().layers; run without --compile")
-    compiler = os.environ.get("CXX", "g++")  # what inductor builds its CPU kernels with
+    from torch._inductor import config as inductor
+    compiler = inductor.cpp.cxx[-1]  # $CXX when torch was imported, else g++ (clang++ on macOS)
     if model.device.type == "cpu" and not shutil.which(compiler):
         print(f"warning: --compile needs a C++ compiler on a CPU ({compiler}; set CXX to choose "
-              f"another) and found none: the layers run eagerly")
+              f"another) and found none: the layers run eagerly", file=sys.stderr)
         return
-    torch._dynamo.config.suppress_errors = True  # any other failure warns and runs eagerly
     for layer in layers:
         layer.compile(dynamic=True)
 

@@ -17,7 +17,8 @@ parameters x tokens, the usual estimate, which leaves out attention; a group's p
 model.share_prompts) next to the bf16 matmul rate this CPU reaches at SmolLM2's shapes, measured
 in the same run just before each timed step (median of the four). --distinct-prompts gives each
 sequence a prompt of its own (nothing to share). grpo.py's flags apply (--compile,
---micro-batch-size, ...); with --compile the warm-up step pays for the compile.
+--micro-batch-size, ...); with --compile the warm-up step pays for the compile (in the full-step
+mode a timed step that trains a single group compiles once more: a batch of one row).
 """
 
 import json
