@@ -210,7 +210,7 @@ def test_bf16_copy_sums_micro_batches_in_fp32_and_takes_the_new_master_weights(t
 
 
 @pytest.mark.skipif(not shutil.which(inductor_config.cpp.cxx[-1]), reason="no C++ compiler")
-def test_compiled_layers_train_as_the_eager_ones_do(tiny_model_dir, monkeypatch, capsys):
+def test_compiled_layers_train_as_the_eager_ones_do(tiny_model_dir, capsys):
     """--compile: the compute copy's decoder layers run through torch.compile -- inductor really
     generates and builds C++ kernels here, ~20-35 s -- and the log-probs and the step's gradients
     match the eager ones up to bf16 rounding (inductor keeps some intermediates in fp32). Prompts
@@ -236,7 +236,7 @@ def test_compiled_layers_train_as_the_eager_ones_do(tiny_model_dir, monkeypatch,
     assert torch.allclose(logprobs, eager_logprobs, atol=1e-2)  # measured: 0.002
     assert float((grads - eager).norm() / eager.norm()) < 0.02  # measured: 0.006
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("no-such-compiler",))
-    trainer = setup_trainer(Config(data="arith", model=tiny_model_dir, beta=0.0, compile=True))
+    with inductor_config.patch({"cpp.cxx": ("no-such-compiler",)}):  # (monkeypatch would delete it)
+        trainer = setup_trainer(Config(data="arith", model=tiny_model_dir, beta=0.0, compile=True))
     assert "found none: the layers run eagerly" in capsys.readouterr().err
     assert all(layer._compiled_call_impl is None for layer in trainer.compute.model.layers)
