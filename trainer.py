@@ -96,22 +96,6 @@ def setup_trainer(cfg, resume_dir: str = "", group=None) -> Trainer:
     return Trainer(model, compute, tokenizer, ref_model, optimizer, scheduler, cfg, device, group)
 
 
-# Mixed precision. Forward and backward run on a bf16 copy of the weights; the optimizer steps
-# fp32 master weights (`model`: what checkpoints save and the engines receive). Autocast would
-# cast every fp32 weight to bf16 in every forward and every bf16 weight gradient back in every
-# backward, and carry the residual stream in fp32 (~1.4x slower on a CPU). In the copy everything
-# is bf16, as in the engines that sampled the tokens; softmaxes and norms still compute in fp32.
-# LoRA (few trained weights) and FSDP2 (which shards the weights) keep fp32 under autocast.
-
-
-def uses_bf16_copy(cfg, group) -> bool:
-    return cfg.bf16 and not cfg.lora_rank and not (cfg.fsdp and group is not None)
-
-
-def bf16_copy(model):
-    return cast_parameters(copy.deepcopy(model), torch.bfloat16)
-
-
 def compile_layers(model):
     """--compile: torch.compile each decoder layer of the model that forward and backward run on
     (not the rollout's copy, whose decoding loop would recompile at every length). The layers share
@@ -134,6 +118,22 @@ def compile_layers(model):
         return
     for layer in layers:
         layer.compile(dynamic=True)
+
+
+# Mixed precision. Forward and backward run on a bf16 copy of the weights; the optimizer steps
+# fp32 master weights (`model`: what checkpoints save and the engines receive). Autocast would
+# cast every fp32 weight to bf16 in every forward and every bf16 weight gradient back in every
+# backward, and carry the residual stream in fp32 (~1.4x slower on a CPU). In the copy everything
+# is bf16, as in the engines that sampled the tokens; softmaxes and norms still compute in fp32.
+# LoRA (few trained weights) and FSDP2 (which shards the weights) keep fp32 under autocast.
+
+
+def uses_bf16_copy(cfg, group) -> bool:
+    return cfg.bf16 and not cfg.lora_rank and not (cfg.fsdp and group is not None)
+
+
+def bf16_copy(model):
+    return cast_parameters(copy.deepcopy(model), torch.bfloat16)
 
 
 def add_to_master_grads(trainer: Trainer):
