@@ -16,6 +16,7 @@ import inspect
 import itertools
 import json
 import random
+import sys
 import types
 import typing
 from dataclasses import asdict, dataclass
@@ -194,7 +195,8 @@ def task_summary(cfg) -> str:
     split = f" ({cfg.split})" if cfg.split else ""
     return (f"task {cfg.task}: train on {cfg.data}{split}, evaluate on {held_out} | template "
             f"{cfg.template}, max_new_tokens {cfg.max_new_tokens}, temperature {cfg.temperature}, "
-            f"lr {cfg.lr}, steps {cfg.steps}, rollout {cfg.rollout}")
+            f"lr {cfg.lr}, steps {cfg.steps}, rollout {cfg.rollout}, dtype {cfg.dtype} "
+            f"({cfg.dtype_reason})")
 
 
 def _first_row(source: str) -> dict | None:
@@ -414,6 +416,15 @@ def _choices(kind):
     return typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
 
 
+# Options that were replaced: the old spelling stops with one line that names the new one.
+REPLACED = {"--bf16": "bf16", "--no-bf16": "fp32"}  # -> --dtype ...
+
+
+def _refuse_replaced(old: str, new: str) -> None:
+    raise InputError(f"{old} was replaced by --dtype auto|bf16|fp32 (auto: bf16 where the "
+                     f"hardware computes it natively, else fp32): use {new}")
+
+
 def parse_config(cls, argv=None, description=None):
     """A CLI flag per dataclass field (--max-new-tokens for max_new_tokens), help from docstrings.
 
@@ -429,6 +440,9 @@ def parse_config(cls, argv=None, description=None):
     parser.add_argument("--config", help="TOML file setting any of the options below")
     parser.add_argument("--dry-run", action="store_true", help="print the config and exit")
     fields = cls.__dataclass_fields__
+    for arg in sys.argv[1:] if argv is None else argv:
+        if arg in REPLACED and "dtype" in fields:
+            _refuse_replaced(arg, f"--dtype {REPLACED[arg]}")
     for name, field in fields.items():
         if field.type in (bool, "bool"):
             parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=field.default,
@@ -465,6 +479,8 @@ def read_toml_config(path: str, fields: dict) -> dict:
     values = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name == "bf16" and "dtype" in fields:
+            _refuse_replaced(f"{path}: '{key}'", f'dtype = "{"bf16" if value else "fp32"}"')
         if name not in fields:
             raise SystemExit(f"error: {path}: unknown option '{key}'")
         kind, choices = _base(fields[name].type), _choices(fields[name].type)

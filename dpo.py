@@ -40,7 +40,7 @@ from data import Template, check, flag, parse_config
 from evaluate import TRACKERS, RunLog, evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
 from model import adamw_with_warmup, add_lora, check_head_logits, full_state_dict, load_adapters
-from model import pick_device, save_model, source_dtype
+from model import DTYPES, choose_dtype, pick_device, save_model, source_dtype
 from reward import Grader, extract_answer
 from rollout import HFRollout, Sampling
 
@@ -99,8 +99,9 @@ class Config:
     """held-out evaluation every N steps, at step 0 and at the end (0 = never)"""
     eval_size: int = 256
     """held-out arith problems for the task metric (builtin data only)"""
-    bf16: bool = True
-    """bf16 autocast around fp32 master weights"""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """compute dtype (master weights stay fp32; bf16 by autocast); auto: bf16 where the hardware
+    has it natively, else fp32 (model.choose_dtype, printed)"""
     lora_rank: int = 0
     """LoRA (peft): train rank-R adapters only (0 = full fine-tuning); the reference stays the base"""
     lora_alpha: int = 0
@@ -121,6 +122,8 @@ class Config:
     """output folder: metrics.jsonl, curves.png, the final model in HF format"""
 
     def __post_init__(self):  # impossible values stop here, before anything loads
+        choice = choose_dtype(self.dtype, pick_device())  # auto -> what computes fastest here
+        self.dtype, self.dtype_reason = choice.name, choice.reason
         for name in ("epochs", "batch_size", "micro_batch_size", "max_length",
                      "max_prompt_length", "builtin_problems", "eval_size"):
             check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
@@ -303,7 +306,7 @@ def pair_logps(model, pairs, cfg, device, average=False):
     prompts = [p.prompt for p in pairs] * 2
     responses = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     input_ids, prompt_lens, response_lens = pack(prompts, responses, 0, device)
-    with autocast(device, cfg.bf16):
+    with autocast(device, cfg.dtype == "bf16"):
         logprobs, _ = completion_logprobs(model, input_ids, prompt_lens, response_lens)  # (2B, T)
     mask = length_mask(response_lens, logprobs.shape[1])  # (2B, T): prompt tokens never count
     logps = (logprobs * mask).sum(1)  # (2B,)
@@ -366,11 +369,13 @@ def main(cfg: Config):
                                                           cfg.data, cfg)
 
     device = pick_device()
+    print(f"dtype {cfg.dtype} ({cfg.dtype_reason})")
     model, tokenizer = load_model(cfg.model, device)
     check_head_logits(model)
     # Built-in data: one generation engine samples the pairs and later runs the task evaluation.
     task_rows = arith_heldout(cfg.eval_size) if rows is None else []
-    rollout = HFRollout(model, tokenizer, device=device) if rows is None else None
+    rollout = HFRollout(model, tokenizer, device=device, dtype=DTYPES[cfg.dtype]) \
+        if rows is None else None
     if rows is None:
         pairs = builtin_pairs(rollout, tokenizer, cfg)
     else:

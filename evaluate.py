@@ -103,7 +103,7 @@ def summarize(samples: list[dict], n: int, grader: Grader | None = None) -> dict
 
 
 def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampling: Sampling,
-                  n: int, grader: Grader, dataset: str = "", batch_prompts: int = 64,
+                  n: int, grader: Grader, dataset: str = "", batch_prompts: int = 256,
                   progress: bool = True):
     """Generate n samples per row, grade them. Returns (summary row, per-sample records)."""
     fmt = TEMPLATES[template][1]
@@ -301,9 +301,11 @@ class EvalConfig:
     """wrap the prompt in the model's chat template (turn off for base models)"""
     backend: Literal["hf", "vllm"] = "hf"
     """rollout engine: hf (transformers) or vllm"""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """the engine's compute dtype; auto: bf16 where the hardware has it natively, else fp32"""
     gpu_memory_utilization: float = 0.2
     """vllm: fraction of GPU memory (host memory on CPU) for the engine"""
-    batch_prompts: int = 64
+    batch_prompts: int = 256
     """prompts generated together"""
     seed: int = 0
     """sampling seed"""
@@ -327,11 +329,14 @@ def main(argv=None):
                                              answer_field=cfg.answer_field, split=cfg.split,
                                              need_answers=True)
                 for src in cfg.data.split(",")}
-    from model import load_model, pick_device
+    from model import choose_dtype, load_model, pick_device
     from rollout import make_rollout
     device = pick_device()
+    dtype = choose_dtype(cfg.dtype, device)
+    print(f"dtype {dtype.name} ({dtype.reason})")
     model, tokenizer = load_model(cfg.model, device)
     rollout = make_rollout(cfg.backend, model, tokenizer, device=device, seed=cfg.seed,
+                           dtype=dtype.torch,
                            max_new_tokens=cfg.max_new_tokens,
                            gpu_memory_utilization=cfg.gpu_memory_utilization)
     del model

@@ -38,7 +38,7 @@ from checkpoint import DriverState, find_checkpoint, load_driver_state, save_che
 from data import TEMPLATES, ProblemStream, Template, apply_task, check, encode_prompts, flag
 from data import load_problems, parse_config, task_summary
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples, step_record
-from model import DEFAULT_MODEL, length_mask, pack, right_pad
+from model import DEFAULT_MODEL, choose_dtype, length_mask, pack, pick_device, right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from rollout import Completions, Sampling, policy_lag
 from trainer import Trainer, UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
@@ -143,8 +143,9 @@ class Config:
     """micro-batches by token budget (padded tokens), sequences sorted by length (0 = by count)"""
     gradient_checkpointing: bool = False
     """recompute activations in backward: less memory for long responses, ~30 % more compute"""
-    bf16: bool = True
-    """bf16 compute, fp32 master weights: forward/backward on a bf16 copy (LoRA, FSDP: autocast)"""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """compute dtype of the update, the KL reference and the engine (master weights stay fp32);
+    auto: bf16 where the hardware has it natively, else fp32 (model.choose_dtype, printed)"""
     compile: bool = False
     """torch.compile the decoder layers for the update: 1.2-1.4x faster after a one-off ~45-60 s
     compile on a CPU (~10 s once cached on disk); pays off in runs longer than the default"""
@@ -198,6 +199,8 @@ class Config:
 
     def __post_init__(self):  # the task's defaults fill what is unset; impossible values stop here
         apply_task(self)
+        choice = choose_dtype(self.dtype, pick_device())  # auto -> what computes fastest here
+        self.dtype, self.dtype_reason = choice.name, choice.reason  # (the reason is no option)
         if self.rollout == "auto":
             gpu_and_vllm = torch.cuda.is_available() and importlib.util.find_spec("vllm")
             self.rollout = "vllm" if gpu_and_vllm else "hf"

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from checkpoint import load_trainer_state, save_trainer_state
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
 from model import add_lora, full_state_dict, length_mask, load_adapters, load_model, pick_device
-from model import cast_parameters, save_model, shard_model, source_dtype
+from model import DTYPES, cast_parameters, save_model, shard_model, source_dtype
 from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, weight_layout
 
 
@@ -72,11 +72,8 @@ def setup_trainer(cfg, resume_dir: str = "", group=None) -> Trainer:
         if resume_dir:
             load_adapters(model, resume_dir)
     elif cfg.beta != 0.0:  # a frozen copy of the *initial* policy
-        # In the policy's precision scheme (the bf16 copy, or fp32 weights under autocast): then
-        # KL(pi || ref) is exactly 0 before the first update instead of bf16 noise with a gradient.
-        ref_model = load_model(start, device)[0] if resume_dir else copy.deepcopy(model)
-        ref_model = (bf16_copy(ref_model) if uses_bf16_copy(cfg, group) else ref_model).eval()
-        check_head_logits(ref_model)  # as the policy was: the same log-prob path (share_prompts)
+        initial = load_model(start, device)[0] if resume_dir else copy.deepcopy(model)
+        ref_model = computing_like(initial, model, cfg, group)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.fsdp and group is not None:
@@ -91,33 +88,47 @@ def setup_trainer(cfg, resume_dir: str = "", group=None) -> Trainer:
     if resume_dir:
         load_trainer_state(resume_dir, model, optimizer, scheduler)
     compute = bf16_copy(model) if uses_bf16_copy(cfg, group) else model
-    if cfg.compile:
-        compile_layers(compute)
+    if cfg.compile:  # the policy's forward, and the reference's: the same numerics
+        compile_layers(compute, *([ref_model] if ref_model is not None else []))
     return Trainer(model, compute, tokenizer, ref_model, optimizer, scheduler, cfg, device, group)
 
 
-def compile_layers(model):
-    """--compile: torch.compile each decoder layer of the model that forward and backward run on
-    (not the rollout's copy, whose decoding loop would recompile at every length). The layers share
-    one class, so one compiled graph serves them all; dynamic=True keeps it across the sequence
-    lengths of later steps (a batch of one row, a forward without grad or without share_prompts'
-    mask each compile once more). Inductor fuses each layer's element-wise chain -- RMSNorm's fp32
-    round trip, rotary, SiLU times up-projection, residual adds -- which on a CPU costs nearly as
-    much as the matmuls (1.2-1.4x faster updates, measured in the README). Without a C++ compiler
-    (inductor's CPU kernels are C++) the layers run eagerly; any other compile error stops the run
-    with torch's message, rather than leaving it silently slower."""
-    layers = getattr(model.get_decoder(), "layers", None)
-    if layers is None:
-        raise SystemExit(f"error: --compile: {type(model).__name__} keeps its decoder layers "
-                         f"somewhere other than model.get_decoder().layers; run without --compile")
+def computing_like(initial, policy, cfg, group):
+    """The KL reference: the initial weights, set up to compute exactly as the policy's forward
+    does -- the same dtype (its bf16 copy, or fp32 weights under autocast), the same prompt-sharing
+    verdict (the policy's, made once in fp32: a check of its own in bf16 could refuse what the
+    policy does), compiled when the policy is (setup_trainer) -- so that KL(pi || ref) is exactly
+    0 before the first update, not numerical noise with a gradient."""
+    ref = cast_parameters(initial, torch.bfloat16) if uses_bf16_copy(cfg, group) else initial
+    ref.smolrl_shares_prompts = policy.smolrl_shares_prompts
+    return ref.eval()
+
+
+def compile_layers(*models):
+    """--compile: torch.compile each decoder layer of the models that forward and backward run on
+    -- the policy's and its KL reference's -- (not the rollout's copy, whose decoding loop would
+    recompile at every length). The layers share one class, so one compiled graph serves them all;
+    dynamic=True keeps it across the sequence lengths of later steps (a batch of one row, a forward
+    without grad or without share_prompts' mask each compile once more). Inductor fuses each
+    layer's element-wise chain -- RMSNorm's fp32 round trip, rotary, SiLU times up-projection,
+    residual adds -- which on a CPU costs nearly as much as the matmuls (1.2-1.4x faster updates,
+    measured in the README). Without a C++ compiler (inductor's CPU kernels are C++) the layers run
+    eagerly; any other compile error stops the run with torch's message, rather than leaving it
+    silently slower."""
+    for model in models:
+        if getattr(model.get_decoder(), "layers", None) is None:
+            raise SystemExit(f"error: --compile: {type(model).__name__} keeps its decoder layers "
+                             f"somewhere other than model.get_decoder().layers; run without "
+                             f"--compile")
     from torch._inductor import config as inductor
     compiler = inductor.cpp.cxx[-1]  # $CXX when torch was imported, else g++ (clang++ on macOS)
-    if model.device.type == "cpu" and not shutil.which(compiler):
+    if models[0].device.type == "cpu" and not shutil.which(compiler):
         print(f"warning: --compile needs a C++ compiler on a CPU ({compiler}; set CXX to choose "
               f"another) and found none: the layers run eagerly", file=sys.stderr)
         return
-    for layer in layers:
-        layer.compile(dynamic=True)
+    for model in models:
+        for layer in model.get_decoder().layers:
+            layer.compile(dynamic=True)
 
 
 # Mixed precision. Forward and backward run on a bf16 copy of the weights; the optimizer steps
@@ -129,7 +140,7 @@ def compile_layers(model):
 
 
 def uses_bf16_copy(cfg, group) -> bool:
-    return cfg.bf16 and not cfg.lora_rank and not (cfg.fsdp and group is not None)
+    return cfg.dtype == "bf16" and not cfg.lora_rank and not (cfg.fsdp and group is not None)
 
 
 def bf16_copy(model):
@@ -183,7 +194,7 @@ def weights_of(trainer: Trainer, dtype=None) -> dict | None:
 def layout_of(trainer: Trainer) -> list | None:
     """The buckets of a weight sync (rollout.weight_layout), on rank 0. Every rank calls it."""
     weights = weights_of(trainer)
-    return None if weights is None else weight_layout(weights, torch.bfloat16)
+    return None if weights is None else weight_layout(weights, DTYPES[trainer.cfg.dtype])
 
 
 def join_weight_group(trainer: Trainer, host, port, world_size, backend, layout):
@@ -225,11 +236,11 @@ def weight_sync_by_collective(trainers, engines, nccl: bool) -> Callable[[int], 
     return sync
 
 
-def weight_sync_by_object_store(trainers, engines) -> Callable[[int], float]:
-    """sync(step): rank 0 puts its weights (cast to the engines' bf16 on its device) in Ray's
+def weight_sync_by_object_store(trainers, engines, dtype) -> Callable[[int], float]:
+    """sync(step): rank 0 puts its weights (cast to the engines' dtype on its device) in Ray's
     object store, and every engine pulls a copy."""
     return lambda step: engines.update_weights(trainers.weights_ref(
-        functools.partial(weights_of, dtype=torch.bfloat16)), step)
+        functools.partial(weights_of, dtype=dtype)), step)
 
 
 def _engine_free(engine):
@@ -250,7 +261,7 @@ def policy_logprobs(model, batch, idx, cfg, device):
     L = int((mb.prompt_lens + mb.completion_lens).max())  # drop padding columns it does not need
     # An FSDP-sharded model carries completion_logprobs as a registered forward (shard_model).
     logprobs_of = getattr(model, "completion_logprobs", functools.partial(completion_logprobs, model))
-    with autocast(device, cfg.bf16 and next(model.parameters()).dtype == torch.float32):
+    with autocast(device, cfg.dtype == "bf16" and next(model.parameters()).dtype == torch.float32):
         return logprobs_of(mb.input_ids[:, :L], mb.prompt_lens, mb.completion_lens,
                            temperature=cfg.temperature)
 
@@ -458,6 +469,7 @@ def make_engine(cfg):
     """A rollout engine on an engine worker."""
     model, tokenizer = load_model(cfg.model, pick_device())
     return make_rollout(cfg.rollout, model, tokenizer, device=pick_device(), seed=cfg.seed,
+                        dtype=DTYPES[cfg.dtype],
                         max_new_tokens=cfg.max_new_tokens,
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
                         logprobs=cfg.async_steps > 0)
@@ -484,6 +496,7 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
     plain = load_model(cfg.init_from or cfg.model, trainer.device)[0] if cfg.lora_rank \
         else trainer.model
     rollout = make_rollout(cfg.rollout, plain, trainer.tokenizer, device=trainer.device,
+                           dtype=DTYPES[cfg.dtype],
                            seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
                            gpu_memory_utilization=cfg.gpu_memory_utilization,
                            logprobs=cfg.async_steps > 0)
@@ -508,7 +521,7 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
         sync_weights = weight_sync_by_collective(trainers, engines,
                                                  nccl=cluster.use_gpu and not cfg.colocate)
     else:
-        sync_weights = weight_sync_by_object_store(trainers, engines)
+        sync_weights = weight_sync_by_object_store(trainers, engines, DTYPES[cfg.dtype])
 
     def train(batch):
         parts = shard(len(batch.advantages), cfg.num_trainers)  # each rank: a contiguous slice

@@ -97,3 +97,20 @@ def read_metrics(out):
     """metrics.jsonl without the timing figures."""
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not any(t in k for t in TIMING)} for r in rows]
+
+
+# Relative tolerances by compute dtype, for quantities summed over many terms (gradients, losses):
+# their rounding depends on the summation order, which differs between CPUs (AVX2 vs AVX-512 kernels)
+# and between batchings -- fp32 measured up to 2.5e-6 of the largest gradient entry on an AVX2 CPU.
+REL_TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def assert_close_to_scale(actual, expected, dtype=torch.float32, what="tensors"):
+    """|actual - expected| <= REL_TOL[dtype] x max|expected|, elementwise: the error a sum's
+    rounding makes scales with its largest terms, so a bare absolute tolerance is too tight for
+    large values and meaningless for tiny ones."""
+    actual, expected = torch.as_tensor(actual).float(), torch.as_tensor(expected).float()
+    scale = float(expected.abs().max())
+    diff = float((actual - expected).abs().max())
+    assert diff <= REL_TOL[dtype] * scale, (f"{what}: largest difference {diff:.3g} exceeds "
+                                            f"{REL_TOL[dtype]} x the largest value {scale:.3g}")

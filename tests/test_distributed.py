@@ -65,7 +65,7 @@ def cluster():
 
 def _cfg(model_dir):
     # fp32 so that one and two trainers can be compared tightly; beta > 0 trains every sequence.
-    return Config(data="arith", model=model_dir, bf16=False, beta=0.02, lr=1e-3, micro_batch_size=2,
+    return Config(data="arith", model=model_dir, dtype="fp32", beta=0.02, lr=1e-3, micro_batch_size=2,
                   max_new_tokens=6)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import assert_close_to_scale
 from dpo import Config, Pair, batch_loss, check_pairs, dpo_loss, pair_logps, tokenize_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +73,7 @@ def test_gradient_raises_chosen_and_lowers_rejected():
 
 
 def _cfg(**kw):
-    return Config(bf16=False, **kw)
+    return Config(dtype="fp32", **kw)
 
 
 def test_prompt_tokens_do_not_change_the_loss(tiny_model):
@@ -115,7 +116,7 @@ def test_micro_batching_leaves_loss_and_gradient_unchanged(tiny_model):
     split, g_split = run([(0, 1), (1, 3), (3, 4)])
     assert split == pytest.approx(full, rel=1e-5)
     for a, b in zip(g_full, g_split):
-        assert torch.allclose(a, b, atol=1e-6)
+        assert_close_to_scale(b, a, what="gradients")
 
 
 @pytest.mark.parametrize("row, message", [
@@ -195,7 +196,7 @@ def test_resume_is_exact(tiny_model_dir, tmp_path):
                                         "rejected": str(i + 7)}) + "\n" for i in range(20)))
     common = [sys.executable, "dpo.py", "--model", tiny_model_dir, "--data", str(data),
               "--batch-size", "4", "--micro-batch-size", "2", "--epochs", "1", "--eval-every", "2",
-              "--lr", "1e-3", "--no-bf16"]
+              "--lr", "1e-3", "--dtype", "fp32"]
     first = subprocess.run(common + ["--save-every", "2", "--keep-last", "0", "--out",
                                      str(tmp_path / "a")], cwd=ROOT, capture_output=True,
                            text=True, timeout=600)

@@ -18,7 +18,7 @@ COMPLETIONS = [[20, 21, 2], [22, 2], [23, 24, 25, 26], [27, 2]]
 
 
 def _lora_trainer(model_dir, **kw):
-    return setup_trainer(Config(data="arith", model=model_dir, bf16=False, lr=1e-2, lora_rank=4,
+    return setup_trainer(Config(data="arith", model=model_dir, dtype="fp32", lr=1e-2, lora_rank=4,
                                 **kw))
 
 

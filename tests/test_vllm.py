@@ -149,7 +149,7 @@ def test_lora_weights_reach_the_engine_merged(engine, model_dir, model_and_token
     from grpo import Config
     from trainer import setup_trainer, weights_of
     model, tokenizer = model_and_tokenizer
-    trainer = setup_trainer(Config(data="arith", model=model_dir, bf16=False, lora_rank=4))
+    trainer = setup_trainer(Config(data="arith", model=model_dir, dtype="fp32", lora_rank=4))
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
             if "lora_B" in name:
