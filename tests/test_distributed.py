@@ -186,6 +186,10 @@ def test_one_engine_vs_two_engines_and_weight_sync(cluster, tiny_model_dir, tiny
     two = engines.generate(prompts, 2, greedy)
     one = local.generate(prompts, 2, greedy)
     assert two.completion_ids == one.completion_ids and two.prompt_ids == one.prompt_ids
+    # Sampled, the engines seed their shards apart: given the same seed, the two engines would
+    # draw the same samples for the same prompt in the same place of their shards.
+    sampled = engines.generate([prompts[0]] * 4, 1, Sampling(6, temperature=1.0, seed=7))
+    assert sampled.completion_ids[:2] != sampled.completion_ids[2:]
 
     trained = setup_trainer(_cfg(tiny_model_dir)).model
     with torch.no_grad():

@@ -119,6 +119,20 @@ def test_collective_weight_sync_reaches_the_vllm_worker(engine, model_and_tokeni
     engine.update_weights(model.state_dict())  # leave the shared engine as the fixture made it
 
 
+def test_each_prompt_draws_its_own_samples_and_a_seed_repeats_them(engine, model_and_tokenizer):
+    """vLLM seeds sample k of a request with seed + k: one seed for every prompt of a call would
+    give the k-th samples of identical prompts the same tokens. Each prompt gets a seed of its own;
+    and a call repeated with its seed repeats its samples (a resumed run samples what the original
+    did), on the CPU too, where a seeded prompt is never split across scheduler steps."""
+    _, tokenizer = model_and_tokenizer
+    prompt = tokenizer("What is 2 + 3?")["input_ids"]
+    sampling = Sampling(max_new_tokens=8, temperature=1.0, seed=11)
+    first = engine.generate([prompt, prompt], 2, sampling)
+    assert first.completion_ids[0] != first.completion_ids[2]  # sample 0 of each prompt
+    assert first.completion_ids[1] != first.completion_ids[3]
+    assert engine.generate([prompt, prompt], 2, sampling).completion_ids == first.completion_ids
+
+
 def test_greedy_generations_agree_with_hf(engine, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine.update_weights(model.state_dict())
