@@ -3,15 +3,23 @@ course/exercises.toml, run against the student's functions, a score per exercise
 
     python course/grade.py STUDENT_DIR [--json grade.json]     # or: make grade STUDENT=...
 
-An exercise earns its points when every one of its tests passes. The tests are the instructor's
-(this checkout's tests/, copied over the student's in a scratch folder), so a student who edits a
-test changes nothing. Each failure is shown as the hand-computed example's expected value against
-the student's, not as a traceback. grade.json follows Gradescope's results format: one entry per
-exercise with its score, maximum and output.
+Only the exercise functions are taken from the student's copy: each one's source, cut out of their
+file with `ast`, replaces the reference implementation in a scratch copy of this checkout, whose
+tests then grade it. Nothing else of theirs runs or is even copied (a conftest.py, a pytest.py,
+module-level code, another module, a data file), so nothing else can change the grade. An exercise
+earns its points when every one of its tests passes. Each failure is shown as the hand-computed
+example's expected value against the student's, not as a traceback. grade.json follows
+Gradescope's results format: one entry per exercise with its score, maximum and output.
+
+Not a sandbox: a student's function runs with the grader's rights when a test calls it, and could
+cheat from there (course/README.md says what is and is not protected). Grade untrusted classes in a
+container.
 """
 
 import argparse
+import ast
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -25,6 +33,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from make_exercises import ROOT, load_exercises, project_files  # noqa: E402
 
 TIMEOUT = 600  # seconds for all the tests; a student's endless loop fails, it does not hang
+# All of the grader's environment the tests see: what Python and torch need, no tokens or keys for
+# a student's function to read, no PYTHONPATH or PYTEST_ADDOPTS to change what runs.
+KEPT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "OMP_NUM_THREADS")
+FUNCTION = (ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+class Refused(Exception):
+    """An exercise's function cannot be taken from the student's copy: it scores 0, saying why."""
 
 
 @dataclass
@@ -46,47 +62,117 @@ class Grade:
         return self.points if self.results and all(r.passed for r in self.results) else 0
 
 
-def grade(student: Path, exercises: list[dict], tests_from: Path = ROOT) -> list[Grade]:
-    """Run every exercise's tests in a scratch copy of `student` with `tests_from`'s tests/."""
+def grade(student: Path, exercises: list[dict], reference: Path = ROOT) -> list[Grade]:
+    """Run every exercise's tests in a scratch copy of `reference` (this checkout: the instructor's
+    code and tests) holding the student's exercise functions in place of the reference ones."""
     with tempfile.TemporaryDirectory(prefix="smolrl-grade-") as scratch:
-        work = Path(scratch) / "copy"
-        for rel in project_files(student):
-            if rel.parts[0] != "tests":
-                (work / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(student / rel, work / rel)
-        shutil.copytree(tests_from / "tests", work / "tests",
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        by_exercise = run_tests(work, [t for ex in exercises for t in ex["tests"]])
-        if by_exercise is None:  # the run crashed or hung: one exercise at a time finds which
-            by_exercise = {}
-            for ex in exercises:
-                by_exercise.update(run_tests(work, ex["tests"]) or
-                                   {t: [Result(t, False, "the tests crashed or ran past "
-                                                        f"{TIMEOUT} s")] for t in ex["tests"]})
+        work = Path(scratch)
+        refused = build_scratch(work, student, exercises, reference)
+        graded = [ex for ex in exercises if ex["name"] not in refused]
+        by_test = run_tests(work, [t for ex in graded for t in ex["tests"]]) if graded else {}
+        if by_test is None:  # the run crashed or hung: one exercise at a time finds which
+            by_test = {}
+            for ex in graded:
+                by_test.update(run_tests(work, ex["tests"]) or
+                               {t: [Result(t, False, "the tests crashed or ran past "
+                                                     f"{TIMEOUT} s")] for t in ex["tests"]})
+    by_test |= {t: [Result(t.split("::")[-1], False, refused[ex["name"]])]
+                for ex in exercises if ex["name"] in refused for t in ex["tests"]}
     return [Grade(ex["name"], ex["points"],
-                  [r for t in ex["tests"] for r in by_exercise.get(t, [Result(t, False, "not run")])])
+                  [r for t in ex["tests"] for r in by_test.get(t, [Result(t, False, "not run")])])
             for ex in exercises]
+
+
+def build_scratch(work: Path, student: Path, exercises: list[dict], reference: Path) -> dict:
+    """Copy `reference` to `work` and splice in the student's exercise functions; returns, by
+    exercise, why a function could not be taken (that exercise keeps the reference's, ungraded)."""
+    theirs = student.resolve()
+    for rel in project_files(reference):
+        if theirs != reference.resolve() and theirs in (reference / rel).resolve().parents:
+            continue  # a student's copy kept inside this checkout: none of it goes in
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(reference / rel, work / rel)
+    refused = {}
+    for ex in exercises:
+        module = work / ex["file"]
+        try:
+            module.write_text(splice(module.read_text(), take_function(student, ex), ex["name"]))
+        except Refused as why:
+            refused[ex["name"]] = str(why)
+    return refused
+
+
+def take_function(student: Path, ex: dict) -> str:
+    """The source of exercise `ex`'s function in the student's copy, decorators included: the
+    top-level `def` of that name (the last, as Python binds it) and not a character around it."""
+    file = ex["file"]
+    path = student / file
+    if path.is_symlink() or not path.is_file():  # a link could point at the instructor's solution
+        raise Refused(f"no {file} in the copy (a link to one does not count)")
+    try:
+        source = path.read_text(encoding="utf-8")  # text mode: line ends are "\n", as ast counts
+        tree = ast.parse(source, file)
+    except SyntaxError as e:
+        raise Refused(f"does not parse: SyntaxError: {e.msg} ({file}:{e.lineno})")
+    except ValueError as e:  # not UTF-8, a null byte
+        raise Refused(f"does not parse: {type(e).__name__}: {e} ({file})")
+    defs = [node for node in tree.body if isinstance(node, FUNCTION) and node.name == ex["name"]]
+    if not defs:
+        raise Refused(f"no function {ex['name']} at the top level of {file}")
+    fn = defs[-1]
+    first = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
+    function = "\n".join(source.split("\n")[first - 1:fn.end_lineno])
+    # What goes into the scratch copy is one `def` and nothing else: nothing around it can run.
+    try:
+        alone = ast.parse(function).body
+    except SyntaxError:
+        alone = []
+    if not (len(alone) == 1 and isinstance(alone[0], FUNCTION) and alone[0].name == ex["name"]):
+        raise Refused(f"{ex['name']} in {file} cannot be cut out as one function: write it as a "
+                      f"plain top-level def")
+    return function
+
+
+def splice(source: str, function: str, name: str) -> str:
+    """`source` (a reference module) with its top-level function `name` replaced by `function`.
+    The student's decorators must be the reference's: a decorator of theirs would run at import,
+    outside the function. (Default values and annotations run at import too: part of the def.)"""
+    ours = [node for node in ast.parse(source).body if isinstance(node, FUNCTION)
+            and node.name == name]
+    if not ours:
+        raise SystemExit(f"error: the reference has no top-level function {name} to grade")
+    ours, theirs = ours[-1], ast.parse(function).body[0]
+    if [ast.dump(d) for d in theirs.decorator_list] != [ast.dump(d) for d in ours.decorator_list]:
+        raise Refused(f"{name}'s decorators are not its stub's: only the function is graded, and "
+                      f"a decorator would run outside it")
+    lines = source.split("\n")
+    first = min([ours.lineno] + [d.lineno for d in ours.decorator_list])
+    return "\n".join(lines[:first - 1] + [function] + lines[ours.end_lineno:])
 
 
 def run_tests(work: Path, tests: list[str]) -> dict[str, list[Result]] | None:
     """pytest on `tests` in `work`; results by the test id as exercises.toml names it (a
-    parametrised test has several). None when pytest crashed or timed out."""
-    report = work / "report.xml"
-    report.unlink(missing_ok=True)
-    try:
-        # -vv: pytest shows whole values, so a failure can be told as expected against got
-        ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-vv", "-p", "no:cacheprovider",
-                              "-o", "addopts=", f"--junitxml={report}", *tests],
-                             cwd=work, capture_output=True, text=True, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        return None
-    if not report.exists():  # pytest stopped before any test: say why (e.g. conftest's imports)
-        why = import_error(ran.stdout + ran.stderr, work) if "rror" in ran.stdout + ran.stderr \
-            else None
-        return {t: [Result(t.split("::")[-1], False, why)] for t in tests} if why else None
+    parametrised test has several). None when pytest crashed or timed out. The report is written
+    to a folder of the grader's outside `work`: code that writes into the project it runs in (a
+    report.xml beside the tests, say) cannot touch it."""
+    with tempfile.TemporaryDirectory(prefix="smolrl-results-") as private:
+        report = Path(private) / "report.xml"
+        try:
+            # -vv: pytest shows whole values, so a failure can be told as expected against got
+            ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-vv", "-p",
+                                  "no:cacheprovider", "-o", "addopts=", f"--junitxml={report}",
+                                  *tests], cwd=work, env=tests_environment(), capture_output=True,
+                                 text=True, timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            return None
+        if not report.exists():  # pytest stopped before any test: say why (e.g. conftest's imports)
+            why = import_error(ran.stdout + ran.stderr, work) if "rror" in ran.stdout + ran.stderr \
+                else None
+            return {t: [Result(t.split("::")[-1], False, why)] for t in tests} if why else None
+        cases = list(ET.parse(report).iter("testcase"))
     results: dict[str, list[Result]] = {}
     broken = {}  # test modules that could not be imported: every test in them fails with this
-    for case in ET.parse(report).iter("testcase"):
+    for case in cases:
         module, name = case.get("classname", ""), case.get("name", "")
         problem = next((case.find(kind) for kind in ("failure", "error", "skipped")
                         if case.find(kind) is not None), None)
@@ -106,6 +192,11 @@ def run_tests(work: Path, tests: list[str]) -> dict[str, list[Result]] | None:
     for t in tests:
         results.setdefault(t, [Result(t.split("::")[-1], False, "not run")])
     return results
+
+
+def tests_environment() -> dict[str, str]:
+    return {name: os.environ[name] for name in KEPT_ENV if name in os.environ} | {
+        "PYTHONDONTWRITEBYTECODE": "1"}  # nothing written into the scratch copy but by the tests
 
 
 def import_error(traceback: str, work: Path) -> str:
@@ -135,9 +226,10 @@ def explain(problem: ET.Element) -> str:
     lines = [line.strip() for line in message.removeprefix("AssertionError: ").splitlines()
              if line.strip()]
     first = lines[0] if lines else "failed"
+    asserted = next((line for line in lines if line.startswith("assert ")), first)
     # The test's own message (say, the call that failed) comes before pytest's `assert` line.
-    said = "" if first.startswith("assert ") else first + ": "
-    first = next((line for line in lines if line.startswith("assert ")), first)
+    said = "" if asserted == first else first + ": "
+    first = asserted
     table = [line.split("|") for line in lines if re.match(r"\d+\s*\|", line)]
     compared = re.match(r"assert (.+?) == (.+)$", first)
     if table:  # pytest.approx on a list: index | obtained | expected
@@ -150,6 +242,8 @@ def explain(problem: ET.Element) -> str:
         detail += f" ({where.lstrip('+ ')})" if where else ""
     else:
         detail = first
+    if first.startswith("NameError"):  # most likely a helper or an import outside the function
+        detail += " (only the exercise's function is graded: define what it uses inside it)"
     failing = [line[1:].strip() for line in text.splitlines() if line.startswith(">")]
     return (said + detail)[:400] + (f"   at: {failing[-1][:160]}" if failing else "")
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "course"))
-from grade import grade, gradescope  # noqa: E402
+from grade import Refused, grade, gradescope, splice, take_function  # noqa: E402
 from make_exercises import INSTRUCTOR_ONLY, load_exercises, make_exercises, project_files  # noqa: E402
 from walkthrough import DOC, doc_blocks, walkthrough  # noqa: E402
 
@@ -35,6 +35,50 @@ BUGS = {
                       "return 1.0 - (1 - c / n) ** k"),
     "log-prob positions off by one": ("completion_logprobs", "model.py",
                                       "hidden = hidden[rows, pos - 1]", "hidden = hidden[rows, pos]"),
+}
+
+
+# Ways a copy with untouched stubs could score without writing a line, if the grader ran anything
+# of the student's folder but the exercise functions (issue 27): (file, code appended to it).
+ATTACKS = {
+    "a root conftest.py that reports every test passed": ("conftest.py", '''
+import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    report.outcome, report.longrepr = "passed", None
+'''),
+    "an atexit hook in grpo.py that rewrites the report pytest wrote": ("grpo.py", '''
+
+import atexit as _atexit
+import sys as _sys
+
+
+def _all_passed():
+    import xml.etree.ElementTree as ET
+    for path in [arg.split("=", 1)[1] for arg in _sys.argv if arg.startswith("--junitxml=")]:
+        tree = ET.parse(path)
+        for case in tree.iter("testcase"):
+            for problem in list(case):
+                case.remove(problem)
+        tree.write(path)
+
+
+_atexit.register(_all_passed)
+'''),
+    "a pytest.py that shadows pytest and writes an all-pass report": ("pytest.py", '''
+import sys
+
+tests = [arg for arg in sys.argv[1:] if "::" in arg]
+cases = "".join(f'<testcase classname="{t.split("::")[0][:-3].replace("/", ".")}" '
+                f'name="{t.split("::")[1]}"/>' for t in tests)
+for path in [arg.split("=", 1)[1] for arg in sys.argv if arg.startswith("--junitxml=")]:
+    open(path, "w").write(f"<testsuites><testsuite>{cases}</testsuite></testsuites>")
+print(f"{len(tests)} passed")
+'''),
 }
 
 
@@ -77,6 +121,62 @@ def test_grades_reference_stubs_and_each_classic_bug(tmp_path):
         {(name, 0 if name == "pass_at_k" else p, p) for name, p in POINTS.items()}
     assert "FAIL test_pass_at_k" in next(t["output"] for t in results["tests"]
                                          if t["name"] == "pass_at_k")
+
+
+def test_nothing_of_the_copy_runs_but_its_exercise_functions(tmp_path):
+    """Untouched stubs score 0 whatever else the copy adds: a conftest.py that rewrites reports,
+    module-level code that edits the report after pytest wrote it, a pytest.py that shadows
+    pytest."""
+    stubs = tmp_path / "assignment"
+    make_exercises(stubs, ROOT, EXERCISES)
+    attacked = []
+    for i, (file, code) in enumerate(ATTACKS.values()):
+        copy = shutil.copytree(stubs, tmp_path / f"attack{i}")
+        with open(copy / file, "a") as f:
+            f.write(code)
+        attacked.append(copy)
+    with ThreadPoolExecutor(2) as pool:
+        scores = {attack: {g.name: g.score for g in grades}
+                  for attack, grades in zip(ATTACKS, pool.map(_grades, attacked))}
+    assert scores == {attack: {name: 0 for name in POINTS} for attack in ATTACKS}
+
+
+def test_only_a_plain_top_level_def_is_taken_from_the_students_file(tmp_path):
+    """The exercise's `def` alone goes into the reference, in place of its own; what cannot be
+    taken scores 0 with one line saying why, and then no test runs at all."""
+    ex = next(ex for ex in EXERCISES if ex["name"] == "pass_at_k")
+    student = tmp_path / ex["file"]
+
+    def taken(source):
+        student.write_text(source)
+        return take_function(tmp_path, ex)
+
+    written = "def pass_at_k(n, c, k):\n    return 1.0"
+    around = "import atexit\natexit.register(print)\n\n{}\nprint('loaded')\n"
+    assert taken(around.format(written)) == written
+    reference = (ROOT / ex["file"]).read_text()
+    ours = next(n for n in ast.parse(reference).body if getattr(n, "name", "") == "pass_at_k")
+    assert splice(reference, written, "pass_at_k") == \
+        reference.replace(ast.get_source_segment(reference, ours), written)
+    refused = {"def pass_at_k(n, c, k:\n": "does not parse: SyntaxError",
+               "class Mine:\n    def pass_at_k(n, c, k):\n        return 1.0\n":
+                   "no function pass_at_k at the top level",
+               "import functools\n\n\n@functools.cache\n" + written:
+                   "decorators are not its stub's"}
+    for source, why in refused.items():
+        with pytest.raises(Refused, match=why):
+            splice(reference, taken(source), "pass_at_k")
+    student.unlink()
+    student.symlink_to(ROOT / ex["file"])  # say, the autograder's copy of the solution
+    with pytest.raises(Refused, match="link"):
+        take_function(tmp_path, ex)
+    student.unlink()
+    student.write_text("def pass_at_k(n, c, k:\n")
+    messages = {g.name: {r.message for r in g.results} for g in grade(tmp_path, EXERCISES)}
+    assert messages == {e["name"]: {f"does not parse: SyntaxError: '(' was never closed "
+                                    f"({ex['file']}:1)" if e is ex else
+                                    f"no {e['file']} in the copy (a link to one does not count)"}
+                        for e in EXERCISES}
 
 
 def test_stubs_keep_signature_and_docstring_and_nothing_else_changes(tmp_path):
