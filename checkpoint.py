@@ -18,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +54,7 @@ class DriverState:
     step: int = 0  # the last step done
     consumed: int = 0  # training problems drawn from the data stream so far
     history: list[dict] = field(default_factory=list)  # metrics.jsonl so far
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # whose checkpoints are whose
 
 
 def save_checkpoint(out: Path, driver: DriverState, save_trainer, keep_last: int):
@@ -65,15 +67,16 @@ def save_checkpoint(out: Path, driver: DriverState, save_trainer, keep_last: int
     save_trainer(str(tmp))
     kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as lists: loadable weights-only
     torch.save({"step": driver.step, "consumed": driver.consumed, "python_rng": random.getstate(),
-                "numpy_rng": [kind, keys.tolist(), pos, has_gauss, gauss]},
-               tmp / "driver_state.pt")
+                "numpy_rng": [kind, keys.tolist(), pos, has_gauss, gauss],
+                "run_id": driver.run_id}, tmp / "driver_state.pt")
     for name in ["metrics.jsonl", *(p.name for p in out.glob("*_config.json"))]:
         shutil.copy(out / name, tmp / name)  # the run so far, and its config (grpo's or dpo's)
     final = folder / f"step_{driver.step}"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # atomic: the checkpoint exists whole, or not at all
-    if keep_last:
-        for old in sorted(_checkpoints(folder), key=_step_of)[:-keep_last]:
+    if keep_last:  # this run's own checkpoints only
+        ours = [p for p in _checkpoints(folder) if _run_of(p) == driver.run_id]
+        for old in sorted(ours, key=_step_of)[:-keep_last]:
             shutil.rmtree(old)
 
 
@@ -84,7 +87,20 @@ def load_driver_state(folder) -> DriverState:
     kind, keys, *rest = state["numpy_rng"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
     history = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
-    return DriverState(state["step"], state["consumed"], history)
+    # (a checkpoint from before run ids: the resumed run takes a new one)
+    return DriverState(state["step"], state["consumed"], history,
+                       state.get("run_id") or uuid.uuid4().hex)
+
+
+def refuse_foreign_checkpoints(out: Path, resume: str) -> None:
+    """A fresh run (no --resume) in a folder that holds checkpoints: they are another run's, and
+    pruning (--keep-last) or --resume auto would mix the two. Stop before anything is written."""
+    found = sorted(_checkpoints(out / "checkpoints"), key=_step_of)
+    if found and not resume:
+        names = ", ".join(p.name for p in found)
+        raise SystemExit(f"error: {out / 'checkpoints'} holds another run's checkpoints ({names}):"
+                         f" continue that run with --resume auto, or choose another --out "
+                         f"(nothing was changed)")
 
 
 def find_checkpoint(out: Path, resume: str) -> str:
@@ -129,6 +145,10 @@ def load_state(path, mmap: bool = False) -> dict:
 
 def _step_of(path: Path) -> int:
     return int(path.name.removeprefix("step_"))
+
+
+def _run_of(checkpoint: Path) -> str | None:
+    return load_state(checkpoint / "driver_state.pt").get("run_id")
 
 
 def _checkpoints(folder: Path) -> list[Path]:

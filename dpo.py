@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import DriverState, find_checkpoint, load_driver_state, load_trainer_state
-from checkpoint import save_checkpoint, save_trainer_state
+from checkpoint import refuse_foreign_checkpoints, save_checkpoint, save_trainer_state
 from data import InputError, TEMPLATES, arith_heldout, arith_stream, encode_prompts, load_table
 from data import Template, check, flag, parse_config
 from evaluate import TRACKERS, RunLog, evaluate_rows, plot_curves
@@ -119,7 +119,7 @@ class Config:
     seed: int = 0
     """seed for sampling, data order and splits"""
     out: str = "out/dpo"
-    """output folder: metrics.jsonl, curves.png, the final model in HF format"""
+    """output folder: metrics.jsonl, curves.png, checkpoints/, the final model in model/"""
 
     def __post_init__(self):  # impossible values stop here, before anything loads
         choice = choose_dtype(self.dtype, pick_device())  # auto -> what computes fastest here
@@ -364,6 +364,7 @@ def main(cfg: Config):
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
+    refuse_foreign_checkpoints(out, cfg.resume)  # a fresh run never touches another's
     # Every row is checked before the model loads: a bad file fails in a second, not a minute.
     rows = None if cfg.data == "builtin" else check_pairs(load_table(cfg.data, cfg.split),
                                                           cfg.data, cfg)
@@ -473,10 +474,10 @@ def main(cfg: Config):
     grader.close()
     log.close()
     # The model alone (LoRA merged in), in the dtype it came in.
-    save_model(model, tokenizer, out, full_state_dict(model), dtype=source_dtype(cfg.model))
+    save_model(model, tokenizer, out / "model", full_state_dict(model), dtype=source_dtype(cfg.model))
     plot_curves(log.history, out / "curves.png", title=f"DPO on {cfg.data} ({cfg.model})",
                 train_keys=("reward_accuracy",), eval_keys=("eval_accuracy", "eval_reward_accuracy"))
-    print(f"saved the model, metrics.jsonl and curves.png in {out}/")
+    print(f"saved the model in {out}/model/, metrics.jsonl and curves.png in {out}/")
     return log.history
 
 

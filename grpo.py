@@ -34,7 +34,8 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from checkpoint import DriverState, find_checkpoint, load_driver_state, save_checkpoint
+from checkpoint import DriverState, find_checkpoint, load_driver_state, refuse_foreign_checkpoints
+from checkpoint import save_checkpoint
 from data import TEMPLATES, ProblemStream, Template, apply_task, check, encode_prompts, flag
 from data import load_problems, parse_config, task_summary
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples, step_record
@@ -166,7 +167,8 @@ class Config:
     log_samples_every: int = 10
     """print a few sampled completions every N steps (0 = never)"""
     out: str = "out/grpo"
-    """output folder: metrics.jsonl, curves.png, the final model in HF format"""
+    """output folder: metrics.jsonl, curves.png, checkpoints/, the final model in model/ (an HF
+    folder; --model and --init-from also take the output folder itself)"""
     report_to: str = ""
     """also log metrics to: tensorboard, wandb (comma-separated; pip install them first)"""
 
@@ -564,6 +566,7 @@ def main(cfg: Config):
     out.mkdir(parents=True, exist_ok=True)
     print(task_summary(cfg))
     resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
+    refuse_foreign_checkpoints(out, cfg.resume)  # a fresh run never touches another's
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
     reward_fns = RewardFunctions(cfg.reward, TEMPLATES[cfg.template][1], grader,
@@ -625,9 +628,9 @@ def main(cfg: Config):
 
     grader.close()
     log.close()
-    run.export(str(out))  # the model alone; optimizer state lives in checkpoints only
+    run.export(str(out / "model"))  # the model alone; optimizer state lives in checkpoints only
     plot_curves(driver.history, out / "curves.png", title=f"GRPO on {cfg.data} ({cfg.model})")
-    print(f"saved the model, metrics.jsonl and curves.png in {out}/")
+    print(f"saved the model in {out}/model/, metrics.jsonl and curves.png in {out}/")
     return driver.history
 
 

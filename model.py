@@ -72,8 +72,13 @@ def default_model_path() -> str:
 
 
 def _resolve(name: str) -> str:
-    """A folder, or a hub id that can be loaded now; otherwise stop with one line that says why."""
+    """A folder, or a hub id that can be loaded now; otherwise stop with one line that says why.
+    A run's output folder (grpo.py's or dpo.py's --out) stands for the model it trained, in its
+    `model` subfolder."""
     path = default_model_path() if name == DEFAULT_MODEL else name
+    trained = Path(path) / "model"
+    if not (Path(path) / "config.json").exists() and (trained / "config.json").exists():
+        return str(trained)
     if Path(path).exists():
         return path
     if not ("/" in path and not path.startswith((".", "/"))):
@@ -524,12 +529,13 @@ def adamw_with_warmup(model, lr: float, warmup_steps: int, weight_decay: float =
 
 
 def save_model(model, tokenizer, out_dir, state_dict=None, dtype=None) -> None:
-    """Save an HF-format folder (safetensors), written beside the target and renamed into place.
+    """Save an HF-format folder (safetensors): written beside `out_dir`, then renamed into its
+    place (replace_folder), so that a crash leaves the old folder or the new one, never a mix.
     state_dict: the full weights, when the model's own are sharded (see full_state_dict); dtype:
     cast the weights (and say so in config.json), e.g. back to the bf16 a model came in."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir, prefix=".model-"))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
     if is_lora(model) and state_dict is None:  # a checkpoint of a LoRA run: the adapters alone
         model.save_pretrained(tmp)
         state_dict = {}
@@ -545,9 +551,19 @@ def save_model(model, tokenizer, out_dir, state_dict=None, dtype=None) -> None:
         config["dtype"] = str(dtype).removeprefix("torch.")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save_pretrained(tmp)
-    for f in tmp.iterdir():
-        os.replace(f, out_dir / f.name)
-    shutil.rmtree(tmp, ignore_errors=True)
+    replace_folder(tmp, out_dir)
+
+
+def replace_folder(new: Path, target: Path) -> None:
+    """Put the complete folder `new` at `target`: an existing target is renamed aside first and
+    deleted last, so at every moment the old folder or the new one exists whole."""
+    old = None
+    if target.exists():
+        old = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".old-{target.name}-"))
+        os.replace(target, old / target.name)
+    os.replace(new, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

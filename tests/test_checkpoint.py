@@ -33,6 +33,45 @@ def test_keep_last_and_bad_resume(tiny_model_dir, tmp_path):
         find_checkpoint(tmp_path, str(tmp_path))
 
 
+def test_a_run_prunes_only_its_own_checkpoints(tmp_path):
+    """--keep-last deletes the oldest checkpoints of *this* run: an older run's step_20 and step_30
+    in the same folder are not "newer" than this run's step_5, and are never touched."""
+    _fake_checkpoints(tmp_path, [20, 30], keep_last=2, run_id="older")
+    assert _fake_checkpoints(tmp_path, [5, 10, 15], keep_last=2, run_id="this") == [
+        "step_10", "step_15", "step_20", "step_30"]
+
+
+def test_a_fresh_run_refuses_a_folder_with_another_runs_checkpoints(tiny_model_dir, tmp_path):
+    """A new run in a folder holding checkpoints stops before loading anything, names them, and
+    deletes nothing; --resume auto continues them."""
+    _fake_checkpoints(tmp_path, [3], keep_last=2, run_id="older")
+    result = subprocess.run([sys.executable, "grpo.py", *small_run_args(tiny_model_dir, tmp_path),
+                             "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'checkpoints'} holds another run's checkpoints (step_3): continue "
+        f"that run with --resume auto, or choose another --out (nothing was changed)")
+    assert (tmp_path / "checkpoints/step_3/trainer_state.pt").exists()
+    assert (tmp_path / "grpo_config.json").read_text() == "{}"  # not the new run's
+
+
+def test_an_export_replaces_the_model_folder_whole(tiny_model, tmp_path):
+    """The final model is written beside its folder and renamed into place: nothing of an older
+    export survives in it -- not even the shards of a larger one, whose index would otherwise win
+    over the new model.safetensors when transformers loads the folder."""
+    from model import save_model
+    model, tokenizer = tiny_model
+    target = tmp_path / "model"
+    target.mkdir()
+    for stale in ("model-00001-of-00002.safetensors", "model.safetensors.index.json"):
+        (target / stale).write_text("an older export")
+    save_model(model, tokenizer, target)
+    assert "model.safetensors" in {p.name for p in target.iterdir()}
+    assert not any(p.name.startswith("model-0") or p.name.endswith("index.json")
+                   for p in target.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no temporary folder left behind
+
+
 KILL_DURING_SAVE = r"""
 import os, signal, sys, torch
 sys.path.insert(0, ".")
@@ -72,15 +111,15 @@ def test_init_from_starts_from_the_weights(tiny_model_dir, tmp_path):
     run_grpo(small_run_args(tiny_model_dir, tmp_path / "b") + ["--steps", "0", "--init-from",
                                                                 str(ckpt)])
     from safetensors.torch import load_file
-    start, saved = load_file(ckpt / "model.safetensors"), load_file(tmp_path / "b/model.safetensors")
+    start, saved = load_file(ckpt / "model.safetensors"), load_file(tmp_path / "b/model/model.safetensors")
     original = load_file(Path(tiny_model_dir) / "model.safetensors")
     for name in start:
         assert torch.equal(start[name], saved[name]), name
     assert any(not torch.equal(start[n], original[n]) for n in start)  # really other weights
 
 
-def _fake_checkpoints(out, steps, keep_last):
-    """save_checkpoint with a stand-in for the trainer's half (no model needed)."""
+def _fake_checkpoints(out, steps, keep_last, run_id="run"):
+    """save_checkpoint with a stand-in for the trainer's half (no model needed): one run's."""
     out.mkdir(exist_ok=True)
     (out / "metrics.jsonl").write_text("")
     (out / "grpo_config.json").write_text("{}")
@@ -90,7 +129,8 @@ def _fake_checkpoints(out, steps, keep_last):
                    Path(folder) / "trainer_state.pt")
 
     for step in steps:
-        save_checkpoint(out, DriverState(step, consumed=step * 2), save_trainer, keep_last)
+        save_checkpoint(out, DriverState(step, consumed=step * 2, run_id=run_id), save_trainer,
+                        keep_last)
     return sorted((p.name for p in (out / "checkpoints").iterdir()), key=lambda n: int(n[5:]))
 
 
@@ -152,8 +192,8 @@ def test_the_trained_model_is_saved_in_the_dtype_it_came_in(tiny_model_dir, tmp_
     tokenizer.save_pretrained(tmp_path / "bf16")
     trainer = setup_trainer(Config(data="arith", model=str(tmp_path / "bf16")))
     assert next(trainer.model.parameters()).dtype == torch.float32  # fp32 master weights
-    export_model(trainer, str(tmp_path / "out"))
-    weights = load_file(tmp_path / "out/model.safetensors")
+    export_model(trainer, str(tmp_path / "out" / "model"))
+    weights = load_file(tmp_path / "out/model/model.safetensors")
     assert {v.dtype for v in weights.values()} == {torch.bfloat16}
-    assert AutoConfig.from_pretrained(tmp_path / "out").dtype == torch.bfloat16
+    assert AutoConfig.from_pretrained(tmp_path / "out" / "model").dtype == torch.bfloat16
     assert not (tmp_path / "out/trainer_state.pt").exists()

@@ -40,7 +40,7 @@ def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(tiny_m
     run_grpo([*args, "--out", str(tmp_path / "s")])
     lagged, synced = (read_metrics(tmp_path / run) for run in ("a", "s"))
     assert [r["step"] for r in lagged] == [0, 1, 2, 3] and "eval_accuracy" in lagged[-1]
-    assert (tmp_path / "a" / "model.safetensors").exists()  # saved by trainer rank 0
+    assert (tmp_path / "a" / "model" / "model.safetensors").exists()  # saved by trainer rank 0
     assert [r["policy_lag"] for r in lagged[1:]] == [0, 1, 1]
     assert [r["policy_lag"] for r in synced[1:]] == [0, 0, 0]
     for a, s in zip(lagged[1:], synced[1:]):

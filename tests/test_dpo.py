@@ -184,7 +184,7 @@ def test_two_step_run(tiny_model_dir, tmp_path):
     for key in ("loss", "reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward",
                 "chosen_logp", "rejected_logp", "eval_reward_accuracy"):
         assert key in records[-1], key
-    assert (out / "curves.png").exists() and (out / "model.safetensors").exists()
+    assert (out / "curves.png").exists() and (out / "model" / "model.safetensors").exists()
 
 
 def test_resume_is_exact(tiny_model_dir, tmp_path):

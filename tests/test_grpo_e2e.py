@@ -32,7 +32,7 @@ def test_two_step_run(tiny_model_dir, tmp_path):
     assert (out / "curves.png").stat().st_size > 1000
 
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(out)  # the trained model is a plain HF folder
+    model = AutoModelForCausalLM.from_pretrained(out / "model")  # a plain HF folder
     assert model.config.num_hidden_layers == 2
     assert not (out / "trainer_state.pt").exists()  # optimizer state belongs in checkpoints only
 

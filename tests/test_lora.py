@@ -77,7 +77,7 @@ def test_resume_with_lora_is_exact_and_the_output_is_a_merged_model(tiny_model_d
     run_grpo(args_b + ["--steps", "4", "--resume", "auto"])
     assert read_metrics(tmp_path / "a") == read_metrics(tmp_path / "b")
     from transformers import AutoModelForCausalLM
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "b")  # a plain HF folder
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "model")  # a plain HF folder
     assert not is_lora(merged) and not (tmp_path / "b/adapter_model.safetensors").exists()
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not torch.allclose(_logprobs(merged), _logprobs(base), atol=1e-4)  # it trained
@@ -93,6 +93,6 @@ def test_dpo_with_lora(tiny_model_dir, tmp_path):
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     from transformers import AutoModelForCausalLM
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "o")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "o" / "model")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not torch.allclose(_logprobs(merged), _logprobs(base), atol=1e-4)

@@ -132,7 +132,7 @@ def test_a_run_stops_after_three_non_finite_steps_in_a_row(tiny_model_dir, tmp_p
     assert "update skipped" in result.stdout
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["step_1"]  # nothing is saved from a skipped step
-    assert not (tmp_path / "model.safetensors").exists()  # nor a final model
+    assert not (tmp_path / "model").exists()  # nor a final model
 
 
 def test_one_trainer_issues_no_collective_even_inside_a_process_group(tiny_model_dir,
