@@ -99,6 +99,54 @@ def arith_stream(seed: int):
             yield _arith_row(a, b)
 
 
+# Agentic tasks (env.py). `multiply`: 3-digit times 2- or 3-digit numbers, which a small model
+# cannot do in its head, with a calculator tool. `guess`: find a number from 1 to 16 by guessing,
+# told "higher" or "lower" each time (env.GuessTheNumber). Held-out problems: a fixed slice.
+
+
+def _multiply_row(a: int, b: int) -> dict:
+    return {"problem": f"What is {a} * {b}? Use the calculator.", "answer": str(a * b),
+            "id": f"{a}*{b}"}
+
+
+def multiply_stream(seed: int):
+    rng = random.Random(seed)
+    while True:
+        a, b = rng.randint(100, 999), rng.randint(10, 999)
+        if (a + 3 * b) % 16:  # (the held-out slice: (a + 3b) % 16 == 0)
+            yield _multiply_row(a, b)
+
+
+def multiply_heldout(n: int) -> list[dict]:
+    rng, rows = random.Random(1234), []
+    while len(rows) < n:
+        a, b = rng.randint(100, 999), rng.randint(10, 999)
+        if (a + 3 * b) % 16 == 0:
+            rows.append(_multiply_row(a, b))
+    return rows
+
+
+def _guess_row(secret: int, index: int) -> dict:
+    return {"problem": "I am thinking of a whole number from 1 to 16. Find it: call guess with "
+                       "a number, and I will tell you if mine is higher or lower.",
+            "secret": secret, "id": f"guess-{index}"}
+
+
+def guess_stream(seed: int):
+    rng = random.Random(seed)
+    for index in itertools.count():
+        yield _guess_row(rng.randint(1, 16), index)
+
+
+def guess_heldout(n: int) -> list[dict]:
+    return [_guess_row(1 + i % 16, i) for i in range(n)]  # every number equally often
+
+
+# The procedural tasks: (training stream by seed, held-out rows by count).
+GENERATED = {"arith": (arith_stream, arith_heldout), "multiply": (multiply_stream, multiply_heldout),
+             "guess": (guess_stream, guess_heldout)}
+
+
 # ---------------------------------------------------------------------------------------------
 # Files and hub datasets.
 
@@ -138,20 +186,31 @@ class Task:
     lr: float
     steps: int
     micro_batch_size: int  # sequences per forward/backward: a step's whole batch when they are short
+    eval_every: int  # steps between held-out evaluations
+    reward: str = "correctness"  # reward functions (grpo.Config.reward)
+    tools: str = ""  # agentic tasks: the tools the model may call (env.py)
+    env: str = ""  # agentic tasks: the environment class
 
 
 TASKS = {
-    # two-digit addition, offline: what `python grpo.py` runs on the offline default model
-    "arith": Task("arith", "", "answer-is", 24, 0.7, "arith", 256, 1e-5, 30, 64),
+    # two-digit addition, offline: what `python grpo.py` runs on the offline default model. 16
+    # steps and 128 held-out problems: the run fits ~5 minutes on a 2-core AVX2 CPU, which
+    # computes in fp32 (held-out accuracy +60 points; --steps 30 goes on to ~73 %)
+    "arith": Task("arith", "", "answer-is", 24, 0.7, "arith", 128, 1e-5, 16, 64, 8),
     # MATH's 7,500 training problems (the answer: the solution's last \boxed{}), tested on
     # MATH-500 (drawn from MATH's test split): the R1-Zero-style experiment for Qwen2.5-Math
     "math": Task("DigitalLearningGmbH/MATH-lighteval", "train", "boxed", 1024, 1.0,
-                 "HuggingFaceH4/MATH-500", 500, 1e-6, 300, 16),
+                 "HuggingFaceH4/MATH-500", 500, 1e-6, 300, 16, 10),
     # grade-school word problems (the answer: after ####), tested on GSM8K's test split
     "gsm8k": Task("openai/gsm8k", "train", "boxed", 512, 1.0, "openai/gsm8k", 1319, 1e-6, 300,
-                  16),
+                  16, 10),
     # your own file or hub dataset: `problem`/`prompt` and `answer` columns (--prompt-field, ...)
-    "custom": Task("", "", "answer-is", 24, 0.7, "", 256, 1e-5, 30, 16),
+    "custom": Task("", "", "answer-is", 24, 0.7, "", 256, 1e-5, 30, 16, 10),
+    # agentic, offline: a calculator for 3-digit multiplication; a guessing game over turns
+    "multiply": Task("multiply", "", "answer-is", 48, 0.7, "multiply", 128, 1e-5, 16, 64, 8,
+                     tools="calculator"),
+    "guess": Task("guess", "", "raw", 16, 0.7, "guess", 64, 1e-5, 16, 64, 8, reward="",
+                  env="env:GuessTheNumber"),
 }
 
 
@@ -181,9 +240,10 @@ def apply_task(cfg) -> None:
     if cfg.data in ("auto", cfg.task) and task.data:
         cfg.data, cfg.split = task.data, cfg.split or task.split
     local = Path(cfg.data).exists()  # a local file: the held-out set is its tail
-    cfg.eval_data = cfg.eval_data or ("" if local and cfg.task != "arith" else task.eval_data)
+    cfg.eval_data = cfg.eval_data or ("" if local and cfg.task not in GENERATED else
+                                      task.eval_data)
     for name in ("template", "max_new_tokens", "temperature", "eval_size", "lr", "steps",
-                 "micro_batch_size"):
+                 "micro_batch_size", "eval_every", "reward", "tools", "env"):
         if getattr(cfg, name) is None:
             setattr(cfg, name, getattr(task, name))
 
@@ -306,8 +366,8 @@ def load_rows(source: str, limit: int | None = None, prompt_field: str = "",
               answer_field: str = "answer", split: str = "",
               need_answers: bool = False) -> list[dict]:
     """Problems of a file or a hub dataset, validated (check_rows). `arith`: its held-out set."""
-    if source == "arith":
-        return arith_heldout(limit or 256)
+    if source in GENERATED:
+        return GENERATED[source][1](limit or 256)
     rows = load_table(source, split)
     return check_rows(rows[:limit] if limit else rows, source, prompt_field, answer_field,
                       need_answers)
@@ -351,9 +411,10 @@ def load_problems(cfg):
     """(an endless stream of training problems, the held-out problems, the data's column names) for
     a resolved GRPO config (cfg.task, cfg.data, ...): `arith` and its held-out pairs, or a file / hub
     dataset whose tail is held out unless there is an eval set."""
-    if cfg.data == "arith":
-        first = next(arith_stream(cfg.seed))
-        train_rows, eval_rows = arith_stream(cfg.seed), arith_heldout(cfg.eval_size)
+    if cfg.data in GENERATED:
+        stream, heldout = GENERATED[cfg.data]
+        first = next(stream(cfg.seed))
+        train_rows, eval_rows = stream(cfg.seed), heldout(cfg.eval_size)
     else:
         rows = prepare_rows(load_table(cfg.data, cfg.split), cfg.task)
         rows = check_rows(rows, cfg.data, cfg.prompt_field, cfg.answer_field)
@@ -444,7 +505,7 @@ def parse_config(cls, argv=None, description=None):
         if arg in REPLACED and "dtype" in fields:
             _refuse_replaced(arg, f"--dtype {REPLACED[arg]}")
     for name, field in fields.items():
-        if field.type in (bool, "bool"):
+        if _base(field.type) is bool:
             parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=field.default,
                                 help=docs.get(name))
         else:
@@ -460,6 +521,8 @@ def parse_config(cls, argv=None, description=None):
     if dry_run:
         if hasattr(cfg, "task"):
             print(f"# {task_summary(cfg)}")
+        if getattr(cfg, "memory_plan", None):
+            print(f"# {cfg.memory_plan}")
         print(f"# resolved config{' (from ' + config_file + ' and the command line)' if config_file else ''}")
         for name, value in asdict(cfg).items():
             print(f"{name} = {json.dumps(value)}")

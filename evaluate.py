@@ -28,6 +28,7 @@ from tqdm import tqdm
 from data import TEMPLATES, Template, check, flag, dataset_name, encode_prompts, load_rows
 from data import parse_config
 from reward import Grader, extract_answer, fast_match
+from env import episode_metrics
 from rollout import Sampling
 
 # ---------------------------------------------------------------------------------------------
@@ -95,6 +96,9 @@ def summarize(samples: list[dict], n: int, grader: Grader | None = None) -> dict
                         for g in groups) / len(groups)
     row["mean_len"] = sum(s["length"] for s in samples) / len(samples)
     row["truncated"] = sum(s["truncated"] for s in samples) / len(samples)
+    for key in ("turns", "tool_calls"):  # episodes: per sample
+        if key in samples[0]:
+            row[key] = sum(s[key] for s in samples) / len(samples)
     return row
 
 
@@ -104,24 +108,33 @@ def summarize(samples: list[dict], n: int, grader: Grader | None = None) -> dict
 
 def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampling: Sampling,
                   n: int, grader: Grader, dataset: str = "", batch_prompts: int = 256,
-                  progress: bool = True):
-    """Generate n samples per row, grade them. Returns (summary row, per-sample records)."""
+                  progress: bool = True, agent=None):
+    """Generate n samples per row -- or with an agent (env.Agent, --tools / --env) play n
+    episodes of each -- and grade them. Returns (summary row, per-sample records)."""
     fmt = TEMPLATES[template][1]
     samples = []
     bar = tqdm(total=len(rows) * n, desc=f"eval {dataset}", unit="sample", disable=not progress,
                leave=False)
     for s in range(0, len(rows), batch_prompts):
         chunk = rows[s:s + batch_prompts]
-        out = rollout.generate(encode_prompts(tokenizer, chunk, template, chat), n, sampling)
+        episodes = []
+        if agent:
+            out, episodes = agent.run(rollout, chunk, n, sampling)
+        else:
+            out = rollout.generate(encode_prompts(tokenizer, chunk, template, chat), n, sampling)
         extracted = [extract_answer(t, fmt) for t in out.text]
-        golds = [r["answer"] for r in chunk for _ in range(n)]
-        correct = grader.grade(extracted, golds)
+        if "answer" in chunk[0]:
+            correct = grader.grade(extracted, [r["answer"] for r in chunk for _ in range(n)])
+        else:  # an environment without reference answers: solved is what it scores above 0
+            correct = [e.env.get_reward() > 0 for e in episodes]
         for i in range(len(out)):
             row = chunk[i // n]
             samples.append({"dataset": dataset, "id": row["id"], "sample": i % n,
                             "completion": out.text[i], "extracted": extracted[i],
                             "correct": bool(correct[i]), "length": len(out.completion_ids[i]),
-                            "truncated": out.truncated[i]})
+                            "truncated": out.truncated[i],
+                            **({"turns": episodes[i].turns, "tool_calls": episodes[i].tool_calls,
+                                "tool_errors": episodes[i].tool_errors} if episodes else {})})
         bar.update(len(out))
     bar.close()
     return summarize(samples, n, grader), samples
@@ -162,8 +175,9 @@ def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> dict:
     t0 = time.time()
     summary, _ = evaluate_rows(run.rollout, run.tokenizer, rows, template=cfg.template,
                                chat=cfg.chat, sampling=Sampling(cfg.max_new_tokens, 0.0), n=1,
-                               grader=grader, dataset="held-out")
+                               grader=grader, dataset="held-out", agent=run.agent)
     return {"eval_accuracy": summary["avg@n"], "eval_completion_len": summary["mean_len"],
+            **{f"eval_{key}": summary[key] for key in ("turns", "tool_calls") if key in summary},
             "eval_seconds": time.time() - t0}
 
 
@@ -217,7 +231,7 @@ class RunLog:
 def show_samples(rows: list[dict], texts: list[str], rewards, k: int = 2):
     """Print k sampled completions spread over the batch, with their reward and the answer."""
     for i in range(0, len(texts), max(1, len(texts) // k))[:k]:
-        tqdm.write(f"  sample (reward {float(rewards[i]):.2f}, answer {rows[i]['answer']}): "
+        tqdm.write(f"  sample (reward {float(rewards[i]):.2f}, answer {rows[i].get('answer')}): "
                    f"{texts[i]!r}")
 
 
@@ -241,6 +255,8 @@ def step_record(step: int, sampled, update: dict, train_seconds: float, sync_sec
     }
     if sampled.correct:  # data with reference answers
         record["accuracy"] = sum(sampled.correct) / len(sampled.correct)
+    if sampled.episodes:  # --tools / --env
+        record.update(episode_metrics(sampled.episodes))
     if len(sampled.per_fn) > 1:  # each function's mean over the samples it applied to
         for name, scores in sampled.per_fn.items():
             scores = [x for x in scores if x is not None]
@@ -260,6 +276,9 @@ def format_step(r: dict) -> str:
         line += f" ent {r['entropy_trained']:.3f} clip {r['clip_low'] + r['clip_high']:.3f}"
     if "kl" in r:
         line += f" kl {r['kl']:.4f}"
+    if "turns" in r:
+        line += (f" | turns {r['turns']:.1f} tools {r['tool_calls']:.2f} "
+                 f"(errors {r['tool_errors']})")
     line += (f" | gen {r['gen_seconds']:.1f}s train {r['train_seconds']:.1f}s "
              f"({r['gen_tokens_per_s']:.0f} tok/s gen)")
     if "eval_accuracy" in r:

@@ -27,7 +27,7 @@ import importlib.util
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Literal
 
@@ -38,10 +38,13 @@ from checkpoint import DriverState, find_checkpoint, load_driver_state, refuse_f
 from checkpoint import save_checkpoint
 from data import TEMPLATES, ProblemStream, Template, apply_task, check, encode_prompts, flag
 from data import load_problems, parse_config, task_summary
+from env import Agent, ToolChat, load_environment, load_tools
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples, step_record
-from model import DEFAULT_MODEL, choose_dtype, length_mask, pack, pick_device, right_pad
+from gpu_memory import plan_memory
+from model import DEFAULT_MODEL, choose_dtype, length_mask, model_path, pack, pick_device
+from model import right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
-from rollout import Completions, Sampling, policy_lag
+from rollout import Completions, Ready, Sampling, policy_lag
 from trainer import Trainer, UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
 from trainer import engine_correction, frozen_logprobs, micro_batches, optimizer_step
 from trainer import policy_logprobs, reference_logprobs, same_pass_count, setup_local, setup_ray
@@ -56,7 +59,7 @@ class Config:
     data: str = "auto"
     """a task -- arith (offline), math, gsm8k; auto: arith for the offline default model, math for
     any other (data.TASKS) -- or a .jsonl/.json/.csv/.parquet file or hub dataset id"""
-    task: Literal["", "arith", "math", "gsm8k", "custom"] = ""
+    task: Literal["", "arith", "math", "gsm8k", "custom", "multiply", "guess"] = ""
     """whose defaults apply (data.TASKS); "" = what --data says, a file by its columns"""
     prompt_field: str = ""
     """the data's prompt column (default: `problem`, else `prompt`)"""
@@ -68,8 +71,9 @@ class Config:
     """prompt template from data.TEMPLATES: answer-is, boxed, raw (default: the task's)"""
     chat: bool = True
     """wrap prompts in the model's chat template (turn off for base models)"""
-    reward: str = "correctness"
-    """reward functions, comma-separated `name=weight`: correctness, format, or module:function"""
+    reward: str | None = None
+    """reward functions, comma-separated `name=weight`: correctness, format, or module:function
+    (default: the task's; an --env's get_reward() is added to them)"""
     require_think_close: bool = False
     """reasoning models: grade only the text after </think>; no </think> means reward 0"""
     seed: int = 0
@@ -96,6 +100,18 @@ class Config:
     async_steps: int = 0
     """1: engines sample step t+1's batch with step t's weights while the trainers train on step
     t (one step off-policy: pi_old is the engine's log-prob of each token); 0: on-policy"""
+
+    # Agentic episodes (env.py): the model calls tools, over several turns
+    tools: str | None = None
+    """tools the model may call, comma-separated: calculator, python (sandboxed: sandbox.py), or
+    module:function (TRL's tools=); default: the task's"""
+    env: str | None = None
+    """an environment, module:Class (TRL's environment_factory): reset(**row), its public methods
+    as tools, get_reward(); default: the task's"""
+    max_turns: int = 4
+    """episodes: assistant turns at most (a turn still calling a tool at the limit: truncated)"""
+    max_episode_tokens: int = 512
+    """episodes: tokens after the prompt at most, tool results included (then truncated)"""
 
     # The GRPO loss
     adv_scale: Literal["group", "batch", "none"] = "group"
@@ -140,10 +156,12 @@ class Config:
     micro_batch_size: int | None = None
     """sequences per forward/backward; gradients accumulate over the batch (default: the task's,
     64 for arith's short sequences, else 16)"""
-    max_tokens_per_microbatch: int = 0
-    """micro-batches by token budget (padded tokens), sequences sorted by length (0 = by count)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in backward: less memory for long responses, ~30 % more compute"""
+    max_tokens_per_microbatch: int | None = None
+    """micro-batches by token budget (padded tokens), sequences sorted by length (0 = by count;
+    default: on a GPU what fits, gpu_memory.plan_memory; on a CPU 0)"""
+    gradient_checkpointing: bool | None = None
+    """recompute activations in backward: less memory for long responses, ~30 % more compute
+    (default: on a GPU when micro-batches of a few whole sequences would not fit without it)"""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """compute dtype of the update, the KL reference and the engine (master weights stay fp32);
     auto: bf16 where the hardware has it natively, else fp32 (model.choose_dtype, printed)"""
@@ -162,8 +180,9 @@ class Config:
     """held-out problems (default: the task's eval set, else the last eval_size rows of --data)"""
     eval_size: int | None = None
     """number of held-out problems evaluated greedily (default: the task's)"""
-    eval_every: int = 10
-    """held-out greedy evaluation every N steps, at step 0 and at the end (0 = never)"""
+    eval_every: int | None = None
+    """held-out greedy evaluation every N steps, at step 0 and at the end (0 = never; default:
+    the task's)"""
     log_samples_every: int = 10
     """print a few sampled completions every N steps (0 = never)"""
     out: str = "out/grpo"
@@ -193,8 +212,9 @@ class Config:
     """Ray: an existing cluster's address ("auto" on one of its nodes), or "local" to start one"""
     fsdp: bool = False
     """Ray, GPU: shard the model over the trainers with FSDP2 (for models that don't fit one GPU)"""
-    gpu_memory_utilization: float = 0.2
-    """vLLM: fraction of GPU memory (of host memory on CPU) for weights and KV cache"""
+    gpu_memory_utilization: float | None = None
+    """vLLM: fraction of GPU memory (of host memory on CPU) for weights and KV cache (default: on
+    a GPU what holds one step's batch, gpu_memory.plan_memory; on a CPU 0.2)"""
     weight_sync: Literal["collective", "object-store"] = "collective"
     """Ray: trainer rank 0 broadcasts the weights to the engines (bf16, bucketed), or puts them in
     Ray's object store for every engine to pull"""
@@ -203,13 +223,24 @@ class Config:
         apply_task(self)
         choice = choose_dtype(self.dtype, pick_device())  # auto -> what computes fastest here
         self.dtype, self.dtype_reason = choice.name, choice.reason  # (the reason is no option)
+        self.memory_plan = None  # on a GPU: what the unset memory settings are based on
+        if pick_device() == "cuda":
+            self.memory_plan = plan_memory(self, torch.cuda.mem_get_info()[1], model_path(self))
+            for name in ("gradient_checkpointing", "max_tokens_per_microbatch",
+                         "gpu_memory_utilization"):
+                setattr(self, name, getattr(self.memory_plan, name))
+        for name, on_cpu in (("gradient_checkpointing", False), ("max_tokens_per_microbatch", 0),
+                             ("gpu_memory_utilization", 0.2)):
+            if getattr(self, name) is None:
+                setattr(self, name, on_cpu)
         if self.rollout == "auto":
             gpu_and_vllm = torch.cuda.is_available() and importlib.util.find_spec("vllm")
             self.rollout = "vllm" if gpu_and_vllm else "hf"
         check(self.num_generations >= 2, f"--num-generations {self.num_generations}: a group needs "
               f"at least 2 samples, or it has no baseline to be better than")
         for name in ("prompts_per_step", "max_new_tokens", "updates_per_rollout",
-                     "micro_batch_size", "num_trainers", "num_engines"):
+                     "micro_batch_size", "num_trainers", "num_engines", "max_turns",
+                     "max_episode_tokens"):
             check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
         for name in ("steps", "warmup_steps", "max_fill_rounds", "overlong_buffer",
                      "max_tokens_per_microbatch", "save_every", "keep_last", "eval_every",
@@ -237,6 +268,9 @@ class Config:
               f"{self.report_to}: choose from {', '.join(TRACKERS)} (comma-separated)")
         check(self.async_steps in (0, 1), f"--async-steps {self.async_steps}: 0 (on-policy) or 1 "
               f"(one step off-policy) are supported")
+        check(not (self.async_steps and (self.tools or self.env)), "--async-steps 1 with --tools "
+              "or --env is not supported: episodes are played turn by turn in the driver, each "
+              "turn waiting for the last")
         check(not (self.async_steps and self.is_cap), "--is-cap corrects on-policy training for "
               "the engine's numerics; with --async-steps 1 the ratio is already taken against the "
               "engine's log-probs: leave --is-cap out")
@@ -372,11 +406,13 @@ class Scored:
     per_fn: dict[str, list[float]]  # each reward function's scores
     gen_seconds: float = 0.0
     reward_seconds: float = 0.0
+    episodes: list = field(default_factory=list)  # --tools / --env: each sample's env.Episode
 
     def select(self, indices: list[int]) -> "Scored":
         return Scored([self.rows[i] for i in indices], self.completions.select(indices),
                       self.rewards[indices], [self.correct[i] for i in indices],
-                      {name: [s[i] for i in indices] for name, s in self.per_fn.items()})
+                      {name: [s[i] for i in indices] for name, s in self.per_fn.items()},
+                      episodes=[self.episodes[i] for i in indices] if self.episodes else [])
 
     @staticmethod
     def concat(parts: list["Scored"]) -> "Scored":
@@ -384,7 +420,8 @@ class Scored:
                       Completions.concat([p.completions for p in parts]),
                       torch.cat([p.rewards for p in parts]), [c for p in parts for c in p.correct],
                       {name: [s for p in parts for s in p.per_fn[name]] for name in parts[0].per_fn},
-                      sum(p.gen_seconds for p in parts), sum(p.reward_seconds for p in parts))
+                      sum(p.gen_seconds for p in parts), sum(p.reward_seconds for p in parts),
+                      [e for p in parts for e in p.episodes])
 
 
 @dataclass
@@ -392,28 +429,39 @@ class Started:
     """A round of rollouts on its way: the problems, and the engines' work (.result())."""
     rows: list[dict]
     pending: object  # .result() -> Completions
-    t0: float
+    episodes: list = field(default_factory=list)  # --tools / --env: played to the end already
 
 
 def start_rollout(run, rows: list[dict], cfg: Config, seed: int) -> Started:
     """Ask the engines (run: a trainer.Run) for G completions of each problem in `rows`. Engines on
-    Ray work in the background; an engine in this process generates right away."""
-    t0 = time.time()  # (an engine in this process has finished when submit_generate returns)
-    prompts = encode_prompts(run.tokenizer, rows, cfg.template, cfg.chat)
+    Ray work in the background; an engine in this process generates right away. Episodes
+    (--tools, --env) are played here, turn by turn (env.Agent)."""
     sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed)
-    return Started(rows, run.rollout.submit_generate(prompts, cfg.num_generations, sampling), t0)
+    if run.agent:
+        comps, episodes = run.agent.run(run.rollout, rows, cfg.num_generations, sampling)
+        return Started(rows, Ready(comps), episodes)
+    prompts = encode_prompts(run.tokenizer, rows, cfg.template, cfg.chat)
+    return Started(rows, run.rollout.submit_generate(prompts, cfg.num_generations, sampling))
 
 
 def score(started: Started, cfg: Config, reward_fns: RewardFunctions, grader: Grader) -> Scored:
     """The completions of a started round, and their rewards."""
     G, rows = cfg.num_generations, started.rows
     comps = started.pending.result()
-    gen_seconds, t0 = time.time() - started.t0, time.time()
+    # The engines' own time: with --async-steps 1 a batch was started a training step ago.
+    gen_seconds, t0 = comps.seconds, time.time()
     group_rows = [r for r in rows for _ in range(G)]
-    # As TRL passes them: the prompt column as it is (chat messages, or the problem text).
+    # As TRL passes them: the prompt column as it is (chat messages, or the problem text); for
+    # episodes, their messages and their environments.
     prompts = [r["prompt"] if isinstance(r.get("prompt"), list) else r["problem"]
                for r in group_rows]
-    rewards, per_fn = reward_fns(prompts, comps.text, comps.completion_ids, group_rows)
+    completions, extra = comps.text, {}
+    if started.episodes:
+        prompts, completions = [e.prompt for e in started.episodes], \
+            [e.messages for e in started.episodes]
+        if started.episodes[0].env is not None:
+            extra["environments"] = [e.env for e in started.episodes]
+    rewards, per_fn = reward_fns(prompts, completions, comps.completion_ids, group_rows, **extra)
     correct = per_fn.get("correctness") or ([] if "answer" not in rows[0] else correctness_reward(
         prompts, comps.text, [r["answer"] for r in group_rows],
         answer_format=TEMPLATES[cfg.template][1], grader=grader))
@@ -422,7 +470,7 @@ def score(started: Started, cfg: Config, reward_fns: RewardFunctions, grader: Gr
                                    cfg.overlong_buffer)
         rewards = [r + p for r, p in zip(rewards, penalty)]
     return Scored(group_rows, comps, torch.tensor(rewards), correct, per_fn, gen_seconds,
-                  time.time() - t0)
+                  time.time() - t0, started.episodes)
 
 
 def has_signal(rewards: torch.Tensor, G: int) -> torch.Tensor:
@@ -471,6 +519,14 @@ class TrainBatch:
     in_loss: torch.Tensor  # (B,) bool; False: no loss weight (overlong filtering), still sampled
     engine_logprobs: torch.Tensor | None  # (B, T) the engine's log-prob of each sampled token
     denom: float  # grpo_loss's denominator for the *global* batch (see loss_denominator)
+    token_mask: torch.Tensor | None = None  # (B, T) episodes: True for the model's own tokens,
+    # False for the environment's (tool results), which are never trained; None: all of them
+
+    def loss_mask(self, idx, T: int) -> torch.Tensor:
+        """(b, T) the tokens of rows `idx` that the loss covers: the completion's (from its
+        length), less the environment's in an episode."""
+        mask = length_mask(self.completion_lens[idx], T)
+        return mask if self.token_mask is None else mask & self.token_mask[idx][:, :T]
 
     def select(self, idx) -> "TrainBatch":
         """Rows `idx` (a slice, or an index tensor)."""
@@ -494,9 +550,13 @@ def train_batch(comps: Completions, advantages, cfg: Config, pad_id: int) -> Tra
     engine_lps = None
     if comps.engine_logprobs is not None:
         engine_lps = right_pad(comps.engine_logprobs, 0.0, torch.float32)  # (B, T)
-    denom = loss_denominator(cfg.loss_agg, completion_lens * in_loss, cfg.max_new_tokens)
+    token_mask, trained_lens = None, completion_lens  # (episodes: the model's tokens only)
+    if comps.mask is not None:
+        token_mask = right_pad(comps.mask, False, torch.bool)  # (B, T)
+        trained_lens = token_mask.sum(1)
+    denom = loss_denominator(cfg.loss_agg, trained_lens * in_loss, cfg.max_new_tokens)
     return TrainBatch(input_ids, prompt_lens, completion_lens, advantages, in_loss, engine_lps,
-                      denom)
+                      denom, token_mask)
 
 
 def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
@@ -533,7 +593,7 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
         model.train()
         for k, idx in enumerate(mbs):
             logprobs, entropy = policy_logprobs(model, batch, idx, cfg, device)
-            mask = length_mask(lens[idx], logprobs.shape[1])  # (b, T)
+            mask = batch.loss_mask(idx, logprobs.shape[1])  # (b, T)
             old = old_lps[k] if old_lps else logprobs.detach()
             weights = engine_correction(batch, idx, old, mask, cfg,
                                         stats.mismatch if update == 0 and k < real else None)
@@ -565,16 +625,22 @@ def main(cfg: Config):
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     print(task_summary(cfg))
+    if cfg.memory_plan:
+        print(cfg.memory_plan)
     resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
     refuse_foreign_checkpoints(out, cfg.resume)  # a fresh run never touches another's
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
+    tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
     grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
     reward_fns = RewardFunctions(cfg.reward, TEMPLATES[cfg.template][1], grader,
-                                 cfg.require_think_close, columns)
+                                 cfg.require_think_close, columns, env_class)
     # A resumed run picks up its step, data position, RNG and metrics where the checkpoint left them.
     driver = load_driver_state(resume_dir) if resume_dir else DriverState()
     on_ray = cfg.num_trainers > 1 or cfg.num_engines > 1 or cfg.ray_address
     run = (setup_ray if on_ray else setup_local)(cfg, train_on_rollout, resume_dir, driver.step)
+    if tools or env_class:  # episodes: the model acts, tools and the environment answer
+        run.agent = Agent(ToolChat(run.tokenizer, tools, env_class), TEMPLATES[cfg.template][0],
+                          cfg.max_turns, cfg.max_episode_tokens)
     if resume_dir:
         print(f"resuming from {resume_dir} at step {driver.step + 1}")
     problems = ProblemStream(train_rows, skip=driver.consumed)
@@ -620,7 +686,9 @@ def main(cfg: Config):
             record.update(evaluate_held_out(run, eval_rows, cfg, grader))
         log(record)
         if cfg.log_samples_every and step % cfg.log_samples_every == 0:
-            show_samples(scored.rows, scored.completions.text, scored.rewards)
+            show_samples(scored.rows, [run.tokenizer.decode(c) for c in  # (episodes: all turns)
+                                       scored.completions.completion_ids] if scored.episodes
+                         else scored.completions.text, scored.rewards)
         # (a started next batch is not consumed: a resumed run samples it anew, on-policy)
         driver.step, driver.consumed = step, problems.taken - (N if started else 0)
         if cfg.save_every and step % cfg.save_every == 0 and not bad_steps:

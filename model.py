@@ -71,6 +71,11 @@ def default_model_path() -> str:
     return str(target)
 
 
+def model_path(cfg) -> str:
+    """The folder or hub id a config's model (or --init-from) loads from."""
+    return _resolve(getattr(cfg, "init_from", "") or cfg.model)
+
+
 def _resolve(name: str) -> str:
     """A folder, or a hub id that can be loaded now; otherwise stop with one line that says why.
     A run's output folder (grpo.py's or dpo.py's --out) stands for the model it trained, in its

@@ -16,6 +16,7 @@ Imports nothing from smolrl, so a student can test it alone.
 """
 
 import asyncio
+import concurrent.futures
 import functools
 import importlib
 import importlib.util
@@ -262,11 +263,18 @@ class Grader:
 # for a sample means "this function does not apply here": the sample's total leaves it out.
 
 MAX_FAILED_BATCHES = 3  # a function failing on this many batches in a row stops the run
+# Data columns a function never gets under their own names, as in TRL: the prompt column arrives
+# as `prompts`; these names are the call's own arguments.
+NOT_COLUMNS = ("prompt", "prompts", "completions", "completion_ids")
 
 
 def completion_text(completion) -> str:
-    """The text of a completion, given as a string or as TRL's [{"role": "assistant", ...}]."""
-    return completion[-1]["content"] if isinstance(completion, list) else completion
+    """The text of a completion, given as a string or as TRL's messages: [{"role": "assistant",
+    ...}], or an episode's assistant and tool turns (env.py), whose last assistant turn counts."""
+    if isinstance(completion, list):
+        said = [m for m in completion if m.get("role") == "assistant"]
+        return (said[-1].get("content") or "") if said else ""
+    return completion
 
 
 def correctness_reward(prompts, completions, answer, *, answer_format="boxed", grader=None,
@@ -308,15 +316,21 @@ class RewardFunctions:
     """
 
     def __init__(self, spec: str, answer_format: str, grader: Grader,
-                 require_think_close: bool = False, columns=None):
+                 require_think_close: bool = False, columns=None, env_class=None):
         self.require_think_close = require_think_close
         self.fns = []  # (name, fn, weight)
-        for part in spec.split(","):
+        passed = {"prompts", "completions", "completion_ids",  # what __call__ passes, exactly
+                  *(set(columns or ()) - set(NOT_COLUMNS)), *(["environments"] if env_class else [])}
+        for part in (p for p in spec.split(",") if p.strip()):
             name, _, weight = part.strip().rpartition("=") if "=" in part else (part.strip(), "", "1")
             fn = self._resolve(name, answer_format, grader)
             if columns is not None:
-                _check_signature(name, fn, {"prompts", "completions", "completion_ids", *columns})
+                _check_signature(name, fn, passed)
             self.fns.append((name, fn, float(weight)))
+        if callable(getattr(env_class, "get_reward", None)):  # as TRL adds it: weight 1
+            self.fns.append((env_class.__name__, _environment_rewards, 1.0))
+        if not self.fns:
+            raise SystemExit("error: no reward: give --reward, or an --env with get_reward()")
         self.errors = 0
         self._reported, self._failing = set(), {}
 
@@ -328,20 +342,23 @@ class RewardFunctions:
             return functools.partial(format_reward, answer_format=answer_format)
         return load_function(name, what="reward function")
 
-    def __call__(self, prompts, completions: list[str], completion_ids, rows):
-        """(total reward per completion, {function name: its scores, None where it abstained})."""
+    def __call__(self, prompts, completions: list, completion_ids, rows, **extra):
+        """(total reward per completion, {function name: its scores, None where it abstained}).
+        completions: texts, or (episodes, env.py) message lists; extra: e.g. `environments`."""
         columns = {k: [r.get(k) for r in rows] for k in rows[0]} if rows else {}
-        for taken in ("prompt", "prompts", "completions", "completion_ids"):
+        for taken in NOT_COLUMNS:
             columns.pop(taken, None)
         thought = [True] * len(completions)
-        if self.require_think_close:  # reasoning models: only the text after </think> is graded
+        if self.require_think_close and completions and isinstance(completions[0], str):
+            # reasoning models: only the text after </think> is graded
             thought = ["</think>" in c for c in completions]
             completions = [c.rsplit("</think>", 1)[-1] if ok else "" for c, ok in
                            zip(completions, thought)]
-        if prompts and isinstance(prompts[0], list):  # conversational, as TRL passes them
+        if prompts and isinstance(prompts[0], list) and completions and \
+                isinstance(completions[0], str):  # conversational, as TRL passes them
             completions = [[{"role": "assistant", "content": c}] for c in completions]
         kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
-                      **columns)
+                      **columns, **extra)
         total, per_fn = [0.0] * len(completions), {}
         for (name, _, weight), result in zip(self.fns, self._call_all(kwargs)):
             scores = self._checked(name, result, len(completions))
@@ -364,7 +381,7 @@ class RewardFunctions:
         if pending:
             async def gather():
                 return await asyncio.gather(*pending.values(), return_exceptions=True)
-            for i, result in zip(pending, asyncio.run(gather())):
+            for i, result in zip(pending, run_coroutine(gather())):
                 results[i] = result
         return results
 
@@ -393,6 +410,23 @@ class RewardFunctions:
             return [0.0] * n
         self._failing[name] = 0
         return scores
+
+
+def _environment_rewards(environments, **_):
+    """An environment's own score of each episode, its get_reward() (async allowed)."""
+    scores = [env.get_reward() for env in environments]
+    return [run_coroutine(s) if inspect.isawaitable(s) else s for s in scores]
+
+
+def run_coroutine(coroutine):
+    """asyncio.run(coroutine), also where an event loop is already running in this thread (a
+    Jupyter notebook), which asyncio.run refuses: there it runs in a thread with a loop of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 def load_function(spec: str, what: str = "function"):
@@ -445,6 +479,10 @@ def _check_signature(name: str, fn, available: set[str]):
     if positional:
         raise SystemExit(f"error: reward function {name!r}: positional-only parameters "
                          f"{positional} cannot be filled; rewards are passed by keyword")
+    if "prompt" in needed:  # the data has it, but it is passed as `prompts`
+        raise SystemExit(f"error: reward function {name!r} takes `prompt`: the prompts are passed "
+                         f"as `prompts` (a list, one per completion, as TRL passes them); rename "
+                         f"the parameter")
     if needed:
         columns = sorted(available - {"prompts", "completions", "completion_ids"})
         raise SystemExit(f"error: reward function {name!r} needs {', '.join(needed)}, which the "

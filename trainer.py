@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from checkpoint import load_trainer_state, save_trainer_state
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
-from model import add_lora, full_state_dict, length_mask, load_adapters, load_model, pick_device
+from model import add_lora, full_state_dict, load_adapters, load_model, pick_device
 from model import DTYPES, cast_parameters, save_model, shard_model, source_dtype
 from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, weight_layout
 
@@ -44,6 +44,7 @@ class Trainer:
     group: object = None  # the trainers' data-parallel process group; None for one trainer
     weight_group: object = None  # rank 0 on Ray: its rollout.WeightGroup with the engines
     weight_layout: list | None = None  # what a weight sync sends, bucket by bucket
+    engine_bytes: int = 0  # a vLLM engine in this process: its pool of the same CUDA allocator
 
     @property
     def sharded(self) -> bool:  # FSDP2 over the trainers
@@ -243,6 +244,10 @@ def weight_sync_by_object_store(trainers, engines, dtype) -> Callable[[int], flo
         functools.partial(weights_of, dtype=dtype)), step)
 
 
+def _engine_sleeps(engine):
+    engine.sleep()
+
+
 def _engine_free(engine):
     """Returns once the engine has finished the calls queued before this one."""
 
@@ -321,7 +326,7 @@ def untrained_mismatch(trainer, batch, trained, mismatch: dict):
     mbs, real = same_pass_count(micro_batches(rest, batch.prompt_lens + lens, cfg), trainer)
     for idx, lp in list(zip(mbs, frozen_logprobs(trainer.compute, batch, mbs, cfg,
                                                  trainer.device)))[:real]:
-        mask = length_mask(lens[idx], lp.shape[1])
+        mask = batch.loss_mask(idx, lp.shape[1])  # (the model's tokens)
         add_mismatch(mismatch, engine_mismatch(lp, batch.engine_logprobs[idx][:, :lp.shape[1]],
                                                 mask))
 
@@ -350,7 +355,10 @@ def optimizer_step(trainer, loss: float) -> float | None:
     after a few such steps in a row). grad_norm is global, so every rank decides alike."""
     model, group = trainer.model, trainer.group
     if group is not None and not trainer.sharded:
-        for p in model.parameters():  # data parallel: the global gradient is the sum
+        # Data parallel: the global gradient is the sum. Trained parameters only: with LoRA the
+        # frozen base weights have no gradient, and a zero one would cost their full size in
+        # memory and in every all-reduce.
+        for p in (p for p in model.parameters() if p.requires_grad):
             if p.grad is None:  # a rank that had no sequence to train this step
                 p.grad = torch.zeros_like(p)
             _all_reduce(p.grad, group)
@@ -372,10 +380,12 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-def peak_memory_gb(device: str) -> float:
-    """Peak memory of this process: GPU memory allocated by PyTorch, or resident host memory."""
+def peak_memory_gb(device: str, engine_bytes: int = 0) -> float:
+    """Peak memory of the trainer: GPU memory allocated by PyTorch less a vLLM engine's pool in
+    this process (allocated through the same allocator, and counted as allocated even asleep), or
+    the process's resident host memory on a CPU."""
     if torch.device(device).type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
+        return (torch.cuda.max_memory_allocated() - engine_bytes) / 2**30
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
@@ -385,9 +395,9 @@ class UpdateStats:
     sums into the step's metrics (token-weighted means, the loss summed over ranks)."""
 
     def __init__(self, trainer, batch, keep):
-        self.device, self.updates = trainer.device, trainer.cfg.updates_per_rollout
+        self.device, self.engine_bytes = trainer.device, trainer.engine_bytes
         self.raw = {"sums": {}, "tokens": 0, "mismatch": {}, "loss": 0.0, "grad_norm": 0.0,
-                    "skipped_updates": 0, "trained_seqs": len(keep),
+                    "skipped_updates": 0, "applied_updates": 0, "trained_seqs": len(keep),
                     "seqs": len(batch.completion_lens),
                     "trained_tokens": int((batch.prompt_lens + batch.completion_lens)[keep].sum()),
                     "lr": trainer.scheduler.get_last_lr()[0]}
@@ -404,22 +414,29 @@ class UpdateStats:
         self._tokens += tokens
 
     def end_update(self, grad_norm: float | None):
-        """The update's optimizer step happened (grad_norm), or was skipped (None: not finite)."""
+        """The update's optimizer step happened (grad_norm), or was skipped (None: not finite):
+        the loss and gradient norm reported are the means over the updates that happened."""
         if grad_norm is None:
             self.raw["skipped_updates"] += 1
         else:
-            self.raw["loss"] += self.update_loss / self.updates
-            self.raw["grad_norm"] += grad_norm / self.updates
+            self.raw["applied_updates"] += 1
+            self.raw["loss"] += self.update_loss
+            self.raw["grad_norm"] += grad_norm
             for key, v in self._sums.items():
                 self.raw["sums"][key] = self.raw["sums"].get(key, 0.0) + v
             self.raw["tokens"] += self._tokens
         self.update_loss, self._sums, self._tokens = 0.0, {}, 0
 
     def result(self) -> dict:
-        self.raw["peak_memory_gb"] = peak_memory_gb(self.device)
+        applied = max(self.raw.pop("applied_updates"), 1)
+        self.raw["loss"] /= applied
+        self.raw["grad_norm"] /= applied
+        self.raw["peak_memory_gb"] = peak_memory_gb(self.device, self.engine_bytes)
         if torch.device(self.device).type == "cuda":
             torch.cuda.empty_cache()  # hand the training peak's cached blocks back for the engine
-            self.raw["resident_memory_gb"] = torch.cuda.memory_allocated() / 2**30  # between steps
+            self.raw["resident_memory_gb"] = (torch.cuda.memory_allocated()  # between steps
+                                              - self.engine_bytes) / 2**30
+            self.raw["engine_memory_gb"] = self.engine_bytes / 2**30
         return self.raw
 
 
@@ -454,8 +471,9 @@ def finish_metrics(raws: list[dict]) -> dict:
     out["trained_tokens"] = sum(r["trained_tokens"] for r in raws)
     out["lr"] = raws[0]["lr"]
     out["peak_memory_gb"] = max(r.get("peak_memory_gb", 0.0) for r in raws)  # of any one rank
-    if "resident_memory_gb" in raws[0]:
-        out["resident_memory_gb"] = max(r["resident_memory_gb"] for r in raws)
+    for key in ("resident_memory_gb", "engine_memory_gb"):
+        if key in raws[0]:
+            out[key] = max(r[key] for r in raws)
     mismatch = {}
     for r in raws:
         add_mismatch(mismatch, r["mismatch"])
@@ -485,6 +503,7 @@ class Run:
     sync_weights: Callable[[int], float]  # the engines take the weights of step N -> seconds
     save: Callable[[str], None]  # the trainer's half of a checkpoint
     export: Callable[[str], None]  # the trained model alone, in the dtype it came in
+    agent: object = None  # --tools / --env: how episodes go (env.Agent), set by grpo.main
 
 
 def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Run":
@@ -501,8 +520,13 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
                            gpu_memory_utilization=cfg.gpu_memory_utilization,
                            logprobs=cfg.async_steps > 0)
     rollout.update_weights(weights_of(trainer), version=start_step)
-    return Run(trainer.tokenizer, rollout,
-               train=lambda batch: finish_metrics([train_step(trainer, batch)]),
+    trainer.engine_bytes = getattr(rollout, "memory_bytes", 0)
+
+    def train(batch):
+        rollout.sleep()  # the engine's GPU memory is the trainer's until the sync that follows
+        return finish_metrics([train_step(trainer, batch)])
+
+    return Run(trainer.tokenizer, rollout, train,
                sync_weights=lambda step: rollout.update_weights(weights_of(trainer), step),
                save=lambda folder: save_trainer(trainer, folder),
                export=lambda folder: export_model(trainer, folder))
@@ -524,6 +548,9 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
         sync_weights = weight_sync_by_object_store(trainers, engines, DTYPES[cfg.dtype])
 
     def train(batch):
+        if cfg.colocate and cluster.use_gpu:  # engines sharing the trainers' GPUs free them
+            # until the next sync
+            engines.run(_engine_sleeps)
         parts = shard(len(batch.advantages), cfg.num_trainers)  # each rank: a contiguous slice
         return finish_metrics(trainers.run(train_step, [(batch.select(slice(r.start, r.stop)),)
                                                         for r in parts]))

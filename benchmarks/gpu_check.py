@@ -1,20 +1,25 @@
-"""GPU check: what a lent GPU must show, in one command of under 10 minutes, with no network.
+"""GPU check: what a lent GPU must show, part by part, each part one `python grpo.py` of a few
+minutes, with no network. Not yet run on a GPU: the part times below are estimates.
 
-    python benchmarks/gpu_check.py            # one H200-class GPU
-    python benchmarks/gpu_check.py --tiny     # the same path, CPU-sized (tiny random models)
+    python benchmarks/gpu_check.py --part 1   # the default model learns arith, vLLM engine (~2 min)
+    python benchmarks/gpu_check.py --part 2   # a 1.5B-shaped model, full fine-tuning (~3 min)
+    python benchmarks/gpu_check.py --part 3   # the same with LoRA rank 16 (~3 min)
     python benchmarks/gpu_check.py --ray      # part 2 through distributed.py (1 trainer + 1 engine
                                               # colocated, collective weight sync, then async)
+    python benchmarks/gpu_check.py --tiny --part 2   # any part, CPU-sized (tiny random models)
 
 Part 1: the offline default model (SmolLM2-135M-Instruct) learns arith for 20 GRPO steps with the
 vLLM engine on the GPU (sleep/wake, CUDA graphs): held-out accuracy before and after, s/step,
-tokens/s, sync seconds, peak memory, the trainer/engine mismatch and a verdict.
-Part 2: a random-weight Qwen2.5-1.5B-shaped model (built from its config) for 3 steps of full
-fine-tuning and 3 with LoRA rank 16, 32 prompts x 8 samples x 1,024 tokens, printing peak memory
-and the memory budget. Random weights never stop early, so every sample is 1,024 tokens long; a
-length-parity reward gives the groups signal so that every step moves the weights.
+tokens/s, sync seconds, memory, the trainer/engine mismatch and a verdict.
+Parts 2 and 3: a random-weight Qwen2.5-1.5B-shaped model (built from its config) for 2 steps,
+32 prompts x 8 samples x 1,024 tokens, memory settings from gpu_memory.plan_memory (printed);
+random weights never stop early, so every sample is 1,024 tokens long; a length-parity reward
+gives the groups signal so that every step moves the weights.
 
-Each run is its own `python grpo.py` process (a vLLM engine per process), printing which vLLM
-model runner it got: on a GPU vLLM 0.32 takes its V2 runner whenever Triton is importable.
+Memory is reported apart for the trainer and the engine: a vLLM engine in the trainer's process
+allocates its weights and KV cache from the same CUDA allocator (a pool of its own, counted as
+allocated even while it sleeps), which the trainer's figures leave out. Every line is printed as
+it comes (flushed), so a part cut short by a time limit still shows what it got to.
 """
 
 import argparse
@@ -35,13 +40,14 @@ def parity_reward(prompts, completions, **_):
 
 
 def run(title: str, args: list[str], out: Path) -> list[dict]:
-    """python grpo.py ARGS --out OUT; print its vLLM runner line and return its metrics."""
-    print(f"\n== {title}\n   python grpo.py {' '.join(args)}", flush=True)
+    """python grpo.py ARGS --out OUT; print its task, memory plan and vLLM runner lines and
+    return its metrics."""
+    print(f"\n== {title}\n   python grpo.py {' '.join(args)}")
     result = subprocess.run([sys.executable, "grpo.py", *args, "--out", str(out)], cwd=ROOT,
                             capture_output=True, text=True)
     for line in result.stdout.splitlines():
-        if line.startswith("task ") or "vLLM model runner" in line:  # (Ray prefixes its workers')
-            print("   " + line)
+        if line.startswith(("task ", "memory plan")) or "vLLM model runner" in line:  # (Ray
+            print("   " + line)  # prefixes its workers' lines)
     if result.returncode != 0:
         print(result.stderr[-3000:])
         raise SystemExit(f"error: {title} failed")
@@ -64,10 +70,12 @@ def report(rows: list[dict], utilization: float):
     last = steps[-1]
     if torch.cuda.is_available():
         total = torch.cuda.get_device_properties(0).total_memory / 2**30
-        print(f"   memory budget (GB of {total:.0f}): trainer resident "
+        engine = last.get("engine_memory_gb") or utilization * total  # (Ray: another process)
+        print(f"   memory (GB of {total:.0f}): trainer resident "
               f"{last.get('resident_memory_gb', 0):.1f}, trainer peak "
-              f"{last['peak_memory_gb']:.1f}, engine {utilization} x {total:.0f} = "
-              f"{utilization * total:.1f} (weights + KV cache; asleep while the trainer trains)")
+              f"{last['peak_memory_gb']:.1f}; engine {engine:.1f} (weights + KV cache, "
+              f"{'measured in the trainer process' if last.get('engine_memory_gb') else 'its share'};"
+              f" discarded while the trainer trains)")
     if last.get("policy_lag"):  # async: the engine sampled with the previous step's weights
         print(f"   async: the last batch was sampled {last['policy_lag']} update behind the "
               f"trainer, so the mismatch below includes that lag")
@@ -80,12 +88,16 @@ def report(rows: list[dict], utilization: float):
 
 
 if __name__ == "__main__":
+    sys.stdout.reconfigure(line_buffering=True)  # each line as it comes, also into a pipe
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", type=int, choices=(1, 2, 3), action="append",
+                        help="run this part (repeatable; default: all three)")
     parser.add_argument("--tiny", action="store_true", help="tiny random models, CPU-sized runs")
     parser.add_argument("--ray", action="store_true", help="part 2 only, through distributed.py: "
                         "1 trainer + 1 engine colocated on one device, 2 steps with the collective "
                         "weight sync, then 2 with --async-steps 1")
     args = parser.parse_args()
+    parts = set(args.part or (1, 2, 3))
     sys.path.insert(0, str(ROOT))
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
@@ -109,7 +121,7 @@ if __name__ == "__main__":
         )).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
 
-        if not args.ray:
+        if 1 in parts and not args.ray:
             learn = ["--rollout", "vllm", "--log-samples-every", "0"]
             learn += (["--model", str(model_dir), "--data", "arith", "--steps", "2",
                        "--eval-every", "2", "--eval-size", "8", "--max-new-tokens", "8",
@@ -119,26 +131,28 @@ if __name__ == "__main__":
                        tmp / "learn")
             report(rows, 0.3)
 
-        utilization = 0.2 if args.tiny else 0.35
+        # Parts 2 and 3 take their memory settings from the plan (gpu_memory.py), as a user's
+        # first GPU run does; on a CPU (--tiny) the CPU's defaults.
+        utilization = 0.2
         big = ["--model", str(model_dir), "--data", "arith", "--rollout", "vllm",
                "--reward", "benchmarks.gpu_check:parity_reward", "--beta", "0.001",
-               "--eval-every", "0", "--log-samples-every", "0",
-               "--gpu-memory-utilization", str(utilization), "--steps", "2" if args.ray else "3"]
+               "--eval-every", "0", "--log-samples-every", "0", "--steps", "2"]
         big += (["--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "16",
                  "--micro-batch-size", "4"] if args.tiny else
                 ["--prompts-per-step", "32", "--num-generations", "8", "--max-new-tokens",
-                 "1024", "--micro-batch-size", "16"])
-        if args.ray:  # one Ray trainer trains ~17K tokens per micro-batch: keep activations small
-            big += ["--ray-address", "local", "--colocate", "--gradient-checkpointing"]
+                 "1024"])
+        if args.ray:
+            big += ["--ray-address", "local", "--colocate"]
             print("\n(weight sync by collective: trainer rank 0 broadcasts bf16 buckets; gloo, as "
                   "the engine shares the trainer's GPU, which NCCL cannot join twice)")
             report(run("part 2 via Ray: 1.5B-shaped, full fine-tuning, collective weight sync",
                        big, tmp / "ray"), utilization)
             report(run("part 2 via Ray: the same with --async-steps 1 (one step off-policy)",
                        big + ["--async-steps", "1"], tmp / "ray-async"), utilization)
-        else:
+        if 2 in parts and not args.ray:
             report(run("part 2: 1.5B-shaped, full fine-tuning", big, tmp / "full"), utilization)
-            report(run("part 2: 1.5B-shaped, LoRA rank 16", big + ["--lora-rank", "16"],
+        if 3 in parts and not args.ray:
+            report(run("part 3: 1.5B-shaped, LoRA rank 16", big + ["--lora-rank", "16"],
                        tmp / "lora"), utilization)
-    print("\n(peak_memory_gb: the trainer's peak GPU memory allocated by PyTorch, or its peak "
-          "resident host memory on CPU; a colocated vLLM engine's own pool is not included)")
+    print("\n(peak_memory_gb: the trainer's peak GPU memory allocated by PyTorch less a vLLM "
+          "engine's pool in its process, or its peak resident host memory on CPU)")

@@ -223,13 +223,14 @@ def _perturb(trainer, seed):
 
 
 def _sent_logprobs(trainer, ids, pl, cl):
-    """Log-probs under rank 0's weights as a sync sends them (rounded to bf16), computed in fp32
-    like the test engines."""
+    """Log-probs under rank 0's weights as a sync sends them (in the run's compute dtype, so
+    rounded to bf16 in a bf16 run), computed in fp32 like the test engines."""
     import copy
+    from model import DTYPES
     model = copy.deepcopy(trainer.model)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).float())
+            p.copy_(p.to(DTYPES[trainer.cfg.dtype]).float())
         return completion_logprobs(model, ids, pl, cl)[0]
 
 

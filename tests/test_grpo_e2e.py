@@ -100,3 +100,23 @@ def test_report_to_tensorboard_and_wandb(tiny_model_dir, tmp_path):
         for step, value in expected.items():
             assert abs(logged[step] - value) <= 1e-6 * max(1.0, abs(value)), (key, step)
     assert list((out / "wandb").glob("offline-run-*"))  # the W&B run, ready for `wandb sync`
+
+
+def test_async_generation_time_is_the_engines_own(tiny_model_dir, tmp_path, monkeypatch):
+    """With --async-steps 1 and the engine in this process, a batch is generated before the
+    training step that precedes its own: gen_seconds (and gen_tokens_per_s) are the engine's time,
+    not the wall time since the batch was started, which includes a whole training step."""
+    import time
+    import grpo
+    train = grpo.train_on_rollout
+
+    def slow_train(trainer, batch):
+        time.sleep(1.0)
+        return train(trainer, batch)
+
+    monkeypatch.setattr(grpo, "train_on_rollout", slow_train)
+    history = grpo.main(grpo.Config(model=tiny_model_dir, data="arith", steps=3, async_steps=1,
+                                    prompts_per_step=2, num_generations=2, max_new_tokens=4,
+                                    eval_every=0, log_samples_every=0, out=str(tmp_path)))
+    assert [r["policy_lag"] for r in history] == [0, 1, 1]
+    assert all(0 < r["gen_seconds"] < 1.0 for r in history), [r["gen_seconds"] for r in history]

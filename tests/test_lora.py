@@ -43,6 +43,27 @@ def test_only_the_adapters_train(tiny_model_dir):
     assert changed and all("lora_B" in n for n in changed)
 
 
+def test_several_trainers_all_reduce_the_adapters_gradients_only(tiny_model_dir, monkeypatch):
+    """Data-parallel trainers sum their gradients: with LoRA, those of the adapters alone. A
+    full-size zero gradient for every frozen base weight would cost its size in memory and in
+    every all-reduce (~6 GB each at 1.5B parameters)."""
+    import trainer as trainer_module
+    reduced = []
+
+    def all_reduce(x, group, op=None):  # stands in for torch.distributed: one rank
+        reduced.append(x)
+        return x
+
+    monkeypatch.setattr(trainer_module, "_all_reduce", all_reduce)
+    trainer = _lora_trainer(tiny_model_dir)
+    trainer.group = "two trainers"  # (what setup_trainer gets on Ray)
+    train_on_rollout(trainer, make_batch(PROMPTS, COMPLETIONS, [1.0, -1.0, 0.5, -0.5]))
+    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+    gradients = [x for x in reduced if x.dim() > 0]  # (scalars: the ranks' agreement checks)
+    assert len(gradients) == len(trainable)
+    assert all(p.grad is None for p in trainer.model.parameters() if not p.requires_grad)
+
+
 def test_engines_get_the_merged_weights_and_the_reference_is_the_base(tiny_model_dir,
                                                                        tiny_model):
     model, tokenizer = tiny_model

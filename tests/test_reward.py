@@ -147,6 +147,22 @@ def _length_reward(prompts, completions, target, **fields):
     return [float(len(c) == t) for c, t in zip(completions, target)]
 
 
+def _wants_the_prompt_column(prompt, completions, **fields):
+    return [0.0 for _ in completions]
+
+
+def test_the_start_up_check_passes_what_the_call_passes():
+    """A parameter named after the data's `prompt` column passed the start-up check, and then
+    failed every batch: the call passes that column as `prompts` only (as TRL does)."""
+    with pytest.raises(SystemExit, match="takes `prompt`: the prompts are passed as `prompts`"):
+        RewardFunctions("tests.test_reward:_wants_the_prompt_column", "boxed", Grader(),
+                        columns={"prompt", "answer"})
+    # What the check accepts, the call can fill.
+    fns = RewardFunctions("tests.test_reward:_length_reward", "boxed", Grader(),
+                          columns={"prompt", "answer", "target"})
+    assert fns(["q"], ["ab"], None, [{"prompt": "q", "answer": "1", "target": 2}])[0] == [1.0]
+
+
 def test_unknown_reward_is_a_clear_error():
     with pytest.raises(SystemExit, match="unknown reward"):
         RewardFunctions("corectness", "boxed", Grader())

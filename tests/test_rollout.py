@@ -1,5 +1,6 @@
 """Completions and masks come from lengths: pad == eos, truncation, the stop token is trained."""
 
+import pytest
 import torch
 
 from model import completion_logprobs, length_mask, pack
@@ -215,3 +216,36 @@ def test_engine_logprobs_are_those_of_the_logits_it_sampled_from(tiny_model, mon
         for row in range(len(out)):
             assert out.completion_ids[row][t] == tokens[row]
             assert out.engine_logprobs[row][t] == float(expected[row])  # the same numbers
+
+
+def test_vllm_discards_its_weights_for_a_training_step_and_the_sync_refills_them():
+    """On a GPU the engine sleeps while the trainer trains. A weight sync always follows, so its
+    weights are discarded (sleep level 2), not copied to host memory and back (level 1) only to be
+    overwritten; generating on discarded weights that no sync has refilled is an error."""
+    from rollout import VLLMRollout
+    calls = []
+
+    class FakeLLM:  # records what the engine asks of vLLM
+        def sleep(self, level):
+            calls.append(("sleep", level))
+
+        def wake_up(self, tags):
+            calls.append(("wake_up", *tags))
+
+        def collective_rpc(self, method, args=()):
+            calls.append((method,))
+
+        def reset_prefix_cache(self):
+            calls.append(("reset_prefix_cache",))
+
+    engine = object.__new__(VLLMRollout)  # (no vLLM needed for the bookkeeping)
+    engine.llm, engine.on_gpu, engine.dtype, engine.version = FakeLLM(), True, torch.bfloat16, 0
+    engine.awake, engine.discarded = {"weights", "kv_cache"}, False
+    engine.sleep()
+    assert calls == [("sleep", 2)]
+    with pytest.raises(RuntimeError, match="discarded"):
+        engine._wake({"weights", "kv_cache"})  # what generate does first
+    engine.update_weights({"w": torch.ones(2)}, version=1)
+    assert calls[1:] == [("wake_up", "weights"), ("load_trainer_weights",)]
+    engine._wake({"weights", "kv_cache"})
+    assert calls[-1] == ("wake_up", "kv_cache") and engine.version == 1

@@ -259,3 +259,27 @@ def test_compiled_layers_train_as_the_eager_ones_do(tiny_model_dir, capsys):
         trainer = setup_trainer(Config(data="arith", model=tiny_model_dir, beta=0.0, compile=True))
     assert "found none: the layers run eagerly" in capsys.readouterr().err
     assert all(layer._compiled_call_impl is None for layer in trainer.compute.model.layers)
+
+
+def test_a_skipped_update_leaves_the_applied_ones_metrics_whole(tiny_model_dir, monkeypatch):
+    """With two updates per rollout of which the second is skipped (non-finite), the step reports
+    the first update's loss and gradient norm -- their mean over the updates that happened, not
+    half of them."""
+    import grpo
+    real, seen = grpo.optimizer_step, []
+
+    def second_not_finite(trainer, loss):
+        if seen:  # the second update: skipped, as a non-finite one is
+            trainer.optimizer.zero_grad(set_to_none=True)
+            return None
+        seen.append((loss, real(trainer, loss)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(grpo, "optimizer_step", second_not_finite)
+    trainer = _trainer(tiny_model_dir, beta=0.0, updates_per_rollout=2)
+    metrics = finish_metrics([train_on_rollout(trainer, make_batch(PROMPTS, COMPLETIONS,
+                                                                   ADVANTAGES))])
+    (loss, grad_norm), = seen
+    assert metrics["skipped_updates"] == 1
+    assert metrics["loss"] == pytest.approx(loss)
+    assert metrics["grad_norm"] == pytest.approx(grad_norm)

@@ -93,6 +93,18 @@ def test_none_means_does_not_apply_and_async_functions_are_awaited():
     assert asyncio.iscoroutinefunction(fns.fns[1][1])
 
 
+def test_async_rewards_also_run_inside_a_running_event_loop():
+    """In a Jupyter notebook an event loop is already running, where asyncio.run refuses to start
+    another: the async functions must still be awaited."""
+    fns = RewardFunctions("tests.trl_rewards:judged_remotely", "boxed", Grader())
+
+    async def notebook_cell():
+        return fns(["q", "q"], ["abc", "abcd"], None, [{}, {}])
+
+    total, _ = asyncio.run(notebook_cell())
+    assert total == [1.0, 0.0] and fns.errors == 0
+
+
 def test_a_reward_failing_every_batch_stops_the_run(capsys):
     fns = RewardFunctions("tests.test_reward:_broken_reward", "boxed", Grader())
     for _ in range(2):

@@ -1,0 +1,412 @@
+"""Agentic episodes: the model acts, tools and environments answer, and only the model's own tokens
+are trained.
+
+An episode starts from a data row; each turn the model writes one assistant message; if it calls
+tools, their results are appended and the model goes on; a message without a tool call ends the
+episode (so do --max-turns and --max-episode-tokens: then it is `truncated`). Two ways in, in the
+shapes of TRL's GRPOTrainer (`tools=`, `environment_factory=`), so that TRL users' code runs as is:
+
+    --tools module:fn,...   plain functions with type hints and a docstring (their JSON schema comes
+                            from them); `calculator` and `python` (sandbox.py) are built in
+    --env module:Class      one instance per episode: reset(**row) -> str | None (a string is
+                            appended to the prompt), its public methods are its tools, and an
+                            optional get_reward() -> float scores the episode
+
+The chat template shows the tools and the results (apply_chat_template(tools=...)), and
+transformers' response parser reads the calls (tokenizer.parse_response with a response
+template): the tokenizer's own, or -- for a template that ignores tools, as SmolLM2's does --
+smolrl's ChatML one below, said on the first screen.
+
+The ids that are trained are the ids that were sampled: a turn's input is the previous input, the
+sampled tokens and the observation's tokens, appended -- never the conversation re-encoded. An
+episode's `mask` marks each token after the prompt: True where the model sampled it (trained),
+False for the environment's (tool results, the template's turn markers: never trained).
+"""
+
+import ast
+import functools
+import inspect
+import json
+import operator
+import time
+from dataclasses import dataclass, field, replace
+
+from reward import load_function, run_coroutine
+from rollout import Completions, Sampling, request_seed
+from sandbox import run_python
+
+# ---------------------------------------------------------------------------------------------
+# Built-in tools.
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly.
+
+    Args:
+        expression: numbers with + - * / // % and parentheses, e.g. "347 * 29"
+    """
+    return str(_arithmetic(ast.parse(expression, mode="eval").body))
+
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+              ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+
+
+def _arithmetic(node):
+    """The value of an expression tree of numbers and + - * / // %: nothing else is evaluated."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _arithmetic(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        left, right = _arithmetic(node.left), _arithmetic(node.right)
+        if max(abs(left), abs(right)) > 1e100:
+            raise ValueError("numbers too large")
+        return _OPERATORS[type(node.op)](left, right)
+    raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+
+
+def python(code: str) -> str:
+    """Run a Python program and return what it prints.
+
+    Args:
+        code: the program; print the result you need
+    """
+    result = run_python(code)
+    if result.error:
+        raise RuntimeError(f"{result.error}\n{result.output[-500:]}".strip())
+    return result.output
+
+
+BUILTIN_TOOLS = {"calculator": calculator, "python": python}
+
+
+def load_tools(spec: str) -> list:
+    """--tools: built-in names and module:function specs, comma-separated."""
+    return [BUILTIN_TOOLS.get(name) or load_function(name, what="tool")
+            for name in (s.strip() for s in spec.split(",")) if name]
+
+
+def load_environment(spec: str):
+    """--env module:Class: TRL's environment contract, checked before any model loads."""
+    env_class = load_function(spec, what="environment") if spec else None
+    if env_class is not None and not callable(getattr(env_class, "reset", None)):
+        raise SystemExit(f"error: environment {spec!r} has no reset(**row) method (TRL's "
+                         f"environment_factory contract)")
+    return env_class
+
+
+def environment_tools(env) -> list:
+    """An environment's tools: its public methods, bound to it (reset and get_reward excepted)."""
+    return [getattr(env, name) for name, _ in inspect.getmembers(type(env), inspect.isfunction)
+            if not name.startswith("_") and name not in ("reset", "get_reward")]
+
+
+# ---------------------------------------------------------------------------------------------
+# The chat format of tool calls: rendering (a chat template) and parsing (a response template).
+
+# For chat templates that ignore tools: ChatML with the tools' JSON schemas in the system message,
+# calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, results as `tool` messages.
+TOOL_TEMPLATE = """\
+{%- set first = messages[0] if messages else none -%}
+<|im_start|>system
+{{ first.content if first and first.role == 'system' else 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' }}
+{%- if tools %}
+
+You can call these tools:
+{% for tool in tools -%}
+{{ tool | tojson }}
+{% endfor %}
+To call a tool, write:
+<tool_call>
+{"name": "<tool name>", "arguments": {"<argument>": <value>}}
+</tool_call>
+Its result comes back in a message from `tool`.
+{%- endif %}<|im_end|>
+{% for message in messages -%}
+{%- if not (loop.first and message.role == 'system') -%}
+<|im_start|>{{ message.role }}
+{% if message.content %}{{ message.content }}{% endif %}
+{%- for call in message.tool_calls or [] %}
+<tool_call>
+{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif -%}
+"""
+
+# How transformers' parser reads such a turn: text, and repeated JSON tool calls.
+TOOL_RESPONSE_TEMPLATE = {
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "content": {},  # what is not a tool call
+        "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json",
+                       "repeats": True, "transform": {"type": "function", "function": "{content}"}},
+    },
+}
+
+
+class ToolChat:
+    """The tools of a run and the chat format that carries them: which chat template renders the
+    tools and results, and which response template parses the model's calls."""
+
+    def __init__(self, tokenizer, tools: list, env_class=None):
+        self.tokenizer, self.tools, self.env_class = tokenizer, tools, env_class
+        shown = tools + (environment_tools(env_class()) if env_class else [])
+        if not shown:
+            raise SystemExit("error: --env: the environment has no tools (public methods) and "
+                             "no --tools are given: the model could never act")
+        self.schemas = [_schema(fn) for fn in shown]  # checked now: a missing docstring stops here
+        self.template = tokenizer.chat_template if _renders_tools(tokenizer) else TOOL_TEMPLATE
+        self.response_template = getattr(tokenizer, "response_template", None) or \
+            TOOL_RESPONSE_TEMPLATE
+        if self.template is TOOL_TEMPLATE:
+            print("tools: the model's chat template does not show tools; using smolrl's ChatML "
+                  "tool format (<tool_call> JSON, env.TOOL_TEMPLATE)")
+        self.eos = tokenizer.eos_token
+
+    def render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, tokenize=False,
+                                                  add_generation_prompt=generation_prompt,
+                                                  chat_template=self.template)
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.tokenizer(self.render(messages, True), add_special_tokens=False)["input_ids"]
+
+    def parse(self, prefix_ids: list[int], turn_ids: list[int]) -> dict:
+        """The model's message: {"content": ..., "tool_calls": [...]}; a call the parser cannot
+        read is kept as {"malformed": why}."""
+        text = self.tokenizer.decode(turn_ids, skip_special_tokens=False)
+        text = text.removesuffix(self.eos)  # the stop token ends the turn; it is not content
+        try:
+            message = self.tokenizer.parse_response(text, schema=self.response_template,
+                                                    prefix=self.tokenizer.decode(prefix_ids),
+                                                    tools=self.schemas)
+        except (ValueError, TypeError) as e:
+            return {"content": text, "malformed": str(e).splitlines()[0]}
+        return {"content": message.get("content") or "", "tool_calls": message.get("tool_calls")
+                or []}
+
+    @functools.cache
+    def _results_suffix(self, n: int) -> tuple[str, str]:
+        """The text the template puts around n tool results after the model's turn, as (before
+        the first result, after the last): found by rendering a stand-in conversation with and
+        without them (the real history could render differently, e.g. reasoning stripped)."""
+        call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+        turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "",
+                                                    "tool_calls": [call] * n}]
+        marks = [f"\x00{i}\x00" for i in range(n)]
+        results = [{"role": "tool", "name": "f", "content": m} for m in marks]
+        before, after = self.render(turn, False), self.render(turn + results, True)
+        cut = before.rindex(self.eos) + len(self.eos)  # where the model's sampled turn ends
+        if not after.startswith(before[:cut]):
+            raise SystemExit("error: --tools: the chat template renders a conversation "
+                             "differently once tool results follow it; use a model whose "
+                             "template appends them")
+        return after[cut:], marks
+
+    def observation_ids(self, results: list[tuple[str, str]]) -> list[int]:
+        """The tokens appended after the model's turn for its tool results [(name, text)]: the
+        template's own markup around them, ending with the next assistant turn's opening."""
+        suffix, marks = self._results_suffix(len(results))
+        for mark, (_, text) in zip(marks, results):
+            suffix = suffix.replace(mark, text, 1)
+        return self.tokenizer(suffix, add_special_tokens=False)["input_ids"]
+
+
+def _schema(fn) -> dict:
+    from transformers.utils import get_json_schema
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # no docstring, an argument without a type hint or a description
+        raise SystemExit(f"error: tool {getattr(fn, '__name__', fn)!r}: {e}") from None
+
+
+def _renders_tools(tokenizer) -> bool:
+    """Does the model's own chat template show tools to the model? (SmolLM2's ignores them.)"""
+    if not tokenizer.chat_template:
+        return False
+
+    def smolrl_probe_tool(x: int) -> int:
+        """Probe.
+
+        Args:
+            x: a number
+        """
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}],
+                                         tools=[smolrl_probe_tool], tokenize=False,
+                                         add_generation_prompt=True)
+    return "smolrl_probe_tool" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Episodes.
+
+
+@dataclass
+class Episode:
+    row: dict
+    env: object | None  # this episode's environment instance
+    prompt: list[dict]  # the prompt's messages (with reset()'s text appended)
+    prompt_ids: list[int]
+    messages: list[dict] = field(default_factory=list)  # what followed: assistant and tool turns
+    ids: list[int] = field(default_factory=list)  # every token after the prompt
+    mask: list[bool] = field(default_factory=list)  # per token of `ids`: sampled by the model
+    logprobs: list[float] = field(default_factory=list)  # the engine's, per token (0: not sampled)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_seconds: float = 0.0
+    done: bool = False
+    truncated: bool = False
+
+    @property
+    def answer(self) -> str:
+        """The text graded by answer-checking rewards: the last assistant message's content."""
+        last = [m for m in self.messages if m["role"] == "assistant"]
+        return last[-1]["content"] if last else ""
+
+
+@dataclass
+class Agent:
+    """How a run's episodes go: its tools and chat format, the user-message template for a row's
+    problem, and the limits of an episode."""
+    chat: ToolChat
+    template: str  # e.g. "{problem}\nReply with one sentence: The answer is <number>."
+    max_turns: int
+    max_tokens: int  # tokens after the prompt, tool results included
+
+    def start(self, rows: list[dict], n: int) -> list[Episode]:
+        """n episodes per row, row-major, each with its own environment, reset with the row."""
+        episodes = []
+        for row in rows:
+            for _ in range(n):
+                env = self.chat.env_class() if self.chat.env_class else None
+                prompt = [dict(m) for m in row["prompt"]] if isinstance(row.get("prompt"), list) \
+                    else [{"role": "user", "content": self.template.format(problem=row["problem"])}]
+                text = env.reset(**row) if env is not None else None
+                if isinstance(text, str):  # as TRL does: appended to the last message
+                    prompt[-1]["content"] += text
+                episodes.append(Episode(row, env, prompt, self.chat.prompt_ids(prompt)))
+        return episodes
+
+    def run(self, engine, rows: list[dict], n: int,
+            sampling: Sampling) -> tuple[Completions, list[Episode]]:
+        """n episodes of each row, played to the end: the turn loop. Each turn is one
+        engine.generate over the episodes still running, each continuing from its own ids.
+        Returns them as completions (everything after the prompt, the mask of the model's
+        tokens, the graded answer as text), and the episodes themselves."""
+        episodes, seconds, version, logprobs = self.start(rows, n), 0.0, None, False
+        for turn in range(self.max_turns):
+            running = [e for e in episodes if not e.done]
+            if not running:
+                break
+            seeded = replace(sampling, seed=None if sampling.seed is None else
+                             request_seed(sampling.seed, turn))  # each turn draws anew
+            room = max(1, self.max_tokens - max(len(e.ids) for e in running))
+            out = engine.generate([e.prompt_ids + e.ids for e in running], 1,
+                                  replace(seeded, max_new_tokens=min(room,
+                                                                     seeded.max_new_tokens)))
+            seconds += out.seconds
+            version = out.policy_version if version is None else min(version, out.policy_version)
+            logprobs = out.engine_logprobs is not None
+            for i, e in enumerate(running):
+                turn_logprobs = out.engine_logprobs[i] if logprobs else \
+                    [0.0] * len(out.completion_ids[i])
+                _model_turn(self.chat, e, out.completion_ids[i], turn_logprobs, out.truncated[i],
+                            last=turn + 1 == self.max_turns, max_tokens=self.max_tokens)
+        comps = Completions([e.prompt_ids for e in episodes], [e.ids for e in episodes],
+                            [e.truncated for e in episodes], [e.answer for e in episodes],
+                            [e.logprobs for e in episodes] if logprobs else None, version or 0,
+                            seconds, [e.mask for e in episodes])
+        return comps, episodes
+
+
+def _model_turn(chat: ToolChat, e: Episode, tokens, logprobs, cut: bool, last: bool,
+                max_tokens: int):
+    """Append one sampled turn to episode `e`, run its tool calls and append their results."""
+    message = chat.parse(e.prompt_ids + e.ids, tokens)
+    e.ids += tokens
+    e.mask += [True] * len(tokens)
+    e.logprobs += logprobs
+    e.turns += 1
+    calls = message.pop("tool_calls", [])
+    malformed = message.pop("malformed", None)
+    e.messages.append({"role": "assistant", **message, **({"tool_calls": calls} if calls else {})})
+    if cut or last or not (calls or malformed):  # the answer, or out of room
+        e.done, e.truncated = True, cut or bool(last and (calls or malformed))
+        return
+    results = [("error", f"error: malformed tool call ({malformed})")] if malformed else \
+        [call_tool(chat, e, call) for call in calls]
+    e.tool_errors += sum(text.startswith("error:") for _, text in results)
+    e.messages += [{"role": "tool", "name": name, "content": text} for name, text in results]
+    observation = chat.observation_ids(results)
+    if len(e.ids) + len(observation) >= max_tokens:  # no room for another turn
+        e.done = e.truncated = True
+        return
+    e.ids += observation
+    e.mask += [False] * len(observation)
+    e.logprobs += [0.0] * len(observation)
+
+
+def call_tool(chat: ToolChat, e: Episode, call: dict) -> tuple[str, str]:
+    """(tool name, result text) for one call; whatever goes wrong becomes an "error: ..." result
+    the model reads, never an exception in the trainer."""
+    function = call.get("function") or {}
+    name, arguments = function.get("name"), function.get("arguments")
+    e.tool_calls += 1
+    tools = {fn.__name__: fn for fn in chat.tools + (environment_tools(e.env) if e.env else [])}
+    if name not in tools:
+        return str(name), f"error: no tool named {name!r}; the tools are {', '.join(tools)}"
+    if not isinstance(arguments, dict):
+        return name, "error: the arguments must be a JSON object"
+    t0 = time.perf_counter()
+    try:
+        result = tools[name](**arguments)
+        if inspect.isawaitable(result):
+            result = run_coroutine(result)
+        text = result if isinstance(result, str) else json.dumps(result, default=str)
+    except Exception as error:  # a wrong argument, a failing tool: the model is told
+        text = f"error: {type(error).__name__}: {error}"
+    e.tool_seconds += time.perf_counter() - t0
+    return name, text
+
+
+def episode_metrics(episodes: list[Episode]) -> dict:
+    n = max(len(episodes), 1)
+    return {"turns": sum(e.turns for e in episodes) / n,
+            "tool_calls": sum(e.tool_calls for e in episodes) / n,
+            "tool_errors": sum(e.tool_errors for e in episodes),
+            "tool_seconds": sum(e.tool_seconds for e in episodes),
+            "truncated_episodes": sum(e.truncated for e in episodes) / n}
+
+
+# ---------------------------------------------------------------------------------------------
+# A built-in environment, in TRL's shape (the `guess` task, data.GENERATED).
+
+
+class GuessTheNumber:
+    """Find a secret whole number from 1 to 16; every guess is answered "higher" or "lower". The
+    episode scores 1 for finding it, 0.1 less for every guess after the first, 0 if not found."""
+
+    def reset(self, secret, **row):
+        self.secret, self.guesses, self.found = int(secret), 0, False
+
+    def guess(self, number: int) -> str:
+        """Guess the secret number.
+
+        Args:
+            number: your guess, a whole number from 1 to 16
+        """
+        self.guesses += 1
+        if int(number) == self.secret:
+            self.found = True
+            return "correct: you found it"
+        return "higher" if self.secret > int(number) else "lower"
+
+    def get_reward(self) -> float:
+        return max(0.0, 1.0 - 0.1 * (self.guesses - 1)) if self.found else 0.0

@@ -1,0 +1,137 @@
+"""GPU memory: what a GRPO run needs on one GPU, estimated before anything loads, and the settings
+that make it fit.
+
+A trainer and a vLLM engine share the GPU. While the engine generates, the trainer's weights,
+gradients and optimizer state stay resident beside the engine's weights and KV cache; while the
+trainer trains, the engine sleeps (its memory discarded) and the activations saved for backward
+take what is left. So:
+
+    generation:  trainer state + engine share            <= usable
+    training:    trainer state + activations + logits    <= usable      (usable = 90 % of the GPU)
+
+grpo.Config asks plan_memory for whatever of --gradient-checkpointing,
+--max-tokens-per-microbatch and --gpu-memory-utilization the command line left unset; --dry-run
+prints the plan. Every figure comes from the model's config: its parameters are counted, and the
+activations one token saves for backward are measured, on PyTorch's meta device (shapes only, no
+memory, no weights read).
+"""
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+GiB = 2**30
+USABLE = 0.9  # of the GPU: the CUDA context, the allocator's fragmentation, NCCL buffers
+PROMPT_TOKENS = 512  # a prompt's length, assumed: the data is not read before the plan
+ENGINE_WORKSPACE = 2 * GiB  # vLLM's activations, sampler and CUDA graphs beside weights and KV
+LOGITS_BYTES = 8  # per (token, vocabulary entry) of a log-prob chunk: bf16 logits, fp32 softmax
+LOGPROB_CHUNK = 2048  # model.completion_logprobs' chunk_tokens
+
+
+class MemoryPlan(NamedTuple):
+    device_gb: float
+    trainer_gb: float  # weights, gradients, AdamW state, the bf16 copy, the KL reference
+    engine_gb: float  # vLLM: its weights, the KV cache of one step's batch, its workspace
+    activations_kb: float  # per token, saved for backward (as checkpointed, when it is)
+    logits_gb: float  # one chunk of log-probs through the LM head
+    gradient_checkpointing: bool
+    max_tokens_per_microbatch: int
+    gpu_memory_utilization: float
+
+    def __str__(self):
+        return (f"memory plan ({self.device_gb:.0f} GB GPU, {USABLE:.0%} usable): trainer "
+                f"{self.trainer_gb:.1f} GB resident; engine {self.engine_gb:.1f} GB "
+                f"(--gpu-memory-utilization {self.gpu_memory_utilization:.2f}); training: "
+                f"{self.activations_kb:.0f} KB/token of activations"
+                f"{' (checkpointed)' if self.gradient_checkpointing else ''} x "
+                f"{self.max_tokens_per_microbatch} tokens/micro-batch + {self.logits_gb:.1f} GB "
+                f"of logits")
+
+
+class ModelShape(NamedTuple):
+    params: int
+    hidden: int
+    layers: int
+    vocab: int
+    kv_bytes_per_token: int  # the engine's KV cache, bf16
+    activation_bytes_per_token: float  # the whole decoder, saved for backward, bf16
+
+
+@functools.cache
+def model_shape(path: str) -> ModelShape:
+    """The model of folder/hub id `path` built on the meta device from its config: its parameter
+    count, and the bytes one token saves for backward through the decoder, measured at two
+    sequence lengths (the difference cancels the weights, which backward also holds on to)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    text = model.config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    saved = [_saved_bytes(model, T) for T in (32, 64, 128)]
+    # bytes(T) = a + b T + c T^2 on the meta device (its attention keeps the T x T scores, which
+    # a GPU's flash attention does not): b, the per-token part, from three lengths
+    d1, d2 = (saved[1] - saved[0]) / 32, (saved[2] - saved[1]) / 64  # b + 96 c, b + 192 c
+    per_token = 2 * d1 - d2
+    return ModelShape(sum(p.numel() for p in model.parameters()), text.hidden_size,
+                      text.num_hidden_layers, text.vocab_size,
+                      2 * text.num_hidden_layers * kv_heads * head_dim * 2, per_token)
+
+
+def _saved_bytes(model, T: int) -> int:
+    saved = []
+
+    def pack(x):
+        saved.append(x.numel() * x.element_size())
+        return x
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        model.get_decoder()(input_ids=torch.zeros(1, T, dtype=torch.long, device="meta"))
+    return sum(saved)
+
+
+def plan_memory(cfg, device_bytes: int, model_path: str) -> MemoryPlan:
+    """The settings a grpo.Config leaves unset (None), chosen to fit a GPU of device_bytes; the
+    ones it sets are kept and only checked. Stops with one line when nothing fits."""
+    shape = model_shape(model_path)
+    P, usable = shape.params, USABLE * device_bytes
+    if cfg.lora_rank:  # the frozen base in fp32 under autocast; the adapters are negligible
+        trainer = 4 * P
+    else:  # fp32 master weights 4 + gradients 4 + AdamW moments 8, bf16 copy and its gradient 4
+        trainer = (16 + (4 if cfg.dtype == "bf16" else 0)) * P
+        trainer += (2 if cfg.dtype == "bf16" else 4) * P if cfg.beta else 0  # the KL reference
+    if cfg.fsdp:  # sharded over the trainers, one GPU each
+        trainer /= cfg.num_trainers
+    seq_len = PROMPT_TOKENS + cfg.max_new_tokens
+    batch_tokens = cfg.prompts_per_step * cfg.num_generations * seq_len
+    engine = 2 * P + 1.1 * batch_tokens * shape.kv_bytes_per_token + ENGINE_WORKSPACE
+    utilization = cfg.gpu_memory_utilization or math.ceil(100 * engine / device_bytes) / 100
+    if trainer + utilization * device_bytes > usable:
+        raise SystemExit(f"error: {cfg.model} does not fit this GPU ({device_bytes / GiB:.0f} GB) "
+                         f"while generating: trainer {trainer / GiB:.1f} GB + engine "
+                         f"{utilization * device_bytes / GiB:.1f} GB; try --lora-rank 16, fewer "
+                         f"--prompts-per-step or a shorter --max-new-tokens")
+    logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES
+    room = usable - trainer - logits - ENGINE_WORKSPACE  # (an asleep engine keeps some memory)
+    checkpointed = shape.layers * shape.hidden * 2 + shape.activation_bytes_per_token / shape.layers
+    full = shape.activation_bytes_per_token
+    # Recomputing activations costs ~30 % more compute: only when micro-batches of a few whole
+    # sequences would not fit without it.
+    ckpt = cfg.gradient_checkpointing
+    if ckpt is None:
+        ckpt = room < 4 * seq_len * full
+    per_token = checkpointed if ckpt else full
+    tokens = cfg.max_tokens_per_microbatch
+    if tokens is None:
+        tokens = int(room // per_token) // 1024 * 1024
+        if tokens < seq_len:
+            raise SystemExit(f"error: one {seq_len}-token sequence's activations "
+                             f"({seq_len * per_token / GiB:.1f} GB) do not fit beside the "
+                             f"trainer's {trainer / GiB:.1f} GB on this GPU; try --lora-rank 16 "
+                             f"or a shorter --max-new-tokens")
+    return MemoryPlan(device_bytes / GiB, trainer / GiB, utilization * device_bytes / GiB,
+                      per_token / 1024, logits / GiB, ckpt, tokens, utilization)

@@ -1,0 +1,82 @@
+"""gpu_memory.plan_memory: a GPU run's memory settings chosen to fit, from the model's config alone
+(no GPU here: the device's size is given, or torch.cuda is stood in for)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import gpu_memory
+from grpo import Config
+
+GB = 2**30
+
+
+@pytest.fixture(scope="module")
+def qwen_1_5b(tmp_path_factory):
+    """Qwen2.5-1.5B's config alone: the plan builds the model on the meta device."""
+    from transformers import Qwen2Config
+    path = tmp_path_factory.mktemp("qwen2.5-1.5b-config")
+    Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+                max_position_embeddings=4096).save_pretrained(path)
+    return str(path)
+
+
+def _plan(path, gb, **kw):
+    cfg = replace(Config(model=path, dtype="bf16"), **kw)  # the math task: 8 x 8 x 1,024 tokens
+    for name in ("gradient_checkpointing", "max_tokens_per_microbatch", "gpu_memory_utilization"):
+        setattr(cfg, name, kw.get(name))  # unset: the plan's to choose
+    return gpu_memory.plan_memory(cfg, gb * GB, path)
+
+
+def test_the_one_gpu_commands_get_settings_that_fit(qwen_1_5b):
+    """Full fine-tuning of 1.5B on 80 GB: 20 bytes a parameter resident (fp32 weights, gradients,
+    AdamW moments, the bf16 copy and its gradients), an engine share that holds the step's 64 x
+    1,536-token batch, and micro-batches of what is left. LoRA on 24 GB needs checkpointing. Full
+    fine-tuning on 40 GB does not fit, and says so in one line."""
+    full = _plan(qwen_1_5b, 80)
+    assert full.trainer_gb == pytest.approx(20 * 1.5437e9 / GB, rel=1e-3)
+    assert not full.gradient_checkpointing and full.max_tokens_per_microbatch >= 4 * 1536
+    used = (full.trainer_gb + full.logits_gb + 2 +
+            full.activations_kb * 1024 * full.max_tokens_per_microbatch / GB)
+    assert used <= 0.9 * 80 and full.trainer_gb + full.engine_gb <= 0.9 * 80
+    # the engine share holds its bf16 weights and the batch's KV cache (28 KiB a token)
+    assert full.engine_gb * GB >= 2 * 1.5437e9 + 64 * 1536 * 28 * 1024
+
+    lora = _plan(qwen_1_5b, 24, lora_rank=16)
+    assert lora.gradient_checkpointing and lora.max_tokens_per_microbatch >= 1536
+    assert lora.trainer_gb + lora.engine_gb <= 0.9 * 24
+
+    with pytest.raises(SystemExit, match="does not fit this GPU .40 GB. while generating"):
+        _plan(qwen_1_5b, 40)
+    kept = _plan(qwen_1_5b, 80, gradient_checkpointing=True, max_tokens_per_microbatch=4096)
+    assert kept.gradient_checkpointing and kept.max_tokens_per_microbatch == 4096  # flags win
+
+
+def test_activations_measured_on_the_meta_device_match_a_real_forward(tiny_model_dir):
+    """The per-token figure the plan uses (meta device, no memory) against the bytes a real bf16
+    forward saves for backward: within 25 %, and not below it."""
+    from model import load_model
+    model = load_model(tiny_model_dir)[0].to(torch.bfloat16)
+    real = [gpu_memory._saved_bytes(model, T) for T in (64, 128)]
+    measured = (real[1] - real[0]) / 64
+    estimate = gpu_memory.model_shape(tiny_model_dir).activation_bytes_per_token
+    assert measured <= estimate <= 1.25 * measured
+
+
+def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
+    """On a GPU the unset settings come from the plan, which --dry-run prints."""
+    import grpo
+    from data import parse_config
+    from model import DtypeChoice
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 * GB, 80 * GB))
+    monkeypatch.setattr(grpo, "choose_dtype", lambda requested, device: (
+        DtypeChoice("bf16", "a GPU with bf16")))
+    with pytest.raises(SystemExit) as done:
+        parse_config(Config, ["--model", qwen_1_5b, "--rollout", "hf", "--dry-run"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "# memory plan (80 GB GPU, 90% usable): trainer 28.8 GB resident" in out
+    assert "gradient_checkpointing = false" in out and "gpu_memory_utilization = 0.1" in out
