@@ -25,7 +25,7 @@ run: install
 	$(PY) grpo.py
 
 test: install
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadfile  # a test file per worker, one worker per core
 
 OUT ?= assignment
 exercises: install

@@ -83,17 +83,24 @@ BUILTIN_TOOLS = {"calculator": calculator, "python": python}
 
 
 def load_tools(spec: str) -> list:
-    """--tools: built-in names and module:function specs, comma-separated."""
-    return [BUILTIN_TOOLS.get(name) or load_function(name, what="tool")
-            for name in (s.strip() for s in spec.split(",")) if name]
+    """--tools: built-in names and module:function specs, comma-separated; each one's schema is
+    made now, so that a tool without a docstring or type hints stops the run before it starts."""
+    tools = [BUILTIN_TOOLS.get(name) or load_function(name, what="tool")
+             for name in (s.strip() for s in spec.split(",")) if name]
+    for fn in tools:
+        _schema(fn)
+    return tools
 
 
 def load_environment(spec: str):
     """--env module:Class: TRL's environment contract, checked before any model loads."""
     env_class = load_function(spec, what="environment") if spec else None
-    if env_class is not None and not callable(getattr(env_class, "reset", None)):
-        raise SystemExit(f"error: environment {spec!r} has no reset(**row) method (TRL's "
-                         f"environment_factory contract)")
+    if env_class is not None:
+        if not callable(getattr(env_class, "reset", None)):
+            raise SystemExit(f"error: environment {spec!r} has no reset(**row) method (TRL's "
+                             f"environment_factory contract)")
+        for fn in environment_tools(env_class()):
+            _schema(fn)
     return env_class
 
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from data import TEMPLATES, Template, check, flag, dataset_name, encode_prompts, load_rows
 from data import parse_config
 from reward import Grader, extract_answer, fast_match
-from env import episode_metrics
+from env import Agent, ToolChat, episode_metrics, load_environment, load_tools
 from rollout import Sampling
 
 # ---------------------------------------------------------------------------------------------
@@ -318,6 +318,15 @@ class EvalConfig:
     """prompt template: one of data.TEMPLATES (answer-is, boxed, raw)"""
     chat: bool = True
     """wrap the prompt in the model's chat template (turn off for base models)"""
+    tools: str = ""
+    """episodes with tools, as grpo.py's --tools (calculator, python, module:function)"""
+    env: str = ""
+    """episodes in an environment, as grpo.py's --env (module:Class); solved = get_reward() > 0
+    where the data has no answers"""
+    max_turns: int = 4
+    """episodes: assistant turns at most"""
+    max_episode_tokens: int = 512
+    """episodes: tokens after the prompt at most, tool results included"""
     backend: Literal["hf", "vllm"] = "hf"
     """rollout engine: hf (transformers) or vllm"""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
@@ -332,7 +341,7 @@ class EvalConfig:
     """folder for results.json and samples.jsonl"""
 
     def __post_init__(self):  # impossible values stop here, before anything loads
-        for name in ("n", "max_new_tokens", "batch_prompts"):
+        for name in ("n", "max_new_tokens", "batch_prompts", "max_turns", "max_episode_tokens"):
             check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
         check(self.limit >= 0, "--limit must not be negative (0 = all)")
         check(self.temperature >= 0, "--temperature must not be negative (0 = greedy)")
@@ -346,8 +355,9 @@ def main(argv=None):
     datasets = {dataset_name(src): load_rows(src, limit=cfg.limit or None,
                                              prompt_field=cfg.prompt_field,
                                              answer_field=cfg.answer_field, split=cfg.split,
-                                             need_answers=True)
+                                             need_answers=not cfg.env)
                 for src in cfg.data.split(",")}
+    tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # before the model, too
     from model import choose_dtype, load_model, pick_device
     from rollout import make_rollout
     device = pick_device()
@@ -359,6 +369,8 @@ def main(argv=None):
                            max_new_tokens=cfg.max_new_tokens,
                            gpu_memory_utilization=cfg.gpu_memory_utilization)
     del model
+    agent = Agent(ToolChat(tokenizer, tools, env_class), TEMPLATES[cfg.template][0],
+                  cfg.max_turns, cfg.max_episode_tokens) if tools or env_class else None
     sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed)
     grader = Grader()
     out = Path(cfg.out)
@@ -370,7 +382,8 @@ def main(argv=None):
     for name, rows in datasets.items():
         summary, samples = evaluate_rows(rollout, tokenizer, rows, template=cfg.template,
                                          chat=cfg.chat, sampling=sampling, n=cfg.n, grader=grader,
-                                         dataset=name, batch_prompts=cfg.batch_prompts)
+                                         dataset=name, batch_prompts=cfg.batch_prompts,
+                                         agent=agent)
         results["datasets"][name] = summary
         all_samples += samples
     grader.close()
@@ -387,7 +400,7 @@ def main(argv=None):
 
 def format_table(rows: dict) -> str:
     cols = list(next(iter(rows.values())).keys())
-    lines = ["dataset".ljust(16) + "".join(c.rjust(10) for c in cols)]
+    lines = ["dataset".ljust(16) + "".join(c.rjust(max(10, len(c) + 1)) for c in cols)]
     for name, row in rows.items():
         cells = [f"{row[c]:10d}" if isinstance(row[c], int) else f"{row[c]:10.3f}" for c in cols]
         lines.append(name[:16].ljust(16) + "".join(cells))

@@ -67,7 +67,10 @@ def default_model_path() -> str:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, target)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process (a parallel test worker) converted it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
 
 

