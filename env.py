@@ -199,9 +199,9 @@ class ToolChat:
                 or []}
 
     @functools.cache
-    def _results_suffix(self, n: int) -> tuple[str, str]:
-        """The text the template puts around n tool results after the model's turn, as (before
-        the first result, after the last): found by rendering a stand-in conversation with and
+    def _results_suffix(self, n: int) -> tuple[str, list[str]]:
+        """The text the template appends after the model's turn for n tool results, with a
+        marker where each result goes: found by rendering a stand-in conversation with and
         without them (the real history could render differently, e.g. reasoning stripped)."""
         call = {"type": "function", "function": {"name": "f", "arguments": {}}}
         turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "",
@@ -363,9 +363,11 @@ def _model_turn(chat: ToolChat, e: Episode, tokens, logprobs, cut: bool, last: b
 def call_tool(chat: ToolChat, e: Episode, call: dict) -> tuple[str, str]:
     """(tool name, result text) for one call; whatever goes wrong becomes an "error: ..." result
     the model reads, never an exception in the trainer."""
-    function = call.get("function") or {}
-    name, arguments = function.get("name"), function.get("arguments")
+    function = call.get("function") if isinstance(call, dict) else None
     e.tool_calls += 1
+    if not isinstance(function, dict):  # e.g. <tool_call>"calculator"</tool_call>
+        return "error", 'error: a tool call is {"name": <tool name>, "arguments": {...}}'
+    name, arguments = function.get("name"), function.get("arguments")
     tools = {fn.__name__: fn for fn in chat.tools + (environment_tools(e.env) if e.env else [])}
     if name not in tools:
         return str(name), f"error: no tool named {name!r}; the tools are {', '.join(tools)}"

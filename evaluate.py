@@ -400,9 +400,11 @@ def main(argv=None):
 
 def format_table(rows: dict) -> str:
     cols = list(next(iter(rows.values())).keys())
-    lines = ["dataset".ljust(16) + "".join(c.rjust(max(10, len(c) + 1)) for c in cols)]
+    widths = [max(10, len(c) + 1) for c in cols]
+    lines = ["dataset".ljust(16) + "".join(c.rjust(w) for c, w in zip(cols, widths))]
     for name, row in rows.items():
-        cells = [f"{row[c]:10d}" if isinstance(row[c], int) else f"{row[c]:10.3f}" for c in cols]
+        cells = [f"{row[c]:{w}d}" if isinstance(row[c], int) else f"{row[c]:{w}.3f}"
+                 for c, w in zip(cols, widths)]
         lines.append(name[:16].ljust(16) + "".join(cells))
     return "\n".join(lines)
 

@@ -194,6 +194,15 @@ def matmul_rate(dtype, shape=(64, 576, 1536), seconds: float = 0.03) -> float:
             return 2 * m * k * n / best / 1e9
 
 
+def machine() -> str:
+    """The hardware a figure was measured on, in one line: GPU, or CPU model, torch's CPU kernels
+    (AVX2, AVX512, ...) and threads."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    return (f"{cpu_name()}, torch kernels {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} threads")
+
+
 def cpu_name() -> str:
     """The CPU's model name (Linux: /proc/cpuinfo), else the platform's processor string."""
     try:

@@ -1,7 +1,8 @@
 """Seconds per GRPO step, split into generation / scoring / training, on a fixed config.
 
     python benchmarks/grpo_step.py              # SmolLM2-135M-Instruct, 8 prompts x 4 samples,
-                                                # <= 64 new tokens, bf16, 1 warm-up + 4 timed steps
+                                                # <= 64 new tokens, 1 warm-up + 4 timed steps
+    python benchmarks/grpo_step.py --dtype fp32  # either dtype (default: model.choose_dtype's)
     python benchmarks/grpo_step.py --train-all  # the policy update alone, every sequence trained
     python benchmarks/grpo_step.py --train-all --distinct-prompts  # no prompt shared by samples
     python benchmarks/grpo_step.py --train-all --compile  # the decoder layers torch.compiled
@@ -14,7 +15,7 @@ a non-zero advantage (grpo.py skips the others when beta = 0), so `trained` is p
 40-token prompts x 4 samples of 64 random tokens, every advantage non-zero, no reference model),
 and prints sequence tokens/s and the FLOP rate of the tokens the decoder actually runs (6 x
 parameters x tokens, the usual estimate, which leaves out attention; a group's prompt runs once,
-model.share_prompts) next to the bf16 matmul rate this CPU reaches at SmolLM2's shapes, measured
+model.share_prompts) next to the matmul rate this CPU reaches in the run's dtype at SmolLM2's shapes, measured
 in the same run just before each timed step (median of the four). --distinct-prompts gives each
 sequence a prompt of its own (nothing to share). grpo.py's flags apply (--compile,
 --micro-batch-size, ...); with --compile the warm-up step pays for the compile (in the full-step
@@ -35,19 +36,27 @@ import torch  # noqa: E402
 
 from data import parse_config  # noqa: E402
 from grpo import Config, main  # noqa: E402
+from model import DTYPES, machine  # noqa: E402
 
 BENCH = Config(prompts_per_step=8, num_generations=4, max_new_tokens=64, steps=5, eval_every=0,
                log_samples_every=0, temperature=1.0, micro_batch_size=32)
 
-def matmul_gflops(m=1600, k=576, n=1536, repeats=200) -> float:
-    """bf16 (m, k) @ (k, n) at SmolLM2's MLP shape: what this machine can do."""
-    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
-    for _ in range(5):
+def matmul_gflops(dtype=torch.bfloat16, m=1600, k=576, n=1536, seconds=1.0) -> float:
+    """(m, k) @ (k, n) in `dtype` at SmolLM2's MLP shape: what this machine can do."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a @ b
+    calls, t0 = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - t0 < seconds:
         a @ b
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    return 2 * m * k * n * repeats / (time.perf_counter() - t0) / 1e9
+        calls += 1
+    return 2 * m * k * n * calls / (time.perf_counter() - t0) / 1e9
+
+
+def print_machine():
+    """What every figure below was measured on, and both dtypes' matmul rates there."""
+    print(f"machine: {machine()}; matmul 1600x576 @ 576x1536: fp32 "
+          f"{matmul_gflops(torch.float32):,.0f} GFLOP/s, bf16 "
+          f"{matmul_gflops(torch.bfloat16, seconds=0.3):,.0f} GFLOP/s", flush=True)
 
 
 def train_all(argv: list[str], distinct_prompts: bool = False):
@@ -71,7 +80,7 @@ def train_all(argv: list[str], distinct_prompts: bool = False):
     train_on_rollout(trainer, batch)  # warm-up
     times, rates = [], []
     for _ in range(4):  # this machine's speed drifts: the matmul rate is sampled before each step
-        rates.append(matmul_gflops())
+        rates.append(matmul_gflops(DTYPES[cfg.dtype]))
         t0 = time.perf_counter()
         train_on_rollout(trainer, batch)
         times.append(time.perf_counter() - t0)
@@ -80,11 +89,11 @@ def train_all(argv: list[str], distinct_prompts: bool = False):
     flops = 6 * params * run / seconds / 1e9
     print(f"{cfg.model}: {params / 1e6:.0f} M parameters; {B // G} prompts x {G} samples, "
           f"{B} sequences x ({P} + {T}) tokens, micro-batch {cfg.micro_batch_size}, "
-          f"bf16={cfg.bf16}, {torch.get_num_threads()} threads")
+          f"dtype {cfg.dtype}, {torch.get_num_threads()} threads")
     print(f"train_on_rollout: {seconds:.2f} s (median of {', '.join(f'{t:.2f}' for t in times)}), "
           f"{tokens / seconds:,.0f} sequence tokens/s ({run:,} decoder tokens)")
     print(f"forward+backward: {flops:,.0f} GFLOP/s (6 x params x decoder tokens) = "
-          f"{100 * flops / rate:.0f} % of the bf16 matmul rate measured between the steps "
+          f"{100 * flops / rate:.0f} % of the {cfg.dtype} matmul rate measured between the steps "
           f"({rate:,.0f} GFLOP/s at 1600x576 @ 576x1536, median of "
           f"{', '.join(f'{r:,.0f}' for r in rates)})")
 
@@ -102,7 +111,7 @@ def full_steps(argv: list[str]):
     cols = ["step_seconds", "gen_seconds", "reward_seconds", "train_seconds", "gen_tokens_per_s",
             "train_tokens_per_s", "completion_len", "trained_frac"]
     print(f"\nconfig: {cfg.model}, {cfg.prompts_per_step} prompts x {cfg.num_generations} samples, "
-          f"max_new_tokens {cfg.max_new_tokens}, bf16={cfg.bf16}, beta={cfg.beta}")
+          f"max_new_tokens {cfg.max_new_tokens}, dtype {cfg.dtype}, beta={cfg.beta}")
     print("step " + "".join(c.rjust(20) for c in cols))
     for r in timed:
         print(f"{r['step']:4d} " + "".join(f"{r.get(c, 0):20.2f}" for c in cols))
@@ -111,6 +120,7 @@ def full_steps(argv: list[str]):
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    print_machine()
     if "--train-all" in argv:
         train_all([a for a in argv if a not in ("--train-all", "--distinct-prompts")],
                   distinct_prompts="--distinct-prompts" in argv)

@@ -65,7 +65,8 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config
     from transformers import Qwen2ForCausalLM
-    from model import default_model_path
+    from model import default_model_path, machine
+    print(f"machine: {machine()}")
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = AutoTokenizer.from_pretrained(default_model_path())
         heads = max(1, args.hidden // 64)

@@ -41,7 +41,7 @@ def random_reward(prompts, completions, **_):
     return [random.random() for _ in completions]
 
 
-def trl_side(model_dir: str, prompts_file: str, result_file: str, seed: str):
+def trl_side(model_dir: str, prompts_file: str, result_file: str, seed: str, dtype: str):
     """Runs in TRL's virtualenv: GRPOTrainer for STEPS steps, timing each optimizer step."""
     import torch
     from datasets import Dataset
@@ -66,7 +66,7 @@ def trl_side(model_dir: str, prompts_file: str, result_file: str, seed: str):
         config = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * SAMPLES,
                             num_generations=SAMPLES, max_completion_length=MAX_NEW,
                             temperature=1.0, top_p=1.0, beta=0.0, learning_rate=LR,
-                            max_steps=STEPS, logging_steps=1, bf16=True,
+                            max_steps=STEPS, logging_steps=1, bf16=dtype == "bf16",
                             report_to=[], save_strategy="no", seed=int(seed), shuffle_dataset=False,
                             gradient_checkpointing=False,  # on by TRL's default; off in smolrl
                             # the default device, as smolrl's (Trainer refuses bf16 on a CPU
@@ -78,7 +78,7 @@ def trl_side(model_dir: str, prompts_file: str, result_file: str, seed: str):
     Path(result_file).write_text(json.dumps({"step_seconds": times, "completion_len": lengths}))
 
 
-def smolrl_side(prompts_file: str, seed: int) -> dict:
+def smolrl_side(prompts_file: str, seed: int, dtype: str) -> dict:
     sys.path.insert(0, str(ROOT))
     from grpo import Config, main
     with tempfile.TemporaryDirectory() as out:
@@ -86,7 +86,8 @@ def smolrl_side(prompts_file: str, seed: int) -> dict:
                      max_new_tokens=MAX_NEW, temperature=1.0, beta=0.0, lr=LR, steps=STEPS,
                      eval_every=0, log_samples_every=0, micro_batch_size=PROMPTS * SAMPLES,
                      reward=f"{Path(__file__).resolve()}:random_reward", rollout="hf", out=out,
-                     seed=seed, eval_data=prompts_file)  # (else a tenth would be held out)
+                     seed=seed, eval_data=prompts_file,  # (else a tenth would be held out)
+                     dtype=dtype)
         history = main(cfg)
     steps = [r for r in history if r["step"] > 0]
     assert all(r["trained_frac"] == 1.0 for r in steps), "smolrl skipped some sequences"
@@ -105,6 +106,10 @@ def prompts(n: int) -> list[dict]:
 
 def main(trl_python: str, seed: int):
     sys.path.insert(0, str(ROOT))
+    from model import choose_dtype, machine, pick_device
+    dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
+    print(f"machine: {machine()}; dtype {dtype.name} ({dtype.reason})", flush=True)
+    sys.path.insert(0, str(ROOT))
     from data import row_stream
     from model import default_model_path
     model_dir = default_model_path()
@@ -119,13 +124,14 @@ def main(trl_python: str, seed: int):
                                     itertools.islice(row_stream(rows, seed), len(rows))))
         print(f"TRL ({trl_python}) ...", flush=True)
         subprocess.run([trl_python, __file__, "--trl-side", model_dir, str(trl_file),
-                        str(result_file), str(seed)], check=True, cwd=Path(__file__).parent)
+                        str(result_file), str(seed), dtype.name], check=True,
+                       cwd=Path(__file__).parent)
         trl = json.loads(result_file.read_text())
         print("smolrl ...", flush=True)
-        ours = smolrl_side(str(prompts_file), seed)
+        ours = smolrl_side(str(prompts_file), seed, dtype.name)
     version = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
                              capture_output=True, text=True).stdout.strip()
-    print(f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {MAX_NEW} new tokens, T = 1, bf16, every "
+    print(f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {MAX_NEW} new tokens, T = 1, {dtype.name}, every "
           f"sequence trained, seed {seed}; median of steps 2-{STEPS} (step 1 warms up)")
     for name, r in ((f"TRL {version} GRPOTrainer", trl), ("smolrl grpo.py", ours)):
         print(f"{name:28s} {statistics.median(r['step_seconds'][1:]):6.1f} s/step   mean "
@@ -139,7 +145,7 @@ def main(trl_python: str, seed: int):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--trl-side"]:  # this script, run by TRL's virtualenv
-        trl_side(*sys.argv[2:6])
+        trl_side(*sys.argv[2:7])
     else:
         import argparse
         parser = argparse.ArgumentParser(description=__doc__,

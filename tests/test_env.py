@@ -87,16 +87,17 @@ def test_bad_tool_calls_are_answered_with_errors_and_counted(tokenizer):
     """Malformed JSON, an unknown tool, wrong argument types: each becomes an "error: ..." result
     the model reads, counted in tool_errors; the episode goes on to its answer."""
     turns = ['<tool_call>{"name": "calculator", "arguments": {"expression": "1 +',
-             _call("abacus", {"expression": "1"}), _call("calculator", {"expr": "1"}),
-             _call("calculator", {"expression": "[1, 2]"}), "The answer is 3."]
+             '<tool_call>"calculator"</tool_call>', _call("abacus", {"expression": "1"}),
+             _call("calculator", {"expr": "1"}), _call("calculator", {"expression": "[1, 2]"}),
+             "The answer is 3."]
     engine = ScriptedEngine(tokenizer, turns)
-    agent = Agent(ToolChat(tokenizer, load_tools("calculator")), "{problem}", 6, 1024)
+    agent = Agent(ToolChat(tokenizer, load_tools("calculator")), "{problem}", 7, 1024)
     comps, (episode,) = agent.run(engine, [{"problem": "What is 1 + 2?"}], 1, Sampling(64, 1.0))
     results = [m["content"] for m in episode.messages if m["role"] == "tool"]
     assert [r.split(" (")[0].split(":")[1].strip() for r in results] == [
-        "malformed tool call", "no tool named 'abacus'; the tools are calculator",
-        "TypeError", "ValueError"]
-    assert episode.tool_errors == 4 and episode.turns == 5 and not episode.truncated
+        "malformed tool call", 'a tool call is {"name"', "no tool named 'abacus'; the tools are "
+        "calculator", "TypeError", "ValueError"]
+    assert episode.tool_errors == 5 and episode.turns == 6 and not episode.truncated
     assert comps.text == ["The answer is 3."]
 
 
