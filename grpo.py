@@ -11,10 +11,13 @@ the group itself as the baseline -- no value network:
 averaged over the valid tokens of the whole batch (DAPO's token-mean; see `loss_agg`).
 
 One step of `main`: sample -> score -> advantages -> train -> sync the engine -> log / evaluate /
-checkpoint. What this file leaves out on purpose: a value model (that is PPO), reward models
-(rewards here are verifiable: answer checking), multi-turn / tool use, and sequence packing.
-Generation engines live in rollout.py, rewards in reward.py, evaluation in evaluate.py, log-probs
-and model plumbing in model.py, checkpoints in checkpoint.py, Ray placement in distributed.py.
+checkpoint. With --tools or --env a sample is an episode of several turns (env.py): the model
+calls tools, their results are appended, and only the model's own tokens are trained
+(TrainBatch.token_mask). What this file leaves out on purpose: a value model (that is PPO), reward
+models (rewards here are verifiable: answer checking, or an environment's score), and sequence
+packing. Generation engines live in rollout.py, rewards in reward.py, episodes in env.py,
+evaluation in evaluate.py, log-probs and model plumbing in model.py, checkpoints in
+checkpoint.py, Ray placement in distributed.py.
 
     python grpo.py                                   # CPU, offline: SmolLM2-135M learns arithmetic
     python grpo.py --model Qwen/Qwen2.5-Math-1.5B    # one GPU: MATH train -> MATH-500 (task math)

@@ -277,19 +277,23 @@ class HFRollout:
         # from a second forward pass: in bf16 a batched re-run differs by ~0.03 nats a token, and
         # with --async-steps 1 these numbers are pi_old.
         logprobs = torch.zeros(tokens.shape, device=self.device)
-        live = torch.arange(len(rows), device=self.device)  # the samples still decoding
+        live = torch.arange(len(rows), device=self.device)  # the samples in the batch
+        done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)  # per batch row
         for t in range(sampling.max_new_tokens):
             token = sample_next(logits, sampling)  # (live,)
-            tokens[live, t] = token
+            tokens[live, t] = token  # (past a sample's stop token: ignored by cut_at_stop)
             if self.logprobs and sampling.temperature > 0:
                 logprobs[live, t] = token_logprobs(logits, token, sampling.temperature)
-            running = ~torch.isin(token, stop)
-            if t + 1 == sampling.max_new_tokens or not running.any():
+            done |= torch.isin(token, stop)
+            if t + 1 == sampling.max_new_tokens or done.all():
                 break
-            if not running.all():  # drop the samples that stopped: a step costs ~ its rows
-                keep = running.nonzero().squeeze(1)
+            # Samples that stopped leave the batch -- a step costs ~ its rows -- once a quarter
+            # of it has: each reorder copies the whole cache, long prompts' too.
+            if done.sum() > len(done) // 4:
+                keep = (~done).nonzero().squeeze(1)
                 cache.reorder_cache(keep)
                 live, token, attn, position = live[keep], token[keep], attn[keep], position[keep]
+                done = done[keep]
             attn, position = torch.cat([attn, attn.new_ones(len(live), 1)], 1), position + 1
             logits = self.model(input_ids=token[:, None], attention_mask=attn, use_cache=True,
                                 position_ids=position, past_key_values=cache).logits[:, -1]

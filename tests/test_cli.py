@@ -31,6 +31,14 @@ def test_every_cli_is_covered():
     assert {"grpo.py", "dpo.py", "evaluate.py", "benchmarks/grpo_step.py"} <= set(CLIS)
 
 
+def test_a_config_file_with_the_replaced_bf16_key_is_one_line(tmp_path):
+    config = tmp_path / "old.toml"
+    config.write_text("bf16 = false\n")
+    with pytest.raises(SystemExit, match=f"{config}: 'bf16' was replaced by --dtype .*: use "
+                                         f'dtype = "fp32"'):
+        parse_config(Config, ["--config", str(config), "--dry-run"])
+
+
 @pytest.mark.parametrize("cls, argv, message", [
     (Config, ["--loss-agg", "foo"], "invalid choice: 'foo'"),
     (Config, ["--adv-scale", "median"], "invalid choice"),
@@ -50,6 +58,10 @@ def test_fixed_choices_are_checked_when_parsed(cls, argv, message, capsys):
 
 
 @pytest.mark.parametrize("cls, argv, message", [
+    (Config, ["--no-bf16"], "--no-bf16 was replaced by --dtype auto|bf16|fp32"),
+    (DPOConfig, ["--bf16"], "use --dtype bf16"),
+    (Config, ["--tools", "calculator", "--async-steps", "1"], "--async-steps 1 with --tools"),
+    (Config, ["--max-turns", "0"], "--max-turns must be at least 1"),
     (Config, ["--num-generations", "1"], "--num-generations 1"),
     (Config, ["--steps", "-1"], "--steps must not be negative"),
     (Config, ["--eps-low", "1.5"], "--eps-low 1.5"),

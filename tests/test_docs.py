@@ -141,7 +141,7 @@ def commands(path: Path) -> list[list[str]]:
                 while words and (words[0] == "time" or re.match(r"^[A-Z_]+=", words[0])):
                     words = words[1:]
                 if len(words) > 1 and words[0] in ("python", "python3", ".venv/bin/python") \
-                        and words[1] != "-m":  # (python -m pytest, python -m venv: not ours)
+                        and words[1] not in ("-m", "-c"):  # (python -m pytest: not ours)
                     found.append(words[1:])
     return found
 
