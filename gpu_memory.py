@@ -111,10 +111,13 @@ def plan_memory(cfg, device_bytes: int, model_path: str) -> MemoryPlan:
     engine = 2 * P + 1.1 * batch_tokens * shape.kv_bytes_per_token + ENGINE_WORKSPACE
     utilization = cfg.gpu_memory_utilization or math.ceil(100 * engine / device_bytes) / 100
     if trainer + utilization * device_bytes > usable:
-        raise SystemExit(f"error: {cfg.model} does not fit this GPU ({device_bytes / GiB:.0f} GB) "
-                         f"while generating: trainer {trainer / GiB:.1f} GB + engine "
-                         f"{utilization * device_bytes / GiB:.1f} GB; try --lora-rank 16, fewer "
-                         f"--prompts-per-step or a shorter --max-new-tokens")
+        message = (f"{cfg.model} does not fit this GPU ({device_bytes / GiB:.0f} GB) while "
+                   f"generating: trainer {trainer / GiB:.1f} GB + engine "
+                   f"{utilization * device_bytes / GiB:.1f} GB; try --lora-rank 16, fewer "
+                   f"--prompts-per-step or a shorter --max-new-tokens")
+        if cfg.gpu_memory_utilization is None:
+            raise SystemExit(f"error: {message}")
+        print(f"warning: by the memory plan's estimate, {message}")  # (the user's choice stands)
     logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES
     room = usable - trainer - logits - ENGINE_WORKSPACE  # (an asleep engine keeps some memory)
     checkpointed = shape.layers * shape.hidden * 2 + shape.activation_bytes_per_token / shape.layers
