@@ -413,7 +413,8 @@ class Scored:
 
     def select(self, indices: list[int]) -> "Scored":
         return Scored([self.rows[i] for i in indices], self.completions.select(indices),
-                      self.rewards[indices], [self.correct[i] for i in indices],
+                      self.rewards[indices],
+                      [self.correct[i] for i in indices] if self.correct else [],
                       {name: [s[i] for i in indices] for name, s in self.per_fn.items()},
                       episodes=[self.episodes[i] for i in indices] if self.episodes else [])
 

@@ -130,10 +130,12 @@ def run_python(code: str, timeout: float = TIMEOUT) -> ToolResult:
 
 def _limits():
     """In the child, before Python starts: the resource limits (they hold for its children)."""
-    for limit, value in ((resource.RLIMIT_CPU, CPU_SECONDS), (resource.RLIMIT_AS, MEMORY),
-                         (resource.RLIMIT_FSIZE, OUTPUT), (resource.RLIMIT_NPROC, PROCESSES),
-                         (resource.RLIMIT_CORE, 0)):
+    for limit, value in ((resource.RLIMIT_AS, MEMORY), (resource.RLIMIT_FSIZE, OUTPUT),
+                         (resource.RLIMIT_NPROC, PROCESSES), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(limit, (value, value))
+    # Linux sends SIGXCPU at the soft CPU limit and SIGKILL at the hard one: a second between them
+    # lets the child die of SIGXCPU, so the model is told it hit the CPU limit.
+    resource.setrlimit(resource.RLIMIT_CPU, (CPU_SECONDS, CPU_SECONDS + 1))
 
 
 def _kill_group(process):
