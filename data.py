@@ -209,7 +209,7 @@ TASKS = {
     # agentic, offline: a calculator for 3-digit multiplication; a guessing game over turns
     "multiply": Task("multiply", "", "answer-is", 48, 0.7, "multiply", 128, 1e-5, 16, 64, 8,
                      tools="calculator"),
-    "guess": Task("guess", "", "raw", 16, 0.7, "guess", 64, 1e-5, 16, 64, 8, reward="",
+    "guess": Task("guess", "", "raw", 48, 0.7, "guess", 64, 1e-5, 16, 64, 8, reward="",
                   env="env:GuessTheNumber"),
 }
 

@@ -216,6 +216,32 @@ class ToolChat:
                              "template appends them")
         return after[cut:], marks
 
+    def check_turn_length(self, max_new_tokens: int):
+        """Stop, with one line, when a turn of max_new_tokens cannot hold even the shortest call
+        of any tool (every required argument one character long): the model could never act."""
+        shortest = min(self._call_tokens(schema["function"]) for schema in self.schemas)
+        if max_new_tokens < shortest[0]:
+            raise SystemExit(f"error: --max-new-tokens {max_new_tokens} (tokens per turn) is "
+                             f"shorter than the shortest call of tool {shortest[1]!r} "
+                             f"({shortest[0]} tokens): the model could never call a tool")
+
+    def _call_tokens(self, function: dict) -> tuple[int, str]:
+        """(tokens, name) of a turn that calls `function` with one-character arguments, its
+        stop token included: rendered with and without that turn, the difference counted."""
+        smallest = {"integer": 1, "number": 1, "string": "x", "boolean": True, "array": []}
+        parameters = function.get("parameters", {})
+        arguments = {name: smallest.get(spec.get("type")) for name, spec in
+                     parameters.get("properties", {}).items() if name in
+                     parameters.get("required", [])}
+        call = {"type": "function", "function": {"name": function["name"],
+                                                 "arguments": arguments}}
+        asked = [{"role": "user", "content": "u"}]
+        before = self.render(asked, True)
+        after = self.render(asked + [{"role": "assistant", "content": "",
+                                      "tool_calls": [call]}], False)
+        turn = after[len(before):after.rindex(self.eos) + len(self.eos)]
+        return len(self.tokenizer(turn, add_special_tokens=False)["input_ids"]), function["name"]
+
     def observation_ids(self, results: list[tuple[str, str]]) -> list[int]:
         """The tokens appended after the model's turn for its tool results [(name, text)]: the
         template's own markup around them, ending with the next assistant turn's opening."""

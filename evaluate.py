@@ -358,7 +358,12 @@ def main(argv=None):
                                              need_answers=not cfg.env)
                 for src in cfg.data.split(",")}
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # before the model, too
-    from model import choose_dtype, load_model, pick_device
+    from model import choose_dtype, load_model, load_tokenizer, pick_device
+    agent = None
+    if tools or env_class:
+        agent = Agent(ToolChat(load_tokenizer(cfg.model), tools, env_class),
+                      TEMPLATES[cfg.template][0], cfg.max_turns, cfg.max_episode_tokens)
+        agent.chat.check_turn_length(cfg.max_new_tokens)
     from rollout import make_rollout
     device = pick_device()
     dtype = choose_dtype(cfg.dtype, device)
@@ -369,8 +374,6 @@ def main(argv=None):
                            max_new_tokens=cfg.max_new_tokens,
                            gpu_memory_utilization=cfg.gpu_memory_utilization)
     del model
-    agent = Agent(ToolChat(tokenizer, tools, env_class), TEMPLATES[cfg.template][0],
-                  cfg.max_turns, cfg.max_episode_tokens) if tools or env_class else None
     sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed)
     grader = Grader()
     out = Path(cfg.out)

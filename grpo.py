@@ -45,7 +45,7 @@ from env import Agent, ToolChat, load_environment, load_tools
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples, step_record
 from gpu_memory import plan_memory
 from model import DEFAULT_MODEL, choose_dtype, length_mask, model_path, pack, pick_device
-from model import right_pad
+from model import load_tokenizer, right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from rollout import Completions, Ready, Sampling, policy_lag
 from trainer import Trainer, UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
@@ -635,6 +635,11 @@ def main(cfg: Config):
     refuse_foreign_checkpoints(out, cfg.resume)  # a fresh run never touches another's
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
+    agent = None
+    if tools or env_class:  # episodes: the model acts, tools and the environment answer
+        agent = Agent(ToolChat(load_tokenizer(cfg.model), tools, env_class),
+                      TEMPLATES[cfg.template][0], cfg.max_turns, cfg.max_episode_tokens)
+        agent.chat.check_turn_length(cfg.max_new_tokens)  # (the tokenizer only: no model yet)
     grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
     reward_fns = RewardFunctions(cfg.reward, TEMPLATES[cfg.template][1], grader,
                                  cfg.require_think_close, columns, env_class)
@@ -642,9 +647,7 @@ def main(cfg: Config):
     driver = load_driver_state(resume_dir) if resume_dir else DriverState()
     on_ray = cfg.num_trainers > 1 or cfg.num_engines > 1 or cfg.ray_address
     run = (setup_ray if on_ray else setup_local)(cfg, train_on_rollout, resume_dir, driver.step)
-    if tools or env_class:  # episodes: the model acts, tools and the environment answer
-        run.agent = Agent(ToolChat(run.tokenizer, tools, env_class), TEMPLATES[cfg.template][0],
-                          cfg.max_turns, cfg.max_episode_tokens)
+    run.agent = agent
     if resume_dir:
         print(f"resuming from {resume_dir} at step {driver.step + 1}")
     problems = ProblemStream(train_rows, skip=driver.consumed)

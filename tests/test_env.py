@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import check_an_episode_on, read_metrics, run_grpo
-from env import Agent, GuessTheNumber, ToolChat, calculator, load_tools
+from data import TASKS
+from env import Agent, GuessTheNumber, ToolChat, calculator, load_environment, load_tools
 from rollout import Completions, HFRollout, Sampling
 from sandbox import OUTPUT, run_python
 
@@ -49,6 +50,25 @@ def test_the_sandbox_runs_ordinary_code_in_a_scratch_folder_of_its_own():
     result = run_python("open('notes.txt', 'w').write('347 * 29')\n"
                         "print(eval(open('notes.txt').read()))")
     assert (result.output, result.error) == ("10063", "")
+
+
+def test_a_turn_too_short_for_any_tool_call_is_refused(tokenizer):
+    """The guess task once allowed 16 tokens per turn, and its one tool's shortest call takes
+    more: no episode could ever act, and the run learned nothing without saying why. The check
+    counts a rendered call with one-character arguments, its stop token included."""
+    chat = ToolChat(tokenizer, [], GuessTheNumber)
+    call = '<tool_call>\n{"name": "guess", "arguments": {"number": 1}}\n</tool_call>'
+    tokens = len(tokenizer(call + tokenizer.eos_token, add_special_tokens=False)["input_ids"])
+    chat.check_turn_length(tokens)  # exactly enough
+    with pytest.raises(SystemExit, match=rf"--max-new-tokens {tokens - 1} .*'guess' \({tokens} "):
+        chat.check_turn_length(tokens - 1)
+
+
+@pytest.mark.parametrize("name", ["multiply", "guess"])
+def test_the_agentic_tasks_turns_hold_a_tool_call(name, tokenizer):
+    task = TASKS[name]
+    chat = ToolChat(tokenizer, load_tools(task.tools), load_environment(task.env))
+    chat.check_turn_length(task.max_new_tokens)
 
 
 def test_the_calculator_evaluates_arithmetic_only():
@@ -177,7 +197,7 @@ def test_trl_style_tools_and_environment_train_unchanged(tiny_model_dir, tmp_pat
     """A TRL-style tool file and environment class, as TRL users write them, through the command
     line on the tiny model; metrics carry turns and tool figures."""
     common = ["--model", tiny_model_dir, "--steps", "1", "--prompts-per-step", "2",
-              "--num-generations", "2", "--max-new-tokens", "6", "--eval-every", "0",
+              "--num-generations", "2", "--max-new-tokens", "32", "--eval-every", "0",
               "--max-turns", "2"]
     run_grpo([*common, "--data", "multiply", "--tools", "tests.trl_tools:add,calculator",
               "--out", str(tmp_path / "tools")])
