@@ -120,7 +120,8 @@ def full_steps(argv: list[str]):
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    print_machine()
+    if not {"-h", "--help"} & set(argv):  # (timing the machine's matmuls takes seconds)
+        print_machine()
     if "--train-all" in argv:
         train_all([a for a in argv if a not in ("--train-all", "--distinct-prompts")],
                   distinct_prompts="--distinct-prompts" in argv)
