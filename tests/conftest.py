@@ -1,11 +1,14 @@
 """Shared fixtures: a tiny random Llama model with the real SmolLM2 tokenizer (pad == eos); helpers
 that build training batches and run grpo.py as a user would."""
 
+import contextlib
 import importlib.util
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -77,12 +80,28 @@ def record_grads(trainer) -> dict:
     return grads
 
 
+RAY_FLAGS = ("--num-trainers", "--num-engines", "--ray-address")
+
+
 def run_grpo(args, timeout=600):
-    """python grpo.py ARGS from the repository root; fails the test if it fails."""
-    result = subprocess.run([sys.executable, "grpo.py", *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+    """python grpo.py ARGS as a user runs it; fails the test if it fails. A one-process run goes
+    through grpo.main in this process: a fresh interpreter would spend ~6 s of each run importing
+    torch and transformers again (most of the suite's time). A run on Ray gets its own process.
+    Returns .stdout, what the run printed."""
+    if any(flag in args for flag in RAY_FLAGS):
+        result = subprocess.run([sys.executable, "grpo.py", *args], cwd=ROOT, capture_output=True,
+                                text=True, timeout=timeout)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result
+    import grpo
+    from data import parse_config
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            grpo.main(parse_config(grpo.Config, list(args)))
+    except SystemExit as e:  # a run that stops with one line: the test fails with that line
+        pytest.fail(f"grpo.py {' '.join(args)} stopped: {e}\n{printed.getvalue()[-3000:]}")
+    return SimpleNamespace(stdout=printed.getvalue(), returncode=0)
 
 
 def small_run_args(model_dir, out):

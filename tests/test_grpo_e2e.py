@@ -111,7 +111,7 @@ def test_async_generation_time_is_the_engines_own(tiny_model_dir, tmp_path, monk
     train = grpo.train_on_rollout
 
     def slow_train(trainer, batch):
-        time.sleep(1.0)
+        time.sleep(2.0)  # longer than any generation here, even on a loaded machine
         return train(trainer, batch)
 
     monkeypatch.setattr(grpo, "train_on_rollout", slow_train)
@@ -119,4 +119,4 @@ def test_async_generation_time_is_the_engines_own(tiny_model_dir, tmp_path, monk
                                     prompts_per_step=2, num_generations=2, max_new_tokens=4,
                                     eval_every=0, log_samples_every=0, out=str(tmp_path)))
     assert [r["policy_lag"] for r in history] == [0, 1, 1]
-    assert all(0 < r["gen_seconds"] < 1.0 for r in history), [r["gen_seconds"] for r in history]
+    assert all(0 < r["gen_seconds"] < 2.0 for r in history), [r["gen_seconds"] for r in history]
