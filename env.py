@@ -313,6 +313,19 @@ class Agent:
     max_turns: int
     max_tokens: int  # tokens after the prompt, tool results included
 
+    @staticmethod
+    def for_run(cfg, template: str, tools: list, env_class) -> "Agent | None":
+        """The episodes of a run with --tools or --env (None without), from its config; checked
+        with the tokenizer alone, so a turn too short for any tool call stops before the model
+        loads."""
+        if not (tools or env_class):
+            return None
+        from model import load_tokenizer
+        agent = Agent(ToolChat(load_tokenizer(cfg.model), tools, env_class), template,
+                      cfg.max_turns, cfg.max_episode_tokens)
+        agent.chat.check_turn_length(cfg.max_new_tokens)
+        return agent
+
     def start(self, rows: list[dict], n: int) -> list[Episode]:
         """n episodes per row, row-major, each with its own environment, reset with the row."""
         episodes = []

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from data import TEMPLATES, Template, check, flag, dataset_name, encode_prompts, load_rows
 from data import parse_config
 from reward import Grader, extract_answer, fast_match
-from env import Agent, ToolChat, episode_metrics, load_environment, load_tools
+from env import Agent, episode_metrics, load_environment, load_tools
 from rollout import Sampling
 
 # ---------------------------------------------------------------------------------------------
@@ -358,12 +358,8 @@ def main(argv=None):
                                              need_answers=not cfg.env)
                 for src in cfg.data.split(",")}
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # before the model, too
-    from model import choose_dtype, load_model, load_tokenizer, pick_device
-    agent = None
-    if tools or env_class:
-        agent = Agent(ToolChat(load_tokenizer(cfg.model), tools, env_class),
-                      TEMPLATES[cfg.template][0], cfg.max_turns, cfg.max_episode_tokens)
-        agent.chat.check_turn_length(cfg.max_new_tokens)
+    agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
+    from model import choose_dtype, load_model, pick_device
     from rollout import make_rollout
     device = pick_device()
     dtype = choose_dtype(cfg.dtype, device)

@@ -41,11 +41,11 @@ from checkpoint import DriverState, find_checkpoint, load_driver_state, refuse_f
 from checkpoint import save_checkpoint
 from data import TEMPLATES, ProblemStream, Template, apply_task, check, encode_prompts, flag
 from data import load_problems, parse_config, task_summary
-from env import Agent, ToolChat, load_environment, load_tools
+from env import Agent, load_environment, load_tools
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples, step_record
 from gpu_memory import plan_memory
 from model import DEFAULT_MODEL, choose_dtype, length_mask, model_path, pack, pick_device
-from model import load_tokenizer, right_pad
+from model import right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from rollout import Completions, Ready, Sampling, policy_lag
 from trainer import Trainer, UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
@@ -635,11 +635,8 @@ def main(cfg: Config):
     refuse_foreign_checkpoints(out, cfg.resume)  # a fresh run never touches another's
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
-    agent = None
-    if tools or env_class:  # episodes: the model acts, tools and the environment answer
-        agent = Agent(ToolChat(load_tokenizer(cfg.model), tools, env_class),
-                      TEMPLATES[cfg.template][0], cfg.max_turns, cfg.max_episode_tokens)
-        agent.chat.check_turn_length(cfg.max_new_tokens)  # (the tokenizer only: no model yet)
+    # episodes (--tools, --env): the model acts, tools and the environment answer
+    agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
     grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
     reward_fns = RewardFunctions(cfg.reward, TEMPLATES[cfg.template][1], grader,
                                  cfg.require_think_close, columns, env_class)
