@@ -9,7 +9,10 @@
         metrics.jsonl, grpo_config.json (or dpo_config.json)          the run so far
 
 A checkpoint is written to `.tmp-step_N` and renamed into place, so a kill -9 during a save leaves
-the previous one whole. Training state is read with `weights_only=True`: tensors and plain
+the previous one whole. Checkpoints carry their run's id: a run only ever prunes its own, and never
+the one it resumed from. Resuming from an earlier step than the run's newest checkpoint starts a new
+branch of it: the later checkpoints are moved, whole, to checkpoints/superseded/ (said on the first
+screen; `--resume auto` then picks the newest of the branch being run, and nothing is deleted). Training state is read with `weights_only=True`: tensors and plain
 containers only, so a checkpoint someone shares can never run code on --resume (transformers'
 Trainer had to learn this: CVE-2026-1839). A damaged file stops the run with one line naming it.
 """
@@ -18,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +59,7 @@ class DriverState:
     consumed: int = 0  # training problems drawn from the data stream so far
     history: list[dict] = field(default_factory=list)  # metrics.jsonl so far
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # whose checkpoints are whose
+    resumed_from: str = ""  # the checkpoint this process started from: never pruned (not saved)
 
 
 def save_checkpoint(out: Path, driver: DriverState, save_trainer, keep_last: int):
@@ -74,9 +79,11 @@ def save_checkpoint(out: Path, driver: DriverState, save_trainer, keep_last: int
     final = folder / f"step_{driver.step}"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # atomic: the checkpoint exists whole, or not at all
-    if keep_last:  # this run's own checkpoints only
+    if keep_last:  # this run's own checkpoints only, and never the one it resumed from
         ours = [p for p in _checkpoints(folder) if _run_of(p) == driver.run_id]
         for old in sorted(ours, key=_step_of)[:-keep_last]:
+            if driver.resumed_from and old.resolve() == Path(driver.resumed_from).resolve():
+                continue
             shutil.rmtree(old)
 
 
@@ -89,18 +96,51 @@ def load_driver_state(folder) -> DriverState:
     history = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
     # (a checkpoint from before run ids: the resumed run takes a new one)
     return DriverState(state["step"], state["consumed"], history,
-                       state.get("run_id") or uuid.uuid4().hex)
+                       state.get("run_id") or uuid.uuid4().hex, resumed_from=str(folder))
 
 
-def refuse_foreign_checkpoints(out: Path, resume: str) -> None:
-    """A fresh run (no --resume) in a folder that holds checkpoints: they are another run's, and
-    pruning (--keep-last) or --resume auto would mix the two. Stop before anything is written."""
+def claim_checkpoints(out: Path, resume_dir: str = "") -> str:
+    """Before anything is written: every checkpoint in <out>/checkpoints must belong to the run
+    being started or resumed, or pruning (--keep-last), saving and --resume auto would mix two runs.
+    A fresh run (no resume_dir) stops at any checkpoint there; a resumed run at any of another run
+    id -- a resume into another --out is refused exactly as a fresh run is. The resumed run's own
+    checkpoints at later steps than resume_dir belong to the branch it leaves: they are moved to
+    checkpoints/superseded/<time>/ (kept whole; the returned line says so; "" when none moved)."""
     found = sorted(_checkpoints(out / "checkpoints"), key=_step_of)
-    if found and not resume:
-        names = ", ".join(p.name for p in found)
+    run = _run_of(Path(resume_dir)) if resume_dir else None
+    foreign = [p for p in found if not resume_dir or _run_of(p) != run]
+    if foreign:
+        names = ", ".join(p.name for p in foreign)
+        how = "continue that run with --resume auto" if not resume_dir else \
+            f"resume {resume_dir} into an --out of its own"
         raise SystemExit(f"error: {out / 'checkpoints'} holds another run's checkpoints ({names}):"
-                         f" continue that run with --resume auto, or choose another --out "
-                         f"(nothing was changed)")
+                         f" {how}, or choose another --out (nothing was changed)")
+    later = [p for p in found if resume_dir and _step_of(p) > _step_of(Path(resume_dir))
+             and p.resolve() != Path(resume_dir).resolve()]
+    if not later:
+        return ""
+    aside = out / "checkpoints" / "superseded" / time.strftime("%Y%m%d-%H%M%S")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "+")
+    aside.mkdir(parents=True)
+    for p in later:
+        os.replace(p, aside / p.name)
+    return (f"resuming from {Path(resume_dir).name}: this run's later checkpoints "
+            f"({', '.join(p.name for p in later)}) are another branch of it now, moved whole to "
+            f"{aside} (--resume auto will not pick them; --resume {aside}/{later[-1].name} would)")
+
+
+def recorded_dtype(out, resume: str, config_file: str) -> str:
+    """The dtype the run being resumed computed in, as its checkpoint's config recorded it ("" for
+    a fresh run, or a checkpoint without one): a resumed run keeps it instead of timing again."""
+    if not resume:
+        return ""
+    folder = Path(resume) if resume != "auto" else max(_checkpoints(Path(out) / "checkpoints"),
+                                                       key=_step_of, default=None)
+    try:
+        return str(json.loads((folder / config_file).read_text()).get("dtype", ""))
+    except (OSError, ValueError, TypeError, AttributeError):  # find_checkpoint names the problem
+        return ""
 
 
 def find_checkpoint(out: Path, resume: str) -> str:

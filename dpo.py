@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from checkpoint import DriverState, find_checkpoint, load_driver_state, load_trainer_state
-from checkpoint import refuse_foreign_checkpoints, save_checkpoint, save_trainer_state
+from checkpoint import claim_checkpoints, recorded_dtype, save_checkpoint, save_trainer_state
 from data import InputError, TEMPLATES, arith_heldout, arith_stream, encode_prompts, load_table
 from data import Template, check, flag, parse_config
 from evaluate import TRACKERS, RunLog, evaluate_rows, plot_curves
@@ -122,7 +122,9 @@ class Config:
     """output folder: metrics.jsonl, curves.png, checkpoints/, the final model in model/"""
 
     def __post_init__(self):  # impossible values stop here, before anything loads
-        choice = choose_dtype(self.dtype, pick_device())  # auto -> what computes fastest here
+        # auto -> what computes fastest here; a resumed run keeps the dtype it recorded
+        choice = choose_dtype(self.dtype, pick_device(),
+                              recorded_dtype(self.out, self.resume, "dpo_config.json"))
         self.dtype, self.dtype_reason = choice.name, choice.reason
         for name in ("epochs", "batch_size", "micro_batch_size", "max_length",
                      "max_prompt_length", "builtin_problems", "eval_size"):
@@ -364,7 +366,9 @@ def main(cfg: Config):
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
-    refuse_foreign_checkpoints(out, cfg.resume)  # a fresh run never touches another's
+    branched = claim_checkpoints(out, resume_dir)  # never touch another run's checkpoints
+    if branched:
+        print(branched)
     # Every row is checked before the model loads: a bad file fails in a second, not a minute.
     rows = None if cfg.data == "builtin" else check_pairs(load_table(cfg.data, cfg.split),
                                                           cfg.data, cfg)

@@ -85,7 +85,7 @@ BUILTIN_TOOLS = {"calculator": calculator, "python": python}
 def load_tools(spec: str) -> list:
     """--tools: built-in names and module:function specs, comma-separated; each one's schema is
     made now, so that a tool without a docstring or type hints stops the run before it starts."""
-    tools = [BUILTIN_TOOLS.get(name) or load_function(name, what="tool")
+    tools = [BUILTIN_TOOLS.get(name) or load_function(name, what="tool", builtins=BUILTIN_TOOLS)
              for name in (s.strip() for s in spec.split(",")) if name]
     for fn in tools:
         _schema(fn)
@@ -94,18 +94,21 @@ def load_tools(spec: str) -> list:
 
 def load_environment(spec: str):
     """--env module:Class: TRL's environment contract, checked before any model loads."""
-    env_class = load_function(spec, what="environment") if spec else None
+    env_class = load_function(spec, what="environment", builtins=()) if spec else None
     if env_class is not None:
         if not callable(getattr(env_class, "reset", None)):
             raise SystemExit(f"error: environment {spec!r} has no reset(**row) method (TRL's "
                              f"environment_factory contract)")
         for fn in environment_tools(env_class()):
-            _schema(fn)
+            _schema(fn, hint=f"; every public function of {spec} is a tool (TRL's rule, "
+                             f"staticmethods included): name a helper _{fn.__name__}")
     return env_class
 
 
 def environment_tools(env) -> list:
-    """An environment's tools: its public methods, bound to it (reset and get_reward excepted)."""
+    """An environment's tools, by TRL's rule (GRPOTrainer, trl 1.16): the functions of its class
+    -- methods and staticmethods, found on the class so that no property runs -- whose names do not
+    start with "_", reset and get_reward excepted; bound to this instance."""
     return [getattr(env, name) for name, _ in inspect.getmembers(type(env), inspect.isfunction)
             if not name.startswith("_") and name not in ("reset", "get_reward")]
 
@@ -193,10 +196,14 @@ class ToolChat:
             message = self.tokenizer.parse_response(text, schema=self.response_template,
                                                     prefix=self.tokenizer.decode(prefix_ids),
                                                     tools=self.schemas)
-        except (ValueError, TypeError) as e:
-            return {"content": text, "malformed": str(e).splitlines()[0]}
-        return {"content": message.get("content") or "", "tool_calls": message.get("tool_calls")
-                or []}
+            content, calls = message.get("content") or "", message.get("tool_calls") or []
+        except Exception as e:  # whatever the model wrote (JSON nested 500 deep: RecursionError)
+            # is the model's problem, told to it as an observation, never the trainer's
+            why = (str(e).splitlines() or [""])[0][:200]
+            return {"content": text, "malformed": f"{type(e).__name__}: {why}".rstrip(": ")}
+        if not isinstance(content, str):
+            content = json.dumps(content, default=str)
+        return {"content": content, "tool_calls": calls if isinstance(calls, list) else [calls]}
 
     @functools.cache
     def _results_suffix(self, n: int) -> tuple[str, list[str]]:
@@ -251,12 +258,14 @@ class ToolChat:
         return self.tokenizer(suffix, add_special_tokens=False)["input_ids"]
 
 
-def _schema(fn) -> dict:
+def _schema(fn, hint: str = "") -> dict:
+    if isinstance(fn, dict):  # a tool given by its JSON schema (an SFT row's `tools`): shown as is
+        return fn
     from transformers.utils import get_json_schema
     try:
         return get_json_schema(fn)
     except Exception as e:  # no docstring, an argument without a type hint or a description
-        raise SystemExit(f"error: tool {getattr(fn, '__name__', fn)!r}: {e}") from None
+        raise SystemExit(f"error: tool {getattr(fn, '__name__', fn)!r}: {e}{hint}") from None
 
 
 def _renders_tools(tokenizer) -> bool:
@@ -353,17 +362,21 @@ class Agent:
                 break
             seeded = replace(sampling, seed=None if sampling.seed is None else
                              request_seed(sampling.seed, turn))  # each turn draws anew
-            room = max(1, self.max_tokens - max(len(e.ids) for e in running))
+            # Each episode's room is its own: one generate call, as long as the roomiest needs,
+            # and each turn cut to its episode's room (the tokens before a cut are sampled as
+            # they would be without it), as TRL truncates each sample.
+            rooms = [max(1, min(self.max_tokens - len(e.ids), seeded.max_new_tokens))
+                     for e in running]
             out = engine.generate([e.prompt_ids + e.ids for e in running], 1,
-                                  replace(seeded, max_new_tokens=min(room,
-                                                                     seeded.max_new_tokens)))
+                                  replace(seeded, max_new_tokens=max(rooms)))
             seconds += out.seconds
             version = out.policy_version if version is None else min(version, out.policy_version)
             logprobs = out.engine_logprobs is not None
-            for i, e in enumerate(running):
-                turn_logprobs = out.engine_logprobs[i] if logprobs else \
-                    [0.0] * len(out.completion_ids[i])
-                _model_turn(self.chat, e, out.completion_ids[i], turn_logprobs, out.truncated[i],
+            for i, (e, room) in enumerate(zip(running, rooms)):
+                tokens = out.completion_ids[i]
+                turn_logprobs = out.engine_logprobs[i] if logprobs else [0.0] * len(tokens)
+                cut = out.truncated[i] or len(tokens) > room
+                _model_turn(self.chat, e, tokens[:room], turn_logprobs[:room], cut,
                             last=turn + 1 == self.max_turns, max_tokens=self.max_tokens)
         comps = Completions([e.prompt_ids for e in episodes], [e.ids for e in episodes],
                             [e.truncated for e in episodes], [e.answer for e in episodes],
@@ -408,8 +421,9 @@ def call_tool(chat: ToolChat, e: Episode, call: dict) -> tuple[str, str]:
         return "error", 'error: a tool call is {"name": <tool name>, "arguments": {...}}'
     name, arguments = function.get("name"), function.get("arguments")
     tools = {fn.__name__: fn for fn in chat.tools + (environment_tools(e.env) if e.env else [])}
-    if name not in tools:
-        return str(name), f"error: no tool named {name!r}; the tools are {', '.join(tools)}"
+    if not isinstance(name, str) or name not in tools:  # (a list or an object is no name)
+        shown = json.dumps(name)[:100]
+        return "error", f"error: no tool named {shown}; the tools are {', '.join(tools)}"
     if not isinstance(arguments, dict):
         return name, "error: the arguments must be a JSON object"
     t0 = time.perf_counter()
@@ -425,10 +439,16 @@ def call_tool(chat: ToolChat, e: Episode, call: dict) -> tuple[str, str]:
 
 
 def episode_metrics(episodes: list[Episode]) -> dict:
-    n = max(len(episodes), 1)
+    """Per batch of episodes. tool_calls (calls per episode) and tool_failure_frequency (failed
+    calls per call) are TRL's tools/call_frequency and tools/failure_frequency; tool_use is the
+    fraction of episodes that called a tool at all."""
+    n, calls = max(len(episodes), 1), sum(e.tool_calls for e in episodes)
+    errors = sum(e.tool_errors for e in episodes)
     return {"turns": sum(e.turns for e in episodes) / n,
-            "tool_calls": sum(e.tool_calls for e in episodes) / n,
-            "tool_errors": sum(e.tool_errors for e in episodes),
+            "tool_calls": calls / n,
+            "tool_use": sum(e.tool_calls > 0 for e in episodes) / n,
+            "tool_errors": errors,
+            "tool_failure_frequency": errors / calls if calls else 0.0,
             "tool_seconds": sum(e.tool_seconds for e in episodes),
             "truncated_episodes": sum(e.truncated for e in episodes) / n}
 

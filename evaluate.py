@@ -29,7 +29,7 @@ from data import TEMPLATES, Template, check, flag, dataset_name, encode_prompts,
 from data import parse_config
 from reward import Grader, extract_answer, fast_match
 from env import Agent, episode_metrics, load_environment, load_tools
-from rollout import Sampling
+from rollout import Sampling, tokens_after_prompt
 
 # ---------------------------------------------------------------------------------------------
 # Metrics
@@ -96,9 +96,13 @@ def summarize(samples: list[dict], n: int, grader: Grader | None = None) -> dict
                         for g in groups) / len(groups)
     row["mean_len"] = sum(s["length"] for s in samples) / len(samples)
     row["truncated"] = sum(s["truncated"] for s in samples) / len(samples)
-    for key in ("turns", "tool_calls"):  # episodes: per sample
+    for key in ("turns", "tool_calls", "reward"):  # episodes: per sample
         if key in samples[0]:
             row[key] = sum(s[key] for s in samples) / len(samples)
+    if "tool_calls" in samples[0]:  # how often the model acts at all, and how often it errs
+        calls = sum(s["tool_calls"] for s in samples)
+        row["tool_call_rate"] = sum(s["tool_calls"] > 0 for s in samples) / len(samples)
+        row["tool_error_rate"] = sum(s["tool_errors"] for s in samples) / max(calls, 1)
     return row
 
 
@@ -134,7 +138,9 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
                             "correct": bool(correct[i]), "length": len(out.completion_ids[i]),
                             "truncated": out.truncated[i],
                             **({"turns": episodes[i].turns, "tool_calls": episodes[i].tool_calls,
-                                "tool_errors": episodes[i].tool_errors} if episodes else {})})
+                                "tool_errors": episodes[i].tool_errors} if episodes else {}),
+                            **({"reward": float(episodes[i].env.get_reward())} if episodes and
+                               hasattr(episodes[i].env, "get_reward") else {})})
         bar.update(len(out))
     bar.close()
     return summarize(samples, n, grader), samples
@@ -142,9 +148,10 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
 
 def plot_curves(history: list[dict], path, title: str = "",
                 train_keys=("reward", "accuracy"), eval_keys=("eval_accuracy",),
-                stage_bounds=()) -> None:
+                stage_bounds=(), loss_keys=()) -> None:
     """Training curves (train_keys per step) and held-out metrics (eval_keys) in one PNG;
-    stage_bounds draws a dashed line where each stage of a staged run ends."""
+    stage_bounds draws a dashed line where each stage of a staged run ends; loss_keys (a loss is
+    no fraction of 1) go on a second axis, on the right."""
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
@@ -162,7 +169,17 @@ def plot_curves(history: list[dict], path, title: str = "",
     ax.set_xlabel("step")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend()
+    handles = ax.get_legend_handles_labels()
+    if loss_keys:
+        right = ax.twinx()
+        for key, style in zip(loss_keys, ("-", "s--")):
+            points = [(r["step"], r[key]) for r in history if key in r]
+            if points:
+                right.plot(*zip(*points), style, color="tab:purple", alpha=0.7, label=key)
+        right.set_ylabel("loss (nats per token)")
+        right.set_ylim(bottom=0)
+        handles = [a + b for a, b in zip(handles, right.get_legend_handles_labels())]
+    ax.legend(*handles)
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -177,7 +194,9 @@ def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> dict:
                                chat=cfg.chat, sampling=Sampling(cfg.max_new_tokens, 0.0), n=1,
                                grader=grader, dataset="held-out", agent=run.agent)
     return {"eval_accuracy": summary["avg@n"], "eval_completion_len": summary["mean_len"],
-            **{f"eval_{key}": summary[key] for key in ("turns", "tool_calls") if key in summary},
+            **{f"eval_{key}": summary[key] for key in ("turns", "tool_calls", "tool_call_rate",
+                                                        "tool_error_rate", "reward")
+               if key in summary},
             "eval_seconds": time.time() - t0}
 
 
@@ -250,7 +269,9 @@ def step_record(step: int, sampled, update: dict, train_seconds: float, sync_sec
         **update,
         "gen_seconds": sampled.gen_seconds, "reward_seconds": sampled.reward_seconds,
         "train_seconds": train_seconds, "sync_seconds": sync_seconds,
-        "gen_tokens_per_s": float(lens.sum()) / sampled.gen_seconds,
+        # (episodes: the model's own tokens; tool results are appended, not generated)
+        "gen_tokens_per_s": (sum(map(sum, comps.mask)) if comps.mask is not None else
+                             float(lens.sum())) / sampled.gen_seconds,
         "train_tokens_per_s": update["trained_tokens"] / max(train_seconds, 1e-9),
     }
     if sampled.correct:  # data with reference answers
@@ -367,7 +388,7 @@ def main(argv=None):
     model, tokenizer = load_model(cfg.model, device)
     rollout = make_rollout(cfg.backend, model, tokenizer, device=device, seed=cfg.seed,
                            dtype=dtype.torch,
-                           max_new_tokens=cfg.max_new_tokens,
+                           max_new_tokens=tokens_after_prompt(cfg),
                            gpu_memory_utilization=cfg.gpu_memory_utilization)
     del model
     sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed)

@@ -37,8 +37,8 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from checkpoint import DriverState, find_checkpoint, load_driver_state, refuse_foreign_checkpoints
-from checkpoint import save_checkpoint
+from checkpoint import DriverState, claim_checkpoints, find_checkpoint, load_driver_state
+from checkpoint import recorded_dtype, save_checkpoint
 from data import TEMPLATES, ProblemStream, Template, apply_task, check, encode_prompts, flag
 from data import load_problems, parse_config, task_summary
 from env import Agent, load_environment, load_tools
@@ -111,8 +111,9 @@ class Config:
     env: str | None = None
     """an environment, module:Class (TRL's environment_factory): reset(**row), its public methods
     as tools, get_reward(); default: the task's"""
-    max_turns: int = 4
-    """episodes: assistant turns at most (a turn still calling a tool at the limit: truncated)"""
+    max_turns: int | None = None
+    """episodes: assistant turns at most (a turn still calling a tool at the limit: truncated;
+    default: the task's, 5 for guess, else 4)"""
     max_episode_tokens: int = 512
     """episodes: tokens after the prompt at most, tool results included (then truncated)"""
 
@@ -224,7 +225,9 @@ class Config:
 
     def __post_init__(self):  # the task's defaults fill what is unset; impossible values stop here
         apply_task(self)
-        choice = choose_dtype(self.dtype, pick_device())  # auto -> what computes fastest here
+        # auto -> what computes fastest here; a resumed run keeps the dtype it recorded
+        choice = choose_dtype(self.dtype, pick_device(),
+                              recorded_dtype(self.out, self.resume, "grpo_config.json"))
         self.dtype, self.dtype_reason = choice.name, choice.reason  # (the reason is no option)
         self.memory_plan = None  # on a GPU: what the unset memory settings are based on
         if pick_device() == "cuda":
@@ -263,8 +266,9 @@ class Config:
               "[0, 1) and --seq-eps-high at least 0")
         check(self.max_grad_norm > 0, "--max-grad-norm must be positive")
         check(0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]")
-        check(self.overlong_buffer <= self.max_new_tokens, f"--overlong-buffer "
-              f"{self.overlong_buffer} is longer than --max-new-tokens {self.max_new_tokens}")
+        budget = "max_episode_tokens" if self.tools or self.env else "max_new_tokens"
+        check(self.overlong_buffer <= getattr(self, budget), f"--overlong-buffer "
+              f"{self.overlong_buffer} is longer than {flag(budget)} {getattr(self, budget)}")
         check(not (self.resume and self.init_from), "--resume continues a run, --init-from starts "
               "a new one from other weights: give one of them")
         check(all(n in TRACKERS for n in self.report_to.split(",") if n), f"--report-to "
@@ -470,11 +474,18 @@ def score(started: Started, cfg: Config, reward_fns: RewardFunctions, grader: Gr
         prompts, comps.text, [r["answer"] for r in group_rows],
         answer_format=TEMPLATES[cfg.template][1], grader=grader))
     if cfg.overlong_buffer:
-        penalty = overlong_penalty([len(c) for c in comps.completion_ids], cfg.max_new_tokens,
-                                   cfg.overlong_buffer)
-        rewards = [r + p for r, p in zip(rewards, penalty)]
+        rewards = [r + p for r, p in zip(rewards, overlong(comps, cfg, bool(started.episodes)))]
     return Scored(group_rows, comps, torch.tensor(rewards), correct, per_fn, gen_seconds,
                   time.time() - t0, started.episodes)
+
+
+def overlong(comps: Completions, cfg: Config, episodes: bool) -> list[float]:
+    """DAPO's soft overlong penalty of each sample, against the budget it was cut at: a
+    completion's length against --max-new-tokens; an episode's whole length (every turn and tool
+    result: what --max-episode-tokens caps) against --max-episode-tokens. A two-turn episode is
+    not "long" for having more tokens than one turn may."""
+    budget = cfg.max_episode_tokens if episodes else cfg.max_new_tokens
+    return overlong_penalty([len(c) for c in comps.completion_ids], budget, cfg.overlong_buffer)
 
 
 def has_signal(rewards: torch.Tensor, G: int) -> torch.Tensor:
@@ -632,7 +643,9 @@ def main(cfg: Config):
     if cfg.memory_plan:
         print(cfg.memory_plan)
     resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
-    refuse_foreign_checkpoints(out, cfg.resume)  # a fresh run never touches another's
+    branched = claim_checkpoints(out, resume_dir)  # never touch another run's checkpoints
+    if branched:
+        print(branched)
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
     # episodes (--tools, --env): the model acts, tools and the environment answer

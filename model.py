@@ -151,6 +151,13 @@ def pick_device() -> str:
 # AMX that torch's kernels are told not to use), so on a CPU we time both: once, ~0.1 s.
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# bf16 on a CPU only when its timed matmul is this many times faster than fp32's. Native bf16 is
+# 3-4x faster (AMX: 1,312 vs 338 GFLOP/s), emulated bf16 ~50x slower: between the two lies noise --
+# on a loaded machine both rates once read 14.2, and a bare `bf16 > fp32` flipped between launches.
+BF16_MARGIN = 1.5
+# Makes `auto` choose this dtype without timing: the test suite pins it (tests/conftest.py), and a
+# developer on an AVX2 machine can run the bf16 path with SMOLRL_AUTO_DTYPE=bf16.
+AUTO_DTYPE_ENV = "SMOLRL_AUTO_DTYPE"
 
 
 class DtypeChoice(NamedTuple):
@@ -162,20 +169,36 @@ class DtypeChoice(NamedTuple):
         return DTYPES[self.name]
 
 
-@functools.cache
-def choose_dtype(requested: str = "auto", device: str = "cpu") -> DtypeChoice:
-    """--dtype: bf16 or fp32 as asked, or for `auto` what this device computes fastest."""
+def choose_dtype(requested: str = "auto", device: str = "cpu", recorded: str = "") -> DtypeChoice:
+    """--dtype: bf16 or fp32 as asked; for `auto`, the dtype a resumed run recorded (`recorded`,
+    from its config file: a run never changes dtype half-way), else what this device computes
+    fastest."""
     if requested != "auto":
         return DtypeChoice(requested, "as --dtype asked")
+    if recorded in DTYPES:
+        return DtypeChoice(recorded, "as the resumed run recorded it: not timed again")
+    forced = os.environ.get(AUTO_DTYPE_ENV, "")
+    if forced:
+        if forced not in DTYPES:
+            raise SystemExit(f"error: {AUTO_DTYPE_ENV}={forced}: choose one of {', '.join(DTYPES)}")
+        return DtypeChoice(forced, f"{AUTO_DTYPE_ENV}={forced} in the environment")
     if torch.device(device).type == "cuda":
         name = torch.cuda.get_device_name()
         if torch.cuda.is_bf16_supported(including_emulation=False):
             return DtypeChoice("bf16", f"{name} computes bf16 natively")
         return DtypeChoice("fp32", f"{name} has no native bf16 (compute capability < 8.0)")
+    return cpu_dtype()
+
+
+@functools.cache
+def cpu_dtype() -> DtypeChoice:
+    """bf16 when this CPU's bf16 matmul is BF16_MARGIN times faster than its fp32 one, else fp32:
+    timed once per process."""
     fp32, bf16 = matmul_rate(torch.float32), matmul_rate(torch.bfloat16)
-    name = "bf16" if bf16 > fp32 else "fp32"
+    name = "bf16" if bf16 >= BF16_MARGIN * fp32 else "fp32"
     return DtypeChoice(name, f"{cpu_name()}, torch kernels {torch.backends.cpu.get_cpu_capability()}"
-                             f": matmul bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s")
+                             f": matmul bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s; bf16 only if "
+                             f">= {BF16_MARGIN:g}x faster")
 
 
 def matmul_rate(dtype, shape=(64, 576, 1536), seconds: float = 0.03) -> float:

@@ -429,12 +429,14 @@ def run_coroutine(coroutine):
         return pool.submit(asyncio.run, coroutine).result()
 
 
-def load_function(spec: str, what: str = "function"):
-    """`module:fn` (importable from the current directory), `path/to/file.py:fn` or `module.fn`."""
+def load_function(spec: str, what: str = "function", builtins=BUILTIN):
+    """`module:fn` (importable from the current directory), `path/to/file.py:fn` or `module.fn`;
+    `builtins`: the names the flag also takes (listed when `spec` is none of these forms)."""
     where, sep, attr = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
     if not sep or not where or not attr:
-        raise SystemExit(f"error: unknown {what} {spec!r}: use one of {sorted(BUILTIN)}, "
-                         f"module:function, path/to/file.py:function or module.function")
+        names = f"one of {sorted(builtins)}, " if builtins else ""
+        raise SystemExit(f"error: unknown {what} {spec!r}: use {names}module:function, "
+                         f"path/to/file.py:function or module.function")
     try:
         if where.endswith(".py") or "/" in where:
             path = Path(where)

@@ -527,11 +527,21 @@ def add_mismatch(total: dict, part: dict):
             else total.get(key, 0) + v
 
 
+def tokens_after_prompt(cfg) -> int:
+    """The most tokens a sample has after its prompt: --max-new-tokens, or for an episode (--tools,
+    --env) every turn and tool result, up to --max-episode-tokens. A vLLM engine's max_model_len
+    must hold it: an episode's late turn continues from everything before it."""
+    if getattr(cfg, "tools", None) or getattr(cfg, "env", None):
+        return max(cfg.max_new_tokens, cfg.max_episode_tokens)
+    return cfg.max_new_tokens
+
+
 def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_tokens: int = 1024,
                  gpu_memory_utilization: float = 0.2, seed: int = 0, logprobs: bool = False,
                  dtype: torch.dtype = torch.bfloat16):
     """The engine named by --rollout / --backend: "hf" or "vllm" (loads the folder `model` came
-    from, then takes the trainer's current weights), computing in `dtype` (the run's: see
+    from, then takes the trainer's current weights; max_new_tokens: the most tokens after a prompt,
+    tokens_after_prompt), computing in `dtype` (the run's: see
     model.choose_dtype). vLLM always returns the log-probs it sampled with; HF when asked
     (`logprobs`)."""
     if kind == "hf":

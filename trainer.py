@@ -27,7 +27,8 @@ from checkpoint import load_trainer_state, save_trainer_state
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
 from model import add_lora, full_state_dict, load_adapters, load_model, pick_device
 from model import DTYPES, cast_parameters, save_model, shard_model, source_dtype
-from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, weight_layout
+from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, tokens_after_prompt
+from rollout import weight_layout
 
 
 @dataclass
@@ -488,7 +489,7 @@ def make_engine(cfg):
     model, tokenizer = load_model(cfg.model, pick_device())
     return make_rollout(cfg.rollout, model, tokenizer, device=pick_device(), seed=cfg.seed,
                         dtype=DTYPES[cfg.dtype],
-                        max_new_tokens=cfg.max_new_tokens,
+                        max_new_tokens=tokens_after_prompt(cfg),
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
                         logprobs=cfg.async_steps > 0)
 
@@ -516,7 +517,7 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
         else trainer.model
     rollout = make_rollout(cfg.rollout, plain, trainer.tokenizer, device=trainer.device,
                            dtype=DTYPES[cfg.dtype],
-                           seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+                           seed=cfg.seed, max_new_tokens=tokens_after_prompt(cfg),
                            gpu_memory_utilization=cfg.gpu_memory_utilization,
                            logprobs=cfg.async_steps > 0)
     rollout.update_weights(weights_of(trainer), version=start_step)

@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,16 @@ TIMEOUT = 600  # seconds for all the tests; a student's endless loop fails, it d
 # a student's function to read, no PYTHONPATH or PYTEST_ADDOPTS to change what runs.
 KEPT_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "OMP_NUM_THREADS")
 FUNCTION = (ast.FunctionDef, ast.AsyncFunctionDef)
+# CPython 3.11's parser keeps its recursion depth per interpreter, not per thread: two threads
+# parsing at once can fail with "SystemError: AST constructor recursion depth mismatch". Graders
+# run in threads (one pytest subprocess each), so every parse here takes this lock.
+_PARSING = threading.Lock()
+
+
+def parse(source: str, filename: str = "<unknown>") -> ast.Module:
+    """ast.parse, one thread at a time (see _PARSING)."""
+    with _PARSING:
+        return ast.parse(source, filename)
 
 
 class Refused(Exception):
@@ -111,7 +122,7 @@ def take_function(student: Path, ex: dict) -> str:
         raise Refused(f"no {file} in the copy (a link to one does not count)")
     try:
         source = path.read_text(encoding="utf-8")  # text mode: line ends are "\n", as ast counts
-        tree = ast.parse(source, file)
+        tree = parse(source, file)
     except SyntaxError as e:
         raise Refused(f"does not parse: SyntaxError: {e.msg} ({file}:{e.lineno})")
     except ValueError as e:  # not UTF-8, a null byte
@@ -124,7 +135,7 @@ def take_function(student: Path, ex: dict) -> str:
     function = "\n".join(source.split("\n")[first - 1:fn.end_lineno])
     # What goes into the scratch copy is one `def` and nothing else: nothing around it can run.
     try:
-        alone = ast.parse(function).body
+        alone = parse(function).body
     except SyntaxError:
         alone = []
     if not (len(alone) == 1 and isinstance(alone[0], FUNCTION) and alone[0].name == ex["name"]):
@@ -137,11 +148,11 @@ def splice(source: str, function: str, name: str) -> str:
     """`source` (a reference module) with its top-level function `name` replaced by `function`.
     The student's decorators must be the reference's: a decorator of theirs would run at import,
     outside the function. (Default values and annotations run at import too: part of the def.)"""
-    ours = [node for node in ast.parse(source).body if isinstance(node, FUNCTION)
+    ours = [node for node in parse(source).body if isinstance(node, FUNCTION)
             and node.name == name]
     if not ours:
         raise SystemExit(f"error: the reference has no top-level function {name} to grade")
-    ours, theirs = ours[-1], ast.parse(function).body[0]
+    ours, theirs = ours[-1], parse(function).body[0]
     if [ast.dump(d) for d in theirs.decorator_list] != [ast.dump(d) for d in ours.decorator_list]:
         raise Refused(f"{name}'s decorators are not its stub's: only the function is graded, and "
                       f"a decorator would run outside it")

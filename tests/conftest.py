@@ -5,6 +5,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,28 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 TIMING = ("seconds", "tokens_per_s", "memory")  # metrics that differ between identical runs
+
+
+# What `--dtype auto` means in the tests: fp32 on every CPU kind, so that a test comparing two runs
+# or an exact value does not depend on the machine (auto picks bf16 on AMX, fp32 on AVX2). The
+# dtype-sensitive paths are tested in both dtypes explicitly. `pytest --auto-dtype bf16` runs the
+# rest in bf16 too, as auto does on an AMX machine (slow where bf16 is emulated).
+def pytest_addoption(parser):
+    parser.addoption("--auto-dtype", choices=("fp32", "bf16"), default=None,
+                     help="what --dtype auto resolves to in the tests (default: fp32, or "
+                          "$SMOLRL_AUTO_DTYPE)")
+
+
+AUTO_DTYPE_ENV = "SMOLRL_AUTO_DTYPE"  # model.AUTO_DTYPE_ENV (not imported: see `tokenizer` below)
+
+
+def pytest_configure(config):
+    os.environ[AUTO_DTYPE_ENV] = (config.getoption("--auto-dtype") or
+                                  os.environ.get(AUTO_DTYPE_ENV) or "fp32")
+
+
+def pytest_report_header(config):
+    return f"--dtype auto in these tests: {os.environ[AUTO_DTYPE_ENV]} (pytest --auto-dtype)"
 
 
 @pytest.fixture(scope="session")

@@ -197,3 +197,44 @@ def test_the_trained_model_is_saved_in_the_dtype_it_came_in(tiny_model_dir, tmp_
     assert {v.dtype for v in weights.values()} == {torch.bfloat16}
     assert AutoConfig.from_pretrained(tmp_path / "out" / "model").dtype == torch.bfloat16
     assert not (tmp_path / "out/trainer_state.pt").exists()
+
+
+def test_a_resume_into_another_runs_folder_is_refused_as_a_fresh_run_is(tiny_model_dir, tmp_path):
+    """--resume X/checkpoints/step_1 --out Y, with Y holding another run's checkpoints: refused
+    before anything is written (it once deleted Y's step_2, wrote X's in its place and rewrote Y's
+    metrics.jsonl)."""
+    import grpo
+    from data import parse_config
+    x, y = tmp_path / "x", tmp_path / "y"
+    run_grpo(small_run_args(tiny_model_dir, x) + ["--steps", "1", "--save-every", "1"])
+    run_grpo(small_run_args(tiny_model_dir, y) + ["--steps", "2", "--save-every", "2"])
+    before = {p: p.read_bytes() for p in y.rglob("*") if p.is_file()}
+    with pytest.raises(SystemExit, match=rf"{y / 'checkpoints'} holds another run's checkpoints "
+                                         rf"\(step_2\): resume .*step_1 into an --out of its own"):
+        grpo.main(parse_config(grpo.Config, small_run_args(tiny_model_dir, y) + [
+            "--steps", "3", "--save-every", "1", "--resume", str(x / "checkpoints/step_1")]))
+    assert {p: p.read_bytes() for p in y.rglob("*") if p.is_file()} == before
+
+
+def test_resuming_an_earlier_step_branches_and_keeps_every_checkpoint(tmp_path):
+    """Resumed from step_2 while step_4 exists: step_4 is another branch now, moved whole to
+    checkpoints/superseded/ (said on the first screen); --keep-last 1 never deletes the checkpoint
+    resumed from; --resume auto then picks the newest of the branch that was run (step_3), not the
+    abandoned step_4."""
+    from checkpoint import claim_checkpoints, load_driver_state
+    _fake_checkpoints(tmp_path, [2, 4], keep_last=0, run_id="this")
+    resumed = tmp_path / "checkpoints" / "step_2"
+    line = claim_checkpoints(tmp_path, str(resumed))
+    assert line.startswith("resuming from step_2: this run's later checkpoints (step_4) are another "
+                           "branch of it now, moved whole to ")
+    [aside] = (tmp_path / "checkpoints" / "superseded").iterdir()
+    assert (aside / "step_4" / "trainer_state.pt").exists() and str(aside) in line
+    driver = load_driver_state(resumed)
+    assert driver.run_id == "this" and driver.resumed_from == str(resumed)
+    driver.step = 3
+    save_checkpoint(tmp_path, driver, lambda folder: torch.save(
+        {"optimizer": {}, "scheduler": {}, "torch_rng": torch.get_rng_state()},
+        Path(folder) / "trainer_state.pt"), keep_last=1)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
+    assert find_checkpoint(tmp_path, "auto") == str(tmp_path / "checkpoints" / "step_3")
+    assert claim_checkpoints(tmp_path, str(tmp_path / "checkpoints" / "step_3")) == ""

@@ -145,6 +145,35 @@ def test_nothing_of_the_copy_runs_but_its_exercise_functions(tmp_path):
     assert scores == {attack: {ex["name"]: 0 for ex in quick} for attack in ATTACKS}
 
 
+def test_the_grader_never_parses_from_two_threads_at_once(tmp_path, monkeypatch):
+    """CPython 3.11's parser is not thread-safe (a new user's AMX run failed with "AST constructor
+    recursion depth mismatch" under ThreadPoolExecutor(2)): every parse in grade.py is serialised.
+    The stand-in parser sleeps inside, so two threads in it at once would be seen."""
+    import threading
+    import time
+    inside, most, lock, real = [0], [0], threading.Lock(), ast.parse
+
+    def watched(*args, **kwargs):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.01)
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    ex = next(ex for ex in EXERCISES if ex["name"] == "pass_at_k")
+    (tmp_path / ex["file"]).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / ex["file"]).write_text("def pass_at_k(n, c, k):\n    return 1.0\n")
+    monkeypatch.setattr(ast, "parse", watched)
+    with ThreadPoolExecutor(4) as pool:
+        taken = list(pool.map(lambda _: take_function(tmp_path, ex), range(8)))
+    assert taken == ["def pass_at_k(n, c, k):\n    return 1.0"] * 8
+    assert most[0] == 1
+
+
 def test_only_a_plain_top_level_def_is_taken_from_the_students_file(tmp_path):
     """The exercise's `def` alone goes into the reference, in place of its own; what cannot be
     taken scores 0 with one line saying why, and then no test runs at all."""

@@ -23,18 +23,23 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ray.cloudpickle.register_pickle_by_value(conftest)
 
 
-def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(tiny_model_dir,
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(dtype, tiny_model_dir,
                                                                            tmp_path):
     """grpo.py on Ray (2 trainers + 1 engine, colocated, collective weight sync) with
     --async-steps 1: the engine samples step t+1 while the trainers train step t. With lr 0 the lag
-    cannot change what is sampled, so everything but the numerics of pi_old (the engine's bf16
+    cannot change what is sampled, so in fp32 everything but the numerics of pi_old (the engine's
     log-probs instead of the trainer's) must equal a one-process synchronous run's: the same
-    problems, seeds, completions and rewards. (First in this file: it starts its own local Ray,
-    before the module's cluster exists.)"""
+    problems, seeds, completions and rewards. In bf16 the engine on Ray does not draw the same
+    tokens as the one in this process (seen on an AMX Xeon: rewards 0.5 vs 0.625 at step 1): a
+    token whose probability sits at a sampling boundary flips with the last bit of a bf16 logit.
+    What must hold in both dtypes is the lag and that the trainer's log-probs describe what the
+    engine sampled: the async ratio pi_theta / pi_engine is 1 within the dtype's rounding. (First in
+    this file: it starts its own local Ray, before the module's cluster exists.)"""
     args = ["--model", tiny_model_dir, "--data", "arith", "--steps", "3", "--prompts-per-step",
             "2", "--num-generations", "4", "--max-new-tokens", "6", "--eval-every", "3",
             "--eval-size", "4", "--temperature", "1.0", "--lr", "0", "--beta", "0.01",
-            "--reward", "tests.rewards:parity_reward"]
+            "--reward", "tests.rewards:parity_reward", "--dtype", dtype]
     run_grpo([*args, "--num-trainers", "2", "--num-engines", "1", "--colocate",
               "--async-steps", "1", "--out", str(tmp_path / "a")])
     run_grpo([*args, "--out", str(tmp_path / "s")])
@@ -43,10 +48,13 @@ def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(tiny_m
     assert (tmp_path / "a" / "model" / "model.safetensors").exists()  # saved by trainer rank 0
     assert [r["policy_lag"] for r in lagged[1:]] == [0, 1, 1]
     assert [r["policy_lag"] for r in synced[1:]] == [0, 0, 0]
+    for a in lagged[1:]:  # pi_theta / pi_engine with equal weights
+        assert a["ratio"] == pytest.approx(1.0, abs=0.02)
+    if dtype == "bf16":
+        return
     for a, s in zip(lagged[1:], synced[1:]):
         for key in ("reward", "completion_len", "zero_std_frac", "truncated_frac", "trained_frac"):
             assert a[key] == s[key], key
-        assert a["ratio"] == pytest.approx(1.0, abs=0.02)  # pi_theta / pi_engine, weights equal
         assert a["loss"] == pytest.approx(s["loss"], abs=0.02)
     assert lagged[-1]["eval_accuracy"] == synced[-1]["eval_accuracy"]
 

@@ -115,7 +115,7 @@ def test_bad_tool_calls_are_answered_with_errors_and_counted(tokenizer):
     comps, (episode,) = agent.run(engine, [{"problem": "What is 1 + 2?"}], 1, Sampling(64, 1.0))
     results = [m["content"] for m in episode.messages if m["role"] == "tool"]
     assert [r.split(" (")[0].split(":")[1].strip() for r in results] == [
-        "malformed tool call", 'a tool call is {"name"', "no tool named 'abacus'; the tools are "
+        "malformed tool call", 'a tool call is {"name"', 'no tool named "abacus"; the tools are '
         "calculator", "TypeError", "ValueError"]
     assert episode.tool_errors == 5 and episode.turns == 6 and not episode.truncated
     assert comps.text == ["The answer is 3."]
@@ -213,3 +213,198 @@ def test_an_episode_on_the_hf_engine(tiny_model, monkeypatch):
     model, tokenizer = tiny_model
     engine = HFRollout(model, tokenizer, dtype=torch.float32, logprobs=True)
     check_an_episode_on(engine, model, tokenizer, monkeypatch, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Episodes never crash the run, and each is limited and scored on its own.
+
+
+class PerEpisodeEngine:
+    """An engine that answers episode i's turn t with scripts[i][t] (token ids), cut at the turn's
+    max_new_tokens as an engine cuts: truncated when the script is longer."""
+
+    def __init__(self, scripts):
+        self.scripts, self.turn, self.asked = scripts, 0, []
+
+    def generate(self, prompt_ids, n, sampling):
+        self.asked.append(sampling.max_new_tokens)
+        rows = [self.scripts[i][self.turn] for i in range(len(prompt_ids))]
+        self.turn += 1
+        cut = sampling.max_new_tokens
+        return Completions(prompt_ids, [r[:cut] for r in rows], [len(r) > cut for r in rows],
+                           [""] * len(rows), None, 0, 0.01)
+
+
+def test_each_episode_has_its_own_room(tokenizer):
+    """Turn 2 of two episodes: one has used most of its --max-episode-tokens, the other little.
+    Each turn is cut at its own episode's room, not the fullest episode's (a short episode was once
+    cut, and marked truncated, with 400 of its 512 tokens left)."""
+    chat = ToolChat(tokenizer, load_tools("calculator"))
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = [tokenizer.eos_token_id]
+    long_call = ids(_call("calculator", {"expression": " + ".join(["1"] * 40)})) + eos
+    short_call = ids(_call("calculator", {"expression": "1 + 1"})) + eos
+    answer = ids("The answer is " + "two " * 20) + eos
+    max_tokens = len(long_call) + len(chat.observation_ids([("calculator", "40")])) + 10
+    engine = PerEpisodeEngine([[long_call, answer], [short_call, answer]])
+    agent = Agent(chat, "{problem}", 4, max_tokens)
+    turn = max(len(long_call), len(answer)) + 5  # --max-new-tokens
+    _, (full, roomy) = agent.run(engine, [{"problem": "a"}, {"problem": "b"}], 1,
+                                 Sampling(turn, 1.0))
+    assert full.turns == 2 and full.truncated and len(full.ids) == max_tokens  # its own room
+    assert not roomy.truncated and roomy.ids[-len(answer):] == answer  # whole: it had room
+    # one call a turn, as long as the roomiest episode may go (the old rule asked for 10 here)
+    assert engine.asked == [turn, max_tokens - (len(roomy.ids) - len(answer))]
+
+
+def test_the_overlong_penalty_of_an_episode_is_against_its_own_budget():
+    """--overlong-buffer: a completion is measured against --max-new-tokens, an episode (all its
+    turns and tool results) against --max-episode-tokens: a correct 62-token two-turn episode
+    with 48 tokens a turn is not overlong (it once lost its whole reward, 1.0 -> 0.0)."""
+    import grpo
+    cfg = grpo.Config(data="multiply", max_new_tokens=48, max_episode_tokens=512,
+                      overlong_buffer=16)
+    comps = Completions([[1]] * 3, [[5] * 62, [5] * 500, [5] * 512], [False] * 3, [""] * 3)
+    assert grpo.overlong(comps, cfg, episodes=True) == [0.0, -0.25, -1.0]
+    assert grpo.overlong(comps, cfg, episodes=False)[0] == -1.0  # as a single completion: long
+    with pytest.raises(SystemExit, match="--overlong-buffer 600 is longer than "
+                                         "--max-episode-tokens 512"):
+        grpo.Config(data="multiply", overlong_buffer=600)
+
+
+HOSTILE = [
+    _call(["calculator"], {"expression": "1"}),  # a name that is a list: unhashable
+    _call({"name": "calculator"}, {"expression": "1"}),  # an object
+    _call(None, {}), _call(7, {}), _call("calculator", ["1 + 1"]), _call("calculator", "1 + 1"),
+    '<tool_call>\n' + "[" * 600 + "]" * 600 + '\n</tool_call>',  # nested 600 deep: RecursionError
+    '<tool_call>\n{"name": "calculator", "arguments": ' + '{"a": ' * 400 + "1" + "}" * 401 +
+    '\n</tool_call>',
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + "(" * 300 + "1" +
+    ")" * 300 + '"}}\n</tool_call>',
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + "9" * 4400 + '"}}'
+    '\n</tool_call>',
+    '<tool_call>\n{"name": "guess", "arguments": {"number": NaN}}\n</tool_call>',
+    '<tool_call>\n{"name": "guess", "arguments": {"number": 1e999}}\n</tool_call>',
+    '<tool_call>\n{"name": "guess", "arguments": {"number": "x", "self": 1}}\n</tool_call>',
+    '<tool_call>\n{"name": "guess", "arguments": {"number": ' + "1" * 4400 + '}}\n</tool_call>',
+    '<tool_call>\n{"name": "calculator", "arguments": {}}\n</tool_call>' * 30,
+]
+ODD = ["<tool_call><tool_call></tool_call></tool_call>", "<tool_call>", "</tool_call>" * 3,
+       "\ufffd<|im_start|>assistant\n<tool_call>\x00</tool_call><|im_end|>"]
+
+
+def test_whatever_the_model_writes_becomes_an_observation_never_an_exception(tokenizer):
+    """Hostile JSON (names that are lists or objects, arrays nested 600 deep, huge numbers, NaN)
+    and 300 random token sequences, as turns of episodes with a tool and an environment: every
+    episode ends, none raises, and every failed call is told to the model as an error."""
+    import random
+    chat = ToolChat(tokenizer, load_tools("calculator"), GuessTheNumber)
+    rng = random.Random(0)
+    hostile = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in HOSTILE + ODD]
+    noise = [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 80))]
+             for _ in range(300)]
+    scripts = [[turn, turn] for turn in hostile + noise]
+    agent = Agent(chat, "{problem}", 2, 12000)
+    rows = [{"problem": "p", "secret": 3}] * len(scripts)
+    comps, episodes = agent.run(PerEpisodeEngine(scripts), rows, 1, Sampling(12000, 1.0))
+    assert all(e.done for e in episodes) and len(comps.completion_ids) == len(scripts)
+    for e in episodes[:len(HOSTILE)]:  # each a call that cannot run: the model reads why
+        results = [m["content"] for m in e.messages if m["role"] == "tool"]
+        assert results and all(r.startswith("error:") for r in results), e.messages
+
+
+def test_tool_metrics_match_trls_on_trls_own_case(tokenizer):
+    """TRL's tools test, as three episodes: a valid call, a call that fails (a wrong argument) and
+    a plain answer: calls in 2 of 3 episodes (tool_calls 2/3, TRL's tools/call_frequency), one
+    failure in two calls (tool_failure_frequency 1/2, TRL's tools/failure_frequency)."""
+    from env import episode_metrics
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    done = ids("The answer is 4.") + [tokenizer.eos_token_id]
+    scripts = [[ids(_call("calculator", {"expression": "2 + 2"})), done],
+               [ids(_call("calculator", {"text": "2 + 2"})), done], [done]]
+    agent = Agent(ToolChat(tokenizer, load_tools("calculator")), "{problem}", 4, 1024)
+    _, episodes = agent.run(PerEpisodeEngine(scripts), [{"problem": "2 + 2?"}] * 3, 1,
+                            Sampling(64, 1.0))
+    metrics = episode_metrics(episodes)
+    assert metrics["tool_calls"] == pytest.approx(2 / 3) and metrics["tool_errors"] == 1
+    assert metrics["tool_failure_frequency"] == 0.5 and metrics["tool_use"] == pytest.approx(2 / 3)
+
+
+class EnvWithHelpers:
+    """An environment as TRL users write them: a tool, a private helper, a property."""
+
+    def reset(self, **row):
+        self.value = 0
+
+    def add(self, n: int) -> str:
+        """Add to the value.
+
+        Args:
+            n: how much
+        """
+        self.value += n
+        return str(self.value)
+
+    @staticmethod
+    def _clamp(n):
+        return max(0, n)
+
+    @property
+    def doubled(self):
+        raise AssertionError("a property is no tool, and must not run")
+
+    def get_reward(self) -> float:
+        return float(self.value)
+
+
+class EnvWithAPublicHelper(EnvWithHelpers):
+    @staticmethod
+    def clamp(n):
+        return max(0, n)
+
+
+def test_an_environments_tools_follow_trls_rule(monkeypatch):
+    """TRL's GRPOTrainer (trl 1.16) takes as tools the class's functions by inspect.getmembers(
+    type(env), inspect.isfunction) -- staticmethods included -- less reset, get_reward and names
+    starting with "_" (properties are not evaluated). The same rule here; an undocumented public
+    staticmethod is a tool to both, and is refused before any model loads, naming the way out."""
+    import inspect
+    import env as env_module
+
+    def trls_rule(instance):  # as trl/trainer/grpo_trainer.py reads an environment
+        return sorted(name for name, _ in inspect.getmembers(type(instance), inspect.isfunction)
+                      if name not in ("reset", "get_reward") and not name.startswith("_"))
+
+    for cls in (EnvWithHelpers, EnvWithAPublicHelper):
+        ours = sorted(fn.__name__ for fn in env_module.environment_tools(cls()))
+        assert ours == trls_rule(cls()), cls
+    monkeypatch.setattr(env_module, "load_function", lambda spec, **kw: EnvWithAPublicHelper)
+    with pytest.raises(SystemExit, match=r"error: tool 'clamp': .*every public function of "
+                                         r"m:EnvWithAPublicHelper is a tool .*name a helper _clamp"):
+        load_environment("m:EnvWithAPublicHelper")
+    monkeypatch.setattr(env_module, "load_function", lambda spec, **kw: EnvWithHelpers)
+    assert load_environment("m:EnvWithHelpers") is EnvWithHelpers
+
+
+def test_an_unknown_tool_lists_the_tools_not_the_rewards():
+    """--tools a.py:f,g: the bare g is neither a built-in tool nor a module:function."""
+    with pytest.raises(SystemExit) as stop:
+        load_tools("tests/trl_tools.py:add,g")
+    assert str(stop.value) == ("error: unknown tool 'g': use one of ['calculator', 'python'], "
+                               "module:function, path/to/file.py:function or module.function")
+
+
+def test_an_episodes_engine_holds_its_longest_turn_and_counts_only_sampled_tokens():
+    """vLLM's max_model_len is sized from the most tokens after a prompt: an episode's late turn
+    continues from every earlier turn and tool result (--max-episode-tokens), not one turn's
+    --max-new-tokens; gen_tokens_per_s counts the sampled tokens, not the tool results."""
+    import grpo
+    from evaluate import step_record
+    from rollout import tokens_after_prompt
+    assert tokens_after_prompt(grpo.Config(data="multiply", max_episode_tokens=3000)) == 3000
+    assert tokens_after_prompt(grpo.Config(data="arith", max_new_tokens=64)) == 64
+    comps = Completions([[1], [1]], [[5] * 10, [5] * 6], [False, False], ["", ""],
+                        mask=[[True] * 4 + [False] * 6, [True] * 6])
+    sampled = grpo.Scored([{}, {}], comps, torch.tensor([1.0, 0.0]), [], {}, gen_seconds=2.0)
+    update = {"trained_tokens": 0}
+    assert step_record(1, sampled, update, 1.0, 0.0, 2)["gen_tokens_per_s"] == 5.0

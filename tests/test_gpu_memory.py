@@ -72,7 +72,7 @@ def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
     from model import DtypeChoice
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 * GB, 80 * GB))
-    monkeypatch.setattr(grpo, "choose_dtype", lambda requested, device: (
+    monkeypatch.setattr(grpo, "choose_dtype", lambda requested, device, recorded: (
         DtypeChoice("bf16", "a GPU with bf16")))
     with pytest.raises(SystemExit) as done:
         parse_config(Config, ["--model", qwen_1_5b, "--rollout", "hf", "--dry-run"])

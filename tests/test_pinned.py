@@ -210,15 +210,41 @@ def test_a_resumed_runs_reference_takes_the_policys_prompt_sharing_verdict(tiny_
 # model.py: the dtype choice, and a folder swap that fails half-way.
 
 
-def test_choose_dtype_on_a_cpu_takes_the_faster_kind(monkeypatch):
-    """--dtype auto on a CPU times both kinds of matmul and takes the faster: fp32 where bf16 is
-    emulated (50 vs 1 GFLOP/s), bf16 where it is native. Mutant: dtype-slower-wins."""
+def test_choose_dtype_on_a_cpu_takes_bf16_only_by_a_clear_margin(monkeypatch):
+    """--dtype auto on a CPU times both kinds of matmul: fp32 where bf16 is emulated (50 vs 1
+    GFLOP/s), bf16 where it is native (338 vs 1,312), and fp32 on a tie or near it -- a loaded
+    machine once read 14.2 vs 14.2 and six launches of one command chose bf16 four times.
+    Mutants: dtype-slower-wins, dtype-no-margin."""
     import model as model_module
-    for rates, expected in (({torch.float32: 50.0, torch.bfloat16: 1.0}, "fp32"),
-                            ({torch.float32: 50.0, torch.bfloat16: 90.0}, "bf16")):
+    monkeypatch.delenv(model_module.AUTO_DTYPE_ENV, raising=False)
+    for fp32, bf16, expected in ((50.0, 1.0, "fp32"), (337.8, 1311.6, "bf16"),
+                                 (14.2, 14.2, "fp32"), (14.2, 15.5, "fp32"), (50.0, 70.0, "fp32"),
+                                 (50.0, 75.0, "bf16")):
+        rates = {torch.float32: fp32, torch.bfloat16: bf16}
         monkeypatch.setattr(model_module, "matmul_rate", lambda dtype, rates=rates: rates[dtype])
-        choice = model_module.choose_dtype.__wrapped__("auto", "cpu")  # (uncached)
+        choice = model_module.cpu_dtype.__wrapped__()  # (uncached)
         assert choice.name == expected, choice.reason
+        assert f"bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s; bf16 only if >= 1.5x" in choice.reason
+
+
+def test_a_resumed_run_computes_in_the_dtype_it_recorded(tmp_path, monkeypatch):
+    """A resumed run with --dtype auto takes its checkpoint's recorded dtype, untimed and said
+    so; an explicit --dtype wins; a fresh run chooses anew (here: the environment's pin)."""
+    import json
+    import grpo
+    import model as model_module
+    step = tmp_path / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    (step / "grpo_config.json").write_text(json.dumps({"dtype": "bf16"}))
+    (step / "driver_state.pt").write_bytes(b"")  # (what marks a checkpoint folder)
+    monkeypatch.setenv(model_module.AUTO_DTYPE_ENV, "fp32")
+    monkeypatch.setattr(model_module, "matmul_rate", lambda dtype: pytest.fail("timed again"))
+    for resume in ("auto", str(step)):
+        cfg = grpo.Config(data="arith", out=str(tmp_path), resume=resume)
+        assert (cfg.dtype, cfg.dtype_reason) == ("bf16", "as the resumed run recorded it: not "
+                                                         "timed again")
+    assert grpo.Config(data="arith", out=str(tmp_path), resume="auto", dtype="fp32").dtype == "fp32"
+    assert grpo.Config(data="arith", out=str(tmp_path / "fresh")).dtype == "fp32"
 
 
 def test_a_folder_swap_that_fails_halfway_leaves_the_old_folder_whole(tmp_path, monkeypatch):
