@@ -28,6 +28,9 @@ PROMPT_TOKENS = 512  # a prompt's length, assumed: the data is not read before t
 ENGINE_WORKSPACE = 2 * GiB  # vLLM's activations, sampler and CUDA graphs beside weights and KV
 LOGITS_BYTES = 8  # per (token, vocabulary entry) of a log-prob chunk: bf16 logits, fp32 softmax
 LOGPROB_CHUNK = 2048  # model.completion_logprobs' chunk_tokens
+# Activations are planned at this many times their estimate: the allocator rounds each saved
+# tensor up to its block size, and a sequence's backward briefly holds a gradient beside them.
+ACTIVATION_HEADROOM = 1.1
 
 
 class MemoryPlan(NamedTuple):
@@ -57,6 +60,7 @@ class ModelShape(NamedTuple):
     vocab: int
     kv_bytes_per_token: int  # the engine's KV cache, bf16
     activation_bytes_per_token: float  # the whole decoder, saved for backward, bf16
+    head_dim: int
 
 
 @functools.cache
@@ -78,20 +82,45 @@ def model_shape(path: str) -> ModelShape:
     per_token = 2 * d1 - d2
     return ModelShape(sum(p.numel() for p in model.parameters()), text.hidden_size,
                       text.num_hidden_layers, text.vocab_size,
-                      2 * text.num_hidden_layers * kv_heads * head_dim * 2, per_token)
+                      2 * text.num_hidden_layers * kv_heads * head_dim * 2, per_token, head_dim)
 
 
-def _saved_bytes(model, T: int) -> int:
-    saved = []
+def _saved_bytes(model, T: int, device: str = "meta") -> int:
+    """What a forward of T tokens saves for backward. On a real device each storage counts once
+    (a tensor several ops save, as the rotary cos/sin every layer saves, is held once); meta
+    tensors have no storage to tell them apart, so there every save counts (an upper bound)."""
+    saved = {}
 
     def pack(x):
-        saved.append(x.numel() * x.element_size())
+        key = x.untyped_storage().data_ptr() if device != "meta" else len(saved)
+        saved[key] = x.untyped_storage().nbytes() if device != "meta" else \
+            x.numel() * x.element_size()
         return x
 
     model.train()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        model.get_decoder()(input_ids=torch.zeros(1, T, dtype=torch.long, device="meta"))
-    return sum(saved)
+        model.get_decoder()(input_ids=torch.zeros(1, T, dtype=torch.long, device=device))
+    return sum(saved.values())
+
+
+@functools.cache
+def lora_layer_bytes(path: str, rank: int) -> float:
+    """Bytes per token one decoder layer saves for backward as LoRA trains it: fp32 base weights
+    under bf16 autocast, rank-`rank` adapters on every linear. Autocast keeps some tensors fp32
+    (norms, residuals) and casts each linear's input anew (q, k, v and their adapters: one bf16
+    copy each), so the bf16 figure of model_shape is too small by ~1.3x. Autocast has no meta
+    kernels: measured by a CPU forward of a one-layer copy with a small vocabulary."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from model import add_lora
+    config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config()
+    text.num_hidden_layers, text.vocab_size = 1, 256
+    torch.manual_seed(0)
+    model = add_lora(AutoModelForCausalLM.from_config(config, dtype=torch.float32), rank)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        saved = [_saved_bytes(model.get_base_model(), T, "cpu") for T in (32, 64, 128)]
+    d1, d2 = (saved[1] - saved[0]) / 32, (saved[2] - saved[1]) / 64  # as in model_shape
+    return 2 * d1 - d2
 
 
 def plan_memory(cfg, device_bytes: int, model_path: str) -> MemoryPlan:
@@ -120,8 +149,17 @@ def plan_memory(cfg, device_bytes: int, model_path: str) -> MemoryPlan:
         print(f"warning: by the memory plan's estimate, {message}")  # (the user's choice stands)
     logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES
     room = usable - trainer - logits - ENGINE_WORKSPACE  # (an asleep engine keeps some memory)
-    checkpointed = shape.layers * shape.hidden * 2 + shape.activation_bytes_per_token / shape.layers
-    full = shape.activation_bytes_per_token
+    # Checkpointed, backward keeps every layer's input (the residual stream: bf16 on a bf16 copy,
+    # fp32 under LoRA's autocast, beside the layers' shared fp32 rotary cos and sin) and
+    # recomputes one layer at a time.
+    if cfg.lora_rank:
+        layer = lora_layer_bytes(model_path, cfg.lora_rank)
+        inputs = shape.layers * shape.hidden * 4 + 2 * shape.head_dim * 4
+        checkpointed, full = inputs + layer, shape.layers * layer
+    else:
+        full = shape.activation_bytes_per_token
+        checkpointed = shape.layers * shape.hidden * 2 + full / shape.layers
+    checkpointed, full = ACTIVATION_HEADROOM * checkpointed, ACTIVATION_HEADROOM * full
     # Recomputing activations costs ~30 % more compute: only when micro-batches of a few whole
     # sequences would not fit without it.
     ckpt = cfg.gradient_checkpointing
