@@ -193,12 +193,19 @@ def choose_dtype(requested: str = "auto", device: str = "cpu", recorded: str = "
 @functools.cache
 def cpu_dtype() -> DtypeChoice:
     """bf16 when this CPU's bf16 matmul is BF16_MARGIN times faster than its fp32 one, else fp32:
-    timed once per process."""
-    fp32, bf16 = matmul_rate(torch.float32), matmul_rate(torch.bfloat16)
+    timed once per process, on one thread -- threads that wait for each other on a busy machine
+    made both rates crawl to a tie (14 vs 20 GFLOP/s on an AMX Xeon whose one thread does 560
+    vs 168)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32, bf16 = matmul_rate(torch.float32), matmul_rate(torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
     name = "bf16" if bf16 >= BF16_MARGIN * fp32 else "fp32"
     return DtypeChoice(name, f"{cpu_name()}, torch kernels {torch.backends.cpu.get_cpu_capability()}"
-                             f": matmul bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s; bf16 only if "
-                             f">= {BF16_MARGIN:g}x faster")
+                             f": one-thread matmul bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s; bf16 "
+                             f"only if >= {BF16_MARGIN:g}x faster")
 
 
 def matmul_rate(dtype, shape=(64, 576, 1536), seconds: float = 0.03) -> float:

@@ -224,7 +224,8 @@ def test_choose_dtype_on_a_cpu_takes_bf16_only_by_a_clear_margin(monkeypatch):
         monkeypatch.setattr(model_module, "matmul_rate", lambda dtype, rates=rates: rates[dtype])
         choice = model_module.cpu_dtype.__wrapped__()  # (uncached)
         assert choice.name == expected, choice.reason
-        assert f"bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s; bf16 only if >= 1.5x" in choice.reason
+        assert f"matmul bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s; bf16 only if >= 1.5x" in \
+            choice.reason
 
 
 def test_a_resumed_run_computes_in_the_dtype_it_recorded(tmp_path, monkeypatch):
