@@ -193,13 +193,14 @@ def test_prompts_of_different_lengths_decode_as_if_alone(tiny_model):
     assert out.truncated == [False, False, True, True, True, True]
 
 
-def test_engine_logprobs_are_those_of_the_logits_it_sampled_from(tiny_model, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_logprobs_are_those_of_the_logits_it_sampled_from(dtype, tiny_model, monkeypatch):
     """The HF engine's log-prob of a token is log softmax(logits / T)[token] of the very logits
     the decoding loop drew it from -- not a second, batched forward, which in bf16 differs by
-    ~0.03 nats a token (and with --async-steps 1 these numbers are pi_old)."""
+    ~0.03 nats a token (and with --async-steps 1 these numbers are pi_old). In both dtypes."""
     import rollout as rollout_module
     model, tok = tiny_model
-    engine = HFRollout(model, tok, dtype=torch.bfloat16, logprobs=True)
+    engine = HFRollout(model, tok, dtype=dtype, logprobs=True)
     drawn = []  # (logits, tokens) of every decoding step, rows in batch order
 
     def recording(logits, sampling):
