@@ -32,7 +32,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from tqdm import tqdm
@@ -56,6 +56,8 @@ from trainer import untrained_mismatch
 
 @dataclass
 class Config:
+    CONFIG_FILE: ClassVar[str] = "grpo_config.json"  # written to --out, and into checkpoints
+
     # Model and data
     model: str = DEFAULT_MODEL
     """policy to train: the offline default, a hub id, or a local HF folder"""
@@ -227,7 +229,7 @@ class Config:
         apply_task(self)
         # auto -> what computes fastest here; a resumed run keeps the dtype it recorded
         choice = choose_dtype(self.dtype, pick_device(),
-                              recorded_dtype(self.out, self.resume, "grpo_config.json"))
+                              recorded_dtype(self.out, self.resume, self.CONFIG_FILE))
         self.dtype, self.dtype_reason = choice.name, choice.reason  # (the reason is no option)
         self.memory_plan = None  # on a GPU: what the unset memory settings are based on
         if pick_device() == "cuda":
@@ -635,37 +637,9 @@ def train_on_rollout(trainer: Trainer, batch: TrainBatch) -> dict:
 # The loop.
 
 def main(cfg: Config):
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print(task_summary(cfg))
-    if cfg.memory_plan:
-        print(cfg.memory_plan)
-    resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
-    branched = claim_checkpoints(out, resume_dir)  # never touch another run's checkpoints
-    if branched:
-        print(branched)
-    train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
-    tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
-    # episodes (--tools, --env): the model acts, tools and the environment answer
-    agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
-    grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
-    reward_fns = RewardFunctions(cfg.reward, TEMPLATES[cfg.template][1], grader,
-                                 cfg.require_think_close, columns, env_class)
-    # A resumed run picks up its step, data position, RNG and metrics where the checkpoint left them.
-    driver = load_driver_state(resume_dir) if resume_dir else DriverState()
-    on_ray = cfg.num_trainers > 1 or cfg.num_engines > 1 or cfg.ray_address
-    run = (setup_ray if on_ray else setup_local)(cfg, train_on_rollout, resume_dir, driver.step)
-    run.agent = agent
-    if resume_dir:
-        print(f"resuming from {resume_dir} at step {driver.step + 1}")
-    problems = ProblemStream(train_rows, skip=driver.consumed)
-    log = RunLog(out, driver.history, cfg.report_to, asdict(cfg))
-    (out / "grpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    evaluating = bool(cfg.eval_every and eval_rows)
-    if evaluating and driver.step == 0:
-        log({"step": 0, **evaluate_held_out(run, eval_rows, cfg, grader)})
+    session = start_session(cfg, train_on_rollout)
+    run, driver, problems = session.run, session.driver, session.problems
+    reward_fns, grader = session.reward_fns, session.grader
     G, N, bad_steps, started = cfg.num_generations, cfg.prompts_per_step, 0, None
 
     for step in tqdm(range(driver.step + 1, cfg.steps + 1), desc="grpo", unit="step",
@@ -699,24 +673,97 @@ def main(cfg: Config):
         record = step_record(step, sampled, update, train_seconds, sync_seconds, G)
         record.update(**refill, reward_errors=reward_fns.errors, grader_timeouts=grader.timeouts,
                       policy_lag=lag, step_seconds=time.time() - t_step)
-        if evaluating and (step % cfg.eval_every == 0 or step == cfg.steps):
-            record.update(evaluate_held_out(run, eval_rows, cfg, grader))
-        log(record)
-        if cfg.log_samples_every and step % cfg.log_samples_every == 0:
-            show_samples(scored.rows, [run.tokenizer.decode(c) for c in  # (episodes: all turns)
-                                       scored.completions.completion_ids] if scored.episodes
-                         else scored.completions.text, scored.rewards)
         # (a started next batch is not consumed: a resumed run samples it anew, on-policy)
-        driver.step, driver.consumed = step, problems.taken - (N if started else 0)
-        if cfg.save_every and step % cfg.save_every == 0 and not bad_steps:
-            save_checkpoint(out, driver, run.save, cfg.keep_last)
+        end_step(session, cfg, step, record, scored, pending=N if started else 0,
+                 save=not bad_steps)
 
-    grader.close()
-    log.close()
-    run.export(str(out / "model"))  # the model alone; optimizer state lives in checkpoints only
-    plot_curves(driver.history, out / "curves.png", title=f"GRPO on {cfg.data} ({cfg.model})")
-    print(f"saved the model in {out}/model/, metrics.jsonl and curves.png in {out}/")
+    finish_session(session, cfg, title=f"GRPO on {cfg.data} ({cfg.model})")
     return driver.history
+
+
+# ---------------------------------------------------------------------------------------------
+# A run's set-up and its end: shared with distill.py, whose loop is this one with a teacher in
+# place of the rewards.
+
+
+@dataclass
+class Session:
+    """What a run's loop works with."""
+    out: Path
+    run: object  # trainer.Run: the engines, the trainers, weight sync, saving
+    driver: DriverState  # the step, the data position, the metrics so far
+    problems: ProblemStream  # the training problems, from where the run stands
+    eval_rows: list[dict]
+    reward_fns: RewardFunctions
+    grader: Grader
+    log: RunLog
+
+
+def start_session(cfg, train_step, line=None) -> Session:
+    """Everything before a run's first step, checked in the order that fails fastest: the task
+    line, the checkpoints (a resumed run's, and never another run's), the data, the tools, then
+    the models (train_step: what a trainer runs on a rollout batch); the config is written to
+    <out>/<cfg.CONFIG_FILE>, and a fresh run is evaluated at step 0."""
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(task_summary(cfg))
+    if cfg.memory_plan:
+        print(cfg.memory_plan)
+    resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
+    branched = claim_checkpoints(out, resume_dir)  # never touch another run's checkpoints
+    if branched:
+        print(branched)
+    train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
+    tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
+    # episodes (--tools, --env): the model acts, tools and the environment answer
+    agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
+    grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
+    reward_fns = RewardFunctions(cfg.reward, TEMPLATES[cfg.template][1], grader,
+                                 cfg.require_think_close, columns, env_class)
+    # A resumed run picks up its step, data position, RNG and metrics where the checkpoint left them.
+    driver = load_driver_state(resume_dir) if resume_dir else DriverState()
+    on_ray = cfg.num_trainers > 1 or cfg.num_engines > 1 or cfg.ray_address
+    run = (setup_ray if on_ray else setup_local)(cfg, train_step, resume_dir, driver.step)
+    run.agent = agent
+    if resume_dir:
+        print(f"resuming from {resume_dir} at step {driver.step + 1}")
+    problems = ProblemStream(train_rows, skip=driver.consumed)
+    log = RunLog(out, driver.history, cfg.report_to, asdict(cfg), line)
+    (out / cfg.CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2))
+    if cfg.eval_every and eval_rows and driver.step == 0:
+        log({"step": 0, **evaluate_held_out(run, eval_rows, cfg, grader)})
+    return Session(out, run, driver, problems, eval_rows, reward_fns, grader, log)
+
+
+def end_step(session: Session, cfg, step: int, record: dict, scored: Scored, pending: int = 0,
+             save: bool = True):
+    """A step's end: the held-out evaluation when due, the metrics logged, a few samples shown,
+    and the checkpoint when due (save: the step's update was good). pending: problems drawn for a
+    batch that was started but not trained on yet."""
+    run, driver = session.run, session.driver
+    if session.eval_rows and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+        record.update(evaluate_held_out(run, session.eval_rows, cfg, session.grader))
+    session.log(record)
+    if cfg.log_samples_every and step % cfg.log_samples_every == 0:
+        show_samples(scored.rows, [run.tokenizer.decode(c) for c in  # (episodes: all turns)
+                                   scored.completions.completion_ids] if scored.episodes
+                     else scored.completions.text, scored.rewards)
+    driver.step, driver.consumed = step, session.problems.taken - pending
+    if cfg.save_every and step % cfg.save_every == 0 and save:
+        save_checkpoint(session.out, driver, run.save, cfg.keep_last)
+
+
+def finish_session(session: Session, cfg, title: str, **plot):
+    """After the last step: the model alone (optimizer state lives in checkpoints only) in
+    <out>/model, and the curves."""
+    session.grader.close()
+    session.log.close()
+    session.run.export(str(session.out / "model"))
+    plot_curves(session.driver.history, session.out / "curves.png", title=title, **plot)
+    print(f"saved the model in {session.out}/model/, metrics.jsonl and curves.png in "
+          f"{session.out}/")
 
 
 def sampling_seed(cfg: Config, step: int, attempt: int) -> int:

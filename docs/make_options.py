@@ -9,6 +9,7 @@ is written by hand, so tests/test_docs.py can fail when the page and the code di
 """
 
 import ast
+import dataclasses
 import inspect
 import re
 import sys
@@ -105,7 +106,7 @@ def rows(cls) -> list[tuple[str, str, str, str, str]]:
     from data import _base, _choices, flag
     docs = {name: (group, doc) for group, name, doc in fields_of(cls)}
     out = []
-    for name, field in cls.__dataclass_fields__.items():
+    for name, field in {f.name: f for f in dataclasses.fields(cls)}.items():
         group, doc = docs.get(name, ("", ""))
         kind, choices = _base(field.type), _choices(field.type)
         if kind is bool:
