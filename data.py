@@ -569,14 +569,18 @@ def parse_config(cls, argv=None, description=None):
     command line override it. `--dry-run` prints the resolved config and exits, loading nothing.
     """
     docs = {}
-    body = ast.parse(inspect.getsource(cls)).body[0].body
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr):
-            docs[a.target.id] = b.value.value.replace("%", "%%")  # argparse formats help with %
+    for klass in reversed(cls.__mro__):  # a subclass's Config (distill.py's) inherits docstrings
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for a, b in zip(body, body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr):
+                docs[a.target.id] = b.value.value.replace("%", "%%")  # argparse formats with %
     parser = _Parser(description=description)
     parser.add_argument("--config", help="TOML file setting any of the options below")
     parser.add_argument("--dry-run", action="store_true", help="print the config and exit")
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # (not ClassVars: no flags)
+    fields = {f.name: f for f in dataclasses.fields(cls)  # (not ClassVars: no flags)
+              if f.name not in getattr(cls, "NOT_OPTIONS", ())}  # (inherited, not taken)
     for arg in sys.argv[1:] if argv is None else argv:
         if arg in REPLACED and "dtype" in fields:
             _refuse_replaced(arg, f"--dtype {REPLACED[arg]}")

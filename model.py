@@ -76,13 +76,13 @@ def default_model_path() -> str:
 
 def model_path(cfg) -> str:
     """The folder or hub id a config's model (or --init-from) loads from."""
-    return _resolve(getattr(cfg, "init_from", "") or cfg.model)
+    return resolve(getattr(cfg, "init_from", "") or cfg.model)
 
 
-def _resolve(name: str) -> str:
-    """A folder, or a hub id that can be loaded now; otherwise stop with one line that says why.
-    A run's output folder (grpo.py's or dpo.py's --out) stands for the model it trained, in its
-    `model` subfolder."""
+def resolve(name: str, what: str = "--model") -> str:
+    """A folder, or a hub id that can be loaded now; otherwise stop with one line that says why
+    (naming the flag, `what`). A run's output folder (grpo.py's or dpo.py's --out) stands for the
+    model it trained, in its `model` subfolder."""
     path = default_model_path() if name == DEFAULT_MODEL else name
     trained = Path(path) / "model"
     if not (Path(path) / "config.json").exists() and (trained / "config.json").exists():
@@ -90,16 +90,16 @@ def _resolve(name: str) -> str:
     if Path(path).exists():
         return path
     if not ("/" in path and not path.startswith((".", "/"))):
-        raise SystemExit(f"error: --model {name!r} is neither a local folder nor a hub id "
+        raise SystemExit(f"error: {what} {name!r} is neither a local folder nor a hub id "
                          f"(owner/name); the offline default is {DEFAULT_MODEL!r}")
     if not hub_reachable():  # transformers would retry for about a minute, then print 30 lines
         from huggingface_hub import snapshot_download
         try:
             return snapshot_download(name, local_files_only=True)  # downloaded before: use that
         except Exception:
-            raise SystemExit(f"error: --model {name}: the Hugging Face hub cannot be reached and "
+            raise SystemExit(f"error: {what} {name}: the Hugging Face hub cannot be reached and "
                              f"the model is not in the local cache; pass a local folder with the "
-                             f"model (--model path/to/folder), or run where the hub is reachable"
+                             f"model ({what} path/to/folder), or run where the hub is reachable"
                              ) from None
     return path
 
@@ -119,7 +119,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(_resolve(name))
+    tokenizer = AutoTokenizer.from_pretrained(resolve(name))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # masks come from lengths, so pad == eos is fine
     return tokenizer
@@ -128,14 +128,14 @@ def load_tokenizer(name: str):
 def load_model(name: str, device: str = "cpu"):
     """(model in fp32 on `device`, tokenizer) for a hub id, a local folder or DEFAULT_MODEL."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(_resolve(name), dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=torch.float32).to(device)
     return model, load_tokenizer(name)
 
 
 def source_dtype(name: str) -> torch.dtype:
     """The dtype a model comes in (its config's; bf16 for Qwen): what its trained copy is saved in."""
     from transformers import AutoConfig
-    dtype = AutoConfig.from_pretrained(_resolve(name)).dtype
+    dtype = AutoConfig.from_pretrained(resolve(name)).dtype
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
 
 
