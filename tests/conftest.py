@@ -57,16 +57,19 @@ def tokenizer():
 def tiny_model_dir(tmp_path_factory, tokenizer):
     """A 2-layer Llama built from a config (random weights), saved in HF format. head_dim 64:
     vLLM's CPU attention kernels support only the usual head sizes."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer, seed=0)
+
+
+def save_tiny_llama(path, tokenizer, seed: int) -> str:
+    """The tiny Llama of tiny_model_dir, its random weights drawn with `seed`, saved in `path`."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=512, tie_word_embeddings=True,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
-    model = LlamaForCausalLM(config)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(path)
+    LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import distill
-from conftest import read_metrics
+from conftest import read_metrics, save_tiny_llama
 from rollout import Completions
 
 P = [[0.7, 0.2, 0.1], [0.25, 0.25, 0.5]]  # the student's next-token distributions, 2 positions
@@ -44,17 +44,7 @@ def test_only_the_student_gets_a_gradient():
 @pytest.fixture(scope="module")
 def teacher_dir(tmp_path_factory, tokenizer):
     """A second tiny Llama (another seed) with the same tokenizer as conftest's tiny model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(1)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    path = tmp_path_factory.mktemp("tiny-teacher")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-teacher"), tokenizer, seed=1)
 
 
 def _cfg(student, teacher, **kw):
