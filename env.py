@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from reward import load_function, run_coroutine
 from rollout import Completions, Sampling, request_seed
-from sandbox import run_python
+from sandbox import check_sandbox, run_python
 
 # ---------------------------------------------------------------------------------------------
 # Built-in tools.
@@ -89,6 +89,8 @@ def load_tools(spec: str) -> list:
              for name in (s.strip() for s in spec.split(",")) if name]
     for fn in tools:
         _schema(fn)
+    if python in tools:
+        check_sandbox()  # the kernel's wall, or one line saying what is missing: never a weaker one
     return tools
 
 

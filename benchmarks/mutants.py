@@ -88,8 +88,8 @@ EPISODES = [TE + n for n in (
     "test_an_episode_continues_from_the_ids_it_sampled_and_masks_the_observations",
     "test_the_environment_answers_and_scores_an_episode",
     "test_observation_tokens_get_no_gradient", "test_an_episode_on_the_hf_engine")]
-SANDBOX = [TE + "test_the_sandbox_ends_every_bad_call_as_an_error",
-           TE + "test_the_sandbox_runs_ordinary_code_in_a_scratch_folder_of_its_own"]
+TB = "tests/test_sandbox.py::"
+SANDBOX = ["tests/test_sandbox.py"]  # (the whole file: about 15 s)
 
 
 def first(*killers, then):
@@ -630,55 +630,59 @@ MUTANTS = [
            EPISODES, pinned=(PIN + "test_tool_arguments_that_are_not_an_object_are_named_as"
                                    "_such",)),
 
-    # --- sandbox.py: the audit hook's checks and the limits ---
-    Mutant("scratch-prefix-without-sep", "sandbox.py",
-           "root = os.path.realpath(os.getcwd()) + os.sep", "root = os.path.realpath(os.getcwd())",
-           "a sibling folder whose name starts with the scratch folder's counts as inside",
-           SANDBOX, pinned=(PIN + "test_the_sandbox_refuses_escapes_by_path_and_shell",)),
-    Mutant("stdlib-writable", "sandbox.py",
-           "if not writing and os.path.realpath(os.fsdecode(path)).startswith(stdlib):",
-           "if os.path.realpath(os.fsdecode(path)).startswith(stdlib):",
-           "the standard library may be opened for writing (code could rewrite an import)",
-           SANDBOX, pinned=(PIN + "test_the_sandbox_refuses_escapes_by_path_and_shell",)),
-    Mutant("paths-any-inside", "sandbox.py",
-           "if all(inside(a) for a in args[:2]", "if any(inside(a) for a in args[:2]",
-           "a rename from the scratch folder to anywhere is allowed",
-           SANDBOX, pinned=(PIN + "test_the_sandbox_refuses_escapes_by_path_and_shell",)),
-    Mutant("system-allowed", "sandbox.py",
-           '"os.system", "subprocess."', '"subprocess."',
-           "os.system runs a shell",
-           SANDBOX, pinned=(PIN + "test_the_sandbox_refuses_escapes_by_path_and_shell",)),
+    # --- sandbox.py: the kernel's wall, the filter and the limits ---
+    # (No mutant lets the code fork: as root there is no RLIMIT_NPROC behind the filter, and the
+    # fork-bomb test would really fork.)
     Mutant("environment-inherited", "sandbox.py",
-           'env={"PATH": "/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8"},', "env=None,",
+           'env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"})', "env=None)",
            "the model's code sees the trainer's environment (tokens, keys)",
-           first(TE + "test_the_sandbox_ends_every_bad_call_as_an_error[a secret in the "
+           first(TB + "test_the_sandbox_ends_every_bad_call_as_an_error[a secret in the "
                       "environment]", then=SANDBOX)),
     Mutant("output-limit-exclusive", "sandbox.py",
-           "if os.path.getsize(out_path) >= OUTPUT:", "if os.path.getsize(out_path) > OUTPUT:",
-           "output capped at the limit is not reported as too long",
-           first(TE + "test_the_sandbox_ends_every_bad_call_as_an_error[1 GB of output]",
-                 then=SANDBOX)),
+           "while len(data) <= OUTPUT:", "while len(data) < OUTPUT:",
+           "output of exactly OUTPUT bytes is reported as too long",
+           first(TB + "test_output_of_exactly_the_limit_is_whole", then=SANDBOX)),
     Mutant("no-cpu-limit", "sandbox.py",
-           "resource.setrlimit(resource.RLIMIT_CPU, (CPU_SECONDS, CPU_SECONDS + 1))",
-           "pass",
+           "resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))", "pass",
            "no CPU-time limit (only the wall clock ends a busy loop)",
-           SANDBOX, pinned=(PIN + "test_the_sandbox_stops_a_cpu_hog_at_its_cpu_limit",)),
-    Mutant("cpu-limit-hard-equal", "sandbox.py",
-           "(CPU_SECONDS, CPU_SECONDS + 1)", "(CPU_SECONDS, CPU_SECONDS)",
-           "SIGKILL at the hard CPU limit comes first: a CPU hog reads 'memory or process limit'",
-           SANDBOX, pinned=(PIN + "test_a_cpu_hog_is_told_it_hit_the_cpu_limit",)),
-    Mutant("no-process-limit", "sandbox.py",
-           "(resource.RLIMIT_NPROC, PROCESSES), ", "",
-           "no process-count limit", SANDBOX,
-           equivalent="defence in depth: the audit hook refuses os.fork, exec, posix_spawn, "
-                      "os.system and subprocess before the limit could matter; only code that "
-                      "bypasses the hook (which the docstring disclaims) would meet it"),
+           first(TB + "test_a_cpu_hog_is_stopped_and_told_it_hit_the_cpu_limit", then=SANDBOX)),
+    Mutant("cpu-limit-hard-equal", "sandbox.py", "(cpu, cpu + 1)", "(cpu, cpu)",
+           "SIGKILL at the hard CPU limit comes first: a CPU hog reads 'killed'",
+           first(TB + "test_a_cpu_hog_is_stopped_and_told_it_hit_the_cpu_limit", then=SANDBOX)),
+    Mutant("root-not-dropped", "sandbox.py", "if uid >= 0:", "if False:",
+           "a root trainer's code stays uid 0 (the host's sysctls, root's files)",
+           first(TB + "test_the_code_is_not_root_and_holds_no_capability", then=SANDBOX),
+           equivalent="" if os.geteuid() == 0 else "the trainer is not root: there is nothing "
+                                                  "to drop"),
+    Mutant("network-shared", "sandbox.py", '"--unshare-net", ', "",
+           "the code shares the host's network (its loopback, its abstract sockets)",
+           first(TB + "test_the_sandbox_reaches_no_network[host-loopback]", then=SANDBOX)),
+    Mutant("pid-shared", "sandbox.py", '"--unshare-pid", ', "",
+           "the code sees the host's processes in /proc",
+           first(TB + "test_the_sandbox_sees_only_its_own_processes", then=SANDBOX)),
+    Mutant("no-die-with-parent", "sandbox.py", '"--die-with-parent", ', "",
+           "killing bwrap at the deadline leaves the sandbox running",
+           first(TB + "test_a_timed_out_call_leaves_no_process_behind", then=SANDBOX)),
+    Mutant("root-writable", "sandbox.py", '"--remount-ro", "/", ', "",
+           "the sandbox's root (an unbounded tmpfs) is writable beside /tmp",
+           first(TB + "test_the_sandbox_ends_every_bad_call_as_an_error[a write in the root]",
+                 then=SANDBOX)),
+    Mutant("x32-allowed", "sandbox.py", "[(at_least, 0x40000000)] + ", "",
+           "x32 system calls (other numbers, same kernel) pass the filter",
+           first(TB + "test_raw_system_calls_meet_the_filter[x32-fork]", then=SANDBOX)),
+    Mutant("arch-unchecked", "sandbox.py", "(equal, 1, 0, arch)", "(equal, 1, 1, arch)",
+           "a 32-bit system call is read with x86_64's numbers (int 0x80 forks)",
+           first(TB + "test_a_32_bit_system_call_kills_the_code", then=SANDBOX)),
     Mutant("no-memory-limit", "sandbox.py",
-           "(resource.RLIMIT_AS, MEMORY),", "",
+           "resource.setrlimit(resource.RLIMIT_AS, (memory, memory))", "pass",
            "no address-space limit", SANDBOX,
            skip="unsafe to run on a shared machine: the memory-bomb test would then really "
                 "allocate 8 GB; killed by its own test by construction (MemoryError needs the "
                 "limit)"),
+    Mutant("no-disk-limit", "sandbox.py", '"--size", str(DISK), ', "",
+           "/tmp is a tmpfs without a size", SANDBOX,
+           skip="unsafe to run on a shared machine: the full-disk test would then fill memory "
+                "for 2 s; killed by its own test by construction (ENOSPC needs the size)"),
 ]
 
 

