@@ -42,8 +42,8 @@ import torch
 
 import grpo
 from data import check, flag, parse_config
-from model import DTYPES, autocast, cast_parameters, check_head_logits, completion_states
-from model import head_logits, load_model, load_tokenizer, pick_device, resolve
+from model import DTYPES, autocast, cast_parameters, check_head_logits, head_logits, length_mask
+from model import load_model, load_tokenizer, pick_device, resolve
 from evaluate import step_record
 from rollout import make_rollout
 from trainer import UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
@@ -130,18 +130,31 @@ class TokenScores:
     cols: torch.Tensor  # which of its tokens
 
 
+def sampled_states(model, input_ids, prompt_lens, completion_lens):
+    """The decoder's final hidden state that predicts each completion token -- the state at t-1
+    predicts token t -- flattened: (hidden (n, H), rows (n,), cols (n,), targets (n,)), token
+    `cols` of completion `rows` being `targets`. input_ids (B, L) right-padded: causal attention
+    never looks at the padding after a row, so no mask is needed."""
+    mask = length_mask(completion_lens, int(completion_lens.max()))  # (B, T)
+    rows, cols = mask.nonzero(as_tuple=True)  # (n,), (n,)
+    pos = prompt_lens[rows] + cols  # (n,) where each completion token is in input_ids
+    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+    return hidden[rows, pos - 1], rows, cols, input_ids[rows, pos]
+
+
 def score_tokens(student, teacher, mb, cfg, device, chunk_tokens: int = 256) -> TokenScores:
-    """Both models on micro-batch `mb` (a grpo.TrainBatch): each runs its decoder once; the two
-    LM heads run a chunk of positions at a time, log-softmax in fp32 at the sampling temperature,
-    so no (n, V) logit tensor of the whole batch is ever built."""
+    """Both models on micro-batch `mb` (a grpo.TrainBatch): each runs its decoder once (each
+    sample in its own row: no prompt sharing here, for a loop a student can follow); the two LM
+    heads run a chunk of positions at a time, log-softmax in fp32 at the sampling temperature, so
+    no (n, V) logit tensor of the whole batch is ever built."""
     L = int((mb.prompt_lens + mb.completion_lens).max())
     ids = mb.input_ids[:, :L]
     fp32_weights = next(student.parameters()).dtype == torch.float32
     with autocast(device, cfg.dtype == "bf16" and fp32_weights):  # (LoRA: fp32 under autocast)
-        hidden, rows, cols, targets = completion_states(student, ids, mb.prompt_lens,
-                                                        mb.completion_lens)
+        hidden, rows, cols, targets = sampled_states(student, ids, mb.prompt_lens,
+                                                     mb.completion_lens)
     with torch.no_grad():
-        teacher_hidden = completion_states(teacher, ids, mb.prompt_lens, mb.completion_lens)[0]
+        teacher_hidden = sampled_states(teacher, ids, mb.prompt_lens, mb.completion_lens)[0]
     parts = []
     for s in range(0, len(targets), chunk_tokens):
         chunk = slice(s, s + chunk_tokens)

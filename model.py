@@ -404,26 +404,7 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
     completion's length are 0. Logits are divided by the sampling temperature, so these are the
     log-probs of the distribution the rollout actually sampled from.
     """
-    B, T = input_ids.shape[0], int(completion_lens.max())
-    hidden, rows, cols, targets = completion_states(model, input_ids, prompt_lens,
-                                                    completion_lens)
-    lp_chunks, ent_chunks = [], []
-    for s in range(0, hidden.shape[0], chunk_tokens):
-        lp, ent = chunk_logprobs(model, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens],
-                                 temperature)
-        lp_chunks.append(lp)
-        ent_chunks.append(ent)
-    logprobs = torch.zeros(B, T, device=input_ids.device, dtype=torch.float32)
-    entropy = torch.zeros(B, T, device=input_ids.device, dtype=torch.float32)
-    logprobs = logprobs.index_put((rows, cols), torch.cat(lp_chunks))  # (B, T), differentiable
-    entropy[rows, cols] = torch.cat(ent_chunks)
-    return logprobs, entropy
-
-
-def completion_states(model, input_ids, prompt_lens, completion_lens):
-    """The decoder's final hidden state that predicts each completion token: (hidden (n, H), rows
-    (n,), cols (n,), targets (n,)), one entry per completion token -- token `cols` of completion
-    `rows` is `targets`, predicted by `hidden`. Shapes as in completion_logprobs."""
+    B = input_ids.shape[0]
     T = int(completion_lens.max())
     mask = length_mask(completion_lens, T)  # (B, T)
     rows, cols = mask.nonzero(as_tuple=True)  # (n,), (n,) one entry per completion token
@@ -440,7 +421,17 @@ def completion_states(model, input_ids, prompt_lens, completion_lens):
         hidden = model.get_decoder()(input_ids=shared.input_ids, position_ids=shared.positions,
                                      attention_mask=shared.mask, use_cache=False).last_hidden_state
         hidden = hidden[shared.row[rows], shared.state[rows, cols]]  # (n, H)
-    return hidden, rows, cols, targets
+    lp_chunks, ent_chunks = [], []
+    for s in range(0, hidden.shape[0], chunk_tokens):
+        lp, ent = chunk_logprobs(model, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens],
+                                 temperature)
+        lp_chunks.append(lp)
+        ent_chunks.append(ent)
+    logprobs = torch.zeros(B, T, device=input_ids.device, dtype=torch.float32)
+    entropy = torch.zeros(B, T, device=input_ids.device, dtype=torch.float32)
+    logprobs = logprobs.index_put((rows, cols), torch.cat(lp_chunks))  # (B, T), differentiable
+    entropy[rows, cols] = torch.cat(ent_chunks)
+    return logprobs, entropy
 
 
 class SharedPrompts(NamedTuple):
