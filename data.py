@@ -158,11 +158,13 @@ GENERATED = {"arith": (arith_stream, arith_heldout), "multiply": (multiply_strea
 # (`tools`: name -> function, for this row's episode; data.py imports nothing above it).
 
 # multiply: the demonstrator always calls the calculator, but like someone estimating, it rounds
-# the second factor down to tens (347 * 520 for 347 * 524) in 60 % of its calls and reports what
-# the calculator says. Its own accuracy is 40 % + 60 % x 1/10 (factors already ending in 0) = 46 %;
-# imitated, the estimate is the likelier path, so the warm-started model calls the tool on every
-# problem and is mostly wrong. Copying the last digit as it stands is what the reward teaches.
-MULTIPLY_ESTIMATES = 0.6
+# the second factor down to tens (347 * 520 for 347 * 524) in 3 calls of 4 and reports what the
+# calculator says. Its own accuracy is 25 % + 75 % x 1/10 (factors already ending in 0) = 32.5 %.
+# Imitated, the estimate is the likelier path by far (a coin the model cannot see, so it cannot
+# learn when to estimate, only how often), and greedy decoding takes it: the warm-started model
+# calls the tool on every problem and is mostly wrong, yet samples the exact call one time in
+# four -- which is what the reward then teaches.
+MULTIPLY_ESTIMATES = 0.75
 
 
 def multiply_demonstration(row: dict, rng: random.Random, tools: dict) -> list[dict]:
@@ -195,8 +197,8 @@ def guess_demonstration(row: dict, rng: random.Random, tools: dict) -> list[dict
 
 
 def _call(name: str, arguments: dict) -> dict:
-    return {"role": "assistant", "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": name, "arguments": arguments}}]}
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"role": "assistant", "content": "", "tool_calls": [call]}
 
 
 def _result(name: str, text: str) -> dict:
@@ -210,7 +212,8 @@ def demonstrations(task: str, n: int, seed: int, tools_for) -> list[dict]:
     """n transcripts of the task's demonstrator on its training problems (never the held-out
     ones), as TRL `messages` rows; tools_for(row) -> {name: function}: the tools of that row's
     episode (for guess, bound to a fresh environment reset with the row)."""
-    stream, rng, rows = GENERATED[task][0](seed), random.Random(seed), []
+    # (the demonstrator's own draws: seeded like the stream, its guesses would be the secrets)
+    stream, rng, rows = GENERATED[task][0](seed), random.Random(f"demonstrator {seed}"), []
     template = TEMPLATES[TASKS[task].template][0]
     for _ in range(n):
         row = next(stream)
@@ -282,10 +285,11 @@ TASKS = {
     "custom": Task("", "", "answer-is", 24, 0.7, "", 256, 1e-5, 30, 16, 10),
     # agentic, offline: a calculator for 3-digit multiplication; a guessing game over turns, with
     # room for four guesses and the final word (bisection finds 15 numbers of 16 in four guesses;
-    # guessing at random among the numbers still possible, 58 % of them)
+    # guessing at random among the numbers still possible, 58 % of them). Episodes that play the
+    # game run to ~400 tokens: 16 a micro-batch (64, measured, took 24 GB on a CPU)
     "multiply": Task("multiply", "", "answer-is", 48, 0.7, "multiply", 128, 1e-5, 16, 64, 8,
                      tools="calculator"),
-    "guess": Task("guess", "", "raw", 48, 0.7, "guess", 64, 1e-5, 16, 64, 8, reward="",
+    "guess": Task("guess", "", "raw", 48, 0.7, "guess", 64, 1e-5, 16, 16, 8, reward="",
                   env="env:GuessTheNumber", max_turns=5),
 }
 

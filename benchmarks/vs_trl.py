@@ -45,22 +45,10 @@ def trl_side(model_dir: str, prompts_file: str, result_file: str, seed: str, dty
     """Runs in TRL's virtualenv: GRPOTrainer for STEPS steps, timing each optimizer step."""
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     rows = [json.loads(line) for line in Path(prompts_file).read_text().splitlines()]
-    times, lengths, t0 = [], [], [0.0]
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            t0[0] = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.perf_counter() - t0[0])
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "completions/mean_length" in logs:
-                lengths.append(logs["completions/mean_length"])
+    times, lengths = [], []
 
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * SAMPLES,
@@ -73,9 +61,30 @@ def trl_side(model_dir: str, prompts_file: str, result_file: str, seed: str, dty
                             # unless told that the CPU is meant)
                             use_cpu=not torch.cuda.is_available())
         trainer = GRPOTrainer(model=model_dir, reward_funcs=random_reward, args=config,
-                              train_dataset=Dataset.from_list(rows), callbacks=[Timer()])
+                              train_dataset=Dataset.from_list(rows),
+                              callbacks=[step_timer(times, {"completions/mean_length": lengths})])
         trainer.train()
     Path(result_file).write_text(json.dumps({"step_seconds": times, "completion_len": lengths}))
+
+
+def step_timer(times: list, logged: dict[str, list]):
+    """A TRL TrainerCallback that appends each optimizer step's seconds to `times`, and each logged
+    value of a key of `logged` to that key's list (benchmarks/sft_vs_trl.py uses it too)."""
+    from transformers import TrainerCallback
+    t0 = [0.0]
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            t0[0] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - t0[0])
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            for key, values in logged.items():
+                if logs and key in logs:
+                    values.append(logs[key])
+    return Timer()
 
 
 def smolrl_side(prompts_file: str, seed: int, dtype: str) -> dict:

@@ -1,0 +1,158 @@
+"""sft.py and TRL's SFTTrainer side by side: tokens per second of SFT steps on the same model, the
+same data, batch, sequence length, dtype and packing.
+
+    pip install trl                         # into this virtualenv, or one of its own (--trl-python)
+    python benchmarks/sft_vs_trl.py         # prints both sides' tokens/s and the ratio
+
+Both sides get SmolLM2-135M-Instruct (the offline default, as its cached HF folder) and the same
+rows: the `guess` warm start's transcripts (data.demonstrations) written as TRL `messages` rows
+with a `tools` column of JSON schemas -- one file, read by both. Both render them with smolrl's
+ChatML tool template (env.TOOL_TEMPLATE; for TRL a copy with `{% generation %}` around each
+assistant turn, which renders the same text and lets `assistant_only_loss` find the turns), both
+train on the assistant turns only, both pack (best fit, TRL's `bfd`) into rows of --max-length
+tokens, 16 sequences a step on smolrl's side and the packed rows of as many tokens on TRL's, one
+forward/backward per step, both in the dtype native to the machine (`--dtype auto`'s choice), no
+gradient checkpointing (TRL turns it on by default: off here, as in sft.py), the same constant
+learning rate. Printed: each side's median tokens/s over the steps after the first (which warms
+up), tokens counting every token of the step's sequences, padding excluded. --rounds N alternates
+the sides N times (the median of each), for a machine other work shares.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, BATCH, MAX_LENGTH, LR = 8, 16, 1024, 5e-5
+ROWS = STEPS * BATCH  # one pass over them: every step of smolrl's side is timed
+
+
+def trl_template() -> str:
+    """env.TOOL_TEMPLATE with each assistant turn in {% generation %}: the same text."""
+    sys.path.insert(0, str(ROOT))
+    from env import TOOL_TEMPLATE
+    start = TOOL_TEMPLATE.index("{% if message.content %}")
+    stop = TOOL_TEMPLATE.index("{%- endfor %}<|im_end|>\n") + len("{%- endfor %}<|im_end|>\n")
+    body = TOOL_TEMPLATE[start:stop - 1]  # a message's text; the newline after it comes below,
+    # written as an expression (the templates trim the newline after a block tag)
+    wrapped = ("{% if message.role == 'assistant' %}{% generation %}" + body +
+               "{% endgeneration %}{{ '\\n' }}{% else %}" + body + "{{ '\\n' }}{% endif %}")
+    return TOOL_TEMPLATE[:start] + wrapped + TOOL_TEMPLATE[stop:]
+
+
+def trl_side(model_dir: str, rows_file: str, template_file: str, result_file: str, dtype: str,
+             rows_per_step: str):
+    """Runs in TRL's Python: SFTTrainer for STEPS steps, timing each and counting its tokens."""
+    import torch
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from vs_trl import step_timer  # (benchmarks/: this script's folder, its working directory)
+
+    rows = [json.loads(line) for line in Path(rows_file).read_text().splitlines()]
+    times, tokens = [], []
+
+    with tempfile.TemporaryDirectory() as out:
+        config = SFTConfig(output_dir=out, per_device_train_batch_size=int(rows_per_step),
+                           max_length=MAX_LENGTH, packing=True, assistant_only_loss=True,
+                           chat_template_path=template_file, learning_rate=LR,
+                           lr_scheduler_type="constant", max_steps=STEPS, logging_steps=1,
+                           bf16=dtype == "bf16", report_to=[], save_strategy="no",
+                           gradient_checkpointing=False,  # on by TRL's default; off in sft.py
+                           use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
+        trainer = SFTTrainer(model=model_dir, args=config, train_dataset=Dataset.from_list(rows),
+                             callbacks=[step_timer(times, {"num_tokens": tokens})])
+        trainer.train()
+    per_step = [b - a for a, b in zip([0.0] + tokens, tokens)]  # num_tokens is cumulative
+    Path(result_file).write_text(json.dumps({"step_seconds": times, "tokens": per_step}))
+
+
+def smolrl_side(rows_file: str, dtype: str) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from sft import Config, main
+    with tempfile.TemporaryDirectory() as out:
+        history = main(Config(data=rows_file, batch_size=BATCH, max_length=MAX_LENGTH, lr=LR,
+                              warmup_steps=0, eval_every=0, eval_rows=0, dtype=dtype, out=out,
+                              max_tokens_per_microbatch=BATCH * MAX_LENGTH))  # one pass a step
+    steps = [r for r in history if r["step"] > 0][:STEPS]
+    return {"step_seconds": [r["step_seconds"] for r in steps],
+            "tokens": [r["tokens"] for r in steps]}
+
+
+def guess_rows() -> list[dict]:
+    """The guess warm start's transcripts as TRL rows: messages, and the tools as JSON schemas."""
+    sys.path.insert(0, str(ROOT))
+    from data import demonstrations
+    from env import GuessTheNumber, ToolChat, environment_tools
+    from model import DEFAULT_MODEL, load_tokenizer
+
+    def tools_for(row):
+        env = GuessTheNumber()
+        env.reset(**row)
+        return {fn.__name__: fn for fn in environment_tools(env)}
+    schemas = ToolChat(load_tokenizer(DEFAULT_MODEL), [], GuessTheNumber).schemas
+    return [{"messages": r["messages"], "tools": json.dumps(schemas)}
+            for r in demonstrations("guess", ROWS, 0, tools_for)]
+
+
+def rate(side: dict) -> float:
+    """Median tokens/s of the steps after the first."""
+    return statistics.median(t / s for t, s in zip(side["tokens"][1:], side["step_seconds"][1:]))
+
+
+def main(trl_python: str, rounds: int):
+    sys.path.insert(0, str(ROOT))
+    from model import choose_dtype, default_model_path, machine, pick_device
+    dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
+    print(f"machine: {machine()}; dtype {dtype.name} ({dtype.reason})", flush=True)
+    model_dir = default_model_path()
+    rates = {"TRL": [], "smolrl": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_file, template = Path(tmp) / "guess.jsonl", Path(tmp) / "template.jinja"
+        rows = guess_rows()
+        rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        template.write_text(trl_template())
+        ours = smolrl_side(str(rows_file), dtype.name)  # (also: how many packed rows a step has)
+        per_step = max(1, round(statistics.mean(ours["tokens"]) / MAX_LENGTH))
+        for k in range(rounds):
+            result = Path(tmp) / f"trl-{k}.json"
+            print(f"TRL ({trl_python}), {per_step} packed rows of {MAX_LENGTH} a step ...",
+                  flush=True)
+            subprocess.run([trl_python, __file__, "--trl-side", model_dir, str(rows_file),
+                            str(template), str(result), dtype.name, str(per_step)], check=True,
+                           cwd=Path(__file__).parent)
+            trl = json.loads(result.read_text())
+            rates["TRL"].append(rate(trl))
+            if k:
+                ours = smolrl_side(str(rows_file), dtype.name)
+            rates["smolrl"].append(rate(ours))
+            print(f"round {k + 1}: TRL {rates['TRL'][-1]:.0f} tok/s "
+                  f"({statistics.mean(trl['tokens']):.0f} tokens a step), smolrl "
+                  f"{rates['smolrl'][-1]:.0f} tok/s "
+                  f"({statistics.mean(ours['tokens']):.0f} tokens a step)", flush=True)
+    version = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
+    trl_rate, our_rate = statistics.median(rates["TRL"]), statistics.median(rates["smolrl"])
+    print(f"\nguess transcripts, packed into rows of {MAX_LENGTH}, assistant tokens trained, "
+          f"{dtype.name}; median tokens/s of steps 2-{STEPS}, median of {rounds} round(s)")
+    print(f"TRL {version} SFTTrainer  {trl_rate:8.0f} tokens/s")
+    print(f"smolrl sft.py          {our_rate:8.0f} tokens/s")
+    print(f"sft.py is {our_rate / trl_rate:.2f}x TRL's tokens per second")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--trl-side"]:  # this script, run by TRL's Python
+        trl_side(*sys.argv[2:8])
+    else:
+        parser = argparse.ArgumentParser(description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--trl-python", default=sys.executable,
+                            help="the Python of an environment with TRL installed (default: "
+                                 "this one)")
+        parser.add_argument("--rounds", type=int, default=1, help="alternate the sides N times")
+        args = parser.parse_args()
+        main(args.trl_python, args.rounds)

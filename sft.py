@@ -1,0 +1,676 @@
+"""SFT: supervised fine-tuning, in one file you can read top to bottom.
+
+Given conversations, SFT maximises the likelihood of the model's own turns and nothing else:
+
+    L = -(1 / N) sum_t m_t log pi(x_t | x_<t)       m_t = 1 on the model's tokens, N = sum_t m_t
+
+over every token t of a step's sequences. The model's tokens are the assistant turns -- text and
+tool calls, each with its end-of-turn token -- never the system, user or tool messages. The mask
+comes from the rendered segments of each conversation, rendered as env.ToolChat renders GRPO's
+episodes, so what SFT teaches is token for token what GRPO's turns look like and what its parser
+reads.
+
+Its place in the pipeline: SmolLM2-135M-Instruct never writes a tool call, so GRPO on the agentic
+tasks has nothing to reinforce (docs/agents.md). A few minutes of SFT on a demonstrator's
+transcripts teach it the format; the demonstrator plays weakly on purpose (data.DEMONSTRATORS),
+so that GRPO, started from these weights, still has the strategy to learn:
+
+    python sft.py                                              # CPU, offline: multiply warm start
+    python sft.py --data guess --out out/sft-guess             # the guessing game's warm start
+    python grpo.py --data guess --init-from out/sft-guess      # ... then RL from its weights
+    python sft.py --model Qwen/Qwen2.5-0.5B-Instruct --data chats.jsonl --lora-rank 16
+
+Data: TRL's SFT formats, unchanged -- `messages` (conversational: assistant `tool_calls`, `tool`
+messages, and an optional `tools` column of JSON schemas), `prompt` + `completion` (strings, or
+chat messages: only the completion's assistant turns are trained), or `text` (every token
+trained); a .jsonl/.json/.csv/.parquet file or a hub dataset. Sequences are packed (best fit,
+attention never crosses from one sequence to another, positions restart) into micro-batches of a
+token budget. What this file leaves out on purpose: loss on anything but the model's tokens, NEFTune
+and other regularisers, and sequence parallelism.
+"""
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Literal
+
+import torch
+from tqdm import tqdm
+
+from checkpoint import DriverState, claim_checkpoints, find_checkpoint, load_driver_state
+from checkpoint import recorded_dtype, save_checkpoint
+from data import DEMONSTRATORS, GENERATED, TASKS, TEMPLATES, InputError, Template, check, flag
+from data import demonstrations, load_rows, load_table, parse_config
+from env import Agent, ToolChat, environment_tools, load_environment, load_tools
+from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves
+from model import DEFAULT_MODEL, DTYPES, autocast, choose_dtype, chunk_logprobs, full_state_dict
+from model import load_tokenizer, pick_device, right_pad
+from reward import Grader
+from rollout import HFRollout
+from trainer import add_to_master_grads, export_model, micro_batches, optimizer_step, save_trainer
+from trainer import setup_trainer
+
+
+@dataclass
+class Config:
+    # Model and data
+    model: str = DEFAULT_MODEL
+    """model to fine-tune: the offline default, a hub id, or a local HF folder (a run's --out)"""
+    data: str = "multiply"
+    """a built-in warm start -- multiply, guess: a weak demonstrator's transcripts
+    (data.DEMONSTRATORS) -- or a .jsonl/.json/.csv/.parquet file or hub dataset in a TRL format"""
+    messages_field: str = "messages"
+    """conversational rows: the column of chat messages (assistant tool_calls and tool messages
+    included)"""
+    prompt_field: str = "prompt"
+    """prompt-completion rows: the prompt column (a string or chat messages; never trained)"""
+    completion_field: str = "completion"
+    """prompt-completion rows: the completion column (a string or chat messages)"""
+    text_field: str = "text"
+    """language-modelling rows: the text column (every token trained)"""
+    tools_field: str = "tools"
+    """the column of a row's tools as JSON schemas (optional: rows without it get --tools/--env)"""
+    split: str = ""
+    """hub datasets: the split (default: train)"""
+    demos: int = 256
+    """built-in warm starts: transcripts the demonstrator plays"""
+    eval_rows: int = 32
+    """rows held out (at most a tenth of the data) for the loss on data never trained on"""
+    seed: int = 0
+    """seed for the demonstrator, the data order and the held-out rows"""
+
+    # The held-out task: greedy episodes (or answers) scored as grpo.py scores them
+    eval_data: str | None = None
+    """problems solved greedily every --eval-every steps: a task (multiply, guess, arith) or a
+    file with problem and answer columns; default: the warm start's task, else none ("")"""
+    eval_size: int = 64
+    """held-out problems"""
+    template: Template | None = None
+    """prompt template of the held-out problems (default: the task's, else answer-is)"""
+    chat: bool = True
+    """held-out problems: wrap them in the model's chat template"""
+    max_new_tokens: int | None = None
+    """held-out problems: tokens per turn (default: the task's, else 48)"""
+    tools: str | None = None
+    """tools the model may call (as grpo.py's --tools), shown to rows that declare none; default:
+    the task's"""
+    env: str | None = None
+    """an environment, module:Class (as grpo.py's --env); default: the task's"""
+    max_turns: int | None = None
+    """episodes: assistant turns at most (default: the task's, else 4)"""
+    max_episode_tokens: int = 512
+    """episodes: tokens after the prompt at most, tool results included"""
+
+    # Optimisation
+    lr: float = 5e-5
+    """AdamW learning rate (constant after warmup)"""
+    warmup_steps: int = 2
+    """linear learning-rate warmup steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    epochs: int = 1
+    """passes over the training rows"""
+    batch_size: int = 16
+    """sequences (rows) per optimizer step"""
+    max_length: int = 1024
+    """tokens per sequence, and per packed row; longer conversations are dropped, longer text cut
+    (both counted)"""
+    packing: bool = True
+    """pack a step's sequences into rows of --max-length (best fit; attention stays within each
+    sequence, positions restart), instead of one padded row each"""
+    max_tokens_per_microbatch: int = 4096
+    """tokens (padding included) per forward/backward; gradients add up over the step (SmolLM2-135M
+    keeps ~1.2 MB of activations per token for backward: 4096 tokens take ~5 GB)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """compute dtype (master weights stay fp32; bf16 on a bf16 copy of the weights, as grpo.py);
+    auto: bf16 where the hardware has it natively, else fp32 (model.choose_dtype, printed)"""
+    compile: bool = False
+    """torch.compile the decoder layers (as grpo.py's --compile)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in backward: less memory for long sequences, ~30 % more compute"""
+    lora_rank: int = 0
+    """LoRA (peft): train rank-R adapters only (0 = full fine-tuning)"""
+    lora_alpha: int = 0
+    """LoRA scale numerator (0 = 2 * rank)"""
+    lora_targets: str = "all-linear"
+    """LoRA: the modules adapted (comma-separated names, or all-linear)"""
+
+    # Evaluation and logging
+    eval_every: int = 5
+    """held-out loss and task every N steps, at step 0 and at the end (0 = never)"""
+    report_to: str = ""
+    """also log metrics to: tensorboard, wandb (comma-separated; pip install them first)"""
+    out: str = "out/sft"
+    """output folder: metrics.jsonl, curves.png, checkpoints/, the final model in model/ (an HF
+    folder; grpo.py's --init-from and --model take the output folder itself)"""
+
+    # Checkpoints
+    save_every: int = 0
+    """write <out>/checkpoints/step_N every N steps (0 = never); the format is checkpoint.py's"""
+    keep_last: int = 2
+    """checkpoints kept (the oldest are deleted); 0 keeps all"""
+    resume: str = ""
+    """continue a run exactly: `auto` (latest checkpoint in --out) or a checkpoint folder"""
+
+    # What trainer.setup_trainer also reads, fixed for SFT: no KL reference, no FSDP, and no
+    # --init-from (--model takes any folder).
+    beta, fsdp, init_from = 0.0, False, ""
+
+    def __post_init__(self):  # the task fills what is unset; impossible values stop here
+        if self.eval_data is None:  # a warm start is measured on its task's held-out problems
+            self.eval_data = self.data if self.data in DEMONSTRATORS else ""
+        name = self.data if self.data in DEMONSTRATORS else self.eval_data
+        task = TASKS[name] if name in GENERATED else None
+        for field, default in (("template", "answer-is"), ("max_new_tokens", 48), ("tools", ""),
+                               ("env", ""), ("max_turns", 4)):
+            if getattr(self, field) is None:
+                setattr(self, field, getattr(task, field) if task else default)
+        # auto -> what computes fastest here; a resumed run keeps the dtype it recorded
+        choice = choose_dtype(self.dtype, pick_device(),
+                              recorded_dtype(self.out, self.resume, "sft_config.json"))
+        self.dtype, self.dtype_reason = choice.name, choice.reason
+        check(self.data not in GENERATED or self.data in DEMONSTRATORS, f"--data {self.data}: "
+              f"no built-in warm start for it (there are: {', '.join(DEMONSTRATORS)}); pass a file")
+        for name in ("demos", "epochs", "batch_size", "max_length", "max_tokens_per_microbatch",
+                     "eval_size", "max_new_tokens", "max_turns", "max_episode_tokens"):
+            check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
+        for name in ("eval_rows", "lr", "warmup_steps", "weight_decay", "eval_every",
+                     "save_every", "keep_last", "lora_rank", "lora_alpha"):
+            check(getattr(self, name) >= 0, f"{flag(name)} must not be negative")
+        check(self.max_grad_norm > 0, "--max-grad-norm must be positive")
+        check(all(n in TRACKERS for n in self.report_to.split(",") if n), f"--report-to "
+              f"{self.report_to}: choose from {', '.join(TRACKERS)} (comma-separated)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss: a pure function of the log-probs of every token and the mask of the model's own.
+
+
+def sft_loss(logprobs, mask, num_tokens):
+    """Negative log-likelihood of the masked tokens:
+
+        L = -(1 / N) sum_{r, t} mask_rt log pi(x_rt | x_r,<t)
+
+    logprobs, mask: (R, L), a micro-batch's rows (packed or not). N (num_tokens) counts the masked
+    tokens of the whole step, not of this micro-batch: the micro-batches' losses then add up to
+    the step's loss, however the step is cut into them."""
+    mask = mask.to(logprobs.dtype)  # (R, L)
+    return -(logprobs * mask).sum() / num_tokens  # ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: rows in TRL's formats, checked before anything loads, then rendered into token segments.
+
+
+@dataclass
+class Sample:
+    """One data row, checked: chat messages, or plain text."""
+    row: int  # the row's number in the data (from 1), for the messages that name it
+    messages: list[dict]  # conversational rows ([] for plain text)
+    trained_from: int  # messages before this one are the prompt: context, never trained
+    tools: list[dict] | None  # the tools the row declares (JSON schemas); None: the run's
+    prompt: str = ""  # plain text: the context (a prompt-completion's prompt; "" for `text`)
+    completion: str = ""  # plain text: what is trained (the whole `text`)
+
+
+@dataclass
+class Example:
+    """A sample as tokens: everything the model reads, and which of them it is trained to write."""
+    ids: list[int]
+    trained: list[bool]  # per token: in the loss (the first token never is: nothing predicts it)
+
+
+ROLES = ("system", "user", "assistant", "tool")
+CALL_SHAPE = '{"type": "function", "function": {"name": ..., "arguments": {...}}}'
+
+
+def check_samples(rows: list, source: str, cfg: Config, run_tools: set[str]) -> list[Sample]:
+    """Every row, before any model loads, in the format the first row's columns name: messages,
+    prompt + completion, or text (TRL's). A missing column, a row with nothing to train, a
+    malformed tool call or one to a tool the row does not declare stops with one line that names
+    the row and the field. run_tools: the names of --tools/--env's tools."""
+    first = rows[0] if rows and isinstance(rows[0], dict) else {}
+    kind = ("messages" if cfg.messages_field in first else
+            "prompt-completion" if cfg.prompt_field in first else
+            "text" if cfg.text_field in first else None)
+    if kind is None:
+        raise InputError(f"{source}: row 1 has none of the columns '{cfg.messages_field}', "
+                         f"'{cfg.prompt_field}' + '{cfg.completion_field}', '{cfg.text_field}' "
+                         f"(TRL's SFT formats; other names: --messages-field, --prompt-field, ...)")
+    fields = {"messages": [cfg.messages_field], "text": [cfg.text_field],
+              "prompt-completion": [cfg.prompt_field, cfg.completion_field]}[kind]
+    samples = []
+    for i, row in enumerate(rows, start=1):
+        where = f"{source}: row {i}"
+        for field in fields:
+            if not isinstance(row, dict) or row.get(field) in (None, "", []):
+                raise InputError(f"{where} has no '{field}' field (or it is empty)")
+        tools = _declared_tools(row.get(cfg.tools_field), f"{where}, '{cfg.tools_field}'")
+        if kind == "text":
+            samples.append(_plain(row[cfg.text_field], "", i, f"{where}, '{cfg.text_field}'"))
+            continue
+        prompt = row[cfg.prompt_field] if kind == "prompt-completion" else []
+        body = row[cfg.completion_field if kind == "prompt-completion" else cfg.messages_field]
+        if isinstance(prompt, str) and isinstance(body, str):  # plain prompt-completion
+            samples.append(_plain(body, prompt, i, f"{where}, '{cfg.completion_field}'"))
+            continue
+        names = run_tools if tools is None else {t["function"]["name"] for t in tools}
+        prompt = _messages(prompt, f"{where}, '{cfg.prompt_field}'", names)
+        body = _messages(body, f"{where}, '{fields[-1]}'", names)
+        if not any(m["role"] == "assistant" for m in body):
+            raise InputError(f"{where}, '{fields[-1]}': no assistant turn (nothing to train)")
+        samples.append(Sample(i, prompt + body, len(prompt), tools))
+    return samples
+
+
+def _plain(completion, prompt, row: int, where: str) -> Sample:
+    if not isinstance(completion, str) or not isinstance(prompt, str):
+        raise InputError(f"{where}: the prompt and the completion must both be strings or both "
+                         f"chat messages")
+    return Sample(row, [], 0, None, prompt, completion)
+
+
+def _declared_tools(value, where: str) -> list[dict] | None:
+    """A row's `tools`: JSON schemas, as a list or a JSON string of one (TRL accepts both)."""
+    if value is None:
+        return None
+    try:
+        tools = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError:
+        raise InputError(f"{where} is not valid JSON") from None
+    if not isinstance(tools, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools):
+        raise InputError(f"{where} is not a list of tool JSON schemas "
+                         f'({{"type": "function", "function": {{"name": ..., ...}}}})')
+    return tools
+
+
+def _messages(value, where: str, tools: set[str]) -> list[dict]:
+    """Chat messages, checked; tool-call arguments given as a JSON string become an object, as
+    the model is to write them."""
+    if isinstance(value, str) or not isinstance(value, list):
+        raise InputError(f"{where}: the prompt and the completion must both be strings or both "
+                         f"chat messages")
+    out = []
+    for j, m in enumerate(value):
+        at = f"{where}[{j}]"
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise InputError(f"{at} is not a message with a role ({', '.join(ROLES)})")
+        calls = m.get("tool_calls") or []
+        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
+            raise InputError(f"{at} has no 'content' string")
+        if calls and m["role"] != "assistant":
+            raise InputError(f"{at}: only assistant messages make tool calls")
+        if not isinstance(calls, list):
+            raise InputError(f"{at}: 'tool_calls' is not a list of {CALL_SHAPE}")
+        m = {**m, "content": m.get("content") or ""}
+        if calls:
+            m["tool_calls"] = [_tool_call(c, f"{at}.tool_calls[{k}]", tools)
+                               for k, c in enumerate(calls)]
+        else:
+            m.pop("tool_calls", None)
+        out.append(m)
+    return out
+
+
+def _tool_call(call, where: str, tools: set[str]) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+            and isinstance(arguments, dict) and call.get("type", "function") == "function"):
+        raise InputError(f"{where} is not {CALL_SHAPE}")
+    if function["name"] not in tools:
+        raise InputError(f"{where} calls tool {function['name']!r}, which the row does not "
+                         f"declare (declared: {', '.join(sorted(tools)) or 'none'}; a row declares "
+                         f"tools in its tools column, a run with --tools or --env)")
+    return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+def load_samples(cfg: Config, tools: list, env_class) -> tuple[list[Sample], str]:
+    """The run's rows, checked: a demonstrator's transcripts, or a file's / hub dataset's rows."""
+    run_tools = {fn.__name__ for fn in tools + (environment_tools(env_class()) if env_class
+                                                else [])}
+    if cfg.data in DEMONSTRATORS:
+        def tools_for(row):  # one episode's tools, as the turn loop's: a fresh environment each
+            env = env_class() if env_class else None
+            if env is not None:
+                env.reset(**row)
+            return {fn.__name__: fn for fn in tools + (environment_tools(env) if env else [])}
+        source = f"--data {cfg.data}"
+        rows = demonstrations(cfg.data, cfg.demos, cfg.seed, tools_for)
+    else:
+        rows, source = load_table(cfg.data, cfg.split), cfg.data
+    return check_samples(rows, source, cfg, run_tools), source
+
+
+def render_segments(render, messages: list[dict], trained_from: int, eos: str):
+    """A conversation's text as the chat template renders it, cut into (text, trained) segments:
+    every assistant turn from `trained_from` on -- what follows its opening, up to and including
+    its end-of-turn token -- is trained; what lies between (the system prompt with the tools, the
+    user's turns, tool results, the template's markers) is not. render(messages,
+    generation_prompt) -> text. Rendered prefix by prefix, as an episode grows: each turn opens
+    where the text so far, followed by a generation prompt, ends."""
+    segments, done = [], ""
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant" or k < trained_from:
+            continue
+        opened = render(messages[:k], True)  # the conversation so far, and the turn's opening
+        closed = render(messages[:k + 1], False)
+        if not (opened.startswith(done) and closed.startswith(opened)
+                and eos in closed[len(opened):]):
+            raise SystemExit("error: the chat template renders a conversation differently once "
+                             "it goes on (or ends an assistant turn without the end-of-turn token "
+                             f"{eos!r}): SFT's segments would not be the episodes' turns")
+        end = closed.index(eos, len(opened)) + len(eos)  # (the turn's text may not contain eos)
+        segments += [(opened[len(done):], False), (closed[len(opened):end], True)]
+        done = closed[:end]
+    return segments
+
+
+def encode(sample: Sample, tokenizer, render) -> Example:
+    """Token ids of a sample, segment by segment -- an episode's ids are its prompt's, then each
+    turn's and each tool result's, tokenized apart, and so are these -- and the mask of the
+    model's own. Plain text: the prompt, then the completion closed with the end-of-turn token (as
+    TRL adds it), which the model must learn to write."""
+    if sample.messages:
+        segments = render_segments(render, sample.messages, sample.trained_from,
+                                   tokenizer.eos_token)
+        pieces = [(tokenizer(text, add_special_tokens=False)["input_ids"], trained)
+                  for text, trained in segments]
+    else:
+        completion = tokenizer(sample.completion, add_special_tokens=not sample.prompt)
+        completion = completion["input_ids"]
+        if not completion or completion[-1] != tokenizer.eos_token_id:
+            completion = completion + [tokenizer.eos_token_id]
+        prompt = tokenizer(sample.prompt)["input_ids"] if sample.prompt else []
+        pieces = [(prompt, False), (completion, True)]
+    ids = [t for piece, _ in pieces for t in piece]
+    trained = [flag for piece, flag in pieces for _ in piece]
+    return Example(ids, [False] + trained[1:])
+
+
+def encode_samples(samples: list[Sample], tokenizer, tools: list, env_class, cfg: Config,
+                   source: str) -> list[Example]:
+    """Every sample as tokens, in the chat format of its tools: the run's (env.ToolChat, as its
+    episodes), the row's own, or the model's plain chat template for a row without tools.
+    Conversations longer than --max-length are dropped (cut, they would teach a turn that never
+    ends), text is cut; both are counted."""
+    run_chat = ToolChat(tokenizer, tools, env_class) if tools or env_class else None
+    chats = {}
+
+    def render_for(schemas):
+        if schemas is None and run_chat:
+            return run_chat.render
+        if schemas:  # the row's own tools, in the chat format the run's would get
+            key = json.dumps(schemas, sort_keys=True)
+            if key not in chats:
+                chats[key] = ToolChat(tokenizer, schemas).render
+            return chats[key]
+        if not tokenizer.chat_template:
+            raise InputError(f"{source}: conversational rows need a model with a chat template")
+        return lambda messages, generation_prompt: tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    examples, cut, dropped = [], 0, []
+    for sample in tqdm(samples, desc="tokenizing", leave=False, disable=len(samples) < 1000):
+        example = encode(sample, tokenizer, render_for(sample.tools) if sample.messages else None)
+        if len(example.ids) > cfg.max_length and sample.messages:
+            dropped.append((sample.row, len(example.ids)))
+            continue
+        if len(example.ids) > cfg.max_length:
+            example, cut = Example(example.ids[:cfg.max_length],
+                                   example.trained[:cfg.max_length]), cut + 1
+        examples.append(example)
+    if cut or dropped:
+        longest = f" (row {dropped[0][0]}: {dropped[0][1]} tokens)" if dropped else ""
+        print(f"{source}: {cut + len(dropped)} of {len(samples)} rows are longer than "
+              f"--max-length {cfg.max_length} tokens: {cut} text rows cut, {len(dropped)} "
+              f"conversations dropped{longest}")
+    if not examples:
+        raise InputError(f"{source}: every row is longer than --max-length {cfg.max_length} tokens")
+    return examples
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing: a step's sequences in as few rows as fit, each sequence attending to itself alone.
+
+
+def best_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Best-fit decreasing bin packing: longest first, each sequence into the fullest row it still
+    fits in (a new row if none). Returns the indices in each row. A sequence longer than capacity
+    gets a row of its own."""
+    rows, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # (stable: ties by index)
+        fits = [r for r in range(len(rows)) if room[r] >= lengths[i]]
+        if fits:
+            r = min(fits, key=lambda r: room[r])
+        else:
+            rows.append([])
+            room.append(capacity)
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= lengths[i]
+    return rows
+
+
+@dataclass
+class PackedRows:
+    """Sequences laid out in rows for one forward pass."""
+    input_ids: torch.Tensor  # (R, L) each row's sequences one after another, right-padded
+    lengths: torch.Tensor  # (R,) tokens in each row, padding excluded
+    trained: torch.Tensor  # (R, L) bool: in the loss
+    positions: torch.Tensor | None = None  # (R, L) position ids, from 0 at every sequence's start
+    attention: torch.Tensor | None = None  # (R, 1, L, L) bool, query x key: the same sequence's
+    # earlier tokens only. Both None when every row holds one sequence: plain causal attention
+
+    def select(self, idx) -> "PackedRows":
+        """Rows idx, cut to the longest of them."""
+        L = int(self.lengths[idx].max())
+        return PackedRows(self.input_ids[idx, :L], self.lengths[idx], self.trained[idx, :L],
+                          None if self.positions is None else self.positions[idx, :L],
+                          None if self.attention is None else self.attention[idx, :, :L, :L])
+
+    def to(self, device) -> "PackedRows":
+        return PackedRows(*(None if t is None else t.to(device) for t in
+                            (self.input_ids, self.lengths, self.trained, self.positions,
+                             self.attention)))
+
+
+def pack_rows(examples: list[Example], capacity: int | None, pad_id: int) -> PackedRows:
+    """The examples in rows: packed by best_fit into rows of `capacity` tokens, or one a row
+    (capacity None)."""
+    rows = best_fit([len(e.ids) for e in examples], capacity) if capacity else \
+        [[i] for i in range(len(examples))]
+    seqs = [[examples[i] for i in row] for row in rows]
+    ids = right_pad([[t for e in row for t in e.ids] for row in seqs], pad_id)
+    lengths = torch.tensor([sum(len(e.ids) for e in row) for row in seqs])
+    trained = right_pad([[f for e in row for f in e.trained] for row in seqs], False, torch.bool)
+    if all(len(row) == 1 for row in rows):
+        return PackedRows(ids, lengths, trained)
+    positions = right_pad([[p for e in row for p in range(len(e.ids))] for row in seqs], 0)
+    segment = right_pad([[s for s, e in enumerate(row) for _ in e.ids] for row in seqs], -1)
+    q, k = segment[:, :, None], segment[:, None, :]  # (R, L, 1), (R, 1, L): each token's sequence
+    L = ids.shape[1]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()  # (L, L)
+    # Padding attends to itself only: a query that attends to nothing gives NaN in SDPA.
+    attention = ((q == k) & (q >= 0) & causal) | torch.eye(L, dtype=torch.bool)  # (R, L, L)
+    return PackedRows(ids, lengths, trained, positions, attention[:, None])
+
+
+def token_logprobs(model, rows: PackedRows, device: str, bf16: bool, chunk_tokens: int = 2048):
+    """(R, L) log-probs of every trained token (0 elsewhere) and the entropies (n,) at them: one
+    decoder pass over the rows, then the head, fp32 log-softmax, chunk by chunk, on the trained
+    positions only (model.chunk_logprobs), so that a (R, L, V) tensor never exists."""
+    rows = rows.to(device)
+    with autocast(device, bf16 and next(model.parameters()).dtype == torch.float32):  # (LoRA)
+        hidden = model.get_decoder()(input_ids=rows.input_ids, position_ids=rows.positions,
+                                     attention_mask=rows.attention,
+                                     use_cache=False).last_hidden_state  # (R, L, H)
+        r, t = rows.trained.nonzero(as_tuple=True)  # (n,), (n,) one entry per trained token
+        states = hidden[r, t - 1]  # (n, H): the state at t-1 predicts token t
+        targets = rows.input_ids[r, t]  # (n,)
+        parts = [chunk_logprobs(model, states[s:s + chunk_tokens], targets[s:s + chunk_tokens],
+                                1.0) for s in range(0, len(targets), chunk_tokens)]
+    logprobs = torch.zeros(rows.input_ids.shape, device=device)  # (R, L)
+    logprobs = logprobs.index_put((r, t), torch.cat([lp for lp, _ in parts]))  # differentiable
+    return logprobs, torch.cat([entropy for _, entropy in parts])
+
+
+# ---------------------------------------------------------------------------------------------
+# A step: pack, micro-batch, loss, backward; the optimizer step and the gradient clipping are
+# trainer.py's, as in grpo.py.
+
+
+def batch_loss(trainer, examples: list[Example], cfg: Config, train: bool) -> dict:
+    """Forward (and with `train` backward) over a step's examples, packed and cut into micro-
+    batches of --max-tokens-per-microbatch. Returns the step's sums: loss, tokens, entropy."""
+    rows = pack_rows(examples, cfg.max_length if cfg.packing else None,
+                     trainer.tokenizer.pad_token_id)
+    num_tokens = int(rows.trained.sum())  # the whole step's: every micro-batch divides by it
+    sums = {"loss": 0.0, "entropy": 0.0, "trained_tokens": num_tokens,
+            "tokens": int(rows.lengths.sum()), "padded_tokens": 0}
+    for idx in micro_batches(torch.arange(len(rows.lengths)), rows.lengths, cfg):
+        mb = rows.select(idx)
+        with torch.set_grad_enabled(train):
+            logprobs, entropy = token_logprobs(trainer.compute, mb, trainer.device,
+                                               cfg.dtype == "bf16")
+            loss = sft_loss(logprobs, mb.trained.to(trainer.device), num_tokens)
+        if train:
+            loss.backward()
+            add_to_master_grads(trainer)  # (bf16 copy: its gradients into the fp32 masters)
+        sums["loss"] += float(loss.detach())
+        sums["entropy"] += float(entropy.sum())
+        sums["padded_tokens"] += mb.input_ids.numel()
+    sums["entropy"] /= max(num_tokens, 1)
+    return sums
+
+
+def train_step(trainer, examples: list[Example], cfg: Config) -> dict:
+    t0 = time.time()
+    trainer.compute.train()
+    sums = batch_loss(trainer, examples, cfg, train=True)
+    grad_norm = optimizer_step(trainer, sums["loss"])  # clip, step, refresh the bf16 copy
+    seconds = time.time() - t0
+    return {**sums, "grad_norm": float("nan") if grad_norm is None else grad_norm,
+            "lr": trainer.scheduler.get_last_lr()[0],
+            "pad_frac": 1 - sums["tokens"] / sums["padded_tokens"], "step_seconds": seconds,
+            "tokens_per_s": sums["tokens"] / seconds}
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+
+def main(cfg: Config):
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
+    branched = claim_checkpoints(out, resume_dir)  # never touch another run's checkpoints
+    if branched:
+        print(branched)
+    # The data first, every row checked, rendered and measured: a bad file stops in seconds, before
+    # the model loads (the tokenizer alone is needed).
+    tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)
+    samples, source = load_samples(cfg, tools, env_class)
+    examples = encode_samples(samples, load_tokenizer(cfg.model), tools, env_class, cfg, source)
+    agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
+    task_rows = load_rows(cfg.eval_data, limit=cfg.eval_size, need_answers=not env_class) \
+        if cfg.eval_data and cfg.eval_every else []
+    random.Random(cfg.seed).shuffle(examples)
+    n_eval = min(cfg.eval_rows, len(examples) // 10)
+    held_out, train = examples[:n_eval], examples[n_eval:]
+
+    print(f"dtype {cfg.dtype} ({cfg.dtype_reason})")
+    trainer = setup_trainer(cfg, resume_dir)  # model, optimizer; on --resume the checkpoint's
+    if cfg.packing and not getattr(trainer.model, "smolrl_shares_prompts", False):
+        raise SystemExit(f"error: --packing: {type(trainer.model).__name__} was not verified to "
+                         f"keep packed sequences apart with an attention mask; use --no-packing")
+    driver = load_driver_state(resume_dir) if resume_dir else DriverState()
+    if resume_dir:
+        print(f"resuming from {resume_dir} at step {driver.step + 1}")
+    log = RunLog(out, driver.history, cfg.report_to, asdict(cfg), line=format_sft_step)
+    (out / "sft_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    evaluate_now = held_out_evaluation(trainer, held_out, task_rows, agent, cfg)
+    steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
+    total_steps = steps_per_epoch * cfg.epochs
+    print(f"{len(train)} training rows, {n_eval} held-out rows, {len(task_rows)} held-out "
+          f"problems; {total_steps} steps of {cfg.batch_size} rows")
+    if cfg.eval_every and driver.step == 0:
+        log({"step": 0, **evaluate_now()})
+
+    step, bar = 0, tqdm(total=total_steps, desc="sft", unit="step", initial=driver.step)
+    for epoch in range(cfg.epochs):
+        order = list(range(len(train)))
+        random.Random(cfg.seed + epoch).shuffle(order)  # the same order on --resume
+        for b in range(steps_per_epoch):
+            step += 1
+            if step <= driver.step:  # done before the checkpoint
+                continue
+            batch = [train[i] for i in order[b * cfg.batch_size:(b + 1) * cfg.batch_size]]
+            record = {"step": step, "epoch": epoch, **train_step(trainer, batch, cfg)}
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
+                record.update(evaluate_now())
+            log(record)
+            bar.update(1)
+            if cfg.save_every and step % cfg.save_every == 0:
+                driver.step = driver.consumed = step
+                save_checkpoint(out, driver, lambda folder: save_trainer(trainer, folder),
+                                cfg.keep_last)
+    bar.close()
+    log.close()
+    export_model(trainer, str(out / "model"))  # an HF folder, in the dtype the model came in
+    plot_curves(log.history, out / "curves.png", title=f"SFT on {cfg.data} ({cfg.model})",
+                train_keys=(), eval_keys=("eval_accuracy", "eval_tool_call_rate"),
+                loss_keys=("loss", "eval_loss"))
+    print(f"saved the model in {out}/model/, metrics.jsonl and curves.png in {out}/")
+    return log.history
+
+
+def held_out_evaluation(trainer, held_out: list[Example], task_rows: list[dict], agent,
+                        cfg: Config):
+    """The step's held-out metrics, as a function: the loss on the held-out rows, and the task
+    solved greedily by an engine holding the current weights, scored as grpo.py scores its
+    held-out problems (evaluate.evaluate_held_out: episodes with --tools/--env)."""
+    engine = HFRollout(trainer.model, trainer.tokenizer, device=trainer.device,
+                       dtype=DTYPES[cfg.dtype]) if task_rows else None
+    grader = Grader()  # (math-verify's workers start only if an answer needs them)
+    run = SimpleNamespace(rollout=engine, tokenizer=trainer.tokenizer, agent=agent)
+
+    def evaluate_now() -> dict:
+        record, t0 = {}, time.time()
+        if held_out:
+            trainer.compute.eval()
+            with torch.no_grad():
+                record["eval_loss"] = batch_loss(trainer, held_out, cfg, train=False)["loss"]
+        if task_rows:
+            engine.update_weights(full_state_dict(trainer.model))
+            record.update(evaluate_held_out(run, task_rows, cfg, grader))
+        record["eval_seconds"] = time.time() - t0
+        return record
+    return evaluate_now
+
+
+def format_sft_step(r: dict) -> str:
+    shown = ("step", "loss", "entropy", "grad_norm", "trained_tokens", "tokens_per_s",
+             "eval_loss", "eval_accuracy", "eval_tool_call_rate", "eval_tool_error_rate",
+             "eval_tool_calls", "eval_reward")
+    return " | ".join(f"{k} {r[k]:.4g}" if isinstance(r[k], float) else f"{k} {r[k]}"
+                      for k in shown if k in r)
+
+
+if __name__ == "__main__":
+    main(parse_config(Config, description=__doc__.split("\n")[0]))
