@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 import grpo
 from data import check, flag, parse_config
@@ -47,7 +48,7 @@ from model import load_model, load_tokenizer, pick_device, resolve
 from evaluate import step_record
 from rollout import make_rollout
 from trainer import UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
-from trainer import micro_batches, optimizer_step, same_pass_count
+from trainer import micro_batches, optimizer_step
 
 
 @dataclass
@@ -145,33 +146,34 @@ def sampled_states(model, input_ids, prompt_lens, completion_lens):
 def score_tokens(student, teacher, mb, cfg, device, chunk_tokens: int = 256) -> TokenScores:
     """Both models on micro-batch `mb` (a grpo.TrainBatch): each runs its decoder once (each
     sample in its own row: no prompt sharing here, for a loop a student can follow); the two LM
-    heads run a chunk of positions at a time, log-softmax in fp32 at the sampling temperature, so
-    no (n, V) logit tensor of the whole batch is ever built."""
+    heads run a chunk of positions at a time, log-softmax in fp32 at the sampling temperature, and
+    backward recomputes a chunk's logits rather than keeping them, so no (n, V) tensor of the
+    micro-batch is ever held."""
     L = int((mb.prompt_lens + mb.completion_lens).max())
     ids = mb.input_ids[:, :L]
-    fp32_weights = next(student.parameters()).dtype == torch.float32
-    with autocast(device, cfg.dtype == "bf16" and fp32_weights):  # (LoRA: fp32 under autocast)
+    mixed = cfg.dtype == "bf16" and next(student.parameters()).dtype == torch.float32  # (LoRA)
+    with autocast(device, mixed):
         hidden, rows, cols, targets = sampled_states(student, ids, mb.prompt_lens,
                                                      mb.completion_lens)
     with torch.no_grad():
         teacher_hidden = sampled_states(teacher, ids, mb.prompt_lens, mb.completion_lens)[0]
-    parts = []
-    for s in range(0, len(targets), chunk_tokens):
-        chunk = slice(s, s + chunk_tokens)
-        with autocast(device, cfg.dtype == "bf16" and fp32_weights):
-            logits = head_logits(student, hidden[chunk])  # (c, V) fp32
+
+    def chunk(h, teacher_h, picked):  # (c, H), (c, H), (c, 1) -> five (c,) tensors
+        with autocast(device, mixed):
+            logits = head_logits(student, h)  # (c, V) fp32
         with torch.no_grad():
-            teacher_logits = head_logits(teacher, teacher_hidden[chunk])  # (c, V) fp32
+            teacher_logits = head_logits(teacher, teacher_h)  # (c, V) fp32
         V = min(logits.shape[-1], teacher_logits.shape[-1])  # (padded vocabularies differ)
         s_lp = torch.log_softmax(logits[:, :V] / cfg.temperature, -1)  # (c, V)
         t_lp = torch.log_softmax(teacher_logits[:, :V] / cfg.temperature, -1)  # (c, V)
-        picked = targets[chunk, None]
         with torch.no_grad():
-            reverse = token_divergence(s_lp, t_lp, 1.0)
-            entropy = -(s_lp.exp() * s_lp).sum(-1)
-        parts.append((token_divergence(s_lp, t_lp, cfg.jsd_beta), reverse,
-                      s_lp.gather(-1, picked)[:, 0].detach(), t_lp.gather(-1, picked)[:, 0],
-                      entropy))
+            reverse, entropy = token_divergence(s_lp, t_lp, 1.0), -(s_lp.exp() * s_lp).sum(-1)
+            s_picked, t_picked = s_lp.gather(-1, picked)[:, 0], t_lp.gather(-1, picked)[:, 0]
+        return token_divergence(s_lp, t_lp, cfg.jsd_beta), reverse, s_picked, t_picked, entropy
+
+    parts = [checkpoint(chunk, hidden[s:s + chunk_tokens], teacher_hidden[s:s + chunk_tokens],
+                        targets[s:s + chunk_tokens, None], use_reentrant=False)
+             for s in range(0, len(targets), chunk_tokens)]
     return TokenScores(*(torch.cat(p) for p in zip(*parts)), rows, cols)
 
 
@@ -187,14 +189,13 @@ def train_on_rollout(trainer, batch) -> dict:
     teacher = teacher_of(trainer)
     batch = batch.to(device)
     keep = (batch.completion_lens > 0).nonzero().flatten()
-    mbs, real = same_pass_count(micro_batches(keep, batch.prompt_lens + batch.completion_lens,
-                                              cfg), trainer)
+    mbs = micro_batches(keep, batch.prompt_lens + batch.completion_lens, cfg)  # (no FSDP here)
     stats = UpdateStats(trainer, batch, keep)
     if not any_rank_trains(trainer, len(keep)):
         return stats.result()
     for _ in range(cfg.updates_per_rollout):
         student.train()
-        for idx in mbs[:real]:
+        for idx in mbs:
             mb = batch.select(idx)
             scores = score_tokens(student, teacher, mb, cfg, device)
             # The model's own tokens only: an episode's tool results are the environment's.
