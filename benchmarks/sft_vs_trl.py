@@ -9,13 +9,15 @@ rows: the `guess` warm start's transcripts (data.demonstrations) written as TRL 
 with a `tools` column of JSON schemas -- one file, read by both. Both render them with smolrl's
 ChatML tool template (env.TOOL_TEMPLATE; for TRL a copy with `{% generation %}` around each
 assistant turn, which renders the same text and lets `assistant_only_loss` find the turns), both
-train on the assistant turns only, both pack (best fit, TRL's `bfd`) into rows of --max-length
-tokens, 16 sequences a step on smolrl's side and the packed rows of as many tokens on TRL's, one
-forward/backward per step, both in the dtype native to the machine (`--dtype auto`'s choice), no
+train on the assistant turns only, 8 sequences a step in one forward/backward, each padded to the
+step's longest (both libraries' default; `--packing` packs on both instead: best fit, TRL's `bfd`,
+into rows of 1,024 tokens, smolrl's 8 sequences a step and TRL's packed rows of as many tokens), both in the dtype native to the machine (`--dtype auto`'s choice), no
 gradient checkpointing (TRL turns it on by default: off here, as in sft.py), the same constant
-learning rate. Printed: each side's median tokens/s over the steps after the first (which warms
-up), tokens counting every token of the step's sequences, padding excluded. --rounds N alternates
-the sides N times (the median of each), for a machine other work shares.
+learning rate. Each side runs in a process of its own (TRL's keeps full (tokens x vocabulary)
+logits: at 16 sequences a step packed, it was killed for memory on a 24 GB machine). Printed: each
+side's median tokens/s over the steps after the first (which warms up), tokens counting every
+token of the step's sequences, padding excluded. --rounds N alternates the sides N times (the
+median of each), for a machine other work shares.
 """
 
 import argparse
@@ -27,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, BATCH, MAX_LENGTH, LR = 8, 16, 1024, 5e-5
+STEPS, BATCH, MAX_LENGTH, LR = 8, 8, 1024, 5e-5
 ROWS = STEPS * BATCH  # one pass over them: every step of smolrl's side is timed
 
 
@@ -45,7 +47,7 @@ def trl_template() -> str:
 
 
 def trl_side(model_dir: str, rows_file: str, template_file: str, result_file: str, dtype: str,
-             rows_per_step: str):
+             packing: str, rows_per_step: str):
     """Runs in TRL's Python: SFTTrainer for STEPS steps, timing each and counting its tokens."""
     import torch
     from datasets import Dataset
@@ -58,7 +60,8 @@ def trl_side(model_dir: str, rows_file: str, template_file: str, result_file: st
 
     with tempfile.TemporaryDirectory() as out:
         config = SFTConfig(output_dir=out, per_device_train_batch_size=int(rows_per_step),
-                           max_length=MAX_LENGTH, packing=True, assistant_only_loss=True,
+                           max_length=MAX_LENGTH, packing=packing == "packing",
+                           assistant_only_loss=True,
                            chat_template_path=template_file, learning_rate=LR,
                            lr_scheduler_type="constant", max_steps=STEPS, logging_steps=1,
                            bf16=dtype == "bf16", report_to=[], save_strategy="no",
@@ -71,16 +74,18 @@ def trl_side(model_dir: str, rows_file: str, template_file: str, result_file: st
     Path(result_file).write_text(json.dumps({"step_seconds": times, "tokens": per_step}))
 
 
-def smolrl_side(rows_file: str, dtype: str) -> dict:
+def smolrl_side(rows_file: str, result_file: str, dtype: str, packing: str):
+    """Runs in a process of its own: sft.py for STEPS steps; its log has each step's time."""
     sys.path.insert(0, str(ROOT))
     from sft import Config, main
     with tempfile.TemporaryDirectory() as out:
         history = main(Config(data=rows_file, batch_size=BATCH, max_length=MAX_LENGTH, lr=LR,
                               warmup_steps=0, eval_every=0, eval_rows=0, dtype=dtype, out=out,
+                              packing=packing == "packing",
                               max_tokens_per_microbatch=BATCH * MAX_LENGTH))  # one pass a step
     steps = [r for r in history if r["step"] > 0][:STEPS]
-    return {"step_seconds": [r["step_seconds"] for r in steps],
-            "tokens": [r["tokens"] for r in steps]}
+    Path(result_file).write_text(json.dumps({"step_seconds": [r["step_seconds"] for r in steps],
+                                             "tokens": [r["tokens"] for r in steps]}))
 
 
 def guess_rows() -> list[dict]:
@@ -104,31 +109,33 @@ def rate(side: dict) -> float:
     return statistics.median(t / s for t, s in zip(side["tokens"][1:], side["step_seconds"][1:]))
 
 
-def main(trl_python: str, rounds: int):
+def main(trl_python: str, rounds: int, packing: bool):
     sys.path.insert(0, str(ROOT))
     from model import choose_dtype, default_model_path, machine, pick_device
     dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
     print(f"machine: {machine()}; dtype {dtype.name} ({dtype.reason})", flush=True)
-    model_dir = default_model_path()
+    model_dir, mode = default_model_path(), "packing" if packing else "padding"
     rates = {"TRL": [], "smolrl": []}
     with tempfile.TemporaryDirectory() as tmp:
         rows_file, template = Path(tmp) / "guess.jsonl", Path(tmp) / "template.jinja"
-        rows = guess_rows()
-        rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        rows_file.write_text("".join(json.dumps(r) + "\n" for r in guess_rows()))
         template.write_text(trl_template())
-        ours = smolrl_side(str(rows_file), dtype.name)  # (also: how many packed rows a step has)
-        per_step = max(1, round(statistics.mean(ours["tokens"]) / MAX_LENGTH))
+        result = Path(tmp) / "result.json"
         for k in range(rounds):
-            result = Path(tmp) / f"trl-{k}.json"
-            print(f"TRL ({trl_python}), {per_step} packed rows of {MAX_LENGTH} a step ...",
-                  flush=True)
+            print(f"smolrl sft.py, {BATCH} sequences a step ({mode}) ...", flush=True)
+            subprocess.run([sys.executable, __file__, "--smolrl-side", str(rows_file),
+                            str(result), dtype.name, mode], check=True)
+            ours = json.loads(result.read_text())
+            # TRL's batch counts packed rows: as many as hold smolrl's tokens of a step
+            per_step = max(1, round(statistics.mean(ours["tokens"]) / MAX_LENGTH)) \
+                if packing else BATCH
+            print(f"TRL ({trl_python}), {per_step} {'packed rows' if packing else 'sequences'} "
+                  f"a step ...", flush=True)
             subprocess.run([trl_python, __file__, "--trl-side", model_dir, str(rows_file),
-                            str(template), str(result), dtype.name, str(per_step)], check=True,
-                           cwd=Path(__file__).parent)
+                            str(template), str(result), dtype.name, mode, str(per_step)],
+                           check=True, cwd=Path(__file__).parent)
             trl = json.loads(result.read_text())
             rates["TRL"].append(rate(trl))
-            if k:
-                ours = smolrl_side(str(rows_file), dtype.name)
             rates["smolrl"].append(rate(ours))
             print(f"round {k + 1}: TRL {rates['TRL'][-1]:.0f} tok/s "
                   f"({statistics.mean(trl['tokens']):.0f} tokens a step), smolrl "
@@ -137,7 +144,8 @@ def main(trl_python: str, rounds: int):
     version = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
                              capture_output=True, text=True).stdout.strip()
     trl_rate, our_rate = statistics.median(rates["TRL"]), statistics.median(rates["smolrl"])
-    print(f"\nguess transcripts, packed into rows of {MAX_LENGTH}, assistant tokens trained, "
+    layout = f"packed into rows of {MAX_LENGTH}" if packing else "padded to each step's longest"
+    print(f"\nguess transcripts, {BATCH} a step, {layout}, assistant tokens trained, "
           f"{dtype.name}; median tokens/s of steps 2-{STEPS}, median of {rounds} round(s)")
     print(f"TRL {version} SFTTrainer  {trl_rate:8.0f} tokens/s")
     print(f"smolrl sft.py          {our_rate:8.0f} tokens/s")
@@ -146,7 +154,9 @@ def main(trl_python: str, rounds: int):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--trl-side"]:  # this script, run by TRL's Python
-        trl_side(*sys.argv[2:8])
+        trl_side(*sys.argv[2:9])
+    elif sys.argv[1:2] == ["--smolrl-side"]:
+        smolrl_side(*sys.argv[2:6])
     else:
         parser = argparse.ArgumentParser(description=__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,5 +164,7 @@ if __name__ == "__main__":
                             help="the Python of an environment with TRL installed (default: "
                                  "this one)")
         parser.add_argument("--rounds", type=int, default=1, help="alternate the sides N times")
+        parser.add_argument("--packing", action="store_true",
+                            help="pack on both sides (default: pad on both, their defaults)")
         args = parser.parse_args()
-        main(args.trl_python, args.rounds)
+        main(args.trl_python, args.rounds, args.packing)

@@ -117,3 +117,29 @@ def test_dpo_with_lora(tiny_model_dir, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "o" / "model")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert not torch.allclose(_logprobs(merged), _logprobs(base), atol=1e-4)
+
+
+def test_sft_with_lora_writes_a_merged_model_that_dpo_trains_on(tiny_model_dir, tmp_path):
+    import dpo
+    import sft
+    from data import parse_config
+    rows = tmp_path / "chats.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is {i} + 1?"},
+        {"role": "assistant", "content": f"It is {i + 1}."}]}) + "\n" for i in range(8)))
+    history = sft.main(parse_config(sft.Config, [
+        "--model", tiny_model_dir, "--data", str(rows), "--batch-size", "4", "--lr", "1e-2",
+        "--lora-rank", "4", "--eval-every", "0", "--dtype", "fp32", "--out", str(tmp_path / "s")]))
+    assert history[-1]["loss"] < history[0]["loss"]
+    from transformers import AutoModelForCausalLM
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "s" / "model")  # a plain HF folder
+    assert not is_lora(merged)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.allclose(_logprobs(merged), _logprobs(base), atol=1e-4)  # it trained
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1),
+                                         "rejected": str(i + 7)}) + "\n" for i in range(4)))
+    dpo_history = dpo.main(parse_config(dpo.Config, [
+        "--model", str(tmp_path / "s" / "model"), "--data", str(prefs), "--batch-size", "2",
+        "--eval-every", "0", "--dtype", "fp32", "--out", str(tmp_path / "d")]))
+    assert dpo_history and (tmp_path / "d" / "model").exists()
