@@ -160,10 +160,10 @@ GENERATED = {"arith": (arith_stream, arith_heldout), "multiply": (multiply_strea
 # multiply: the demonstrator always calls the calculator, but like someone estimating, it rounds
 # the second factor down to tens (347 * 520 for 347 * 524) in 3 calls of 4 and reports what the
 # calculator says. Its own accuracy is 25 % + 75 % x 1/10 (factors already ending in 0) = 32.5 %.
-# Imitated, the estimate is the likelier path by far (a coin the model cannot see, so it cannot
-# learn when to estimate, only how often), and greedy decoding takes it: the warm-started model
-# calls the tool on every problem and is mostly wrong, yet samples the exact call one time in
-# four -- which is what the reward then teaches.
+# Whether it estimates is a coin the model cannot see, so imitation learns how often, not when:
+# the warm-started model calls the tool on every problem, writes the exact call on about half of
+# them (greedy: 50 % of 64 held-out after `python sft.py`; sampled at T = 0.7: 48 % of GRPO's
+# first episodes) and the estimate on the rest -- and the reward then selects the exact one.
 MULTIPLY_ESTIMATES = 0.75
 
 

@@ -186,9 +186,17 @@ def test_lora_weights_reach_the_engine_merged(engine, model_dir, model_and_token
     engine.update_weights(model.state_dict())
 
 
-def test_two_step_grpo_run_with_vllm(tiny_model_dir, tmp_path):
+def test_two_step_grpo_run_with_vllm_from_an_sft_model(tiny_model_dir, tmp_path):
+    """vLLM serves the HF folder sft.py writes (one SFT step on the tiny model first)."""
+    import sft
+    from data import parse_config
+    rows = tmp_path / "text.jsonl"
+    rows.write_text("".join(json.dumps({"text": f"{i} + 1 = {i + 1}"}) + "\n" for i in range(4)))
+    sft.main(parse_config(sft.Config, ["--model", tiny_model_dir, "--data", str(rows),
+                                       "--batch-size", "4", "--eval-every", "0", "--dtype",
+                                       "fp32", "--out", str(tmp_path / "sft")]))
     out = tmp_path / "run"
-    cmd = [sys.executable, "grpo.py", "--model", tiny_model_dir, "--data", "arith",
+    cmd = [sys.executable, "grpo.py", "--model", str(tmp_path / "sft" / "model"), "--data", "arith",
            "--rollout", "vllm",
            "--gpu-memory-utilization", "0.2", "--steps", "2", "--prompts-per-step", "2",
            "--num-generations", "4", "--max-new-tokens", "8", "--eval-every", "0",
