@@ -11,8 +11,9 @@ ChatML tool template (env.TOOL_TEMPLATE; for TRL a copy with `{% generation %}` 
 assistant turn, which renders the same text and lets `assistant_only_loss` find the turns), both
 train on the assistant turns only, 8 sequences a step in one forward/backward, each padded to the
 step's longest (both libraries' default; `--packing` packs on both instead: best fit, TRL's `bfd`,
-into rows of 1,024 tokens, smolrl's 8 sequences a step and TRL's packed rows of as many tokens), both in the dtype native to the machine (`--dtype auto`'s choice), no
-gradient checkpointing (TRL turns it on by default: off here, as in sft.py), the same constant
+into rows of 1,024 tokens, smolrl's 8 sequences a step and TRL's packed rows of as many
+tokens), both in the dtype native to the machine (`--dtype auto`'s choice), no gradient
+checkpointing (TRL turns it on by default: off here, as in sft.py), the same constant
 learning rate. Each side runs in a process of its own (TRL's keeps full (tokens x vocabulary)
 logits: at 16 sequences a step packed, it was killed for memory on a 24 GB machine). Printed: each
 side's median tokens/s over the steps after the first (which warms up), tokens counting every
