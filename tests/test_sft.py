@@ -67,6 +67,29 @@ def test_the_loss_is_the_masked_nll_computed_by_hand(tiny_model):
     assert loss.item() == pytest.approx(by_hand.item(), abs=1e-5)
 
 
+def test_the_bf16_loss_and_gradient_track_the_fp32_ones(tiny_model):
+    """What `--dtype auto` computes on a CPU with native bf16 (AMX, Zen 5): the decoder under bf16
+    autocast, the log-softmax in fp32. Same loss and gradient direction as fp32, to bf16's
+    precision; and the trained mask is the same in both."""
+    model, _ = tiny_model
+    rows = pack_rows([Example([5, 6, 7, 8, 9, 10, 11], [False, False, True, True, True, False,
+                                                         True])], None, 0)
+    results = []
+    for bf16 in (False, True):
+        model.zero_grad()
+        logprobs, _ = token_logprobs(model, rows, "cpu", bf16=bf16)
+        assert logprobs.dtype == torch.float32  # (the log-softmax is fp32 in both)
+        loss = sft_loss(logprobs, rows.trained, num_tokens=4)
+        loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        results.append((loss.item(), grad.clone()))
+    model.zero_grad()
+    (loss32, grad32), (loss16, grad16) = results
+    assert loss16 != loss32  # bf16 really computed: autocast was on
+    assert loss16 == pytest.approx(loss32, rel=0.02)
+    assert torch.nn.functional.cosine_similarity(grad16, grad32, dim=0) > 0.98
+
+
 def test_a_target_outside_the_mask_changes_nothing(tiny_model):
     """The log-prob of an untrained token does not enter the loss: changing that token's target
     (the last token, which nothing after it reads) leaves the loss as it is; changing a trained
