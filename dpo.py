@@ -36,7 +36,7 @@ from tqdm import tqdm
 from checkpoint import DriverState, find_checkpoint, load_driver_state, load_trainer_state
 from checkpoint import claim_checkpoints, recorded_dtype, save_checkpoint, save_trainer_state
 from data import InputError, TEMPLATES, arith_heldout, arith_stream, encode_prompts, load_table
-from data import Template, check, flag, parse_config
+from data import Template, check, epoch_batches, flag, parse_config
 from evaluate import TRACKERS, RunLog, evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
 from model import adamw_with_warmup, add_lora, check_head_logits, full_state_dict, load_adapters
@@ -85,6 +85,9 @@ class Config:
     """linear learning-rate warmup steps"""
     epochs: int = 2
     """passes over the training pairs"""
+    steps: int = 0
+    """optimizer steps in all, overriding --epochs (TRL's max_steps): the pairs are gone through
+    again, reshuffled, as often as it takes (0 = --epochs' worth)"""
     batch_size: int = 16
     """pairs per optimizer step"""
     micro_batch_size: int = 8
@@ -129,7 +132,8 @@ class Config:
         for name in ("epochs", "batch_size", "micro_batch_size", "max_length",
                      "max_prompt_length", "builtin_problems", "eval_size"):
             check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
-        for name in ("eval_pairs", "lr", "warmup_steps", "eval_every", "sft_weight", "save_every",
+        for name in ("eval_pairs", "steps", "lr", "warmup_steps", "eval_every", "sft_weight",
+                     "save_every",
                      "keep_last", "lora_rank", "lora_alpha"):
             check(getattr(self, name) >= 0, f"{flag(name)} must not be negative")
         check(self.builtin_samples >= 2, "--builtin-samples must be at least 2 (a pair needs two "
@@ -408,8 +412,7 @@ def main(cfg: Config):
         print(f"resuming from {resume_dir} at step {driver.step + 1}")
     log = RunLog(out, driver.history, cfg.report_to, asdict(cfg), line=format_dpo_step)
     (out / "dpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    steps_per_epoch = max(1, len(train_pairs) // cfg.batch_size)
-    total_steps = steps_per_epoch * cfg.epochs
+    batches = epoch_batches(len(train_pairs), cfg.batch_size, cfg.epochs, cfg.steps, cfg.seed)
 
     def evaluate_now():
         record, t0 = {}, time.time()
@@ -434,46 +437,38 @@ def main(cfg: Config):
         return record
 
     print(f"{len(train_pairs)} training pairs, {len(eval_pairs)} held-out pairs, "
-          f"{total_steps} steps of {cfg.batch_size} pairs")
+          f"{len(batches)} steps of {cfg.batch_size} pairs")
     if cfg.eval_every and driver.step == 0:
         log({"step": 0, **evaluate_now()})
-    step = 0
-    bar = tqdm(total=total_steps, desc="dpo", unit="step", initial=driver.step)
-    for epoch in range(cfg.epochs):
-        order = list(range(len(train_pairs)))
-        random.Random(cfg.seed + epoch).shuffle(order)  # the same order on --resume
-        for b in range(steps_per_epoch):
-            if step < driver.step:  # done before the checkpoint
-                step += 1
-                continue
-            t0 = time.time()
-            idx = order[b * cfg.batch_size:(b + 1) * cfg.batch_size]
-            model.train()
-            optimizer.zero_grad(set_to_none=True)
-            sums = {}
-            for s in range(0, len(idx), cfg.micro_batch_size):
-                mb = idx[s:s + cfg.micro_batch_size]
-                loss, m = batch_loss(model, [train_pairs[i] for i in mb],
-                                     [train_refs[i] for i in mb] if train_refs else None,
-                                     cfg, device, len(idx))
-                loss.backward()
-                sums = {k: sums.get(k, 0.0) + v for k, v in m.items()}
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            record = {"step": step, "epoch": epoch,
-                      **{k: v / len(idx) for k, v in sums.items()},
-                      "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                      "step_seconds": time.time() - t0}
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
-                record.update(evaluate_now())
-            log(record)
-            bar.update(1)
-            if cfg.save_every and step % cfg.save_every == 0:
-                driver.step = driver.consumed = step
-                save_checkpoint(out, driver, lambda folder: save_trainer_state(
-                    folder, model, tokenizer, optimizer, scheduler), cfg.keep_last)
+    bar = tqdm(total=len(batches), desc="dpo", unit="step", initial=driver.step)
+    for batch in batches[driver.step:]:  # (on --resume, from the step after the checkpoint)
+        t0 = time.time()
+        step, idx = batch.step, batch.rows
+        model.train()
+        optimizer.zero_grad(set_to_none=True)
+        sums = {}
+        for s in range(0, len(idx), cfg.micro_batch_size):
+            mb = idx[s:s + cfg.micro_batch_size]
+            loss, m = batch_loss(model, [train_pairs[i] for i in mb],
+                                 [train_refs[i] for i in mb] if train_refs else None,
+                                 cfg, device, len(idx))
+            loss.backward()
+            sums = {k: sums.get(k, 0.0) + v for k, v in m.items()}
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        record = {"step": step, "epoch": batch.epoch,
+                  **{k: v / len(idx) for k, v in sums.items()},
+                  "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
+                  "step_seconds": time.time() - t0}
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == len(batches)):
+            record.update(evaluate_now())
+        log(record)
+        bar.update(1)
+        if cfg.save_every and step % cfg.save_every == 0:
+            driver.step = driver.consumed = step
+            save_checkpoint(out, driver, lambda folder: save_trainer_state(
+                folder, model, tokenizer, optimizer, scheduler), cfg.keep_last)
     bar.close()
     grader.close()
     log.close()

@@ -23,14 +23,14 @@ so that GRPO, started from these weights, still has the strategy to learn:
 Data: TRL's SFT formats, unchanged -- `messages` (conversational: assistant `tool_calls`, `tool`
 messages, and an optional `tools` column of JSON schemas), `prompt` + `completion` (strings, or
 chat messages: only the completion's assistant turns are trained), or `text` (every token
-trained); a .jsonl/.json/.csv/.parquet file or a hub dataset. Sequences are packed (best fit,
-attention never crosses from one sequence to another, positions restart) into micro-batches of a
-token budget. What this file leaves out on purpose: loss on anything but the model's tokens, NEFTune
-and other regularisers, and sequence parallelism.
+trained); a .jsonl/.json/.csv/.parquet file or a hub dataset. Each sequence is a row of its own,
+right-padded, in micro-batches of a token budget; with --packing, sequences are packed (best fit,
+attention never crosses from one sequence to another, positions restart). What this file leaves
+out on purpose: loss on anything but the model's tokens, NEFTune and other regularisers, and
+sequence parallelism.
 """
 
 import json
-import math
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -44,7 +44,7 @@ from tqdm import tqdm
 from checkpoint import DriverState, claim_checkpoints, find_checkpoint, load_driver_state
 from checkpoint import recorded_dtype, save_checkpoint
 from data import DEMONSTRATORS, GENERATED, TASKS, TEMPLATES, InputError, Template, check, flag
-from data import demonstrations, load_rows, load_table, parse_config
+from data import demonstrations, epoch_batches, load_rows, load_table, parse_config
 from env import Agent, ToolChat, environment_tools, load_environment, load_tools
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves
 from model import DEFAULT_MODEL, DTYPES, autocast, choose_dtype, chunk_logprobs, full_state_dict
@@ -114,6 +114,9 @@ class Config:
     """AdamW weight decay"""
     epochs: int = 1
     """passes over the training rows"""
+    steps: int = 0
+    """optimizer steps in all, overriding --epochs (TRL's max_steps): the rows are gone through
+    again, reshuffled, as often as it takes (0 = --epochs' worth)"""
     batch_size: int = 16
     """sequences (rows) per optimizer step"""
     max_length: int = 1024
@@ -183,7 +186,7 @@ class Config:
         for name in ("demos", "epochs", "batch_size", "max_length", "max_tokens_per_microbatch",
                      "eval_size", "max_new_tokens", "max_turns", "max_episode_tokens"):
             check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
-        for name in ("eval_rows", "lr", "warmup_steps", "weight_decay", "eval_every",
+        for name in ("eval_rows", "steps", "lr", "warmup_steps", "weight_decay", "eval_every",
                      "save_every", "keep_last", "lora_rank", "lora_alpha"):
             check(getattr(self, name) >= 0, f"{flag(name)} must not be negative")
         check(self.max_grad_norm > 0, "--max-grad-norm must be positive")
@@ -358,6 +361,9 @@ def load_samples(cfg: Config, tools: list, env_class) -> tuple[list[Sample], str
     return check_samples(rows, source, cfg, run_tools), source
 
 
+TURN_MARK = "\x00smolrl-turn\x00"  # stands for a turn's content, to find where the turn opens
+
+
 def render_segments(render, messages: list[dict], trained_from: int, eos: str):
     """A conversation's text as the chat template renders it, cut into (text, trained) segments:
     every assistant turn from `trained_from` on -- what follows its opening, up to and including
@@ -369,8 +375,15 @@ def render_segments(render, messages: list[dict], trained_from: int, eos: str):
     for k, message in enumerate(messages):
         if message["role"] != "assistant" or k < trained_from:
             continue
-        opened = render(messages[:k], True)  # the conversation so far, and the turn's opening
         closed = render(messages[:k + 1], False)
+        if k:
+            opened = render(messages[:k], True)  # the conversation so far, and the turn's opening
+        else:  # the conversation opens with it: no template renders an empty one (TRL trains it)
+            marked = render([{"role": "assistant", "content": TURN_MARK}], False)
+            if TURN_MARK not in marked:
+                raise SystemExit("error: the chat template does not render a conversation that "
+                                 "opens with the assistant's turn")
+            opened = marked[:marked.index(TURN_MARK)]
         if not (opened.startswith(done) and closed.startswith(opened)
                 and eos in closed[len(opened):]):
             raise SystemExit("error: the chat template renders a conversation differently once "
@@ -426,23 +439,29 @@ def encode_samples(samples: list[Sample], tokenizer, tools: list, env_class, cfg
         return lambda messages, generation_prompt: tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=generation_prompt)
 
-    examples, cut, dropped = [], 0, []
+    examples, cut, dropped, empty = [], 0, [], []
     for sample in tqdm(samples, desc="tokenizing", leave=False, disable=len(samples) < 1000):
         example = encode(sample, tokenizer, render_for(sample.tools) if sample.messages else None)
         if len(example.ids) > cfg.max_length and sample.messages:
             dropped.append((sample.row, len(example.ids)))
             continue
         if len(example.ids) > cfg.max_length:
-            example, cut = Example(example.ids[:cfg.max_length],
-                                   example.trained[:cfg.max_length]), cut + 1
+            example = Example(example.ids[:cfg.max_length], example.trained[:cfg.max_length])
+            if not any(example.trained):  # its prompt alone fills --max-length
+                empty.append(sample.row)
+                continue
+            cut += 1
         examples.append(example)
-    if cut or dropped:
+    if cut or dropped or empty:
         longest = f" (row {dropped[0][0]}: {dropped[0][1]} tokens)" if dropped else ""
-        print(f"{source}: {cut + len(dropped)} of {len(samples)} rows are longer than "
-              f"--max-length {cfg.max_length} tokens: {cut} text rows cut, {len(dropped)} "
-              f"conversations dropped{longest}")
+        print(f"{source}: {cut + len(dropped) + len(empty)} of {len(samples)} rows are longer "
+              f"than --max-length {cfg.max_length} tokens: {cut} text rows cut, {len(dropped)} "
+              f"conversations dropped{longest}, {len(empty)} rows dropped whose prompt alone "
+              f"fills it (nothing left to train)")
     if not examples:
-        raise InputError(f"{source}: every row is longer than --max-length {cfg.max_length} tokens")
+        why = f" (row {empty[0]}: its prompt alone fills them)" if empty else ""
+        raise InputError(f"{source}: every row is longer than --max-length {cfg.max_length} "
+                         f"tokens{why}")
     return examples
 
 
@@ -546,6 +565,8 @@ def batch_loss(trainer, examples: list[Example], cfg: Config, train: bool) -> di
             "tokens": int(rows.lengths.sum()), "padded_tokens": 0}
     for idx in micro_batches(torch.arange(len(rows.lengths)), rows.lengths, cfg):
         mb = rows.select(idx)
+        if not mb.trained.any():  # (its loss and gradient are 0: no forward for nothing)
+            continue
         with torch.set_grad_enabled(train):
             logprobs, entropy = token_logprobs(trainer.compute, mb, trainer.device,
                                                cfg.dtype == "bf16")
@@ -608,31 +629,25 @@ def main(cfg: Config):
     log = RunLog(out, driver.history, cfg.report_to, asdict(cfg), line=format_sft_step)
     (out / "sft_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     evaluate_now = held_out_evaluation(trainer, held_out, task_rows, agent, cfg)
-    steps_per_epoch = math.ceil(len(train) / cfg.batch_size)
-    total_steps = steps_per_epoch * cfg.epochs
+    batches = epoch_batches(len(train), cfg.batch_size, cfg.epochs, cfg.steps, cfg.seed)
     print(f"{len(train)} training rows, {n_eval} held-out rows, {len(task_rows)} held-out "
-          f"problems; {total_steps} steps of {cfg.batch_size} rows")
+          f"problems; {len(batches)} steps of {cfg.batch_size} rows")
     if cfg.eval_every and driver.step == 0:
         log({"step": 0, **evaluate_now()})
 
-    step, bar = 0, tqdm(total=total_steps, desc="sft", unit="step", initial=driver.step)
-    for epoch in range(cfg.epochs):
-        order = list(range(len(train)))
-        random.Random(cfg.seed + epoch).shuffle(order)  # the same order on --resume
-        for b in range(steps_per_epoch):
-            step += 1
-            if step <= driver.step:  # done before the checkpoint
-                continue
-            batch = [train[i] for i in order[b * cfg.batch_size:(b + 1) * cfg.batch_size]]
-            record = {"step": step, "epoch": epoch, **train_step(trainer, batch, cfg)}
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == total_steps):
-                record.update(evaluate_now())
-            log(record)
-            bar.update(1)
-            if cfg.save_every and step % cfg.save_every == 0:
-                driver.step = driver.consumed = step
-                save_checkpoint(out, driver, lambda folder: save_trainer(trainer, folder),
-                                cfg.keep_last)
+    bar = tqdm(total=len(batches), desc="sft", unit="step", initial=driver.step)
+    for batch in batches[driver.step:]:  # (on --resume, from the step after the checkpoint)
+        step = batch.step
+        record = {"step": step, "epoch": batch.epoch,
+                  **train_step(trainer, [train[i] for i in batch.rows], cfg)}
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == len(batches)):
+            record.update(evaluate_now())
+        log(record)
+        bar.update(1)
+        if cfg.save_every and step % cfg.save_every == 0:
+            driver.step = driver.consumed = step
+            save_checkpoint(out, driver, lambda folder: save_trainer(trainer, folder),
+                            cfg.keep_last)
     bar.close()
     log.close()
     export_model(trainer, str(out / "model"))  # an HF folder, in the dtype the model came in

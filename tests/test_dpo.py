@@ -175,12 +175,13 @@ def test_two_step_run(tiny_model_dir, tmp_path):
     out = tmp_path / "dpo"
     result = subprocess.run([sys.executable, "dpo.py", "--model", tiny_model_dir, "--data",
                              str(data), "--batch-size", "4", "--micro-batch-size", "2",
-                             "--epochs", "1", "--eval-every", "1", "--sft-weight", "0.1",
+                             "--steps", "3", "--eval-every", "1", "--sft-weight", "0.1",
                              "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1, 2]  # 8 training pairs / 4 per step
+    # 8 training pairs, 4 a step: --steps 3 goes on into a second epoch (TRL's max_steps)
+    assert [(r["step"], r.get("epoch")) for r in records] == [(0, None), (1, 0), (2, 0), (3, 1)]
     for key in ("loss", "reward_accuracy", "reward_margin", "chosen_reward", "rejected_reward",
                 "chosen_logp", "rejected_logp", "eval_reward_accuracy"):
         assert key in records[-1], key

@@ -285,6 +285,67 @@ def test_over_long_text_is_cut_and_counted(tokenizer, capsys):
            "conversations dropped" in capsys.readouterr().out
 
 
+def test_a_prompt_that_fills_max_length_drops_its_row_and_counts_it(tokenizer, capsys):
+    """Cut at --max-length, a prompt-completion row whose prompt alone fills it kept nothing to
+    train: a micro-batch of such rows reached torch.cat([]) (issue 40). Dropped and counted."""
+    rows = [{"prompt": "word " * 300, "completion": " yes"}, {"prompt": "Hi", "completion": " x"},
+            {"prompt": [{"role": "user", "content": "word " * 300}],
+             "completion": [{"role": "assistant", "content": "yes"}]}]
+    examples = _examples(tokenizer, rows, max_length=64)
+    assert len(examples) == 1 and tokenizer.decode(examples[0].ids).startswith("Hi")
+    assert ("rows.jsonl: 2 of 3 rows are longer than --max-length 64 tokens: 0 text rows cut, 1 "
+            "conversations dropped (row 3: ") in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"rows\.jsonl: every row is longer than --max-length 64 "
+                                         r"tokens \(row 1: its prompt alone fills them"):
+        _examples(tokenizer, rows[:1], max_length=64)
+
+
+def test_a_micro_batch_with_nothing_to_train_never_reaches_the_model(tiny_model):
+    model, tokenizer = tiny_model
+    trainer = SimpleNamespace(compute=model, model=model, device="cpu", tokenizer=tokenizer)
+    nothing, something = Example([5, 6, 7, 8], [False] * 4), Example([5, 6, 7], [False, True, True])
+    cfg = _cfg(max_tokens_per_microbatch=4)  # a micro-batch a row
+    with torch.no_grad():
+        both = sft.batch_loss(trainer, [nothing, something], cfg, train=False)
+        alone = sft.batch_loss(trainer, [something], cfg, train=False)
+    assert both["loss"] == alone["loss"] and both["trained_tokens"] == 2
+
+
+def test_a_conversation_opening_with_the_assistant_trains_that_turn_too(tokenizer):
+    """TRL trains every assistant turn of such a row; render_segments rendered the empty
+    conversation before it, and SmolLM2's template raised (issue 40)."""
+    eos = tokenizer.eos_token
+    messages = [{"role": "assistant", "content": "Hello! Ask me a sum."},
+                {"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    (example,) = _examples(tokenizer, [{"messages": messages}])
+    assert _trained_text(tokenizer, example) == f"Hello! Ask me a sum.{eos}4{eos}"
+    whole = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert whole.startswith(tokenizer.decode(example.ids))  # (the template's newline after)
+
+
+def test_epochs_keep_a_short_last_batch_and_steps_override_them():
+    """One rule for sft.py and dpo.py: ceil(rows / batch) steps an epoch, the last batch short
+    (dpo.py used to drop it); --steps (TRL's max_steps) goes on into further epochs, each
+    reshuffled by its own seed."""
+    two_epochs = data.epoch_batches(10, 4, epochs=2, steps=0, seed=0)
+    assert [(b.step, b.epoch, len(b.rows)) for b in two_epochs] == [
+        (1, 0, 4), (2, 0, 4), (3, 0, 2), (4, 1, 4), (5, 1, 4), (6, 1, 2)]
+    assert sorted(i for b in two_epochs[:3] for i in b.rows) == list(range(10))
+    assert [b.rows for b in two_epochs[:3]] != [b.rows for b in two_epochs[3:]]
+    seven = data.epoch_batches(10, 4, epochs=1, steps=7, seed=0)
+    assert [b.rows for b in seven[:6]] == [b.rows for b in two_epochs] and seven[6].epoch == 2
+
+
+def test_steps_override_epochs_in_a_run(tiny_model_dir, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _rows(13)))
+    history = sft.main(parse_config(Config, [
+        "--model", tiny_model_dir, "--data", str(path), "--tools", "calculator", "--batch-size",
+        "6", "--epochs", "1", "--steps", "3", "--eval-every", "0", "--max-length", "256",
+        "--dtype", "fp32", "--out", str(tmp_path / "o")]))
+    assert [(r["step"], r["epoch"]) for r in history] == [(1, 0), (2, 0), (3, 1)]
+
+
 # ---------------------------------------------------------------------------------------------
 # The warm starts' demonstrators
 
