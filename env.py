@@ -208,10 +208,10 @@ class ToolChat:
         return {"content": content, "tool_calls": calls if isinstance(calls, list) else [calls]}
 
     @functools.cache
-    def _results_suffix(self, n: int) -> tuple[str, list[str]]:
-        """The text the template appends after the model's turn for n tool results, with a
-        marker where each result goes: found by rendering a stand-in conversation with and
-        without them (the real history could render differently, e.g. reasoning stripped)."""
+    def _results_suffix(self, n: int) -> list[str]:
+        """The text the template appends after the model's turn for n tool results, as the n + 1
+        pieces around them: found by rendering a stand-in conversation with and without markers
+        for results (the real history could render differently, e.g. reasoning stripped)."""
         call = {"type": "function", "function": {"name": "f", "arguments": {}}}
         turn = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "",
                                                     "tool_calls": [call] * n}]
@@ -219,11 +219,16 @@ class ToolChat:
         results = [{"role": "tool", "name": "f", "content": m} for m in marks]
         before, after = self.render(turn, False), self.render(turn + results, True)
         cut = before.rindex(self.eos) + len(self.eos)  # where the model's sampled turn ends
-        if not after.startswith(before[:cut]):
+        suffix = after[cut:]
+        if not after.startswith(before[:cut]) or [suffix.count(m) for m in marks] != [1] * n:
             raise SystemExit("error: --tools: the chat template renders a conversation "
                              "differently once tool results follow it; use a model whose "
                              "template appends them")
-        return after[cut:], marks
+        pieces = []
+        for mark in marks:
+            piece, suffix = suffix.split(mark)
+            pieces.append(piece)
+        return pieces + [suffix]
 
     def check_turn_length(self, max_new_tokens: int):
         """Stop, with one line, when a turn of max_new_tokens cannot hold even the shortest call
@@ -254,9 +259,11 @@ class ToolChat:
     def observation_ids(self, results: list[tuple[str, str]]) -> list[int]:
         """The tokens appended after the model's turn for its tool results [(name, text)]: the
         template's own markup around them, ending with the next assistant turn's opening."""
-        suffix, marks = self._results_suffix(len(results))
-        for mark, (_, text) in zip(marks, results):
-            suffix = suffix.replace(mark, text, 1)
+        pieces = self._results_suffix(len(results))
+        # Each result in its own place, whatever it holds (a result holding the text of a
+        # marker would draw the next one into itself if they were substituted one by one).
+        texts = [text for _, text in results] + [""]
+        suffix = "".join(piece + text for piece, text in zip(pieces, texts))
         return self.tokenizer(suffix, add_special_tokens=False)["input_ids"]
 
 

@@ -346,6 +346,26 @@ def test_steps_override_epochs_in_a_run(tiny_model_dir, tmp_path):
     assert [(r["step"], r["epoch"]) for r in history] == [(1, 0), (2, 0), (3, 1)]
 
 
+@pytest.mark.parametrize("first", ["408", "408 \x001\x00 then", "\x000\x00\x001\x00"],
+                         ids=["plain", "holding-the-second-marker", "holding-both-markers"])
+def test_an_episode_renders_tool_results_as_sft_does_whatever_they_hold(tokenizer, first):
+    """ToolChat spliced results into a stand-in's markers one after another: a first result holding
+    the second's marker (the python tool passes NUL bytes through) received the second result
+    inside it (issue 40). The tokens after the model's calls are SFT's for the same messages."""
+    calls = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator", "arguments": {"expression": e}}}
+        for e in ("12 * 34", "2 + 2")]}
+    results = [("calculator", first), ("calculator", "4")]
+    messages = [CONVERSATION[0], calls, *({"role": "tool", "name": n, "content": t}
+                                          for n, t in results), CONVERSATION[-1]]
+    (example,) = _examples(tokenizer, [{"messages": messages}], CALC)
+    start = example.trained.index(True)
+    after_calls = start + example.trained[start:].index(False)
+    observation = example.ids[after_calls:after_calls + example.trained[after_calls:].index(True)]
+    episode = ToolChat(tokenizer, CALC).observation_ids(results)
+    assert episode == observation, (tokenizer.decode(episode), tokenizer.decode(observation))
+
+
 # ---------------------------------------------------------------------------------------------
 # The warm starts' demonstrators
 
