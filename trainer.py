@@ -485,8 +485,11 @@ def finish_metrics(raws: list[dict]) -> dict:
 
 
 def make_engine(cfg):
-    """A rollout engine on an engine worker."""
-    model, tokenizer = load_model(cfg.model, pick_device())
+    """A rollout engine on an engine worker: from what the trainers start from (--init-from's
+    folder, else --model: its config, chat template and vocabulary), verified as the trainers'
+    model is, so that it shares prompts exactly where theirs does."""
+    model, tokenizer = load_model(cfg.init_from or cfg.model, pick_device())
+    check_head_logits(model)  # (sets model.smolrl_shares_prompts, which the HF engine reads)
     return make_rollout(cfg.rollout, model, tokenizer, device=pick_device(), seed=cfg.seed,
                         dtype=DTYPES[cfg.dtype],
                         max_new_tokens=tokens_after_prompt(cfg),
@@ -563,4 +566,5 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
         trainers.run(export_model, [(folder,)] * cfg.num_trainers)
 
     sync_weights(start_step)  # engines start from exactly the trainers' weights
-    return Run(load_tokenizer(cfg.model), engines, train, sync_weights, save, export)
+    return Run(load_tokenizer(cfg.init_from or cfg.model), engines, train, sync_weights, save,
+               export)

@@ -250,3 +250,36 @@ def test_vllm_discards_its_weights_for_a_training_step_and_the_sync_refills_them
     assert calls[1:] == [("wake_up", "weights"), ("load_trainer_weights",)]
     engine._wake({"weights", "kv_cache"})
     assert calls[-1] == ("wake_up", "kv_cache") and engine.version == 1
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_ray_engine_is_built_from_what_the_trainers_start_from_and_samples_as_the_local_one(
+        dtype, tiny_model_dir, tmp_path):
+    """trainer.make_engine (what each Ray engine worker runs) loaded --model where the trainers
+    load --init-from (an SFT'd model with a chat template of its own was served by the base's),
+    and never verified prompt sharing, so it decoded every prompt whole where the one-process
+    engine shares their common prefix: other numerics, which in bf16 drew other tokens on an AMX
+    Xeon (issue 40). Now both engines are built alike: the same tokens and, bit for bit, the same
+    log-probs, in fp32 and bf16."""
+    import shutil
+
+    import grpo
+    import trainer
+    from data import arith_heldout, encode_prompts, parse_config
+    from transformers import AutoTokenizer
+    start = tmp_path / "sft"
+    shutil.copytree(tiny_model_dir, start)
+    tokenizer = AutoTokenizer.from_pretrained(start)
+    tokenizer.chat_template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+                               "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    tokenizer.save_pretrained(start)
+    cfg = parse_config(grpo.Config, ["--model", tiny_model_dir, "--init-from", str(start),
+                                     "--dtype", dtype, "--async-steps", "1", "--max-new-tokens",
+                                     "8", "--out", str(tmp_path / "out")])
+    local, remote = trainer.setup_local(cfg, train_step=None).rollout, trainer.make_engine(cfg)
+    assert remote.tokenizer.chat_template == tokenizer.chat_template
+    assert remote.share_prefix == local.share_prefix
+    prompts = encode_prompts(tokenizer, arith_heldout(3), "answer-is", chat=True)
+    sampling = Sampling(8, temperature=1.0, seed=5)
+    a, b = local.generate(prompts, 4, sampling), remote.generate(prompts, 4, sampling)
+    assert a.completion_ids == b.completion_ids and a.engine_logprobs == b.engine_logprobs
