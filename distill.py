@@ -32,6 +32,7 @@ teacher logits (the teacher's full distribution is computed here, a chunk of tok
         --data math                                                 # one GPU
 """
 
+import functools
 import random
 import time
 import types
@@ -43,10 +44,10 @@ from torch.utils.checkpoint import checkpoint
 
 import grpo
 from data import check, flag, parse_config
-from model import DTYPES, autocast, cast_parameters, check_head_logits, head_logits, length_mask
+from model import DTYPES, autocast, check_head_logits, head_logits, length_mask
 from model import load_model, load_tokenizer, pick_device, resolve
 from evaluate import step_record
-from rollout import make_rollout
+from rollout import HFRollout
 from trainer import UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
 from trainer import micro_batches, optimizer_step
 
@@ -213,19 +214,17 @@ def train_on_rollout(trainer, batch) -> dict:
 
 
 def teacher_of(trainer):
-    """The frozen teacher, loaded once per trainer process (under Ray, on each trainer), in the
-    dtype the student computes in."""
-    if getattr(trainer, "teacher", None) is None:
-        trainer.teacher = load_teacher(trainer.cfg, trainer.device)
-    return trainer.teacher
+    """The frozen teacher of this trainer's process (under Ray, each trainer's own)."""
+    return load_teacher(trainer.cfg.teacher, trainer.device, DTYPES[trainer.cfg.dtype])
 
 
-def load_teacher(cfg, device):
-    """The teacher in the run's compute dtype (--dtype), frozen."""
-    teacher = load_model(cfg.teacher, device)[0]
-    check_head_logits(teacher)  # its own head and prompt-sharing verdict, in fp32
-    if cfg.dtype == "bf16":
-        teacher = cast_parameters(teacher, torch.bfloat16)
+@functools.cache
+def load_teacher(path: str, device: str, dtype: torch.dtype):
+    """The teacher, frozen, in the run's compute dtype, read straight onto the device in it (a
+    7B teacher in fp32 would be 28 GiB before its cast); loaded once per process, so that the
+    steps it samples (--lmbda < 1) and the grading share this one copy."""
+    teacher = load_model(path, device, dtype)[0]
+    check_head_logits(teacher)  # its own head and prompt-sharing verdict (in fp32: see there)
     teacher.requires_grad_(False)
     return teacher.eval()
 
@@ -292,9 +291,9 @@ def main(cfg: Config):
 def teacher_engine(cfg, run):
     """--lmbda < 1: an engine over the teacher, for the steps whose batch it samples; the rest of
     the run (episodes, tokenizer) is the student's."""
-    teacher = load_model(cfg.teacher, pick_device())[0]  # (the engine casts its own copy)
-    engine = make_rollout("hf", teacher, run.tokenizer, device=pick_device(),
-                          dtype=DTYPES[cfg.dtype])
+    teacher = load_teacher(cfg.teacher, pick_device(), DTYPES[cfg.dtype])  # (the grader's)
+    engine = HFRollout(teacher, run.tokenizer, device=pick_device(), dtype=DTYPES[cfg.dtype],
+                       shares_weights=True)  # frozen: it samples from the very same weights
     return types.SimpleNamespace(rollout=engine, agent=run.agent, tokenizer=run.tokenizer)
 
 

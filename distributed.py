@@ -203,7 +203,8 @@ def _put_state_dict(state, get_weights):
     weights = get_weights(state)
     if weights is None:
         return [None]
-    weights = {k: v.detach().cpu() for k, v in weights.items()}
+    weights = {k: v.detach().cpu() for k, v in  # (a state dict, or (name, tensor) pairs)
+               (weights.items() if isinstance(weights, dict) else weights)}
     return [ray.put(weights)]  # a ref inside a list stays a ref when it crosses to the driver
 
 

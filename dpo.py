@@ -39,7 +39,8 @@ from data import InputError, TEMPLATES, arith_heldout, arith_stream, encode_prom
 from data import Template, check, epoch_batches, flag, parse_config
 from evaluate import TRACKERS, RunLog, evaluate_rows, plot_curves
 from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
-from model import adamw_with_warmup, add_lora, check_head_logits, full_state_dict, load_adapters
+from model import adamw_with_warmup, add_lora, check_head_logits, full_state_dict, full_weights
+from model import load_adapters
 from model import DTYPES, choose_dtype, pick_device, save_model, source_dtype
 from reward import Grader, extract_answer
 from rollout import HFRollout, Sampling
@@ -428,7 +429,7 @@ def main(cfg: Config):
             record["eval_reward_accuracy"] = sums["reward_accuracy"] / len(eval_pairs)
             record["eval_reward_margin"] = sums["reward_margin"] / len(eval_pairs)
         if rollout:
-            rollout.update_weights(full_state_dict(model))
+            rollout.update_weights(full_weights(model))
             summary, _ = evaluate_rows(rollout, tokenizer, task_rows, template=cfg.template,
                                        chat=cfg.chat, sampling=Sampling(32, temperature=0.0), n=1,
                                        grader=grader, dataset="held-out")

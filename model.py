@@ -13,6 +13,7 @@ algorithm:
 4. save_model   -- an HF-format folder that `from_pretrained` and vLLM load unchanged.
 """
 
+import copy
 import functools
 import importlib.util
 import itertools
@@ -125,11 +126,14 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_model(name: str, device: str = "cpu"):
-    """(model in fp32 on `device`, tokenizer) for a hub id, a local folder or DEFAULT_MODEL."""
+def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """(model on `device`, tokenizer) for a hub id, a local folder or DEFAULT_MODEL. Its weights
+    in `dtype`: fp32 for what trains (the master weights), the compute dtype for what is frozen
+    (a teacher, an engine's start), read straight onto the device, never through a copy in fp32."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(resolve(name), dtype=torch.float32).to(device)
-    return model, load_tokenizer(name)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve(name), dtype=dtype, device_map=None if device == "cpu" else device)
+    return model.to(device), load_tokenizer(name)
 
 
 def source_dtype(name: str) -> torch.dtype:
@@ -259,6 +263,25 @@ def cast_parameters(model, dtype):
     for p in model.parameters():
         p.data = p.data.to(dtype)
     return model
+
+
+def empty_copy(model, dtype):
+    """The architecture of `model` without adapters (a LoRA model's base), on its device, its
+    parameters allocated in `dtype` and not filled (HFRollout fills them from full_weights), its
+    buffers the model's own (RoPE's inv_freq stays fp32, see cast_parameters). Built on the meta
+    device first, so that no second copy of the weights exists at any moment: a deepcopy of a
+    1.5B model in fp32 is 6 GB on the GPU before any cast."""
+    base = model.get_base_model() if is_lora(model) else model
+    with torch.device("meta"):
+        blank = type(base)(copy.deepcopy(base.config))
+    blank = blank.to(dtype).to_empty(device=next(base.parameters()).device)
+    buffers = dict(base.named_buffers())
+    for name, _ in list(blank.named_buffers()):
+        module, _, leaf = name.rpartition(".")
+        blank.get_submodule(module)._buffers[leaf] = buffers[name].detach().clone()
+    blank.tie_weights()  # (to_empty made the tied embedding and head two tensors)
+    blank.generation_config = copy.deepcopy(base.generation_config)
+    return blank.eval()
 
 
 def stop_token_ids(model, tokenizer) -> set[int]:
@@ -504,7 +527,15 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
 @torch.no_grad()
 def check_head_logits(model, atol: float = 1e-3):
     """Stop if completion_logprobs would not reproduce this model's own log-probs: an architecture
-    whose head does something head_logits does not know would otherwise train on wrong numbers."""
+    whose head does something head_logits does not know would otherwise train on wrong numbers.
+    Sets model.smolrl_shares_prompts. Both are verdicts on the architecture, made in fp32 (bf16's
+    rounding would blur them): a model loaded in bf16 (a frozen teacher) is judged by a one-layer
+    fp32 copy of its architecture, with random weights and a small vocabulary."""
+    if next(model.parameters()).dtype != torch.float32:
+        probe = _fp32_probe(model.config)
+        check_head_logits(probe, atol)
+        model.smolrl_shares_prompts = probe.smolrl_shares_prompts
+        return
     V = model.config.get_text_config().vocab_size
     ids = torch.arange(3, 19, device=model.device)[None] * 7919 % V  # (1, 16) arbitrary tokens
     one, fifteen = torch.tensor([1], device=ids.device), torch.tensor([15], device=ids.device)
@@ -517,6 +548,18 @@ def check_head_logits(model, atol: float = 1e-3):
                          f"model's own by {diff:.3g} nats (its head does something "
                          f"model.head_logits does not know); add it there")
     model.smolrl_shares_prompts = _sharing_changes_nothing(model, ids[0], atol)
+
+
+def _fp32_probe(config):
+    """A one-layer, 256-token-vocabulary fp32 model of `config`'s architecture, on the CPU."""
+    from transformers import AutoModelForCausalLM
+    config = copy.deepcopy(config)
+    text = config.get_text_config()
+    text.num_hidden_layers, text.vocab_size = 1, 256
+    if isinstance(getattr(text, "layer_types", None), list):  # (one entry per layer)
+        text.layer_types = text.layer_types[:1]
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
 def _sharing_changes_nothing(model, ids, atol: float) -> bool:
@@ -586,7 +629,7 @@ def save_model(model, tokenizer, out_dir, state_dict=None, dtype=None) -> None:
     if is_lora(model) and state_dict is None:  # a checkpoint of a LoRA run: the adapters alone
         model.save_pretrained(tmp)
         state_dict = {}
-    elif is_lora(model):  # merged weights (merged_state_dict) go out as a plain HF model
+    elif is_lora(model):  # merged weights (full_weights) go out as a plain HF model
         model = model.get_base_model()
     state_dict = model.state_dict() if state_dict is None else state_dict
     if dtype is not None and state_dict:
@@ -637,17 +680,58 @@ def is_sharded(model) -> bool:
     return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
-def full_state_dict(model) -> dict | None:
-    """The full weights under the model's HF names (LoRA merged in; on CPU for a sharded model,
-    None on ranks other than 0 then)."""
+def full_weights(model, dtype=None):
+    """The full weights under the model's HF names, as (name, tensor) pairs a consumer takes one
+    at a time (an engine's update_weights, a weight sync): references to the parameters, each cast
+    to `dtype` only as it is taken (a copy of that tensor alone); a LoRA model's merged
+    W + scale * B @ A computed layer by layer, so that no second copy of the whole model ever
+    exists. A sharded model's are gathered now, by every rank (a collective), to CPU on rank 0:
+    no pairs on the others."""
     if is_lora(model):
-        return merged_state_dict(model)
+        return _merged_weights(model, dtype)
     if not is_sharded(model):
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
-    return full or None
+        weights = model.state_dict()
+    else:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict)
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                       cpu_offload=True))
+    return ((name, _cast(tensor, dtype)) for name, tensor in weights.items())
+
+
+def full_state_dict(model, dtype=None) -> dict | None:
+    """full_weights as a dict (saving a model needs them all at once); None on a sharded model's
+    ranks other than 0."""
+    return dict(full_weights(model, dtype)) or None
+
+
+def named_tensors(weights):
+    """(name, tensor) pairs from a state dict or from full_weights' pairs."""
+    return weights.items() if isinstance(weights, dict) else weights
+
+
+def _cast(tensor, dtype):
+    tensor = tensor.detach()
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+
+
+def _merged_weights(model, dtype):
+    """A LoRA model's weights as the plain model's, one at a time: W + scale * B @ A for every
+    adapted layer, under the HF names (no `base_layer`, no lora_*). Computed, not merged in place:
+    in-place merge/unmerge would round the fp32 base a little at every sync."""
+    from peft.tuners.lora import LoraLayer
+    base = model.get_base_model()
+    adapted = {f"{name}.weight": module for name, module in base.named_modules()
+               if isinstance(module, LoraLayer)}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        name = name.replace(".base_layer", "")
+        if name in adapted:  # (no_grad here only: a generator's caller runs between its yields)
+            with torch.no_grad():
+                layer = adapted[name]
+                tensor = tensor + layer.get_delta_weight(layer.active_adapters[0])
+        yield name, _cast(tensor, dtype)
 
 
 def full_optimizer_state(model, optimizer) -> dict:
@@ -686,22 +770,6 @@ def add_lora(model, rank: int, alpha: int = 0, targets: str = "all-linear"):
 
 def is_lora(model) -> bool:
     return hasattr(model, "peft_config")
-
-
-def merged_state_dict(model) -> dict:
-    """A LoRA model's weights as the plain model's: W + scale * B @ A for every adapted layer,
-    under the HF names (no `base_layer`, no lora_*). Computed, not merged in place: in-place
-    merge/unmerge would round the fp32 base a little at every sync."""
-    from peft.tuners.lora import LoraLayer
-    base = model.get_base_model()
-    weights = {name.replace(".base_layer", ""): tensor for name, tensor in base.state_dict().items()
-               if ".lora_" not in name}
-    with torch.no_grad():
-        for name, module in base.named_modules():
-            if isinstance(module, LoraLayer):
-                key = f"{name}.weight"
-                weights[key] = weights[key] + module.get_delta_weight(module.active_adapters[0])
-    return weights
 
 
 def load_adapters(model, folder):

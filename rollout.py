@@ -15,7 +15,6 @@ completion's length is where its first stop token is (that stop token included: 
 learn to stop), or max_new_tokens when it never stopped (then it is `truncated`).
 """
 
-import copy
 import hashlib
 import math
 import time
@@ -24,7 +23,7 @@ from datetime import timedelta
 
 import torch
 
-from model import cast_parameters, stop_token_ids
+from model import empty_copy, full_weights, named_tensors, stop_token_ids
 
 
 @dataclass
@@ -178,15 +177,22 @@ class HFRollout:
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int = 256, device: str = "cpu",
-                 dtype=torch.bfloat16, logprobs: bool = False):
+                 dtype=torch.bfloat16, logprobs: bool = False, shares_weights: bool = False):
         self.tokenizer, self.batch_size, self.device = tokenizer, batch_size, device
         self.logprobs = logprobs  # also return the log-prob of each sampled token
         # batch_size: samples decoded together; on a CPU a decode step's matmuls run ~1.2x faster
         # per row with 256 rows than with 64.
         self.version, self.weight_group = 0, None
         # Not requires_grad_(False): measured here, it makes bf16 CPU generation 2.5x slower (a
-        # different matmul path is taken); decoding already runs without autograd.
-        self.model = cast_parameters(copy.deepcopy(model), dtype).eval()
+        # different matmul path is taken); decoding already runs without autograd. A plain model
+        # (a LoRA model's merged weights), filled tensor by tensor: no second full copy. A frozen
+        # model already in `dtype` (distill.py's teacher) is sampled from as it is
+        # (shares_weights): the engine then never takes other weights.
+        if shares_weights and next(model.parameters()).dtype == dtype:
+            self.model = model.eval()
+        else:
+            self.model = empty_copy(model, dtype)
+            self.update_weights(full_weights(model))
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
         # Prompts share their common prefix's forward (_decode) where check_head_logits has
@@ -194,11 +200,20 @@ class HFRollout:
         self.share_prefix = getattr(model, "smolrl_shares_prompts", False)
 
     @torch.no_grad()
-    def update_weights(self, weights: dict, version: int = 0) -> float:
+    def update_weights(self, weights, version: int = 0) -> float:
+        """Take a state dict's or full_weights' (name, tensor) pairs one at a time, each copied
+        (and cast) into the engine's own tensor."""
         t0 = time.perf_counter()
-        self.model.load_state_dict(weights)  # copies by name, cast to the engine's dtype
+        self._fill(named_tensors(weights))
         self.version = version
         return time.perf_counter() - t0
+
+    def _fill(self, pairs):
+        own = self.model.state_dict()  # references to the engine's own tensors
+        for name, tensor in pairs:
+            own.pop(name).copy_(tensor)
+        if own:  # the same architecture on both sides: every tensor has come
+            raise RuntimeError(f"weight sync: the trainer sent no {', '.join(list(own)[:3])}")
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str):
         self.weight_group = WeightGroup(host, port, rank, world_size, backend)
@@ -209,11 +224,7 @@ class HFRollout:
     @torch.no_grad()
     def receive_weights(self, layout: list, version: int) -> float:
         t0 = time.perf_counter()
-        own = self.model.state_dict()  # references to the engine's own tensors
-        for name, tensor in self.weight_group.receive(layout):
-            own.pop(name).copy_(tensor)  # as each bucket arrives: never a second full copy
-        if own:  # the same architecture on both sides: every tensor has come
-            raise RuntimeError(f"weight sync: the trainer sent no {', '.join(list(own)[:3])}")
+        self._fill(self.weight_group.receive(layout))  # as each bucket arrives
         self.version = version
         return time.perf_counter() - t0
 
@@ -317,11 +328,12 @@ class WeightSpec:
     dtype: str  # a torch dtype's name, e.g. "bfloat16"
 
 
-def weight_layout(weights: dict, dtype: torch.dtype, bucket_mb: int = BUCKET_MB) -> list[list]:
+def weight_layout(weights, dtype: torch.dtype, bucket_mb: int = BUCKET_MB) -> list[list]:
     """The buckets of WeightSpecs a sync sends, in order: floating tensors cast to `dtype`, each
-    bucket of one dtype and at most bucket_mb (a larger tensor goes alone)."""
+    bucket of one dtype and at most bucket_mb (a larger tensor goes alone). weights: a state dict
+    or full_weights' pairs, in the order send() will take them."""
     buckets, size = [[]], 0
-    for name, tensor in weights.items():
+    for name, tensor in named_tensors(weights):
         kind = dtype if tensor.is_floating_point() else tensor.dtype
         nbytes = tensor.numel() * kind.itemsize
         if buckets[-1] and (size + nbytes > bucket_mb * 2**20
@@ -347,12 +359,19 @@ class WeightGroup:
         self.group = (dist.ProcessGroupNCCL(self.store, rank, world_size) if backend == "nccl"
                       else dist.ProcessGroupGloo(self.store, rank, world_size, timeout))
 
-    def send(self, weights: dict, layout: list[list[WeightSpec]]):
-        """Rank 0: each bucket flattened into one buffer (the only copy made) and broadcast."""
+    def send(self, weights, layout: list[list[WeightSpec]]):
+        """Rank 0: each bucket flattened into one buffer (the only copy made) and broadcast.
+        weights: a state dict or full_weights' pairs, in the layout's order."""
+        pairs = iter(named_tensors(weights))
         for bucket in layout:
-            dtype = getattr(torch, bucket[0].dtype)
-            flat = torch.cat([weights[s.name].detach().to(self.device, dtype).reshape(-1)
-                              for s in bucket])
+            dtype, parts = getattr(torch, bucket[0].dtype), []
+            for spec in bucket:
+                name, tensor = next(pairs)
+                if name != spec.name:
+                    raise RuntimeError(f"weight sync: {name} came where the layout has {spec.name}")
+                parts.append(tensor.detach().to(self.device, dtype).reshape(-1))
+            flat = torch.cat(parts)
+            del parts
             self.group.broadcast(flat.view(torch.uint8), 0).wait()
 
     def receive(self, layout: list[list[WeightSpec]]):
@@ -435,9 +454,10 @@ class VLLMRollout:
         # Only the weights need memory for a sync; the KV cache stays freed until generate, so it
         # never coexists with the trainer's memory.
         self._wake({"weights"})
-        # Cast to the engine's dtype where the tensors are (on the GPU, before any host copy);
-        # the loader would cast anyway, with a warning per tensor.
-        named = [(name, p.detach().to(self.dtype)) for name, p in weights.items()]
+        # Cast to the engine's dtype where the tensors are (on the GPU, before any host copy;
+        # the loader would cast anyway, with a warning per tensor), one at a time as the loader
+        # takes them: the engine runs in this process, so it pulls from this very generator.
+        named = ((name, p.detach().to(self.dtype)) for name, p in named_tensors(weights))
         self.llm.collective_rpc("load_trainer_weights", args=(named,))
         self._weights_changed(version)
         return time.perf_counter() - t0
@@ -565,6 +585,6 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
         # Its weights, KV cache and workspace: a pool of this process's CUDA allocator, which
         # the trainer's memory figures leave out (trainer.peak_memory_gb).
         engine.memory_bytes = torch.cuda.memory_allocated() - before if on_gpu else 0
-        engine.update_weights(model.state_dict())  # the trainer's weights, whatever is on disk
+        engine.update_weights(full_weights(model))  # the trainer's weights, whatever is on disk
         return engine
     raise SystemExit(f"error: unknown rollout engine {kind!r}; choose hf or vllm")

@@ -47,7 +47,7 @@ from data import DEMONSTRATORS, GENERATED, TASKS, TEMPLATES, InputError, Templat
 from data import demonstrations, epoch_batches, load_rows, load_table, parse_config
 from env import Agent, ToolChat, environment_tools, load_environment, load_tools
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves
-from model import DEFAULT_MODEL, DTYPES, autocast, choose_dtype, chunk_logprobs, full_state_dict
+from model import DEFAULT_MODEL, DTYPES, autocast, choose_dtype, chunk_logprobs, full_weights
 from model import load_tokenizer, pick_device, right_pad
 from reward import Grader
 from rollout import HFRollout
@@ -675,7 +675,7 @@ def held_out_evaluation(trainer, held_out: list[Example], task_rows: list[dict],
             with torch.no_grad():
                 record["eval_loss"] = batch_loss(trainer, held_out, cfg, train=False)["loss"]
         if task_rows:
-            engine.update_weights(full_state_dict(trainer.model))
+            engine.update_weights(full_weights(trainer.model))
             record.update(evaluate_held_out(run, task_rows, cfg, grader))
         record["eval_seconds"] = time.time() - t0
         return record

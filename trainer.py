@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from checkpoint import load_trainer_state, save_trainer_state
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
-from model import add_lora, full_state_dict, load_adapters, load_model, pick_device
+from model import add_lora, full_state_dict, full_weights, load_adapters, load_model, pick_device
 from model import DTYPES, cast_parameters, save_model, shard_model, source_dtype
 from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, tokens_after_prompt
 from rollout import weight_layout
@@ -171,9 +171,9 @@ def refresh_bf16_copy(trainer: Trainer):
 def export_model(trainer: Trainer, folder: str):
     """The run's result: the model alone, in the dtype it came in (no optimizer state, which
     belongs in checkpoints). Every rank calls it; rank 0 writes."""
-    weights = full_state_dict(trainer.model)
+    dtype = source_dtype(trainer.cfg.init_from or trainer.cfg.model)
+    weights = full_state_dict(trainer.model, dtype)  # (LoRA: merged, only in the saved dtype)
     if trainer.group is None or dist.get_rank() == 0:
-        dtype = source_dtype(trainer.cfg.init_from or trainer.cfg.model)
         save_model(trainer.model, trainer.tokenizer, folder, weights, dtype=dtype)
 
 
@@ -183,14 +183,14 @@ def save_trainer(trainer: Trainer, folder: str):
                        trainer.scheduler, writer=trainer.group is None or dist.get_rank() == 0)
 
 
-def weights_of(trainer: Trainer, dtype=None) -> dict | None:
-    """The full weights on trainer rank 0 (cast to `dtype` where they are, before any copy to the
-    host), None on the others. Every rank calls it: a sharded (FSDP) model gathers them."""
-    weights = full_state_dict(trainer.model)  # references, unless sharded
+def weights_of(trainer: Trainer, dtype=None):
+    """The full weights on trainer rank 0, as model.full_weights' (name, tensor) pairs -- taken
+    one at a time, each cast to `dtype` where it is, before any copy to the host --, None on the
+    others. Every rank calls it: a sharded (FSDP) model gathers them."""
+    weights = full_weights(trainer.model, dtype)
     if trainer.group is not None and dist.get_rank() != 0:
         return None
-    return {k: v.detach().to(dtype) if dtype and v.is_floating_point() else v
-            for k, v in weights.items()}
+    return weights
 
 
 def layout_of(trainer: Trainer) -> list | None:
@@ -209,7 +209,7 @@ def join_weight_group(trainer: Trainer, host, port, world_size, backend, layout)
 def send_weights(trainer: Trainer):
     """Rank 0 broadcasts its weights to the engines, bucket by bucket. Every rank calls it: a
     sharded (FSDP) model gathers them."""
-    weights = weights_of(trainer)  # references to the parameters, unless sharded or LoRA-merged
+    weights = weights_of(trainer)  # taken one by one as the buckets fill
     if weights is not None:
         trainer.weight_group.send(weights, trainer.weight_layout)
 
@@ -488,7 +488,10 @@ def make_engine(cfg):
     """A rollout engine on an engine worker: from what the trainers start from (--init-from's
     folder, else --model: its config, chat template and vocabulary), verified as the trainers'
     model is, so that it shares prompts exactly where theirs does."""
-    model, tokenizer = load_model(cfg.init_from or cfg.model, pick_device())
+    # In the engine's dtype (the trainers' weights replace these at once), on the GPU only for
+    # the HF engine: vLLM reads the folder itself, and takes these weights from the host.
+    device = pick_device() if cfg.rollout == "hf" else "cpu"
+    model, tokenizer = load_model(cfg.init_from or cfg.model, device, DTYPES[cfg.dtype])
     check_head_logits(model)  # (sets model.smolrl_shares_prompts, which the HF engine reads)
     return make_rollout(cfg.rollout, model, tokenizer, device=pick_device(), seed=cfg.seed,
                         dtype=DTYPES[cfg.dtype],
@@ -514,11 +517,9 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
     """One process: the trainer and the rollout engine live here. train_step(trainer, batch) is
     grpo.train_on_rollout; start_step: the step the weights are from (a resumed run's)."""
     trainer = setup_trainer(cfg, resume_dir)
-    # The engine holds a plain model (LoRA wraps the trainer's in place: load one for it), and
-    # starts from the trainer's weights.
-    plain = load_model(cfg.init_from or cfg.model, trainer.device)[0] if cfg.lora_rank \
-        else trainer.model
-    rollout = make_rollout(cfg.rollout, plain, trainer.tokenizer, device=trainer.device,
+    # The engine holds a plain model of its own (LoRA: the merged weights), built from the
+    # trainer's without a second copy of it, and then takes the trainer's weights.
+    rollout = make_rollout(cfg.rollout, trainer.model, trainer.tokenizer, device=trainer.device,
                            dtype=DTYPES[cfg.dtype],
                            seed=cfg.seed, max_new_tokens=tokens_after_prompt(cfg),
                            gpu_memory_utilization=cfg.gpu_memory_utilization,

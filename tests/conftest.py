@@ -197,3 +197,20 @@ def check_an_episode_on(engine, model, tokenizer, monkeypatch, atol: float):
         assert (trainer[0][mask] - engine_lps[mask]).abs().max() < atol
         assert torch.all(engine_lps[~mask] == 0)
     return episode
+
+
+def peak_rss_growth(fn) -> tuple[int, object]:
+    """(bytes by which this process's peak resident memory rose while fn() ran, fn's result):
+    the kernel's high-water mark (VmHWM), reset first through /proc/self/clear_refs. Memory a
+    step holds and frees again counts; what torch's CPU allocator takes comes from the kernel
+    (large blocks are mmap'ed and returned at once), so the figure is the step's real peak."""
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+    import gc
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # (resets VmHWM to the current RSS)
+    before = status("VmRSS:")
+    result = fn()
+    return status("VmHWM:") - before, result

@@ -143,3 +143,53 @@ def test_sft_with_lora_writes_a_merged_model_that_dpo_trains_on(tiny_model_dir, 
         "--model", str(tmp_path / "s" / "model"), "--data", str(prefs), "--batch-size", "2",
         "--eval-every", "0", "--dtype", "fp32", "--out", str(tmp_path / "d")]))
     assert dpo_history and (tmp_path / "d" / "model").exists()
+
+
+def _sizeable_lora_model(tokenizer):
+    """~45M parameters (180 MB in fp32), so that a copy of the model stands far above the noise
+    of a process's resident memory; rank-8 adapters on every linear, trained-looking."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from model import add_lora
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    model = add_lora(model, 8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    return model, 4 * sum(p.numel() for p in model.get_base_model().parameters())
+
+
+def test_an_engine_over_a_lora_model_and_its_syncs_never_hold_a_second_copy_of_it(tokenizer):
+    """Issue 41: the engine's set-up loaded a second fp32 model for LoRA runs (a deepcopy for
+    the others), and every sync built the merged weights of all adapted layers at once in fp32:
+    28 GiB at Qwen2.5-1.5B's shapes on a 23.5 GiB card. Now the engine is a bf16 model filled
+    tensor by tensor, and a sync merges one layer at a time: the peak is the engine's own bf16
+    weights, plus one layer."""
+    from conftest import peak_rss_growth
+    from model import full_weights
+    model, fp32_bytes = _sizeable_lora_model(tokenizer)
+    grown, engine = peak_rss_growth(lambda: HFRollout(model, tokenizer, dtype=torch.bfloat16))
+    assert grown < 0.7 * fp32_bytes, (grown / 2**20, fp32_bytes / 2**20)  # (bf16 itself: 0.5)
+    grown, _ = peak_rss_growth(lambda: engine.update_weights(full_weights(model)))
+    assert grown < 0.15 * fp32_bytes, (grown / 2**20, fp32_bytes / 2**20)
+    # ... and what it holds are the merged weights, under the plain model's names.
+    merged = model.merge_and_unload()
+    for name, p in merged.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[name], p.to(torch.bfloat16)), name
+
+
+def test_sft_with_lora_evaluates_held_out_problems(tiny_model_dir, tmp_path):
+    """Issue 41: the PeftModel was deep-copied into the HF engine, then merged weights under
+    plain names were loaded into it: `Missing key(s)` at the first held-out evaluation of every
+    built-in warm start run with --lora-rank."""
+    import sft
+    from data import parse_config
+    history = sft.main(parse_config(sft.Config, [
+        "--model", tiny_model_dir, "--demos", "8", "--batch-size", "4", "--lora-rank", "4",
+        "--eval-every", "1", "--eval-size", "2", "--max-new-tokens", "30", "--max-turns", "1",
+        "--max-length", "512", "--dtype", "fp32", "--out", str(tmp_path / "s")]))
+    assert "eval_accuracy" in history[0] and "eval_accuracy" in history[-1]
