@@ -87,6 +87,12 @@ class Config(grpo.Config):
                   f"distill.py trains on the teacher's divergence, not on rewards")
         check(not self.fsdp, "--fsdp is not supported by distill.py (the teacher is not sharded)")
 
+    def workload(self):
+        """GRPO's, and the teacher beside the trainer for the whole run (grading; the steps it
+        samples share it). (grpo.Config's __post_init__ asks, before --teacher is checked.)"""
+        return super().workload()._replace(teacher=resolve(self.teacher, "--teacher")
+                                           if self.teacher else "")
+
 
 # What distill.py refuses to take: GRPO's advantages, clipping, KL penalty and reward shaping.
 GRPO_ONLY = ("adv_scale", "leave_one_out", "eps_low", "eps_high", "beta", "ratio_level",

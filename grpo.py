@@ -43,7 +43,7 @@ from data import TEMPLATES, ProblemStream, Template, apply_task, check, encode_p
 from data import load_problems, parse_config, task_summary
 from env import Agent, load_environment, load_tools
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves, show_samples, step_record
-from gpu_memory import plan_memory
+from gpu_memory import PROMPT_TOKENS, Workload, plan_memory
 from model import DEFAULT_MODEL, choose_dtype, length_mask, model_path, pack, pick_device
 from model import right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
@@ -231,19 +231,23 @@ class Config:
         choice = choose_dtype(self.dtype, pick_device(),
                               recorded_dtype(self.out, self.resume, self.CONFIG_FILE))
         self.dtype, self.dtype_reason = choice.name, choice.reason  # (the reason is no option)
+        if self.rollout == "auto":
+            gpu_and_vllm = torch.cuda.is_available() and importlib.util.find_spec("vllm")
+            self.rollout = "vllm" if gpu_and_vllm else "hf"
         self.memory_plan = None  # on a GPU: what the unset memory settings are based on
         if pick_device() == "cuda":
-            self.memory_plan = plan_memory(self, torch.cuda.mem_get_info()[1], model_path(self))
+            self.memory_plan = plan_memory(self.workload(), torch.cuda.mem_get_info()[1],
+                                           self.gradient_checkpointing,
+                                           self.max_tokens_per_microbatch,
+                                           self.gpu_memory_utilization)
             for name in ("gradient_checkpointing", "max_tokens_per_microbatch",
                          "gpu_memory_utilization"):
                 setattr(self, name, getattr(self.memory_plan, name))
         for name, on_cpu in (("gradient_checkpointing", False), ("max_tokens_per_microbatch", 0),
                              ("gpu_memory_utilization", 0.2)):
-            if getattr(self, name) is None:
+            if getattr(self, name) is None or (name == "gpu_memory_utilization"
+                                               and not getattr(self, name)):
                 setattr(self, name, on_cpu)
-        if self.rollout == "auto":
-            gpu_and_vllm = torch.cuda.is_available() and importlib.util.find_spec("vllm")
-            self.rollout = "vllm" if gpu_and_vllm else "hf"
         check(self.num_generations >= 2, f"--num-generations {self.num_generations}: a group needs "
               f"at least 2 samples, or it has no baseline to be better than")
         for name in ("prompts_per_step", "max_new_tokens", "updates_per_rollout",
@@ -294,6 +298,18 @@ class Config:
         check(self.ratio_level == "token" or self.loss_agg == "seq-mean", f"--ratio-level sequence "
               f"(GSPO) averages over sequences: --loss-agg {self.loss_agg} contradicts it; "
               f"leave --loss-agg out or pass seq-mean")
+
+
+    def workload(self) -> Workload:
+        """What this run puts on one GPU, for gpu_memory.plan_memory."""
+        samples = self.prompts_per_step * self.num_generations
+        new_tokens = self.max_episode_tokens if self.tools or self.env else self.max_new_tokens
+        on_ray = self.num_trainers > 1 or self.num_engines > 1 or bool(self.ray_address)
+        return Workload(model_path(self), self.lora_rank, self.dtype == "bf16",
+                        self.beta != 0 and not self.lora_rank,
+                        self.num_trainers if self.fsdp else 1, self.rollout,
+                        self.colocate or not on_ray, samples * (PROMPT_TOKENS + new_tokens),
+                        samples, PROMPT_TOKENS + new_tokens)
 
 
 # ---------------------------------------------------------------------------------------------

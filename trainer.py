@@ -497,7 +497,9 @@ def make_engine(cfg):
                         dtype=DTYPES[cfg.dtype],
                         max_new_tokens=tokens_after_prompt(cfg),
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
-                        logprobs=cfg.async_steps > 0)
+                        logprobs=cfg.async_steps > 0,
+                        max_num_seqs=-(-cfg.prompts_per_step * cfg.num_generations
+                                       // cfg.num_engines))
 
 
 
@@ -523,7 +525,8 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
                            dtype=DTYPES[cfg.dtype],
                            seed=cfg.seed, max_new_tokens=tokens_after_prompt(cfg),
                            gpu_memory_utilization=cfg.gpu_memory_utilization,
-                           logprobs=cfg.async_steps > 0)
+                           logprobs=cfg.async_steps > 0,
+                           max_num_seqs=cfg.prompts_per_step * cfg.num_generations)
     rollout.update_weights(weights_of(trainer), version=start_step)
     trainer.engine_bytes = getattr(rollout, "memory_bytes", 0)
 

@@ -134,3 +134,34 @@ def test_a_tiny_student_moves_towards_its_teacher(tiny_model_dir, teacher_dir, t
     distill.main(parse_config(distill.Config, args + ["--steps", "2", "--lmbda", "0",
                                                       "--out", str(tmp_path / "off")]))
     assert [r["on_policy"] for r in read_metrics(tmp_path / "off")] == [0, 0]
+
+
+def test_one_teacher_is_read_in_the_compute_dtype_and_both_grades_and_samples(tokenizer,
+                                                                             tmp_path):
+    """Issue 41: the teacher was loaded in fp32 (28 GiB for a 7B one) before its cast, and with
+    --lmbda < 1 a second fp32 teacher was loaded and deep-copied into an HF engine. Now one copy,
+    read straight in bf16 (its rotary tables fp32), and the engine samples from it."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import peak_rss_growth
+    from data import parse_config
+    torch.manual_seed(0)  # ~45M parameters: a second copy stands far above the noise
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )).to(torch.bfloat16).save_pretrained(tmp_path / "teacher")  # (as hub models come)
+    tokenizer.save_pretrained(tmp_path / "teacher")
+    path = str(tmp_path / "teacher")
+    grown, teacher = peak_rss_growth(lambda: distill.load_teacher(path, "cpu", torch.bfloat16))
+    bf16_bytes = sum(p.numel() * 2 for p in teacher.parameters())
+    assert {p.dtype for p in teacher.parameters()} == {torch.bfloat16}
+    assert {b.dtype for b in teacher.buffers()} == {torch.float32}
+    # the file's pages (mapped while read) and the weights: 2x; through fp32, 4x and more
+    assert grown < 2.5 * bf16_bytes, (grown / 2**20, bf16_bytes / 2**20)
+    cfg = parse_config(distill.Config, ["--model", path, "--teacher", path, "--dtype", "bf16",
+                                        "--lmbda", "0.5", "--out", str(tmp_path / "o")])
+    engine = distill.teacher_engine(cfg, SimpleNamespace(tokenizer=tokenizer, agent=None))
+    assert engine.rollout.model is teacher
+    assert distill.teacher_of(SimpleNamespace(cfg=cfg, device="cpu")) is teacher

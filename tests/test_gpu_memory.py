@@ -24,17 +24,20 @@ def qwen_1_5b(tmp_path_factory):
 
 
 def _plan(path, gb, **kw):
-    cfg = replace(Config(model=path, dtype="bf16"), **kw)  # the math task: 8 x 8 x 1,024 tokens
-    for name in ("gradient_checkpointing", "max_tokens_per_microbatch", "gpu_memory_utilization"):
-        setattr(cfg, name, kw.get(name))  # unset: the plan's to choose
-    return gpu_memory.plan_memory(cfg, gb * GB, path)
+    """The plan of a grpo.Config (the math task: 8 x 8 x 1,024 tokens; the vLLM engine unless
+    `rollout` says otherwise); settings not in kw are unset: the plan's to choose."""
+    settings = {name: kw.pop(name, None) for name in (
+        "gradient_checkpointing", "max_tokens_per_microbatch", "gpu_memory_utilization")}
+    cfg = replace(Config(model=path, dtype="bf16"), **{"rollout": "vllm", **kw})
+    return gpu_memory.plan_memory(cfg.workload(), gb * GB, *settings.values())
 
 
 def test_the_one_gpu_commands_get_settings_that_fit(qwen_1_5b):
     """Full fine-tuning of 1.5B on 80 GB: 20 bytes a parameter resident (fp32 weights, gradients,
     AdamW moments, the bf16 copy and its gradients), an engine share that holds the step's 64 x
-    1,536-token batch, and micro-batches of what is left. LoRA on 24 GB needs checkpointing. Full
-    fine-tuning on 40 GB does not fit, and says so in one line."""
+    1,536-token batch, its workspace and its sampler's profile of 64 requests (not vLLM's default
+    1,024), and micro-batches of what is left. LoRA on 24 GB needs checkpointing. Full
+    fine-tuning on 32 GB does not fit, and says so in one line."""
     full = _plan(qwen_1_5b, 80)
     assert full.trainer_gb == pytest.approx(20 * 1.5437e9 / GB, rel=1e-3)
     assert not full.gradient_checkpointing and full.max_tokens_per_microbatch >= 4 * 1536
@@ -48,8 +51,8 @@ def test_the_one_gpu_commands_get_settings_that_fit(qwen_1_5b):
     assert lora.gradient_checkpointing and lora.max_tokens_per_microbatch >= 1536
     assert lora.trainer_gb + lora.engine_gb <= 0.9 * 24
 
-    with pytest.raises(SystemExit, match="does not fit this GPU .40 GB. while generating"):
-        _plan(qwen_1_5b, 40)
+    with pytest.raises(SystemExit, match="does not fit this GPU .32 GB. while generating"):
+        _plan(qwen_1_5b, 32)
     kept = _plan(qwen_1_5b, 80, gradient_checkpointing=True, max_tokens_per_microbatch=4096)
     assert kept.gradient_checkpointing and kept.max_tokens_per_microbatch == 4096  # flags win
 
@@ -75,11 +78,11 @@ def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
     monkeypatch.setattr(grpo, "choose_dtype", lambda requested, device, recorded: (
         DtypeChoice("bf16", "a GPU with bf16")))
     with pytest.raises(SystemExit) as done:
-        parse_config(Config, ["--model", qwen_1_5b, "--rollout", "hf", "--dry-run"])
+        parse_config(Config, ["--model", qwen_1_5b, "--rollout", "vllm", "--dry-run"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert "# memory plan (80 GB GPU, 90% usable): trainer 28.8 GB resident" in out
-    assert "gradient_checkpointing = false" in out and "gpu_memory_utilization = 0.1" in out
+    assert "# memory plan (80 GB GPU, 90% usable): trainer 28.8 GB resident; vLLM engine" in out
+    assert "gradient_checkpointing = false" in out and "gpu_memory_utilization = 0.09" in out
 
 
 def _unique_saved_bytes(model, T: int) -> int:
@@ -121,3 +124,53 @@ def test_lora_activations_are_measured_as_lora_trains(tiny_model_dir, qwen_1_5b)
         gpu_memory.ACTIVATION_HEADROOM * (28 * 1536 * 4 + 2 * 128 * 4 + layer))
     bf16 = gpu_memory.model_shape(qwen_1_5b)
     assert lora.activations_kb * 1024 > 1.2 * (28 * 1536 * 2 + bf16.activation_bytes_per_token / 28)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (a tied embedding and head count once)."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_the_plan_counts_the_tensors_a_run_really_holds(lora_rank, tiny_model_dir, monkeypatch):
+    """The plan's resident figures against the storages of the real tensors a CPU run holds at
+    the optimizer step (issue 41: the teacher, the HF engine's weights, a LoRA engine were not in
+    it): the trainer's weights, gradients, optimizer state, bf16 copy and KL reference; the HF
+    engine's own weights; distill.py's teacher, read in the compute dtype."""
+    import distill
+    from conftest import make_batch
+    from grpo import train_on_rollout
+    from rollout import HFRollout
+    from trainer import setup_trainer
+    cfg = replace(Config(model=tiny_model_dir, dtype="bf16", beta=0.04, rollout="hf"),
+                  lora_rank=lora_rank, gradient_checkpointing=False, max_tokens_per_microbatch=0)
+    trainer = setup_trainer(cfg)
+    held = {}
+    real_step = trainer.optimizer.step
+
+    def step(*args, **kwargs):  # what is resident when the step is taken: grads included
+        models = [trainer.model, trainer.compute] + ([trainer.ref_model] if trainer.ref_model
+                                                     else [])
+        tensors = [t for m in models for p in m.parameters() for t in (p, p.grad)]
+        out = real_step(*args, **kwargs)
+        tensors += [v for s in trainer.optimizer.state.values() for v in s.values()
+                    if torch.is_tensor(v)]
+        held["trainer"] = _storage_bytes(tensors)
+        return out
+    monkeypatch.setattr(trainer.optimizer, "step", step)
+    train_on_rollout(trainer, make_batch([[5, 6], [7, 8]], [[20, 21, 2], [22, 2]], [1.0, -1.0]))
+    engine = HFRollout(trainer.model, trainer.tokenizer, dtype=torch.bfloat16)
+    teacher = distill.load_teacher(tiny_model_dir, "cpu", torch.bfloat16)
+    plan = gpu_memory.plan_memory(cfg.workload()._replace(teacher=tiny_model_dir), 80 * GB)
+    # ... and, until a micro-batch's gradients are added to the fp32 masters' (and freed), the
+    # bf16 copy's gradients: as large as the copy itself.
+    copy_grads = 0 if trainer.compute is trainer.model else _storage_bytes(
+        trainer.compute.parameters())
+    assert plan.trainer_gb * GB == pytest.approx(held["trainer"] + copy_grads, rel=0.05)
+    assert plan.engine_kept_gb * GB == pytest.approx(
+        _storage_bytes(engine.model.parameters()), rel=0.01)
+    assert plan.frozen_gb * GB == pytest.approx(_storage_bytes(teacher.parameters()), rel=0.01)
