@@ -458,10 +458,13 @@ def main(cfg: Config):
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
         scheduler.step()
+        seconds = time.time() - t0
+        tokens = sum(2 * len(train_pairs[i].prompt) + len(train_pairs[i].chosen)
+                     + len(train_pairs[i].rejected) for i in idx)  # (chosen and rejected rows)
         record = {"step": step, "epoch": batch.epoch,
                   **{k: v / len(idx) for k, v in sums.items()},
                   "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                  "step_seconds": time.time() - t0}
+                  "step_seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == len(batches)):
             record.update(evaluate_now())
         log(record)

@@ -180,8 +180,8 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
         what = (f"{run.model} does not fit this GPU ({device_bytes / GiB:.0f} GB) while "
                 f"generating: trainer {trainer / GiB:.1f} GB + "
                 + (f"teacher {frozen / GiB:.1f} GB + " if frozen else "")
-                + f"engine {engine / GiB:.1f} GB; try --lora-rank 16, fewer samples a step or a "
-                  f"shorter --max-new-tokens")
+                + f"engine {engine / GiB:.1f} GB; try --lora-rank 16, fewer samples or shorter "
+                  f"sequences")
         if run.engine != "vllm" or gpu_memory_utilization is None:
             raise SystemExit(f"error: {what}")
         print(f"warning: by the memory plan's estimate, {what}")  # (the user's choice stands)

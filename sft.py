@@ -48,9 +48,10 @@ from data import demonstrations, epoch_batches, load_rows, load_table, parse_con
 from env import Agent, ToolChat, environment_tools, load_environment, load_tools
 from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves
 from model import DEFAULT_MODEL, DTYPES, autocast, choose_dtype, chunk_logprobs, full_weights
-from model import load_tokenizer, pick_device, right_pad
+from gpu_memory import PROMPT_TOKENS, Workload, plan_memory
+from model import load_tokenizer, pick_device, resolve, right_pad
 from reward import Grader
-from rollout import HFRollout
+from rollout import HF_BATCH, HFRollout
 from trainer import add_to_master_grads, export_model, micro_batches, optimizer_step, save_trainer
 from trainer import setup_trainer
 
@@ -128,9 +129,10 @@ class Config:
     packed row needs a dense (L x L) attention mask, which takes SDPA off its fused causal kernel,
     so packing pays only where padding would waste more (lengths that vary widely); on a CPU, 16
     multiply transcripts of ~275 tokens trained at 330 tokens/s packed, 510 unpacked"""
-    max_tokens_per_microbatch: int = 4096
-    """tokens (padding included) per forward/backward; gradients add up over the step (SmolLM2-135M
-    keeps ~1.2 MB of activations per token for backward: 4096 tokens take ~5 GB)"""
+    max_tokens_per_microbatch: int | None = None
+    """tokens (padding included) per forward/backward; gradients add up over the step (default:
+    on a GPU what fits, gpu_memory.plan_memory; on a CPU 4096 -- SmolLM2-135M keeps ~1.2 MB of
+    activations per token for backward: 4096 tokens take ~5 GB)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
@@ -138,8 +140,9 @@ class Config:
     auto: bf16 where the hardware has it natively, else fp32 (model.choose_dtype, printed)"""
     compile: bool = False
     """torch.compile the decoder layers (as grpo.py's --compile)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in backward: less memory for long sequences, ~30 % more compute"""
+    gradient_checkpointing: bool | None = None
+    """recompute activations in backward: less memory for long sequences, ~30 % more compute
+    (default: on a GPU when the plan needs it; on a CPU off)"""
     lora_rank: int = 0
     """LoRA (peft): train rank-R adapters only (0 = full fine-tuning)"""
     lora_alpha: int = 0
@@ -181,6 +184,17 @@ class Config:
         choice = choose_dtype(self.dtype, pick_device(),
                               recorded_dtype(self.out, self.resume, "sft_config.json"))
         self.dtype, self.dtype_reason = choice.name, choice.reason
+        self.memory_plan = None  # on a GPU: what the unset memory settings are based on
+        if pick_device() == "cuda":
+            self.memory_plan = plan_memory(self.workload(), torch.cuda.mem_get_info()[1],
+                                           self.gradient_checkpointing,
+                                           self.max_tokens_per_microbatch)
+            self.gradient_checkpointing = self.memory_plan.gradient_checkpointing
+            self.max_tokens_per_microbatch = self.memory_plan.max_tokens_per_microbatch
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = False
+        if self.max_tokens_per_microbatch is None:
+            self.max_tokens_per_microbatch = 4096
         check(self.data not in GENERATED or self.data in DEMONSTRATORS, f"--data {self.data}: "
               f"no built-in warm start for it (there are: {', '.join(DEMONSTRATORS)}); pass a file")
         for name in ("demos", "epochs", "batch_size", "max_length", "max_tokens_per_microbatch",
@@ -192,6 +206,17 @@ class Config:
         check(self.max_grad_norm > 0, "--max-grad-norm must be positive")
         check(all(n in TRACKERS for n in self.report_to.split(",") if n), f"--report-to "
               f"{self.report_to}: choose from {', '.join(TRACKERS)} (comma-separated)")
+
+
+    def workload(self) -> Workload:
+        """What this run puts on one GPU, for gpu_memory.plan_memory: the trainer, and the HF
+        engine of the held-out evaluation (a batch of its problems' episodes)."""
+        evaluates = bool(self.eval_data and self.eval_every)
+        episode = PROMPT_TOKENS + max(self.max_new_tokens, self.max_episode_tokens)
+        samples = min(self.eval_size, HF_BATCH)
+        return Workload(resolve(self.model), self.lora_rank, self.dtype == "bf16", False, 1,
+                        "hf" if evaluates else "", True, samples * episode, samples,
+                        self.max_length)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -619,6 +644,8 @@ def main(cfg: Config):
     held_out, train = examples[:n_eval], examples[n_eval:]
 
     print(f"dtype {cfg.dtype} ({cfg.dtype_reason})")
+    if cfg.memory_plan:
+        print(cfg.memory_plan)
     trainer = setup_trainer(cfg, resume_dir)  # model, optimizer; on --resume the checkpoint's
     if cfg.packing and not getattr(trainer.model, "smolrl_shares_prompts", False):
         raise SystemExit(f"error: --packing: {type(trainer.model).__name__} was not verified to "

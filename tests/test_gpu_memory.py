@@ -174,3 +174,32 @@ def test_the_plan_counts_the_tensors_a_run_really_holds(lora_rank, tiny_model_di
     assert plan.engine_kept_gb * GB == pytest.approx(
         _storage_bytes(engine.model.parameters()), rel=0.01)
     assert plan.frozen_gb * GB == pytest.approx(_storage_bytes(teacher.parameters()), rel=0.01)
+
+
+def test_sft_on_a_gpu_gets_settings_that_fit(qwen_1_5b, monkeypatch):
+    """Issue 41: sft.py had no plan -- full fine-tuning of Qwen2.5-1.5B at its fixed 4,096-token
+    micro-batches without checkpointing needs ~29 GB of trainer state and ~13 GB of activations
+    (~43 GiB): past a 40 GB card. The plan now picks what fits, and keeps what the user set."""
+    import sft
+    from data import parse_config
+    from model import DtypeChoice
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sft, "choose_dtype", lambda requested, device, recorded: (
+        DtypeChoice("bf16", "a GPU with bf16")))
+
+    def sft_plan(gb, *flags):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (gb * GB, gb * GB))
+        return parse_config(sft.Config, ["--model", qwen_1_5b, *flags])
+
+    old_defaults = sft_plan(80, "--no-gradient-checkpointing", "--max-tokens-per-microbatch",
+                            "4096").memory_plan
+    needs = (old_defaults.trainer_gb + old_defaults.engine_kept_gb + old_defaults.logits_gb
+             + old_defaults.activations_kb * 4096 / 2**20)
+    assert needs > 0.9 * 40, needs
+    on_40 = sft_plan(40)
+    plan = on_40.memory_plan
+    assert (on_40.gradient_checkpointing, on_40.max_tokens_per_microbatch) == (
+        plan.gradient_checkpointing, plan.max_tokens_per_microbatch)
+    used = (plan.trainer_gb + plan.engine_kept_gb + plan.logits_gb
+            + plan.activations_kb * plan.max_tokens_per_microbatch / 2**20)
+    assert used <= 0.9 * 40 and plan.max_tokens_per_microbatch >= 1024  # (--max-length)

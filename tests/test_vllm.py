@@ -209,3 +209,15 @@ def test_two_step_grpo_run_with_vllm_from_an_sft_model(tiny_model_dir, tmp_path)
         assert key in records[-1], key
     assert records[-1]["token_mult_prob_error"] >= 1.0
     assert records[-1]["logprob_max_abs_diff"] < 0.5
+
+
+def test_a_prompt_longer_than_the_engine_holds_stops_in_one_line(engine, model_and_tokenizer):
+    """vLLM fails the whole generate call with a traceback for one prompt past max_model_len
+    (the tiny model's 512 positions here); the engine says which prompt length and why first."""
+    _, tokenizer = model_and_tokenizer
+    with pytest.raises(SystemExit) as stop:
+        engine.generate([[5, 6, 7], [5] * engine.max_model_len], 1, Sampling(4, temperature=0))
+    line = str(stop.value)
+    assert "\n" not in line and f"a prompt of {engine.max_model_len} tokens" in line
+    out = engine.generate([[5, 6, 7]], 1, Sampling(4, temperature=0))  # (the engine goes on)
+    assert len(out.completion_ids) == 1
