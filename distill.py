@@ -42,22 +42,24 @@ from typing import ClassVar
 import torch
 from torch.utils.checkpoint import checkpoint
 
-import grpo
-from data import check, flag, parse_config
+from data import check, parse_config
 from model import DTYPES, autocast, check_head_logits, head_logits, length_mask
 from model import load_model, load_tokenizer, pick_device, resolve
 from evaluate import step_record
+from options import RLOptions
+from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
+from rl import train_batch
 from rollout import HFRollout
 from trainer import UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
 from trainer import micro_batches, optimizer_step
 
 
 @dataclass
-class Config(grpo.Config):
-    """grpo.py's options (model, data, sampling, optimisation, evaluation, checkpoints, Ray), less
-    those of the GRPO loss, and these:"""
+class Config(RLOptions):
+    """The RL loop's options (options.RLOptions: model and data, sampling, episodes, the update's
+    schedule, evaluation, checkpoints, scale-out), and these:"""
     CONFIG_FILE: ClassVar[str] = "distill_config.json"
-    NOT_OPTIONS: ClassVar[tuple] = ()  # (set below: grpo.py's loss options, no flags here)
+    out: str = "out/distill"
 
     # Distillation
     teacher: str = ""
@@ -69,36 +71,20 @@ class Config(grpo.Config):
     lmbda: float = 1.0
     """GKD's lambda: the fraction of steps whose batch the student samples (on-policy); the
     teacher samples the others"""
-    out: str = "out/distill"
-    """output folder: metrics.jsonl, curves.png, checkpoints/, the final model in model/"""
 
     def __post_init__(self):
-        super().__post_init__()
         check(bool(self.teacher), "--teacher is missing: distill.py needs the model to distill, "
               "e.g. --teacher out/grpo/model (what `python grpo.py` trained)")
+        super().__post_init__()
         check(0 <= self.jsd_beta <= 1, f"--jsd-beta {self.jsd_beta}: must be in [0, 1] (0 "
               f"forward KL, 1 reverse KL, between: generalised JSD)")
         check(0 <= self.lmbda <= 1, f"--lmbda {self.lmbda}: a fraction of steps, in [0, 1]")
-        # GRPO's loss options (no flags here; set in code, they stop): nothing would read them
-        unchanged = {name: grpo.Config.__dataclass_fields__[name].default for name in GRPO_ONLY}
-        unchanged["loss_agg"] = "token-mean"  # (what grpo.Config resolves auto to)
-        for name, value in unchanged.items():
-            check(getattr(self, name) == value, f"{flag(name)} is an option of GRPO's loss; "
-                  f"distill.py trains on the teacher's divergence, not on rewards")
         check(not self.fsdp, "--fsdp is not supported by distill.py (the teacher is not sharded)")
 
     def workload(self):
-        """GRPO's, and the teacher beside the trainer for the whole run (grading; the steps it
-        samples share it). (grpo.Config's __post_init__ asks, before --teacher is checked.)"""
-        return super().workload()._replace(teacher=resolve(self.teacher, "--teacher")
-                                           if self.teacher else "")
-
-
-# What distill.py refuses to take: GRPO's advantages, clipping, KL penalty and reward shaping.
-GRPO_ONLY = ("adv_scale", "leave_one_out", "eps_low", "eps_high", "beta", "ratio_level",
-             "seq_eps_low", "seq_eps_high", "overlong_filter", "overlong_buffer", "is_cap",
-             "dynamic_sampling", "max_fill_rounds", "async_steps", "loss_agg")
-Config.NOT_OPTIONS = GRPO_ONLY
+        """The RL loop's, and the teacher beside the trainer for the whole run (grading; the
+        steps it samples share it)."""
+        return super().workload()._replace(teacher=resolve(self.teacher, "--teacher"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,12 +243,12 @@ def check_teacher(cfg):
 
 
 # ---------------------------------------------------------------------------------------------
-# The loop: grpo.py's, with the teacher in place of advantages.
+# The loop: the RL loop (rl.py), with the teacher in place of advantages.
 
 
 def main(cfg: Config):
     check_teacher(cfg)  # before the student loads
-    session = grpo.start_session(cfg, train_on_rollout, line=format_step)
+    session = start_session(cfg, train_on_rollout, line=format_step)
     run, driver, problems = session.run, session.driver, session.problems
     N, bad_steps, teacher_run = cfg.prompts_per_step, 0, None
     for step in range(driver.step + 1, cfg.steps + 1):
@@ -271,15 +257,14 @@ def main(cfg: Config):
         on_policy = random.Random(cfg.seed * 1_000_003 + step).random() < cfg.lmbda
         if not on_policy:
             teacher_run = teacher_run or teacher_engine(cfg, run)
-        seed = grpo.sampling_seed(cfg, step, 0)
-        started = grpo.start_rollout(run if on_policy else teacher_run, problems.take(N), cfg,
-                                     seed)
-        scored = grpo.score(started, cfg, session.reward_fns, session.grader)  # (metrics only)
+        seed = sampling_seed(cfg, step, 0)
+        started = start_rollout(run if on_policy else teacher_run, problems.take(N), cfg, seed)
+        scored = score(started, cfg, session.reward_fns, session.grader)  # (metrics only)
         # 2. The teacher grades every sampled token; the student steps towards it.
         t0 = time.time()
         zeros = torch.zeros(len(scored.completions))  # (no advantages: the divergence trains)
-        update = run.train(grpo.train_batch(scored.completions, zeros, cfg,
-                                            run.tokenizer.pad_token_id))
+        update = run.train(train_batch(scored.completions, zeros, cfg,
+                                       run.tokenizer.pad_token_id))
         train_seconds = time.time() - t0
         bad_steps = count_bad_steps(update, bad_steps, step, cfg.lr)
         # 3. The engine takes the new weights. 4. Metrics, evaluation, samples, checkpoint.
@@ -288,9 +273,9 @@ def main(cfg: Config):
                              cfg.num_generations)
         record.update(on_policy=int(on_policy), reward_errors=session.reward_fns.errors,
                       step_seconds=time.time() - t_step)
-        grpo.end_step(session, cfg, step, record, scored, save=not bad_steps)
-    grpo.finish_session(session, cfg, title=f"distillation of {cfg.teacher} on {cfg.data}",
-                        train_keys=("reward", "accuracy"), loss_keys=("reverse_kl",))
+        end_step(session, cfg, step, record, scored, save=not bad_steps)
+    finish_session(session, title=f"distillation of {cfg.teacher} on {cfg.data}",
+                   train_keys=("reward", "accuracy"), loss_keys=("reverse_kl",))
     return driver.history
 
 

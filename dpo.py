@@ -22,34 +22,40 @@ model's own when it has one, else the reference answer in the template's format)
 one, so held-out task accuracy shows whether DPO helped.
 """
 
-import json
 import random
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Literal
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from checkpoint import DriverState, find_checkpoint, load_driver_state, load_trainer_state
-from checkpoint import claim_checkpoints, recorded_dtype, save_checkpoint, save_trainer_state
-from data import InputError, TEMPLATES, arith_heldout, arith_stream, encode_prompts, load_table
-from data import Template, check, epoch_batches, flag, parse_config
-from evaluate import TRACKERS, RunLog, evaluate_rows, plot_curves
-from model import DEFAULT_MODEL, autocast, completion_logprobs, length_mask, load_model, pack
-from model import adamw_with_warmup, add_lora, check_head_logits, full_state_dict, full_weights
-from model import load_adapters
-from model import DTYPES, choose_dtype, pick_device, save_model, source_dtype
+from data import TEMPLATES, Template, arith_heldout, arith_stream, check, encode_prompts
+from data import InputError, load_table, parse_config
+from evaluate import evaluate_rows
+from formats import check_pairs
+from model import DTYPES, autocast, completion_logprobs, full_weights, length_mask, pack
+from options import ModelOptions, OfflineOptions, RunOptions, TrainOptions, settle
 from reward import Grader, extract_answer
 from rollout import HFRollout, Sampling
+from session import close_run, offline_loop, open_run, resume_driver, start_log
+from trainer import add_to_master_grads, export_model, optimizer_step, resume_trainer
+from trainer import save_trainer, setup_trainer
 
 
+# (Last base first: model, optimisation, epochs, evaluation and checkpoints.)
 @dataclass
-class Config:
-    model: str = DEFAULT_MODEL
-    """policy to train (and, frozen, the reference): offline default, hub id or local HF folder"""
+class Config(RunOptions, OfflineOptions, TrainOptions, ModelOptions):
+    """The shared options (options.py), and DPO's:"""
+    CONFIG_FILE: ClassVar[str] = "dpo_config.json"
+    ADAM_BETAS: ClassVar[tuple] = (0.9, 0.999)  # (TRL's DPOTrainer's, as before the shared set-up)
+    lr: float = 5e-6
+    warmup_steps: int = 2
+    epochs: int = 2
+    out: str = "out/dpo"
+
+    # DPO's data: pairs in TRL's preference format (formats.py), or sampled from the model
     data: str = "builtin"
     """`builtin` (on-policy arith pairs), a .jsonl/.json/.csv/.parquet file, or a hub dataset id"""
     prompt_field: str = "prompt"
@@ -70,6 +76,16 @@ class Config:
     """builtin set: arith problems to sample answers for"""
     builtin_samples: int = 4
     """builtin set: answers sampled per problem (temperature 0.7)"""
+    max_length: int = 512
+    """prompt + response tokens; longer pairs lose prompt tokens first, then response tokens"""
+    max_prompt_length: int = 256
+    """prompt tokens kept (from the end) when a pair is too long"""
+    micro_batch_size: int = 8
+    """pairs per forward/backward (chosen and rejected go through one forward together)"""
+    eval_size: int = 256
+    """held-out arith problems for the task metric (builtin data only)"""
+
+    # The DPO loss
     beta: float = 0.1
     """DPO temperature: strength of the pull towards the reference"""
     loss_type: Literal["sigmoid", "hinge", "ipo", "robust"] = "sigmoid"
@@ -80,71 +96,19 @@ class Config:
     """weight of an NLL term on the chosen response (RPO); 0 turns it off"""
     reference_free: bool = False
     """use log ref = 0, i.e. no reference model"""
-    lr: float = 5e-6
-    """AdamW learning rate (constant after warmup)"""
-    warmup_steps: int = 2
-    """linear learning-rate warmup steps"""
-    epochs: int = 2
-    """passes over the training pairs"""
-    steps: int = 0
-    """optimizer steps in all, overriding --epochs (TRL's max_steps): the pairs are gone through
-    again, reshuffled, as often as it takes (0 = --epochs' worth)"""
-    batch_size: int = 16
-    """pairs per optimizer step"""
-    micro_batch_size: int = 8
-    """pairs per forward/backward (chosen and rejected go through one forward together)"""
-    max_length: int = 512
-    """prompt + response tokens; longer pairs lose prompt tokens first, then response tokens"""
-    max_prompt_length: int = 256
-    """prompt tokens kept (from the end) when a pair is too long"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    eval_every: int = 5
-    """held-out evaluation every N steps, at step 0 and at the end (0 = never)"""
-    eval_size: int = 256
-    """held-out arith problems for the task metric (builtin data only)"""
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """compute dtype (master weights stay fp32; bf16 by autocast); auto: bf16 where the hardware
-    has it natively, else fp32 (model.choose_dtype, printed)"""
-    lora_rank: int = 0
-    """LoRA (peft): train rank-R adapters only (0 = full fine-tuning); the reference stays the base"""
-    lora_alpha: int = 0
-    """LoRA scale numerator (0 = 2 * rank)"""
-    lora_targets: str = "all-linear"
-    """LoRA: the modules adapted (comma-separated names, or all-linear)"""
-    save_every: int = 0
-    """write <out>/checkpoints/step_N every N steps (0 = never); the format is checkpoint.py's"""
-    keep_last: int = 2
-    """checkpoints kept (the oldest are deleted); 0 keeps all"""
-    resume: str = ""
-    """continue a run exactly: `auto` (latest checkpoint in --out) or a checkpoint folder"""
-    report_to: str = ""
-    """also log metrics to: tensorboard, wandb (comma-separated; pip install them first)"""
-    seed: int = 0
-    """seed for sampling, data order and splits"""
-    out: str = "out/dpo"
-    """output folder: metrics.jsonl, curves.png, checkpoints/, the final model in model/"""
 
     def __post_init__(self):  # impossible values stop here, before anything loads
-        # auto -> what computes fastest here; a resumed run keeps the dtype it recorded
-        choice = choose_dtype(self.dtype, pick_device(),
-                              recorded_dtype(self.out, self.resume, "dpo_config.json"))
-        self.dtype, self.dtype_reason = choice.name, choice.reason
-        for name in ("epochs", "batch_size", "micro_batch_size", "max_length",
-                     "max_prompt_length", "builtin_problems", "eval_size"):
-            check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
-        for name in ("eval_pairs", "steps", "lr", "warmup_steps", "eval_every", "sft_weight",
-                     "save_every",
-                     "keep_last", "lora_rank", "lora_alpha"):
-            check(getattr(self, name) >= 0, f"{flag(name)} must not be negative")
+        settle(self, on_cpu={"gradient_checkpointing": False})
+        for name in ("micro_batch_size", "max_length", "max_prompt_length", "builtin_problems",
+                     "eval_size"):
+            check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+        check(self.eval_pairs >= 0 and self.sft_weight >= 0, "--eval-pairs and --sft-weight "
+              "must not be negative")
         check(self.builtin_samples >= 2, "--builtin-samples must be at least 2 (a pair needs two "
               "answers)")
         check(self.beta > 0, f"--beta {self.beta}: must be positive")
         check(0 <= self.label_smoothing < 0.5, f"--label-smoothing {self.label_smoothing}: must "
               f"be in [0, 0.5) (at 0.5 the labels carry no information)")
-        check(self.max_grad_norm > 0, "--max-grad-norm must be positive")
-        check(all(n in TRACKERS for n in self.report_to.split(",") if n), f"--report-to "
-              f"{self.report_to}: choose from {', '.join(TRACKERS)} (comma-separated)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -217,27 +181,6 @@ def _response_ids(tokenizer, prompt, prompt_ids, response) -> list[int]:
     if isinstance(response, list):
         response = "".join(m.get("content", "") for m in response if isinstance(m, dict))
     return _text_response(tokenizer, response)
-
-
-def check_pairs(rows, source, cfg) -> list[dict]:
-    """Every row, before any model loads: {prompt, chosen, rejected} from the configured columns,
-    each a non-empty string or a list of {role, content} messages (TRL's preference format)."""
-    out = []
-    for i, row in enumerate(rows, start=1):
-        pair = {}
-        for key, field in (("prompt", cfg.prompt_field), ("chosen", cfg.chosen_field),
-                           ("rejected", cfg.rejected_field)):
-            value = row.get(field) if isinstance(row, dict) else None
-            if not value or (isinstance(value, str) and not value.strip()):
-                raise InputError(f"{source}: row {i} has no '{field}' field (or it is empty)")
-            if isinstance(value, list) and not all(
-                    isinstance(m, dict) and m.get("role") and isinstance(m.get("content"), str)
-                    for m in value):
-                raise InputError(f"{source}: row {i}: '{field}' is a list but not of "
-                                 f"{{'role', 'content'}} messages")
-            pair[key] = value
-        out.append(pair)
-    return out
 
 
 def tokenize_pairs(tokenizer, rows, source, cfg):
@@ -313,7 +256,8 @@ def pair_logps(model, pairs, cfg, device, average=False):
     prompts = [p.prompt for p in pairs] * 2
     responses = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     input_ids, prompt_lens, response_lens = pack(prompts, responses, 0, device)
-    with autocast(device, cfg.dtype == "bf16"):
+    # (autocast for fp32 weights: LoRA's base; a bf16 copy computes in bf16 already)
+    with autocast(device, cfg.dtype == "bf16" and next(model.parameters()).dtype == torch.float32):
         logprobs, _ = completion_logprobs(model, input_ids, prompt_lens, response_lens)  # (2B, T)
     mask = length_mask(response_lens, logprobs.shape[1])  # (2B, T): prompt tokens never count
     logps = (logprobs * mask).sum(1)  # (2B,)
@@ -366,122 +310,92 @@ def batch_loss(model, pairs, refs, cfg, device, num_pairs):
 
 
 def main(cfg: Config):
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
-    branched = claim_checkpoints(out, resume_dir)  # never touch another run's checkpoints
-    if branched:
-        print(branched)
+    folder = open_run(cfg)
     # Every row is checked before the model loads: a bad file fails in a second, not a minute.
     rows = None if cfg.data == "builtin" else check_pairs(load_table(cfg.data, cfg.split),
                                                           cfg.data, cfg)
-
-    device = pick_device()
     print(f"dtype {cfg.dtype} ({cfg.dtype_reason})")
-    model, tokenizer = load_model(cfg.model, device)
-    check_head_logits(model)
+    # The starting weights, also on --resume: they sample the builtin pairs and are the reference.
+    trainer = setup_trainer(cfg)
+    tokenizer, device = trainer.tokenizer, trainer.device
     # Built-in data: one generation engine samples the pairs and later runs the task evaluation.
     task_rows = arith_heldout(cfg.eval_size) if rows is None else []
-    rollout = HFRollout(model, tokenizer, device=device, dtype=DTYPES[cfg.dtype]) \
+    rollout = HFRollout(trainer.model, tokenizer, device=device, dtype=DTYPES[cfg.dtype]) \
         if rows is None else None
-    if rows is None:
-        pairs = builtin_pairs(rollout, tokenizer, cfg)
-    else:
-        pairs, _ = tokenize_pairs(tokenizer, rows, cfg.data, cfg)
+    pairs = builtin_pairs(rollout, tokenizer, cfg) if rows is None else \
+        tokenize_pairs(tokenizer, rows, cfg.data, cfg)[0]
     random.Random(cfg.seed).shuffle(pairs)
     n_eval = min(cfg.eval_pairs, len(pairs) // 5)
-    eval_pairs, train_pairs = pairs[:n_eval], pairs[n_eval:]
-
-    # The reference is the starting model, also on --resume: its log-probs come first.
-    refs = None if cfg.reference_free else reference_logps(model, pairs, cfg, device)
-    eval_refs, train_refs = (refs[:n_eval], refs[n_eval:]) if refs else (None, None)
-
+    # The reference's log-probs, once, from the starting weights (no second model is kept).
+    refs = None if cfg.reference_free else reference_logps(trainer.compute, pairs, cfg, device)
+    held_out = (pairs[:n_eval], refs[:n_eval] if refs else None)
+    train, train_refs = pairs[n_eval:], refs[n_eval:] if refs else None
+    if folder.resume_dir:  # the checkpoint's weights, optimizer, schedule and RNG
+        resume_trainer(trainer, folder.resume_dir)
+    resume_driver(folder)
+    start_log(folder, cfg, line=format_dpo_step)
     grader = Grader()
-    if cfg.lora_rank:  # train adapters only; the reference log-probs above are the base's
-        model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
-    optimizer, scheduler = adamw_with_warmup(model, cfg.lr, cfg.warmup_steps)
-    driver = DriverState()
-    if resume_dir:  # the checkpoint's weights, optimizer, schedule, RNG, step and metrics
-        if cfg.lora_rank:
-            load_adapters(model, resume_dir)
-        else:
-            model.load_state_dict(load_model(resume_dir, device)[0].state_dict())
-        load_trainer_state(resume_dir, model, optimizer, scheduler)
-        driver = load_driver_state(resume_dir)
-        print(f"resuming from {resume_dir} at step {driver.step + 1}")
-    log = RunLog(out, driver.history, cfg.report_to, asdict(cfg), line=format_dpo_step)
-    (out / "dpo_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    batches = epoch_batches(len(train_pairs), cfg.batch_size, cfg.epochs, cfg.steps, cfg.seed)
+    offline_loop(folder, cfg, len(train), f"{len(train)} training pairs, {n_eval} held-out "
+                 f"pairs", evaluate=held_out_evaluation(trainer, *held_out, rollout, task_rows,
+                                                        cfg, grader),
+                 train_step=lambda idx: train_step(trainer, [train[i] for i in idx], [
+                     train_refs[i] for i in idx] if train_refs else None, cfg),
+                 save=lambda checkpoint: save_trainer(trainer, checkpoint))
+    grader.close()
+    close_run(folder, lambda model_dir: export_model(trainer, model_dir),
+              title=f"DPO on {cfg.data} ({cfg.model})", train_keys=("reward_accuracy",),
+              eval_keys=("eval_accuracy", "eval_reward_accuracy"))
+    return folder.driver.history
 
+
+def train_step(trainer, pairs: list[Pair], refs: list | None, cfg: Config) -> dict:
+    """One optimizer step on a batch of pairs, micro-batch by micro-batch (trainer.py's step:
+    clipping, the non-finite guard, the bf16 copy)."""
+    t0 = time.time()
+    trainer.compute.train()
+    sums = {}
+    for s in range(0, len(pairs), cfg.micro_batch_size):
+        loss, m = batch_loss(trainer.compute, pairs[s:s + cfg.micro_batch_size],
+                             refs[s:s + cfg.micro_batch_size] if refs else None, cfg,
+                             trainer.device, len(pairs))
+        loss.backward()
+        add_to_master_grads(trainer)
+        sums = {k: sums.get(k, 0.0) + v for k, v in m.items()}
+    grad_norm = optimizer_step(trainer, sums["loss"])
+    seconds = time.time() - t0
+    tokens = sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs)
+    return {**{k: v / len(pairs) for k, v in sums.items()},
+            "grad_norm": float("nan") if grad_norm is None else grad_norm,
+            "lr": trainer.scheduler.get_last_lr()[0], "step_seconds": seconds, "tokens": tokens,
+            "tokens_per_s": tokens / seconds}
+
+
+def held_out_evaluation(trainer, pairs, refs, rollout, task_rows, cfg: Config, grader):
+    """The step's held-out metrics, as a function: reward accuracy and margin on the held-out
+    pairs, and (builtin data) greedy accuracy on held-out arith problems."""
     def evaluate_now():
         record, t0 = {}, time.time()
-        if eval_pairs:
-            model.eval()
+        if pairs:
+            trainer.compute.eval()
             with torch.no_grad():
                 sums = {}
-                for s in range(0, len(eval_pairs), cfg.micro_batch_size):
-                    _, m = batch_loss(model, eval_pairs[s:s + cfg.micro_batch_size],
-                                      eval_refs[s:s + cfg.micro_batch_size] if eval_refs else None,
-                                      cfg, device, 1)
+                for s in range(0, len(pairs), cfg.micro_batch_size):
+                    _, m = batch_loss(trainer.compute, pairs[s:s + cfg.micro_batch_size],
+                                      refs[s:s + cfg.micro_batch_size] if refs else None,
+                                      cfg, trainer.device, 1)
                     sums = {k: sums.get(k, 0.0) + v for k, v in m.items()}
-            record["eval_reward_accuracy"] = sums["reward_accuracy"] / len(eval_pairs)
-            record["eval_reward_margin"] = sums["reward_margin"] / len(eval_pairs)
+            record["eval_reward_accuracy"] = sums["reward_accuracy"] / len(pairs)
+            record["eval_reward_margin"] = sums["reward_margin"] / len(pairs)
         if rollout:
-            rollout.update_weights(full_weights(model))
-            summary, _ = evaluate_rows(rollout, tokenizer, task_rows, template=cfg.template,
-                                       chat=cfg.chat, sampling=Sampling(32, temperature=0.0), n=1,
+            rollout.update_weights(full_weights(trainer.model))
+            summary, _ = evaluate_rows(rollout, trainer.tokenizer, task_rows,
+                                       template=cfg.template, chat=cfg.chat,
+                                       sampling=Sampling(32, temperature=0.0), n=1,
                                        grader=grader, dataset="held-out")
             record["eval_accuracy"] = summary["avg@n"]
         record["eval_seconds"] = time.time() - t0
         return record
-
-    print(f"{len(train_pairs)} training pairs, {len(eval_pairs)} held-out pairs, "
-          f"{len(batches)} steps of {cfg.batch_size} pairs")
-    if cfg.eval_every and driver.step == 0:
-        log({"step": 0, **evaluate_now()})
-    bar = tqdm(total=len(batches), desc="dpo", unit="step", initial=driver.step)
-    for batch in batches[driver.step:]:  # (on --resume, from the step after the checkpoint)
-        t0 = time.time()
-        step, idx = batch.step, batch.rows
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
-        sums = {}
-        for s in range(0, len(idx), cfg.micro_batch_size):
-            mb = idx[s:s + cfg.micro_batch_size]
-            loss, m = batch_loss(model, [train_pairs[i] for i in mb],
-                                 [train_refs[i] for i in mb] if train_refs else None,
-                                 cfg, device, len(idx))
-            loss.backward()
-            sums = {k: sums.get(k, 0.0) + v for k, v in m.items()}
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        seconds = time.time() - t0
-        tokens = sum(2 * len(train_pairs[i].prompt) + len(train_pairs[i].chosen)
-                     + len(train_pairs[i].rejected) for i in idx)  # (chosen and rejected rows)
-        record = {"step": step, "epoch": batch.epoch,
-                  **{k: v / len(idx) for k, v in sums.items()},
-                  "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
-                  "step_seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == len(batches)):
-            record.update(evaluate_now())
-        log(record)
-        bar.update(1)
-        if cfg.save_every and step % cfg.save_every == 0:
-            driver.step = driver.consumed = step
-            save_checkpoint(out, driver, lambda folder: save_trainer_state(
-                folder, model, tokenizer, optimizer, scheduler), cfg.keep_last)
-    bar.close()
-    grader.close()
-    log.close()
-    # The model alone (LoRA merged in), in the dtype it came in.
-    save_model(model, tokenizer, out / "model", full_state_dict(model), dtype=source_dtype(cfg.model))
-    plot_curves(log.history, out / "curves.png", title=f"DPO on {cfg.data} ({cfg.model})",
-                train_keys=("reward_accuracy",), eval_keys=("eval_accuracy", "eval_reward_accuracy"))
-    print(f"saved the model in {out}/model/, metrics.jsonl and curves.png in {out}/")
-    return log.history
+    return evaluate_now
 
 
 def format_dpo_step(record: dict) -> str:

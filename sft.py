@@ -33,34 +33,39 @@ sequence parallelism.
 import json
 import random
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Literal
+from typing import ClassVar
 
 import torch
 from tqdm import tqdm
 
-from checkpoint import DriverState, claim_checkpoints, find_checkpoint, load_driver_state
-from checkpoint import recorded_dtype, save_checkpoint
-from data import DEMONSTRATORS, GENERATED, TASKS, TEMPLATES, InputError, Template, check, flag
-from data import demonstrations, epoch_batches, load_rows, load_table, parse_config
+from data import DEMONSTRATORS, GENERATED, TASKS, TEMPLATES, InputError, Template, check
+from data import demonstrations, load_rows, load_table, parse_config
 from env import Agent, ToolChat, environment_tools, load_environment, load_tools
-from evaluate import TRACKERS, RunLog, evaluate_held_out, plot_curves
-from model import DEFAULT_MODEL, DTYPES, autocast, choose_dtype, chunk_logprobs, full_weights
-from gpu_memory import PROMPT_TOKENS, Workload, plan_memory
-from model import load_tokenizer, pick_device, resolve, right_pad
+from evaluate import evaluate_held_out
+from formats import Sample, check_samples
+from gpu_memory import PROMPT_TOKENS, Workload
+from model import DTYPES, autocast, chunk_logprobs, full_weights, load_tokenizer, resolve
+from model import right_pad
+from options import EpisodeOptions, ModelOptions, OfflineOptions, RunOptions, TrainOptions, settle
 from reward import Grader
 from rollout import HF_BATCH, HFRollout
+from session import close_run, offline_loop, open_run, resume_driver, start_log
 from trainer import add_to_master_grads, export_model, micro_batches, optimizer_step, save_trainer
 from trainer import setup_trainer
 
 
+# (Last base first: model and data, episodes, optimisation, epochs, evaluation and checkpoints.)
 @dataclass
-class Config:
-    # Model and data
-    model: str = DEFAULT_MODEL
-    """model to fine-tune: the offline default, a hub id, or a local HF folder (a run's --out)"""
+class Config(RunOptions, OfflineOptions, TrainOptions, EpisodeOptions, ModelOptions):
+    """The shared options (options.py), and SFT's:"""
+    CONFIG_FILE: ClassVar[str] = "sft_config.json"
+    lr: float = 5e-5
+    warmup_steps: int = 2
+    out: str = "out/sft"
+
+    # SFT's data: a warm start's transcripts, or rows in TRL's formats (formats.py)
     data: str = "multiply"
     """a built-in warm start -- multiply, guess: a weak demonstrator's transcripts
     (data.DEMONSTRATORS) -- or a .jsonl/.json/.csv/.parquet file or hub dataset in a TRL format"""
@@ -81,8 +86,19 @@ class Config:
     """built-in warm starts: transcripts the demonstrator plays"""
     eval_rows: int = 32
     """rows held out (at most a tenth of the data) for the loss on data never trained on"""
-    seed: int = 0
-    """seed for the demonstrator, the data order and the held-out rows"""
+    max_length: int = 1024
+    """tokens per sequence, and per packed row; longer conversations are dropped, longer text cut,
+    a prompt-completion row whose prompt alone fills it dropped (all counted)"""
+    packing: bool = False
+    """pack a step's sequences into rows of --max-length (best fit; attention stays within each
+    sequence, positions restart) instead of one padded row each. Off by default, as in TRL: a
+    packed row needs a dense (L x L) attention mask, which takes SDPA off its fused causal kernel,
+    so packing pays only where padding would waste more (lengths that vary widely); on a CPU, 16
+    multiply transcripts of ~275 tokens trained at 330 tokens/s packed, 510 unpacked"""
+    max_tokens_per_microbatch: int | None = None
+    """tokens (padding included) per forward/backward; gradients add up over the step (default:
+    on a GPU what fits, gpu_memory.plan_memory; on a CPU 4096 -- SmolLM2-135M keeps ~1.2 MB of
+    activations per token for backward: 4096 tokens take ~5 GB)"""
 
     # The held-out task: greedy episodes (or answers) scored as grpo.py scores them
     eval_data: str | None = None
@@ -96,80 +112,6 @@ class Config:
     """held-out problems: wrap them in the model's chat template"""
     max_new_tokens: int | None = None
     """held-out problems: tokens per turn (default: the task's, else 48)"""
-    tools: str | None = None
-    """tools the model may call (as grpo.py's --tools), shown to rows that declare none; default:
-    the task's"""
-    env: str | None = None
-    """an environment, module:Class (as grpo.py's --env); default: the task's"""
-    max_turns: int | None = None
-    """episodes: assistant turns at most (default: the task's, else 4)"""
-    max_episode_tokens: int = 512
-    """episodes: tokens after the prompt at most, tool results included"""
-
-    # Optimisation
-    lr: float = 5e-5
-    """AdamW learning rate (constant after warmup)"""
-    warmup_steps: int = 2
-    """linear learning-rate warmup steps"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    epochs: int = 1
-    """passes over the training rows"""
-    steps: int = 0
-    """optimizer steps in all, overriding --epochs (TRL's max_steps): the rows are gone through
-    again, reshuffled, as often as it takes (0 = --epochs' worth)"""
-    batch_size: int = 16
-    """sequences (rows) per optimizer step"""
-    max_length: int = 1024
-    """tokens per sequence, and per packed row; longer conversations are dropped, longer text cut
-    (both counted)"""
-    packing: bool = False
-    """pack a step's sequences into rows of --max-length (best fit; attention stays within each
-    sequence, positions restart) instead of one padded row each. Off by default, as in TRL: a
-    packed row needs a dense (L x L) attention mask, which takes SDPA off its fused causal kernel,
-    so packing pays only where padding would waste more (lengths that vary widely); on a CPU, 16
-    multiply transcripts of ~275 tokens trained at 330 tokens/s packed, 510 unpacked"""
-    max_tokens_per_microbatch: int | None = None
-    """tokens (padding included) per forward/backward; gradients add up over the step (default:
-    on a GPU what fits, gpu_memory.plan_memory; on a CPU 4096 -- SmolLM2-135M keeps ~1.2 MB of
-    activations per token for backward: 4096 tokens take ~5 GB)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """compute dtype (master weights stay fp32; bf16 on a bf16 copy of the weights, as grpo.py);
-    auto: bf16 where the hardware has it natively, else fp32 (model.choose_dtype, printed)"""
-    compile: bool = False
-    """torch.compile the decoder layers (as grpo.py's --compile)"""
-    gradient_checkpointing: bool | None = None
-    """recompute activations in backward: less memory for long sequences, ~30 % more compute
-    (default: on a GPU when the plan needs it; on a CPU off)"""
-    lora_rank: int = 0
-    """LoRA (peft): train rank-R adapters only (0 = full fine-tuning)"""
-    lora_alpha: int = 0
-    """LoRA scale numerator (0 = 2 * rank)"""
-    lora_targets: str = "all-linear"
-    """LoRA: the modules adapted (comma-separated names, or all-linear)"""
-
-    # Evaluation and logging
-    eval_every: int = 5
-    """held-out loss and task every N steps, at step 0 and at the end (0 = never)"""
-    report_to: str = ""
-    """also log metrics to: tensorboard, wandb (comma-separated; pip install them first)"""
-    out: str = "out/sft"
-    """output folder: metrics.jsonl, curves.png, checkpoints/, the final model in model/ (an HF
-    folder; grpo.py's --init-from and --model take the output folder itself)"""
-
-    # Checkpoints
-    save_every: int = 0
-    """write <out>/checkpoints/step_N every N steps (0 = never); the format is checkpoint.py's"""
-    keep_last: int = 2
-    """checkpoints kept (the oldest are deleted); 0 keeps all"""
-    resume: str = ""
-    """continue a run exactly: `auto` (latest checkpoint in --out) or a checkpoint folder"""
-
-    # What trainer.setup_trainer also reads, fixed for SFT: no KL reference, no FSDP, and no
-    # --init-from (--model takes any folder).
-    beta, fsdp, init_from = 0.0, False, ""
 
     def __post_init__(self):  # the task fills what is unset; impossible values stop here
         if self.eval_data is None:  # a warm start is measured on its task's held-out problems
@@ -180,33 +122,12 @@ class Config:
                                ("env", ""), ("max_turns", 4)):
             if getattr(self, field) is None:
                 setattr(self, field, getattr(task, field) if task else default)
-        # auto -> what computes fastest here; a resumed run keeps the dtype it recorded
-        choice = choose_dtype(self.dtype, pick_device(),
-                              recorded_dtype(self.out, self.resume, "sft_config.json"))
-        self.dtype, self.dtype_reason = choice.name, choice.reason
-        self.memory_plan = None  # on a GPU: what the unset memory settings are based on
-        if pick_device() == "cuda":
-            self.memory_plan = plan_memory(self.workload(), torch.cuda.mem_get_info()[1],
-                                           self.gradient_checkpointing,
-                                           self.max_tokens_per_microbatch)
-            self.gradient_checkpointing = self.memory_plan.gradient_checkpointing
-            self.max_tokens_per_microbatch = self.memory_plan.max_tokens_per_microbatch
-        if self.gradient_checkpointing is None:
-            self.gradient_checkpointing = False
-        if self.max_tokens_per_microbatch is None:
-            self.max_tokens_per_microbatch = 4096
+        settle(self, on_cpu={"gradient_checkpointing": False, "max_tokens_per_microbatch": 4096})
         check(self.data not in GENERATED or self.data in DEMONSTRATORS, f"--data {self.data}: "
               f"no built-in warm start for it (there are: {', '.join(DEMONSTRATORS)}); pass a file")
-        for name in ("demos", "epochs", "batch_size", "max_length", "max_tokens_per_microbatch",
-                     "eval_size", "max_new_tokens", "max_turns", "max_episode_tokens"):
-            check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
-        for name in ("eval_rows", "steps", "lr", "warmup_steps", "weight_decay", "eval_every",
-                     "save_every", "keep_last", "lora_rank", "lora_alpha"):
-            check(getattr(self, name) >= 0, f"{flag(name)} must not be negative")
-        check(self.max_grad_norm > 0, "--max-grad-norm must be positive")
-        check(all(n in TRACKERS for n in self.report_to.split(",") if n), f"--report-to "
-              f"{self.report_to}: choose from {', '.join(TRACKERS)} (comma-separated)")
-
+        for name in ("demos", "max_length", "eval_size"):
+            check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+        check(self.eval_rows >= 0, "--eval-rows must not be negative")
 
     def workload(self) -> Workload:
         """What this run puts on one GPU, for gpu_memory.plan_memory: the trainer, and the HF
@@ -240,133 +161,10 @@ def sft_loss(logprobs, mask, num_tokens):
 
 
 @dataclass
-class Sample:
-    """One data row, checked: chat messages, or plain text."""
-    row: int  # the row's number in the data (from 1), for the messages that name it
-    messages: list[dict]  # conversational rows ([] for plain text)
-    trained_from: int  # messages before this one are the prompt: context, never trained
-    tools: list[dict] | None  # the tools the row declares (JSON schemas); None: the run's
-    prompt: str = ""  # plain text: the context (a prompt-completion's prompt; "" for `text`)
-    completion: str = ""  # plain text: what is trained (the whole `text`)
-
-
-@dataclass
 class Example:
     """A sample as tokens: everything the model reads, and which of them it is trained to write."""
     ids: list[int]
     trained: list[bool]  # per token: in the loss (the first token never is: nothing predicts it)
-
-
-ROLES = ("system", "user", "assistant", "tool")
-CALL_SHAPE = '{"type": "function", "function": {"name": ..., "arguments": {...}}}'
-
-
-def check_samples(rows: list, source: str, cfg: Config, run_tools: set[str]) -> list[Sample]:
-    """Every row, before any model loads, in the format the first row's columns name: messages,
-    prompt + completion, or text (TRL's). A missing column, a row with nothing to train, a
-    malformed tool call or one to a tool the row does not declare stops with one line that names
-    the row and the field. run_tools: the names of --tools/--env's tools."""
-    first = rows[0] if rows and isinstance(rows[0], dict) else {}
-    kind = ("messages" if cfg.messages_field in first else
-            "prompt-completion" if cfg.prompt_field in first else
-            "text" if cfg.text_field in first else None)
-    if kind is None:
-        raise InputError(f"{source}: row 1 has none of the columns '{cfg.messages_field}', "
-                         f"'{cfg.prompt_field}' + '{cfg.completion_field}', '{cfg.text_field}' "
-                         f"(TRL's SFT formats; other names: --messages-field, --prompt-field, ...)")
-    fields = {"messages": [cfg.messages_field], "text": [cfg.text_field],
-              "prompt-completion": [cfg.prompt_field, cfg.completion_field]}[kind]
-    samples = []
-    for i, row in enumerate(rows, start=1):
-        where = f"{source}: row {i}"
-        for field in fields:
-            if not isinstance(row, dict) or row.get(field) in (None, "", []):
-                raise InputError(f"{where} has no '{field}' field (or it is empty)")
-        tools = _declared_tools(row.get(cfg.tools_field), f"{where}, '{cfg.tools_field}'")
-        if kind == "text":
-            samples.append(_plain(row[cfg.text_field], "", i, f"{where}, '{cfg.text_field}'"))
-            continue
-        prompt = row[cfg.prompt_field] if kind == "prompt-completion" else []
-        body = row[cfg.completion_field if kind == "prompt-completion" else cfg.messages_field]
-        if isinstance(prompt, str) and isinstance(body, str):  # plain prompt-completion
-            samples.append(_plain(body, prompt, i, f"{where}, '{cfg.completion_field}'"))
-            continue
-        names = run_tools if tools is None else {t["function"]["name"] for t in tools}
-        prompt = _messages(prompt, f"{where}, '{cfg.prompt_field}'", names)
-        body = _messages(body, f"{where}, '{fields[-1]}'", names)
-        if not any(m["role"] == "assistant" for m in body):
-            raise InputError(f"{where}, '{fields[-1]}': no assistant turn (nothing to train)")
-        samples.append(Sample(i, prompt + body, len(prompt), tools))
-    return samples
-
-
-def _plain(completion, prompt, row: int, where: str) -> Sample:
-    if not isinstance(completion, str) or not isinstance(prompt, str):
-        raise InputError(f"{where}: the prompt and the completion must both be strings or both "
-                         f"chat messages")
-    return Sample(row, [], 0, None, prompt, completion)
-
-
-def _declared_tools(value, where: str) -> list[dict] | None:
-    """A row's `tools`: JSON schemas, as a list or a JSON string of one (TRL accepts both)."""
-    if value is None:
-        return None
-    try:
-        tools = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError:
-        raise InputError(f"{where} is not valid JSON") from None
-    if not isinstance(tools, list) or not all(
-            isinstance(t, dict) and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools):
-        raise InputError(f"{where} is not a list of tool JSON schemas "
-                         f'({{"type": "function", "function": {{"name": ..., ...}}}})')
-    return tools
-
-
-def _messages(value, where: str, tools: set[str]) -> list[dict]:
-    """Chat messages, checked; tool-call arguments given as a JSON string become an object, as
-    the model is to write them."""
-    if isinstance(value, str) or not isinstance(value, list):
-        raise InputError(f"{where}: the prompt and the completion must both be strings or both "
-                         f"chat messages")
-    out = []
-    for j, m in enumerate(value):
-        at = f"{where}[{j}]"
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise InputError(f"{at} is not a message with a role ({', '.join(ROLES)})")
-        calls = m.get("tool_calls") or []
-        if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
-            raise InputError(f"{at} has no 'content' string")
-        if calls and m["role"] != "assistant":
-            raise InputError(f"{at}: only assistant messages make tool calls")
-        if not isinstance(calls, list):
-            raise InputError(f"{at}: 'tool_calls' is not a list of {CALL_SHAPE}")
-        m = {**m, "content": m.get("content") or ""}
-        if calls:
-            m["tool_calls"] = [_tool_call(c, f"{at}.tool_calls[{k}]", tools)
-                               for k, c in enumerate(calls)]
-        else:
-            m.pop("tool_calls", None)
-        out.append(m)
-    return out
-
-
-def _tool_call(call, where: str, tools: set[str]) -> dict:
-    function = call.get("function") if isinstance(call, dict) else None
-    arguments = function.get("arguments") if isinstance(function, dict) else None
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            arguments = None
-    if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-            and isinstance(arguments, dict) and call.get("type", "function") == "function"):
-        raise InputError(f"{where} is not {CALL_SHAPE}")
-    if function["name"] not in tools:
-        raise InputError(f"{where} calls tool {function['name']!r}, which the row does not "
-                         f"declare (declared: {', '.join(sorted(tools)) or 'none'}; a row declares "
-                         f"tools in its tools column, a run with --tools or --env)")
-    return {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
 def load_samples(cfg: Config, tools: list, env_class) -> tuple[list[Sample], str]:
@@ -623,14 +421,7 @@ def train_step(trainer, examples: list[Example], cfg: Config) -> dict:
 
 
 def main(cfg: Config):
-    random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
-    branched = claim_checkpoints(out, resume_dir)  # never touch another run's checkpoints
-    if branched:
-        print(branched)
+    folder = open_run(cfg)
     # The data first, every row checked, rendered and measured: a bad file stops in seconds, before
     # the model loads (the tokenizer alone is needed).
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)
@@ -646,43 +437,21 @@ def main(cfg: Config):
     print(f"dtype {cfg.dtype} ({cfg.dtype_reason})")
     if cfg.memory_plan:
         print(cfg.memory_plan)
-    trainer = setup_trainer(cfg, resume_dir)  # model, optimizer; on --resume the checkpoint's
+    trainer = setup_trainer(cfg, folder.resume_dir)  # on --resume, the checkpoint's state
     if cfg.packing and not getattr(trainer.model, "smolrl_shares_prompts", False):
         raise SystemExit(f"error: --packing: {type(trainer.model).__name__} was not verified to "
                          f"keep packed sequences apart with an attention mask; use --no-packing")
-    driver = load_driver_state(resume_dir) if resume_dir else DriverState()
-    if resume_dir:
-        print(f"resuming from {resume_dir} at step {driver.step + 1}")
-    log = RunLog(out, driver.history, cfg.report_to, asdict(cfg), line=format_sft_step)
-    (out / "sft_config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    evaluate_now = held_out_evaluation(trainer, held_out, task_rows, agent, cfg)
-    batches = epoch_batches(len(train), cfg.batch_size, cfg.epochs, cfg.steps, cfg.seed)
-    print(f"{len(train)} training rows, {n_eval} held-out rows, {len(task_rows)} held-out "
-          f"problems; {len(batches)} steps of {cfg.batch_size} rows")
-    if cfg.eval_every and driver.step == 0:
-        log({"step": 0, **evaluate_now()})
-
-    bar = tqdm(total=len(batches), desc="sft", unit="step", initial=driver.step)
-    for batch in batches[driver.step:]:  # (on --resume, from the step after the checkpoint)
-        step = batch.step
-        record = {"step": step, "epoch": batch.epoch,
-                  **train_step(trainer, [train[i] for i in batch.rows], cfg)}
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == len(batches)):
-            record.update(evaluate_now())
-        log(record)
-        bar.update(1)
-        if cfg.save_every and step % cfg.save_every == 0:
-            driver.step = driver.consumed = step
-            save_checkpoint(out, driver, lambda folder: save_trainer(trainer, folder),
-                            cfg.keep_last)
-    bar.close()
-    log.close()
-    export_model(trainer, str(out / "model"))  # an HF folder, in the dtype the model came in
-    plot_curves(log.history, out / "curves.png", title=f"SFT on {cfg.data} ({cfg.model})",
-                train_keys=(), eval_keys=("eval_accuracy", "eval_tool_call_rate"),
-                loss_keys=("loss", "eval_loss"))
-    print(f"saved the model in {out}/model/, metrics.jsonl and curves.png in {out}/")
-    return log.history
+    resume_driver(folder)
+    start_log(folder, cfg, line=format_sft_step)
+    offline_loop(folder, cfg, len(train), f"{len(train)} training rows, {n_eval} held-out rows, "
+                 f"{len(task_rows)} held-out problems",
+                 train_step=lambda rows: train_step(trainer, [train[i] for i in rows], cfg),
+                 evaluate=held_out_evaluation(trainer, held_out, task_rows, agent, cfg),
+                 save=lambda checkpoint: save_trainer(trainer, checkpoint))
+    close_run(folder, lambda model_dir: export_model(trainer, model_dir),
+              title=f"SFT on {cfg.data} ({cfg.model})", train_keys=(),
+              eval_keys=("eval_accuracy", "eval_tool_call_rate"), loss_keys=("loss", "eval_loss"))
+    return folder.driver.history
 
 
 def held_out_evaluation(trainer, held_out: list[Example], task_rows: list[dict], agent,

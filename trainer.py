@@ -25,8 +25,9 @@ from tqdm import tqdm
 
 from checkpoint import load_trainer_state, save_trainer_state
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
-from model import add_lora, full_state_dict, full_weights, load_adapters, load_model, pick_device
-from model import DTYPES, cast_parameters, save_model, shard_model, source_dtype
+from model import add_lora, full_state_dict, full_weights, is_lora, load_adapters, load_model
+from model import pick_device
+from model import DTYPES, cast_parameters, model_path, save_model, shard_model, source_dtype
 from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, tokens_after_prompt
 from rollout import weight_layout
 
@@ -40,31 +41,33 @@ class Trainer:
     ref_model: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     scheduler: object
-    cfg: object  # grpo.Config
+    cfg: object  # the algorithm's Config
     device: str
     group: object = None  # the trainers' data-parallel process group; None for one trainer
+    reference: bool = False  # a KL reference is kept: ref_model, or with LoRA the base
     weight_group: object = None  # rank 0 on Ray: its rollout.WeightGroup with the engines
     weight_layout: list | None = None  # what a weight sync sends, bucket by bucket
     engine_bytes: int = 0  # a vLLM engine in this process: its pool of the same CUDA allocator
 
     @property
     def sharded(self) -> bool:  # FSDP2 over the trainers
-        return self.cfg.fsdp and self.group is not None
+        return fsdp(self.cfg, self.group)
 
     @property
     def world(self) -> int:
         return dist.get_world_size(self.group) if self.group is not None else 1
 
 
-def setup_trainer(cfg, resume_dir: str = "", group=None) -> Trainer:
+def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None) -> Trainer:
     """Model, optimizer and schedule of one training process: from --model, from --init-from's
-    weights, or (resume_dir) from a checkpoint with its optimizer and schedule state. group: the
+    weights, or (resume_dir) from a checkpoint with its optimizer and schedule state. reference:
+    keep the initial policy, frozen, for a KL term (the algorithm says whether). group: the
     trainers' data-parallel process group (distributed.py passes it), None for one trainer -- never
     whatever torch.distributed happens to hold (vLLM's in-process engine sets up a group of its
     own, one rank, in this very process)."""
     torch.manual_seed(cfg.seed)
     device = pick_device()
-    start = cfg.init_from or cfg.model
+    start = model_path(cfg)
     # A LoRA checkpoint holds adapters only: the base comes from where the run started.
     model, tokenizer = load_model(resume_dir if resume_dir and not cfg.lora_rank else start, device)
     check_head_logits(model)
@@ -73,12 +76,12 @@ def setup_trainer(cfg, resume_dir: str = "", group=None) -> Trainer:
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
         if resume_dir:
             load_adapters(model, resume_dir)
-    elif cfg.beta != 0.0:  # a frozen copy of the *initial* policy
+    elif reference:  # a frozen copy of the *initial* policy
         initial = load_model(start, device)[0] if resume_dir else copy.deepcopy(model)
         ref_model = computing_like(initial, model, cfg, group)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    if cfg.fsdp and group is not None:
+    if fsdp(cfg, group):
         # Models too large for one GPU: shard parameters, gradients and optimizer state over the
         # ranks (FSDP2). Its gradient reduction *averages* over ranks, so train_on_rollout scales
         # the loss by the world size to keep the sum-over-global-batch convention.
@@ -86,13 +89,31 @@ def setup_trainer(cfg, resume_dir: str = "", group=None) -> Trainer:
         if ref_model is not None:
             shard_model(ref_model)
     optimizer, scheduler = adamw_with_warmup(model, cfg.lr, cfg.warmup_steps, cfg.weight_decay,
-                                             betas=(0.9, 0.99))
+                                             betas=cfg.ADAM_BETAS)
     if resume_dir:
         load_trainer_state(resume_dir, model, optimizer, scheduler)
     compute = bf16_copy(model) if uses_bf16_copy(cfg, group) else model
     if cfg.compile:  # the policy's forward, and the reference's: the same numerics
         compile_layers(compute, *([ref_model] if ref_model is not None else []))
-    return Trainer(model, compute, tokenizer, ref_model, optimizer, scheduler, cfg, device, group)
+    return Trainer(model, compute, tokenizer, ref_model, optimizer, scheduler, cfg, device, group,
+                   reference)
+
+
+def resume_trainer(trainer: Trainer, resume_dir: str):
+    """Put a checkpoint's weights (LoRA: its adapters), optimizer, schedule and torch RNG into a
+    trainer set up from the start -- for an algorithm that needs the starting weights first
+    (dpo.py: its pairs and reference log-probs). One process, no FSDP."""
+    if is_lora(trainer.model):
+        load_adapters(trainer.model, resume_dir)
+    else:
+        trainer.model.load_state_dict(load_model(resume_dir, trainer.device)[0].state_dict())
+    load_trainer_state(resume_dir, trainer.model, trainer.optimizer, trainer.scheduler)
+    refresh_bf16_copy(trainer)
+
+
+def fsdp(cfg, group) -> bool:
+    """--fsdp, on trainers that have a group to shard over (an RL loop option: options.py)."""
+    return getattr(cfg, "fsdp", False) and group is not None
 
 
 def computing_like(initial, policy, cfg, group):
@@ -142,7 +163,7 @@ def compile_layers(*models):
 
 
 def uses_bf16_copy(cfg, group) -> bool:
-    return cfg.dtype == "bf16" and not cfg.lora_rank and not (cfg.fsdp and group is not None)
+    return cfg.dtype == "bf16" and not cfg.lora_rank and not fsdp(cfg, group)
 
 
 def bf16_copy(model):
@@ -171,7 +192,7 @@ def refresh_bf16_copy(trainer: Trainer):
 def export_model(trainer: Trainer, folder: str):
     """The run's result: the model alone, in the dtype it came in (no optimizer state, which
     belongs in checkpoints). Every rank calls it; rank 0 writes."""
-    dtype = source_dtype(trainer.cfg.init_from or trainer.cfg.model)
+    dtype = source_dtype(model_path(trainer.cfg))
     weights = full_state_dict(trainer.model, dtype)  # (LoRA: merged, only in the saved dtype)
     if trainer.group is None or dist.get_rank() == 0:
         save_model(trainer.model, trainer.tokenizer, folder, weights, dtype=dtype)
@@ -281,7 +302,7 @@ def frozen_logprobs(model, batch, mbs, cfg, device):
 def reference_logprobs(trainer, batch, mbs):
     """Per-micro-batch log-probs under the initial policy (for the KL term; None without one):
     its frozen copy, or with LoRA the model itself with its adapters switched off."""
-    if trainer.cfg.beta == 0.0:
+    if not trainer.reference:
         return None
     if trainer.ref_model is not None:
         return frozen_logprobs(trainer.ref_model, batch, mbs, trainer.cfg, trainer.device)
@@ -304,7 +325,7 @@ def micro_batches(keep, seq_lens, cfg):
     return out + ([torch.tensor(current, device=keep.device)] if current else [])
 
 
-def engine_correction(batch, idx, old, mask, cfg, mismatch: dict | None):
+def engine_correction(batch, idx, old, mask, is_cap: float, mismatch: dict | None):
     """With a vLLM engine: add the engine's mismatch against the trainer's log-probs to `mismatch`
     (when given), and return the truncated importance weights min(pi_old / pi_engine, is_cap)
     (None when --is-cap is off)."""
@@ -313,7 +334,7 @@ def engine_correction(batch, idx, old, mask, cfg, mismatch: dict | None):
     engine = batch.engine_logprobs[idx][:, :old.shape[1]]  # (b, T)
     if mismatch is not None:
         add_mismatch(mismatch, engine_mismatch(old, engine, mask))
-    return torch.exp(old - engine).clamp(max=cfg.is_cap) if cfg.is_cap else None
+    return torch.exp(old - engine).clamp(max=is_cap) if is_cap else None
 
 
 def untrained_mismatch(trainer, batch, trained, mismatch: dict):
@@ -491,13 +512,13 @@ def make_engine(cfg):
     # In the engine's dtype (the trainers' weights replace these at once), on the GPU only for
     # the HF engine: vLLM reads the folder itself, and takes these weights from the host.
     device = pick_device() if cfg.rollout == "hf" else "cpu"
-    model, tokenizer = load_model(cfg.init_from or cfg.model, device, DTYPES[cfg.dtype])
+    model, tokenizer = load_model(model_path(cfg), device, DTYPES[cfg.dtype])
     check_head_logits(model)  # (sets model.smolrl_shares_prompts, which the HF engine reads)
     return make_rollout(cfg.rollout, model, tokenizer, device=pick_device(), seed=cfg.seed,
                         dtype=DTYPES[cfg.dtype],
                         max_new_tokens=tokens_after_prompt(cfg),
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
-                        logprobs=cfg.async_steps > 0,
+                        logprobs=cfg.engine_logprobs(),
                         max_num_seqs=-(-cfg.prompts_per_step * cfg.num_generations
                                        // cfg.num_engines))
 
@@ -518,14 +539,14 @@ class Run:
 def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Run":
     """One process: the trainer and the rollout engine live here. train_step(trainer, batch) is
     grpo.train_on_rollout; start_step: the step the weights are from (a resumed run's)."""
-    trainer = setup_trainer(cfg, resume_dir)
+    trainer = setup_trainer(cfg, resume_dir, cfg.reference())
     # The engine holds a plain model of its own (LoRA: the merged weights), built from the
     # trainer's without a second copy of it, and then takes the trainer's weights.
     rollout = make_rollout(cfg.rollout, trainer.model, trainer.tokenizer, device=trainer.device,
                            dtype=DTYPES[cfg.dtype],
                            seed=cfg.seed, max_new_tokens=tokens_after_prompt(cfg),
                            gpu_memory_utilization=cfg.gpu_memory_utilization,
-                           logprobs=cfg.async_steps > 0,
+                           logprobs=cfg.engine_logprobs(),
                            max_num_seqs=cfg.prompts_per_step * cfg.num_generations)
     rollout.update_weights(weights_of(trainer), version=start_step)
     trainer.engine_bytes = getattr(rollout, "memory_bytes", 0)
@@ -546,7 +567,7 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
     from model import load_tokenizer
     cluster = Cluster(cfg.num_trainers, cfg.num_engines, colocate=cfg.colocate,
                       address=cfg.ray_address)
-    trainers = cluster.trainers(setup_trainer, cfg, resume_dir)
+    trainers = cluster.trainers(setup_trainer, cfg, resume_dir, cfg.reference())
     trainers.check_shared_folder(cfg.out)  # before anything is trained, not at the first save
     engines = cluster.engines(make_engine, cfg)
     if cfg.weight_sync == "collective":

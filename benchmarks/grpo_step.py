@@ -61,7 +61,8 @@ def print_machine():
 
 def train_all(argv: list[str], distinct_prompts: bool = False):
     """train_on_rollout alone, every sequence trained: forward+backward against the matmul rate."""
-    from grpo import TrainBatch, loss_denominator, train_on_rollout
+    from grpo import train_on_rollout
+    from rl import TrainBatch, loss_denominator
     from trainer import setup_trainer
     cfg = replace(parse_config(Config, argv), beta=0.0)
     cfg = replace(cfg, micro_batch_size=cfg.micro_batch_size if "--micro-batch-size" in argv

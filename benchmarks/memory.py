@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def one(model_dir, length, checkpointing, budget, lora_rank=0):
     sys.path.insert(0, str(ROOT))
     import torch
-    from grpo import Config, TrainBatch, loss_denominator, train_on_rollout
+    from grpo import Config, train_on_rollout
+    from rl import TrainBatch, loss_denominator
     from model import pack
     from trainer import peak_memory_gb
     from trainer import setup_trainer

@@ -82,8 +82,8 @@ def tiny_model(tiny_model_dir):
 
 def make_batch(prompts, completions, advantages, *, loss_agg="token-mean", max_new_tokens=8,
                in_loss=None, engine_logprobs=None):
-    """A grpo.TrainBatch from token lists, as main builds it from a rollout."""
-    from grpo import TrainBatch, loss_denominator
+    """An rl.TrainBatch from token lists, as main builds it from a rollout."""
+    from rl import TrainBatch, loss_denominator
     from model import pack
     ids, prompt_lens, completion_lens = pack(prompts, completions, pad_id=2)
     in_loss = torch.ones(len(prompts), dtype=torch.bool) if in_loss is None else in_loss
@@ -214,3 +214,10 @@ def peak_rss_growth(fn) -> tuple[int, object]:
     before = status("VmRSS:")
     result = fn()
     return status("VmHWM:") - before, result
+
+
+def rl_trainer(cfg, resume_dir: str = ""):
+    """trainer.setup_trainer as the RL loop calls it: with a KL reference when the Config keeps
+    one (grpo.Config: --beta > 0)."""
+    from trainer import setup_trainer
+    return setup_trainer(cfg, resume_dir, reference=cfg.reference())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint import DriverState, find_checkpoint, load_state, save_checkpoint
-from conftest import ROOT, read_metrics, run_grpo, small_run_args
+from conftest import rl_trainer, ROOT, read_metrics, run_grpo, small_run_args
 
 
 def test_resume_is_exact(tiny_model_dir, tmp_path):
@@ -190,7 +190,7 @@ def test_the_trained_model_is_saved_in_the_dtype_it_came_in(tiny_model_dir, tmp_
     model, tokenizer = load_model(tiny_model_dir)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     tokenizer.save_pretrained(tmp_path / "bf16")
-    trainer = setup_trainer(Config(data="arith", model=str(tmp_path / "bf16")))
+    trainer = rl_trainer(Config(data="arith", model=str(tmp_path / "bf16")))
     assert next(trainer.model.parameters()).dtype == torch.float32  # fp32 master weights
     export_model(trainer, str(tmp_path / "out" / "model"))
     weights = load_file(tmp_path / "out/model/model.safetensors")

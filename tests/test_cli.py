@@ -156,7 +156,8 @@ def test_a_hub_dataset_without_network_is_one_line(tmp_path):
 
 def test_a_turn_too_short_for_a_tool_call_stops_before_the_model_loads(tmp_path, monkeypatch):
     import grpo
-    monkeypatch.setattr(grpo, "setup_local", lambda *a: pytest.fail("the model was loaded"))
+    import rl
+    monkeypatch.setattr(rl, "setup_local", lambda *a: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit, match=r"--max-new-tokens 16 .* tool 'guess' \("):
         grpo.main(parse_config(Config, ["--data", "guess", "--max-new-tokens", "16",
                                         "--out", str(tmp_path / "o")]))

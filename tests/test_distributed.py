@@ -11,7 +11,7 @@ ray = pytest.importorskip("ray")
 
 from distributed import Cluster, shard  # noqa: E402
 import conftest  # noqa: E402
-from conftest import make_batch, read_metrics, record_grads, run_grpo  # noqa: E402
+from conftest import rl_trainer, make_batch, read_metrics, record_grads, run_grpo  # noqa: E402
 from grpo import Config, train_on_rollout  # noqa: E402
 from model import completion_logprobs, pack  # noqa: E402
 from trainer import finish_metrics, setup_trainer, weight_sync_by_collective, weights_of  # noqa: E402
@@ -91,11 +91,11 @@ def _batch(in_loss=None):
 
 def _one_vs_two_trainers(cluster, cfg, in_loss=None):
     batch = _batch(in_loss)
-    single = setup_trainer(cfg)
+    single = rl_trainer(cfg)
     single_grads = record_grads(single)
     one = finish_metrics([train_on_rollout(single, batch)])
 
-    trainers = cluster.trainers(setup_trainer, cfg)
+    trainers = cluster.trainers(setup_trainer, cfg, "", cfg.reference())
     args = [(batch.select(slice(r.start, r.stop)),) for r in shard(len(batch.advantages), 2)]
     raws, groups, grads = zip(*trainers.run(_train_counting_collectives, args))
     grads = grads[0]
@@ -117,7 +117,7 @@ def _one_vs_two_trainers(cluster, cfg, in_loss=None):
         diff = (weights[name] - p).abs()
         assert diff.max() < 0.2 * cfg.lr, name
         assert int((diff > 1e-6).sum()) <= max(2, 1e-3 * diff.numel()), name
-    moved = (weights["model.layers.0.mlp.up_proj.weight"] - setup_trainer(cfg).model.state_dict()[
+    moved = (weights["model.layers.0.mlp.up_proj.weight"] - rl_trainer(cfg).model.state_dict()[
         "model.layers.0.mlp.up_proj.weight"]).abs().max()
     assert moved > 1e-4  # the step really changed the weights
     return trainers
@@ -160,7 +160,7 @@ def test_fsdp_two_trainers_equal_one_process(cluster, tiny_model_dir, tmp_path):
     weights = ray.get(trainers.weights_ref(weights_of))
     assert set(saved) <= set(weights) and all(torch.equal(saved[k], weights[k]) for k in saved)
     # --resume scatters the saved optimizer state over the ranks again
-    resumed = cluster.trainers(setup_trainer, cfg, str(tmp_path))
+    resumed = cluster.trainers(setup_trainer, cfg, str(tmp_path), cfg.reference())
     before = trainers.run(_optimizer_state, [()] * 2)[0]["state"]
     after = resumed.run(_optimizer_state, [()] * 2)[0]["state"]
     assert before.keys() == after.keys() and len(before) > 0
@@ -205,7 +205,7 @@ def test_one_engine_vs_two_engines_and_weight_sync(cluster, tiny_model_dir, tiny
     sampled = engines.generate([prompts[0]] * 4, 1, Sampling(6, temperature=1.0, seed=7))
     assert sampled.completion_ids[:2] != sampled.completion_ids[2:]
 
-    trained = setup_trainer(_cfg(tiny_model_dir)).model
+    trained = rl_trainer(_cfg(tiny_model_dir)).model
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(0.01)
@@ -262,7 +262,7 @@ def test_collective_weight_sync_reaches_every_engine_and_a_skipped_one_is_caught
     """Trainer rank 0 (of 2) broadcasts to 2 engines in a gloo group of their own; and the check
     that every trainer sees --out."""
     cfg = _cfg(tiny_model_dir)
-    trainers = cluster.trainers(setup_trainer, cfg)
+    trainers = cluster.trainers(setup_trainer, cfg, "", cfg.reference())
     engines = cluster.engines(_engine_setup, tiny_model_dir)
     sync = weight_sync_by_collective(trainers, engines, nccl=False)
     ids, pl, cl = pack([[5, 6, 7], [8]], [[9, 10, 2], [11, 12, 13, 2]], pad_id=2)

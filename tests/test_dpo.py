@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import assert_close_to_scale
-from dpo import Config, Pair, batch_loss, check_pairs, dpo_loss, pair_logps, tokenize_pairs
+from dpo import Config, Pair, batch_loss, dpo_loss, pair_logps, tokenize_pairs
+from formats import check_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import check_an_episode_on, read_metrics, run_grpo
+import rl
+from conftest import rl_trainer, check_an_episode_on, read_metrics, run_grpo
 from data import TASKS
 from env import Agent, GuessTheNumber, ToolChat, calculator, load_environment, load_tools
 from rollout import Completions, HFRollout, Sampling
@@ -126,7 +127,7 @@ def test_observation_tokens_get_no_gradient(tiny_model_dir, monkeypatch):
     over the model's tokens, by hand."""
     import grpo
     from trainer import finish_metrics, setup_trainer
-    trainer = setup_trainer(grpo.Config(data="arith", model=tiny_model_dir, dtype="fp32",
+    trainer = rl_trainer(grpo.Config(data="arith", model=tiny_model_dir, dtype="fp32",
                                         beta=0.0, lr=1e-3))
     # two episodes: model 3 tokens, observation 2, model 2; and model 4 tokens, no observation
     prompts, completions = [[5, 6], [7, 8, 9]], [[20, 21, 22, 30, 31, 23, 2], [24, 25, 26, 2]]
@@ -134,7 +135,7 @@ def test_observation_tokens_get_no_gradient(tiny_model_dir, monkeypatch):
     comps = Completions(prompts, completions, [False, False], ["", ""],
                         mask=[[bool(m) for m in row] for row in masks])
     advantages = torch.tensor([1.0, -0.5])
-    batch = grpo.train_batch(comps, advantages, trainer.cfg, pad_id=2)
+    batch = rl.train_batch(comps, advantages, trainer.cfg, pad_id=2)
     assert batch.denom == 9.0  # the model's tokens only
 
     seen = []
@@ -229,8 +230,8 @@ def test_the_overlong_penalty_of_an_episode_is_against_its_own_budget():
     cfg = grpo.Config(data="multiply", max_new_tokens=48, max_episode_tokens=512,
                       overlong_buffer=16)
     comps = Completions([[1]] * 3, [[5] * 62, [5] * 500, [5] * 512], [False] * 3, [""] * 3)
-    assert grpo.overlong(comps, cfg, episodes=True) == [0.0, -0.25, -1.0]
-    assert grpo.overlong(comps, cfg, episodes=False)[0] == -1.0  # as a single completion: long
+    assert rl.overlong(comps, cfg, True, cfg.overlong_buffer) == [0.0, -0.25, -1.0]
+    assert rl.overlong(comps, cfg, False, 16)[0] == -1.0  # as a single completion: long
     with pytest.raises(SystemExit, match="--overlong-buffer 600 is longer than "
                                          "--max-episode-tokens 512"):
         grpo.Config(data="multiply", overlong_buffer=600)
@@ -369,6 +370,6 @@ def test_an_episodes_engine_holds_its_longest_turn_and_counts_only_sampled_token
     assert tokens_after_prompt(grpo.Config(data="arith", max_new_tokens=64)) == 64
     comps = Completions([[1], [1]], [[5] * 10, [5] * 6], [False, False], ["", ""],
                         mask=[[True] * 4 + [False] * 6, [True] * 6])
-    sampled = grpo.Scored([{}, {}], comps, torch.tensor([1.0, 0.0]), [], {}, gen_seconds=2.0)
+    sampled = rl.Scored([{}, {}], comps, torch.tensor([1.0, 0.0]), [], {}, gen_seconds=2.0)
     update = {"trained_tokens": 0}
     assert step_record(1, sampled, update, 1.0, 0.0, 2)["gen_tokens_per_s"] == 5.0

@@ -6,7 +6,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from conftest import rl_trainer
+
 import gpu_memory
+import options
 from grpo import Config
 
 GB = 2**30
@@ -75,7 +78,7 @@ def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
     from model import DtypeChoice
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 * GB, 80 * GB))
-    monkeypatch.setattr(grpo, "choose_dtype", lambda requested, device, recorded: (
+    monkeypatch.setattr(options, "choose_dtype", lambda requested, device, recorded: (
         DtypeChoice("bf16", "a GPU with bf16")))
     with pytest.raises(SystemExit) as done:
         parse_config(Config, ["--model", qwen_1_5b, "--rollout", "vllm", "--dry-run"])
@@ -148,7 +151,7 @@ def test_the_plan_counts_the_tensors_a_run_really_holds(lora_rank, tiny_model_di
     from trainer import setup_trainer
     cfg = replace(Config(model=tiny_model_dir, dtype="bf16", beta=0.04, rollout="hf"),
                   lora_rank=lora_rank, gradient_checkpointing=False, max_tokens_per_microbatch=0)
-    trainer = setup_trainer(cfg)
+    trainer = rl_trainer(cfg)
     held = {}
     real_step = trainer.optimizer.step
 
@@ -184,7 +187,7 @@ def test_sft_on_a_gpu_gets_settings_that_fit(qwen_1_5b, monkeypatch):
     from data import parse_config
     from model import DtypeChoice
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(sft, "choose_dtype", lambda requested, device, recorded: (
+    monkeypatch.setattr(options, "choose_dtype", lambda requested, device, recorded: (
         DtypeChoice("bf16", "a GPU with bf16")))
 
     def sft_plan(gb, *flags):

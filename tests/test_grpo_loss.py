@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from grpo import Config, group_advantages, grpo_loss, loss_denominator
+from grpo import Config, group_advantages, grpo_loss
+from rl import loss_denominator
 from reward import overlong_penalty
 
 

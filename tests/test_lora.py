@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from conftest import ROOT, make_batch, read_metrics, run_grpo, small_run_args
+from conftest import rl_trainer, ROOT, make_batch, read_metrics, run_grpo, small_run_args
 from grpo import Config, train_on_rollout
 from model import completion_logprobs, is_lora, pack
 from rollout import HFRollout
@@ -18,7 +18,7 @@ COMPLETIONS = [[20, 21, 2], [22, 2], [23, 24, 25, 26], [27, 2]]
 
 
 def _lora_trainer(model_dir, **kw):
-    return setup_trainer(Config(data="arith", model=model_dir, dtype="fp32", lr=1e-2, lora_rank=4,
+    return rl_trainer(Config(data="arith", model=model_dir, dtype="fp32", lr=1e-2, lora_rank=4,
                                 **kw))
 
 

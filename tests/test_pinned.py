@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import REL_TOL, assert_close_to_scale, make_batch, record_grads
+from conftest import rl_trainer, REL_TOL, assert_close_to_scale, make_batch, record_grads
 from grpo import Config, train_on_rollout
 from model import completion_logprobs, length_mask
 from trainer import finish_metrics, setup_trainer
@@ -51,7 +51,7 @@ def test_async_ratio_uses_the_engines_logprobs_as_pi_old(tiny_model_dir):
     tokens, and (4, 5), 4 tokens in 2 columns -- the engine's log-probs are indexed by row and
     cut to each micro-batch's width, and the clip fractions are token-weighted over them.
     Mutants: async-pi-old-on-policy, async-engine-rows, stats-unweighted-metrics."""
-    trainer = setup_trainer(Config(data="arith", model=tiny_model_dir, dtype="fp32", beta=0.0,
+    trainer = rl_trainer(Config(data="arith", model=tiny_model_dir, dtype="fp32", beta=0.0,
                                    lr=1e-3, async_steps=1, micro_batch_size=2))
     current = copy.deepcopy(trainer.model)  # the weights the update starts from
     on_policy = copy.deepcopy(trainer.model)
@@ -115,7 +115,7 @@ def test_is_cap_weights_are_the_truncated_ratio_of_trainer_to_engine():
     batch = make_batch([[5], [6]], [[7, 8, 9], [10, 11, 12]], [1.0, 1.0], engine_logprobs=engine)
     mask = torch.ones(1, 3, dtype=torch.bool)
     mismatch = {}
-    weights = engine_correction(batch, torch.tensor([1]), old, mask, SimpleNamespace(is_cap=1.5),
+    weights = engine_correction(batch, torch.tensor([1]), old, mask, 1.5,
                                 mismatch)
     # exp(0.5) = 1.649 capped at 1.5; exp(-1) = 0.368; exp(0) = 1
     assert weights[0].tolist() == pytest.approx([1.5, 0.36787944, 1.0])
@@ -450,7 +450,7 @@ def test_an_over_long_pair_loses_the_start_of_its_prompt(tokenizer):
 
 def _round(rewards, first_id):
     """A scored round of groups of 2; completion ids number the samples from first_id."""
-    from grpo import Scored
+    from rl import Scored
     from rollout import Completions
     n = len(rewards)
     comps = Completions([[1]] * n, [[first_id + i] for i in range(n)], [False] * n, [""] * n)
@@ -488,13 +488,14 @@ def test_dynamic_sampling_keeps_groups_of_rows_without_answers():
 def test_the_overlong_penalty_is_added_to_the_reward():
     """--overlong-buffer 2 with --max-new-tokens 4: lengths 2, 3, 4, 4 get 0, -0.5, -1, -1 added
     to their reward (0.5 each here). Mutant: penalty-subtracted."""
-    from grpo import Started, score
+    from rl import Started, score
     from rollout import Completions, Ready
     cfg = Config(data="arith", num_generations=2, max_new_tokens=4, overlong_buffer=2)
     comps = Completions([[1]] * 4, [[5, 6], [5, 6, 7], [5, 6, 7, 8], [5, 6, 7, 8]],
                         [False, False, False, True], [""] * 4)
     scored = score(Started([{"problem": "p"}, {"problem": "q"}], Ready(comps)), cfg,
-                   lambda prompts, completions, completion_ids, rows: ([0.5] * 4, {}), None)
+                   lambda prompts, completions, completion_ids, rows: ([0.5] * 4, {}), None,
+                   cfg.overlong_buffer)
     assert scored.rewards.tolist() == [0.5, 0.0, -0.5, -0.5]
 
 
@@ -502,12 +503,13 @@ def test_overlong_filtering_takes_truncated_samples_out_of_the_loss_and_its_coun
     """--overlong-filter: a truncated sample (the second) is out of the loss, and out of the
     token-mean's denominator: 2 + 3 + 4 = 9 tokens, not 13. The fourth hit the limit with its
     stop token: not truncated, trained. Mutants: filter-inverted, denom-counts-filtered."""
-    from grpo import train_batch
+    from rl import train_batch
     from rollout import Completions
     cfg = Config(data="arith", max_new_tokens=4, overlong_filter=True)
     comps = Completions([[1]] * 4, [[5, 2], [5, 6, 7, 8], [5, 6, 2], [5, 6, 7, 2]],
                         [False, True, False, False], [""] * 4)
-    batch = train_batch(comps, torch.tensor([1.0, -1.0, 0.5, -0.5]), cfg, pad_id=2)
+    batch = train_batch(comps, torch.tensor([1.0, -1.0, 0.5, -0.5]), cfg, pad_id=2,
+                        overlong_filter=cfg.overlong_filter)
     assert batch.in_loss.tolist() == [True, False, True, True]
     assert batch.denom == 9.0
 

@@ -17,7 +17,9 @@ from conftest import assert_close_to_scale, read_metrics
 from data import DEMONSTRATORS, demonstrations, parse_config
 from env import Agent, GuessTheNumber, ToolChat, calculator, environment_tools, load_tools
 from rollout import Completions, Sampling
-from sft import Config, Example, best_fit, check_samples, encode_samples, pack_rows
+from formats import check_samples
+from session import epoch_batches
+from sft import Config, Example, best_fit, encode_samples, pack_rows
 from sft import sft_loss, token_logprobs
 
 CALC = load_tools("calculator")
@@ -327,12 +329,12 @@ def test_epochs_keep_a_short_last_batch_and_steps_override_them():
     """One rule for sft.py and dpo.py: ceil(rows / batch) steps an epoch, the last batch short
     (dpo.py used to drop it); --steps (TRL's max_steps) goes on into further epochs, each
     reshuffled by its own seed."""
-    two_epochs = data.epoch_batches(10, 4, epochs=2, steps=0, seed=0)
+    two_epochs = epoch_batches(10, 4, epochs=2, steps=0, seed=0)
     assert [(b.step, b.epoch, len(b.rows)) for b in two_epochs] == [
         (1, 0, 4), (2, 0, 4), (3, 0, 2), (4, 1, 4), (5, 1, 4), (6, 1, 2)]
     assert sorted(i for b in two_epochs[:3] for i in b.rows) == list(range(10))
     assert [b.rows for b in two_epochs[:3]] != [b.rows for b in two_epochs[3:]]
-    seven = data.epoch_batches(10, 4, epochs=1, steps=7, seed=0)
+    seven = epoch_batches(10, 4, epochs=1, steps=7, seed=0)
     assert [b.rows for b in seven[:6]] == [b.rows for b in two_epochs] and seven[6].epoch == 2
 
 

