@@ -487,30 +487,6 @@ def row_stream(rows: list[dict], seed: int):
             yield rows[i]
 
 
-@dataclass
-class Batch:
-    """One optimizer step of an offline loop (sft.py, dpo.py): which rows, in which epoch."""
-    step: int  # from 1
-    epoch: int  # from 0
-    rows: list[int]  # indices into the training rows
-
-
-def epoch_batches(rows: int, batch_size: int, epochs: int, steps: int, seed: int) -> list[Batch]:
-    """Every step's rows: each epoch the rows in an order of its own (seeded by the epoch, so the
-    same on --resume), cut into ceil(rows / batch_size) batches -- the last one short, as TRL's
-    data loader keeps it. steps > 0 overrides epochs, as TRL's max_steps does: epochs go on,
-    each reshuffled, until that many steps are done."""
-    per_epoch = -(-rows // batch_size)
-    batches, order = [], []
-    for step in range(1, (steps or per_epoch * epochs) + 1):
-        epoch, b = divmod(step - 1, per_epoch)
-        if b == 0:
-            order = list(range(rows))
-            random.Random(seed + epoch).shuffle(order)
-        batches.append(Batch(step, epoch, order[b * batch_size:(b + 1) * batch_size]))
-    return batches
-
-
 def load_problems(cfg):
     """(an endless stream of training problems, the held-out problems, the data's column names) for
     a resolved GRPO config (cfg.task, cfg.data, ...): `arith` and its held-out pairs, or a file / hub

@@ -211,8 +211,10 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
                 ModelOptions):
     """The options of every algorithm that runs the RL loop (rl.py)."""
     lr: float | None = None
-    warmup_steps: int = 0
+    """AdamW learning rate, constant after warmup (default: the task's)"""
     eval_every: int | None = None
+    """held-out greedy evaluation every N steps, at step 0 and at the end (0 = never; default:
+    the task's)"""
 
     def __post_init__(self):  # the task's defaults fill what is unset; impossible values stop here
         apply_task(self)

@@ -62,11 +62,15 @@ def config_class(module: str, name: str):
 
 
 def fields_of(cls) -> list[tuple[str, str, str]]:
-    """(group, field name, docstring) for every field, in order, a base class's first (distill.Config
-    extends grpo.Config). The group is the last `# ...` comment line above the field, inside the
-    class ("" before the first one)."""
+    """(group, field name, docstring) for every field, a base class's first (the algorithms'
+    Configs inherit options.py's groups). The group is the last `# ...` comment line above the
+    field, inside the class ("" before the first one). A field a class declares again (to change
+    its default) stays in its base's group, with the base's docstring unless it gives one."""
     bases = [b for b in cls.__bases__ if dataclasses.is_dataclass(b)]
-    return [f for b in bases for f in fields_of(b)] + _own_fields(cls)
+    inherited = [f for b in bases for f in fields_of(b)]
+    groups = {name: group for group, name, _ in inherited}
+    return inherited + [(groups.get(name, group), name, doc) for group, name, doc
+                        in _own_fields(cls) if doc or name not in groups]
 
 
 def _own_fields(cls) -> list[tuple[str, str, str]]:

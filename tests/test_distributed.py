@@ -48,16 +48,17 @@ def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(dtype,
             "--reward", "tests.rewards:parity_reward", "--dtype", dtype]
     run_grpo([*args, "--num-trainers", "2", "--num-engines", "1", "--colocate",
               "--async-steps", "1", "--out", str(tmp_path / "a")])
-    run_grpo([*args, "--out", str(tmp_path / "s")])
-    lagged, synced = (read_metrics(tmp_path / run) for run in ("a", "s"))
+    lagged = read_metrics(tmp_path / "a")
     assert [r["step"] for r in lagged] == [0, 1, 2, 3] and "eval_accuracy" in lagged[-1]
     assert (tmp_path / "a" / "model" / "model.safetensors").exists()  # saved by trainer rank 0
     assert [r["policy_lag"] for r in lagged[1:]] == [0, 1, 1]
-    assert [r["policy_lag"] for r in synced[1:]] == [0, 0, 0]
     for a in lagged[1:]:  # pi_theta / pi_engine with equal weights
         assert a["ratio"] == pytest.approx(1.0, abs=0.02)
-    if dtype == "bf16":
+    if dtype == "bf16":  # (no comparison to make: no one-process run)
         return
+    run_grpo([*args, "--out", str(tmp_path / "s")])
+    synced = read_metrics(tmp_path / "s")
+    assert [r["policy_lag"] for r in synced[1:]] == [0, 0, 0]
     for a, s in zip(lagged[1:], synced[1:]):
         for key in ("reward", "completion_len", "zero_std_frac", "truncated_frac", "trained_frac"):
             assert a[key] == s[key], key

@@ -189,25 +189,24 @@ def test_two_step_run(tiny_model_dir, tmp_path):
     assert (out / "curves.png").exists() and (out / "model" / "model.safetensors").exists()
 
 
-def test_resume_is_exact(tiny_model_dir, tmp_path):
+def test_resume_is_exact(tiny_model_dir, tmp_path, capsys):
     """--save-every / --resume with GRPO's checkpoint code: the resumed run's metrics equal the
     uninterrupted run's (the reference stays the starting model)."""
     from conftest import read_metrics
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1),
                                         "rejected": str(i + 7)}) + "\n" for i in range(20)))
-    common = [sys.executable, "dpo.py", "--model", tiny_model_dir, "--data", str(data),
-              "--batch-size", "4", "--micro-batch-size", "2", "--epochs", "1", "--eval-every", "2",
-              "--lr", "1e-3", "--dtype", "fp32"]
-    first = subprocess.run(common + ["--save-every", "2", "--keep-last", "0", "--out",
-                                     str(tmp_path / "a")], cwd=ROOT, capture_output=True,
-                           text=True, timeout=600)
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = subprocess.run(common + ["--resume", str(tmp_path / "a/checkpoints/step_2"),
-                                       "--out", str(tmp_path / "b")], cwd=ROOT,
-                             capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resuming from" in resumed.stdout
+    import dpo
+    from data import parse_config
+    common = ["--model", tiny_model_dir, "--data", str(data), "--batch-size", "4",
+              "--micro-batch-size", "2", "--epochs", "1", "--eval-every", "2", "--lr", "1e-3",
+              "--dtype", "fp32"]  # (in this process: each run seeds itself, a resumed run
+    dpo.main(parse_config(Config, common + [  # restores its RNGs)
+        "--save-every", "2", "--keep-last", "0", "--out", str(tmp_path / "a")]))
+    capsys.readouterr()
+    dpo.main(parse_config(Config, common + ["--resume", str(tmp_path / "a/checkpoints/step_2"),
+                                            "--out", str(tmp_path / "b")]))
+    assert "resuming from" in capsys.readouterr().out
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     assert a == b
