@@ -147,14 +147,19 @@ def _tool_call(call, where: str, tools: set[str]) -> dict:
 # Preference pairs: prompt, chosen, rejected.
 
 
-def check_pairs(rows, source, cfg) -> list[dict]:
-    """Every row, before any model loads: {prompt, chosen, rejected} from the configured columns,
-    each a non-empty string or a list of {role, content} messages (TRL's preference format)."""
+def check_pairs(rows, source, cfg, need_prompt: bool = True, margin_field: str = "") -> list[dict]:
+    """Every row, before any model loads: {prompt, chosen, rejected, margin} from the configured
+    columns, each a non-empty string or a list of {role, content} messages (TRL's preference
+    format). Without a prompt column in row 1 the prompt is implicit (TRL's): conversations share
+    it as their common first messages; plain strings have none ("": an error where need_prompt).
+    margin_field: an optional numeric column (TRL's RewardTrainer's `margin`), else 0."""
+    first = rows[0] if rows and isinstance(rows[0], dict) else {}
+    explicit = cfg.prompt_field in first
     out = []
     for i, row in enumerate(rows, start=1):
         pair = {}
-        for key, field in (("prompt", cfg.prompt_field), ("chosen", cfg.chosen_field),
-                           ("rejected", cfg.rejected_field)):
+        fields = (("prompt", cfg.prompt_field),) if explicit else ()
+        for key, field in fields + (("chosen", cfg.chosen_field), ("rejected", cfg.rejected_field)):
             value = row.get(field) if isinstance(row, dict) else None
             if not value or (isinstance(value, str) and not value.strip()):
                 raise InputError(f"{source}: row {i} has no '{field}' field (or it is empty)")
@@ -164,5 +169,25 @@ def check_pairs(rows, source, cfg) -> list[dict]:
                 raise InputError(f"{source}: row {i}: '{field}' is a list but not of "
                                  f"{{'role', 'content'}} messages")
             pair[key] = value
-        out.append(pair)
+        if not explicit:
+            pair.update(_implicit_prompt(pair["chosen"], pair["rejected"], f"{source}: row {i}",
+                                         need_prompt, cfg.prompt_field))
+        margin = row.get(margin_field, 0.0) if margin_field else 0.0
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+            raise InputError(f"{source}: row {i}: '{margin_field}' is not a number")
+        out.append({**pair, "margin": float(margin)})
     return out
+
+
+def _implicit_prompt(chosen, rejected, where: str, need_prompt: bool, prompt_field: str) -> dict:
+    """TRL's implicit prompt: the messages both conversations begin with."""
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        k = 0
+        while k < min(len(chosen), len(rejected)) - 1 and chosen[k] == rejected[k]:
+            k += 1
+        if k and chosen[k:] and rejected[k:]:
+            return {"prompt": chosen[:k], "chosen": chosen[k:], "rejected": rejected[k:]}
+    if need_prompt:
+        raise InputError(f"{where} has no '{prompt_field}' field, and chosen and rejected share no "
+                         f"first messages to take as the prompt (TRL's implicit prompt)")
+    return {"prompt": "", "chosen": chosen, "rejected": rejected}

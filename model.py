@@ -126,14 +126,22 @@ def load_tokenizer(name: str):
     return tokenizer
 
 
-def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               head: str = "lm"):
     """(model on `device`, tokenizer) for a hub id, a local folder or DEFAULT_MODEL. Its weights
     in `dtype`: fp32 for what trains (the master weights), the compute dtype for what is frozen
-    (a teacher, an engine's start), read straight onto the device, never through a copy in fp32."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve(name), dtype=dtype, device_map=None if device == "cpu" else device)
-    return model.to(device), load_tokenizer(name)
+    (a teacher, an engine's start), read straight onto the device, never through a copy in fp32.
+    head "lm": the causal LM; "reward": an AutoModelForSequenceClassification with one label --
+    a reward model's, or a causal LM's decoder with a new scalar head (rm.py)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    tokenizer = load_tokenizer(name)
+    kind, extra = (AutoModelForCausalLM, {}) if head == "lm" else (
+        AutoModelForSequenceClassification, {"num_labels": 1})
+    model = kind.from_pretrained(resolve(name), dtype=dtype,
+                                 device_map=None if device == "cpu" else device, **extra)
+    if head == "reward" and model.config.pad_token_id is None:  # (the head finds the last
+        model.config.pad_token_id = tokenizer.pad_token_id  # token by it, as TRL's does)
+    return model.to(device), tokenizer
 
 
 def source_dtype(name: str) -> torch.dtype:
@@ -724,9 +732,9 @@ def _merged_weights(model, dtype):
     adapted = {f"{name}.weight": module for name, module in base.named_modules()
                if isinstance(module, LoraLayer)}
     for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
+        if ".lora_" in name or ".original_module." in name:  # (a head peft trains a copy of)
             continue
-        name = name.replace(".base_layer", "")
+        name = name.replace(".base_layer", "").replace(".modules_to_save.default", "")
         if name in adapted:  # (no_grad here only: a generator's caller runs between its yields)
             with torch.no_grad():
                 layer = adapted[name]
@@ -760,11 +768,13 @@ def load_optimizer_state(model, optimizer, state: dict):
 def add_lora(model, rank: int, alpha: int = 0, targets: str = "all-linear"):
     """Wrap `model` with LoRA adapters of rank `rank` on `targets` (module names, comma-separated,
     or peft's all-linear); alpha defaults to 2 * rank. The adapters start at zero (B = 0), so the
-    wrapped model computes exactly what the base did."""
+    wrapped model computes exactly what the base did. A reward model's scalar head (new, so not
+    adapted) trains whole (peft's SEQ_CLS task keeps a trainable copy of it)."""
     from peft import LoraConfig, get_peft_model
+    reward = "SequenceClassification" in type(model).__name__
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0,
                         target_modules=targets if targets == "all-linear" else targets.split(","),
-                        task_type="CAUSAL_LM")
+                        task_type="SEQ_CLS" if reward else "CAUSAL_LM")
     return get_peft_model(model, config)
 
 

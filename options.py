@@ -69,6 +69,7 @@ class TrainOptions:
     """LoRA: the modules adapted (comma-separated names, e.g. q_proj,v_proj; or all-linear)"""
 
     ADAM_BETAS: ClassVar[tuple] = (0.9, 0.99)  # RL's (DeepSeekMath); dpo.py keeps TRL's 0.999
+    HEAD: ClassVar[str] = "lm"  # the model trained: a causal LM, or "reward" (rm.py's)
 
 
 @dataclass
@@ -203,6 +204,16 @@ class TaskOptions:
     (default: the task's; an --env's get_reward() is added to them)"""
     require_think_close: bool = False
     """reasoning models: grade only the text after </think>; no </think> means reward 0"""
+    reward_model: str = ""
+    """reward models added to --reward, comma-separated `path=weight`: a local folder or hub id of
+    an AutoModelForSequenceClassification with one label, or rm.py's --out (TRL's
+    reward_funcs="path"; reward_models.py); frozen, in the run's dtype"""
+    judge: str = ""
+    """generative judges added to --reward, comma-separated `model=weight`: a causal LM asked
+    whether the completion is right, the reward its p(yes) / (p(yes) + p(no)) (reward_models.py)"""
+    judge_prompt: str = ""
+    """--judge's question: a text file holding {prompt} and {completion} (default:
+    reward_models.JUDGE_PROMPT)"""
 
 
 # (Last base first: model and data, sampling, episodes, the update, evaluation, scale-out.)

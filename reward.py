@@ -316,7 +316,7 @@ class RewardFunctions:
     """
 
     def __init__(self, spec: str, answer_format: str, grader: Grader,
-                 require_think_close: bool = False, columns=None, env_class=None):
+                 require_think_close: bool = False, columns=None, env_class=None, extra=()):
         self.require_think_close = require_think_close
         self.fns = []  # (name, fn, weight)
         passed = {"prompts", "completions", "completion_ids",  # what __call__ passes, exactly
@@ -329,6 +329,7 @@ class RewardFunctions:
             self.fns.append((name, fn, float(weight)))
         if callable(getattr(env_class, "get_reward", None)):  # as TRL adds it: weight 1
             self.fns.append((env_class.__name__, _environment_rewards, 1.0))
+        self.fns += list(extra)  # (name, fn, weight): learned rewards (reward_models.py)
         if not self.fns:
             raise SystemExit("error: no reward: give --reward, or an --env with get_reward()")
         self.errors = 0

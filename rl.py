@@ -23,8 +23,9 @@ import torch
 from data import TEMPLATES, ProblemStream, encode_prompts, load_problems, task_summary
 from env import Agent, load_environment, load_tools
 from evaluate import evaluate_held_out, show_samples
-from model import length_mask, pack, right_pad
+from model import DTYPES, length_mask, pack, right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
+from reward_models import check_learned_rewards, learned_rewards
 from rollout import Completions, Ready, Sampling
 from session import RunFolder, close_run, open_run, resume_driver, start_log
 from checkpoint import save_checkpoint
@@ -63,9 +64,12 @@ def start_session(cfg, train_step, line=None) -> Session:
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
     # episodes (--tools, --env): the model acts, tools and the environment answer
     agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
+    check_learned_rewards(cfg.reward_model, cfg.judge, cfg.judge_prompt)
     grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
+    learned = learned_rewards(cfg.reward_model, cfg.judge, cfg.judge_prompt, cfg.template,
+                              DTYPES[cfg.dtype])  # (reward models and judges, frozen)
     reward_fns = RewardFunctions(cfg.reward, TEMPLATES[cfg.template][1], grader,
-                                 cfg.require_think_close, columns, env_class)
+                                 cfg.require_think_close, columns, env_class, learned)
     resume_driver(folder)
     run = (setup_ray if cfg.on_ray() else setup_local)(cfg, train_step, folder.resume_dir,
                                                        folder.driver.step)

@@ -69,8 +69,11 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
     device = pick_device()
     start = model_path(cfg)
     # A LoRA checkpoint holds adapters only: the base comes from where the run started.
-    model, tokenizer = load_model(resume_dir if resume_dir and not cfg.lora_rank else start, device)
-    check_head_logits(model)
+    head = cfg.HEAD  # ("reward": rm.py's scalar head)
+    model, tokenizer = load_model(resume_dir if resume_dir and not cfg.lora_rank else start,
+                                  device, head=head)
+    if head == "lm":
+        check_head_logits(model)
     ref_model = None
     if cfg.lora_rank:  # the reference is this base model with the adapters off: no second copy
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
@@ -106,7 +109,8 @@ def resume_trainer(trainer: Trainer, resume_dir: str):
     if is_lora(trainer.model):
         load_adapters(trainer.model, resume_dir)
     else:
-        trainer.model.load_state_dict(load_model(resume_dir, trainer.device)[0].state_dict())
+        trainer.model.load_state_dict(load_model(resume_dir, trainer.device,
+                                                 head=trainer.cfg.HEAD)[0].state_dict())
     load_trainer_state(resume_dir, trainer.model, trainer.optimizer, trainer.scheduler)
     refresh_bf16_copy(trainer)
 

@@ -24,8 +24,8 @@ from data import parse_config  # noqa: E402
 
 PAGES = sorted([ROOT / "README.md", ROOT / "course" / "README.md", *(ROOT / "docs").glob("*.md")])
 CONFIGS = {"grpo.py": ("grpo", "Config"), "sft.py": ("sft", "Config"),
-           "dpo.py": ("dpo", "Config"), "evaluate.py": ("evaluate", "EvalConfig"),
-           "distill.py": ("distill", "Config")}
+           "dpo.py": ("dpo", "Config"), "rm.py": ("rm", "Config"),
+           "evaluate.py": ("evaluate", "EvalConfig"), "distill.py": ("distill", "Config")}
 # Words that date a page to the hour it was written: a reader next month cannot place them.
 DATE_RELATIVE = ["yesterday", "today", "tonight", "this morning", "this afternoon",
                  "this evening", "last night", "earlier today", "the day before", "the day after",

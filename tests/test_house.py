@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ALGORITHMS = ("grpo", "sft", "dpo", "distill")
+ALGORITHMS = ("grpo", "sft", "dpo", "distill", "rm")
 MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
 
 

@@ -1,0 +1,175 @@
+"""Learned rewards, as reward sources beside reward.py's functions (grpo.py's --reward-model and
+--judge): a reward model's score, and a generative judge's probability of "yes".
+
+    --reward-model PATH[=WEIGHT],...   an AutoModelForSequenceClassification with one label: a hub
+                                       id, an HF folder, rm.py's output folder (TRL's
+                                       `reward_funcs="path/or/hub-id"`)
+    --judge MODEL[=WEIGHT],...         any causal LM, asked whether the completion is right: the
+                                       reward is p(yes) / (p(yes) + p(no)) at its answer
+                                       (LLM-as-judge, GenRM); --judge-prompt FILE for the question
+
+Both read the conversation as the policy had it -- the prompt (a string prompt through the run's
+template, as the policy saw it) and the decoded completion -- re-tokenized by their own tokenizer
+and chat template, as TRL does; they are frozen, in the run's dtype, and score in batches. A
+reward model reads its score at the last token, which is never the pad token (trailing pad ids
+are dropped, as rm.py trains it): transformers' own forward gives the same number.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+
+from data import TEMPLATES
+from model import load_model, load_tokenizer, pick_device, resolve
+
+BATCH = 16  # sequences a learned reward scores together
+JUDGE_PROMPT = ("Here is a question and an answer to it.\n\nQuestion: {prompt}\n\n"
+                "Answer: {completion}\n\nIs the answer correct? Reply with yes or no.")
+
+
+def learned_rewards(reward_models: str, judges: str, judge_prompt: str, template: str,
+                    dtype: torch.dtype) -> list[tuple]:
+    """(name, scoring function, weight) for every --reward-model and --judge, loaded now."""
+    sources = []
+    for spec, kind in [(s, RewardModel) for s in _split(reward_models)] + \
+                      [(s, Judge) for s in _split(judges)]:
+        path, _, weight = spec.rpartition("=") if "=" in spec else (spec, "", "1")
+        source = kind(path, template, dtype, judge_prompt)
+        sources.append((source.name, source, float(weight)))
+    return sources
+
+
+def check_learned_rewards(reward_models: str, judges: str, judge_prompt: str):
+    """Before any model loads: every --reward-model is a sequence-classification model with one
+    label, every --judge a causal LM, --judge-prompt a file with {prompt} and {completion}; one
+    line naming the flag and the path otherwise."""
+    for spec in _split(reward_models):
+        path = spec.rpartition("=")[0] if "=" in spec else spec
+        config = _config(path, "--reward-model")
+        kinds = config.get("architectures") or []
+        if not any(k.endswith("ForSequenceClassification") for k in kinds) or \
+                len(config.get("id2label") or {"0": ""}) != 1:
+            raise SystemExit(f"error: --reward-model {path}: not a reward model (a sequence-"
+                             f"classification model with one label; its config says "
+                             f"{', '.join(kinds) or 'no architecture'}): train one with rm.py")
+    for spec in _split(judges):
+        path = spec.rpartition("=")[0] if "=" in spec else spec
+        kinds = _config(path, "--judge").get("architectures") or []
+        if not any(k.endswith("ForCausalLM") for k in kinds):
+            raise SystemExit(f"error: --judge {path}: not a causal language model (its config "
+                             f"says {', '.join(kinds) or 'no architecture'})")
+    if judge_prompt:
+        if not Path(judge_prompt).is_file():
+            raise SystemExit(f"error: --judge-prompt {judge_prompt}: no such file")
+        text = Path(judge_prompt).read_text()
+        if "{prompt}" not in text or "{completion}" not in text:
+            raise SystemExit(f"error: --judge-prompt {judge_prompt}: the question must hold "
+                             f"{{prompt}} and {{completion}}")
+
+
+class RewardModel:
+    """A reward model's score of prompt + completion, as it was trained (rm.py, TRL)."""
+
+    def __init__(self, path: str, template: str, dtype, _judge_prompt=""):
+        self.name = f"rm:{Path(resolve(path)).name if Path(path).exists() else path}"
+        self.model, self.tokenizer = load_model(path, pick_device(), dtype, head="reward")
+        self.model.requires_grad_(False).eval()
+        self.template = template
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, **_) -> list[float]:
+        texts = [_render(self.tokenizer, conversation(p, c, self.template), False)
+                 for p, c in zip(prompts, completions)]
+        out = []
+        for s in range(0, len(texts), BATCH):
+            ids = [_without_trailing_pad(self.tokenizer(t, add_special_tokens=False)["input_ids"],
+                                         self.tokenizer.pad_token_id) for t in texts[s:s + BATCH]]
+            batch = _right_padded(ids, self.tokenizer.pad_token_id, self.model.device)
+            out += self.model(**batch).logits[:, 0].float().tolist()
+        return out
+
+
+class Judge:
+    """A causal LM asked a yes/no question about the completion: the reward is its probability of
+    "yes" against "no" at the first token of its answer (both spellings, "yes" and "Yes")."""
+
+    def __init__(self, path: str, template: str, dtype, judge_prompt: str = ""):
+        self.name = f"judge:{Path(path).name or path}"
+        self.model, self.tokenizer = load_model(path, pick_device(), dtype)
+        self.model.requires_grad_(False).eval()
+        self.template = template
+        self.question = Path(judge_prompt).read_text() if judge_prompt else JUDGE_PROMPT
+        first = lambda word: self.tokenizer(word, add_special_tokens=False)["input_ids"][0]
+        self.yes = sorted({first("yes"), first("Yes")})
+        self.no = sorted({first("no"), first("No")})
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions, **_) -> list[float]:
+        asked = []
+        for p, c in zip(prompts, completions):
+            messages = conversation(p, c, self.template)
+            question = self.question.format(prompt=_text(messages[:-1]), completion=_text(
+                messages[-1:]))
+            asked.append(_render(self.tokenizer, [{"role": "user", "content": question}], True))
+        out = []
+        for s in range(0, len(asked), BATCH):
+            ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"]
+                   for t in asked[s:s + BATCH]]
+            batch = _right_padded(ids, self.tokenizer.pad_token_id, self.model.device)
+            logits = self.model(**batch).logits.float()  # (b, L, V)
+            last = batch["attention_mask"].sum(1) - 1  # (b,) the position that predicts the answer
+            logp = torch.log_softmax(logits[torch.arange(len(ids)), last], -1)  # (b, V)
+            yes, no = logp[:, self.yes].logsumexp(-1), logp[:, self.no].logsumexp(-1)  # (b,)
+            out += torch.sigmoid(yes - no).tolist()  # p(yes) / (p(yes) + p(no))
+        return out
+
+
+def conversation(prompt, completion, template: str) -> list[dict]:
+    """The messages a learned reward reads: the prompt as the policy saw it (a string through the
+    run's template) and the completion as the assistant's (an episode: all its messages)."""
+    if isinstance(prompt, list):
+        messages = list(prompt)
+    else:
+        messages = [{"role": "user", "content": TEMPLATES[template][0].format(problem=prompt)}]
+    if isinstance(completion, list):
+        return messages + completion
+    return messages + [{"role": "assistant", "content": completion}]
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
+    return _text(messages)  # (a tokenizer without a chat template: the texts one after another)
+
+
+def _text(messages: list[dict]) -> str:
+    return "\n".join(str(m.get("content") or "") for m in messages)
+
+
+def _without_trailing_pad(ids: list[int], pad_id) -> list[int]:
+    while len(ids) > 1 and ids[-1] == pad_id:
+        ids = ids[:-1]
+    return ids
+
+
+def _right_padded(ids: list[list[int]], pad_id, device) -> dict:
+    L = max(len(i) for i in ids)
+    input_ids = torch.full((len(ids), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), L), dtype=torch.long)
+    for k, row in enumerate(ids):
+        input_ids[k, :len(row)], mask[k, :len(row)] = torch.tensor(row), 1
+    return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+
+
+def _split(spec: str) -> list[str]:
+    return [part.strip() for part in (spec or "").split(",") if part.strip()]
+
+
+def _config(path: str, flag: str) -> dict:
+    folder = Path(resolve(path, flag))
+    if not (folder / "config.json").exists():  # (a hub id: resolve found it in the cache)
+        from transformers import AutoConfig
+        return AutoConfig.from_pretrained(str(folder)).to_dict()
+    return json.loads((folder / "config.json").read_text())

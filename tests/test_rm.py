@@ -1,0 +1,199 @@
+"""rm.py and learned rewards (issue 43): the Bradley-Terry loss by hand, the score read at the last
+token with left and right padding, a saved reward model loaded by transformers scoring alike, bad
+data and a path that is no reward model stopped in one line before training, a reward model with
+a tokenizer of its own re-tokenizing the decoded text, a judge's yes-probability by hand, and a
+tiny run: exact resume, LoRA, the HF folder it writes, and GRPO optimising it."""
+
+import json
+import math
+
+import pytest
+import torch
+
+import rm
+from conftest import read_metrics
+from data import parse_config
+from formats import check_pairs
+from reward_models import Judge, RewardModel, check_learned_rewards, conversation
+
+
+def _logsig(x):
+    return -math.log1p(math.exp(-x))
+
+
+def test_the_bradley_terry_loss_by_hand():
+    chosen, rejected = torch.tensor([2.0, -1.0, 0.5]), torch.tensor([1.0, 0.5, 0.5])
+    margin = torch.tensor([0.0, 0.0, 1.0])
+    losses, metrics = rm.reward_loss(chosen, rejected, margin, center_coefficient=0.1)
+    by_hand = [-_logsig(2 - 1 - 0) + 0.1 * 9, -_logsig(-1 - 0.5) + 0.1 * 0.25,
+               -_logsig(0.5 - 0.5 - 1) + 0.1 * 1]
+    assert losses.tolist() == pytest.approx(by_hand, rel=1e-6)
+    assert metrics == {"accuracy": 1.0, "margin": pytest.approx(1 - 1.5 + 0),
+                       "chosen_reward": 1.5, "rejected_reward": 2.0}
+    plain, _ = rm.reward_loss(chosen, rejected)
+    assert plain.tolist() == pytest.approx([-_logsig(1), -_logsig(-1.5), -_logsig(0)], rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny causal LM as a fresh reward model (its decoder, a new scalar head), saved."""
+    from model import load_model
+    path = tmp_path_factory.mktemp("tiny-rm")
+    model, tokenizer = load_model(tiny_model_dir, head="reward")
+    torch.manual_seed(0)
+    torch.nn.init.normal_(model.score.weight, std=0.5)  # (a head that tells sequences apart)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_the_score_is_the_last_tokens_with_left_and_right_padding(reward_model_dir):
+    """rm.scores (last token from lengths) equals transformers' own forward on right- and
+    left-padded batches (the rightmost token that is not the pad), for a saved reward model."""
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    pad = model.config.pad_token_id
+    sequences = [[5, 6, 7, 8, 9], [11, 12], [13, 14, pad, 15]]  # (a pad id inside: eos mid-chat)
+    with torch.no_grad():
+        ours = rm.scores(model, sequences, "cpu", pad, bf16=False)
+        for side in ("right", "left"):
+            L = max(map(len, sequences))
+            ids = torch.tensor([s + [pad] * (L - len(s)) if side == "right" else
+                                [pad] * (L - len(s)) + s for s in sequences])
+            mask = (torch.arange(L)[None] < torch.tensor([len(s) for s in sequences])[:, None])
+            mask = mask if side == "right" else mask.flip(1)
+            theirs = model(input_ids=ids, attention_mask=mask.long()).logits[:, 0]
+            assert torch.allclose(ours, theirs, atol=1e-5), (side, ours, theirs)
+    assert rm.sequence([1, 2], [3, pad], [], pad) == [1, 2, 3]  # never ends on the pad
+
+
+def test_bad_pairs_and_a_path_that_is_no_reward_model_stop_in_one_line(tiny_model_dir, tmp_path,
+                                                                       reward_model_dir):
+    cfg = rm.Config(dtype="fp32")
+    with pytest.raises(SystemExit, match=r"^error: prefs.jsonl: row 2: 'margin' is not a number$"):
+        check_pairs([{"chosen": "a", "rejected": "b"}, {"chosen": "a", "rejected": "b",
+                                                        "margin": "big"}], "prefs.jsonl", cfg,
+                    need_prompt=False, margin_field="margin")
+    with pytest.raises(SystemExit, match=r"^error: p.jsonl: row 1 has no 'rejected' field"):
+        check_pairs([{"prompt": "q", "chosen": "a"}], "p.jsonl", cfg)
+    with pytest.raises(SystemExit, match=r"^error: --reward-model .*: not a reward model \("
+                                         r"a sequence-classification model with one label; its "
+                                         r"config says LlamaForCausalLM\): train one with rm.py"):
+        check_learned_rewards(tiny_model_dir, "", "")
+    check_learned_rewards(reward_model_dir, tiny_model_dir, "")  # a reward model, a judge: fine
+    with pytest.raises(SystemExit, match=r"^error: --judge .*: not a causal language model"):
+        check_learned_rewards("", reward_model_dir, "")
+    (tmp_path / "q.txt").write_text("Is {completion} right?")
+    with pytest.raises(SystemExit, match=r"--judge-prompt .*q.txt: the question must hold"):
+        check_learned_rewards("", tiny_model_dir, str(tmp_path / "q.txt"))
+
+
+def test_the_implicit_prompt_is_what_both_conversations_begin_with():
+    cfg = rm.Config(dtype="fp32")
+    user = {"role": "user", "content": "2 + 2?"}
+    [row] = check_pairs([{"chosen": [user, {"role": "assistant", "content": "4"}],
+                          "rejected": [user, {"role": "assistant", "content": "5"}]}], "p", cfg)
+    assert row["prompt"] == [user] and row["chosen"] == [{"role": "assistant", "content": "4"}]
+    with pytest.raises(SystemExit, match="share no first messages"):
+        check_pairs([{"chosen": "4", "rejected": "5"}], "p", cfg)  # dpo.py needs a prompt
+    [plain] = check_pairs([{"chosen": "4", "rejected": "5"}], "p", cfg, need_prompt=False)
+    assert plain["prompt"] == ""
+
+
+def test_a_reward_model_with_a_tokenizer_of_its_own_reads_the_decoded_text(reward_model_dir,
+                                                                          tmp_path):
+    """Its own chat template and tokenization of prompt + completion, as TRL's GRPOTrainer
+    renders them: not the policy's token ids."""
+    import shutil
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    own = tmp_path / "own"
+    shutil.copytree(reward_model_dir, own)
+    tokenizer = AutoTokenizer.from_pretrained(own)
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n"
+                               "{% endfor %}")
+    tokenizer.save_pretrained(own)
+    source = RewardModel(str(own), "answer-is", torch.float32)
+    got = source(["What is 2 + 3?", "What is 1 + 1?"], ["The answer is 5.", "It is 3"])
+    model = AutoModelForSequenceClassification.from_pretrained(own).eval()
+    for problem, completion, score in zip(["What is 2 + 3?", "What is 1 + 1?"],
+                                          ["The answer is 5.", "It is 3"], got):
+        text = tokenizer.apply_chat_template(conversation(problem, completion, "answer-is"),
+                                             tokenize=False)
+        assert text.startswith("<user> What is") and "\nReply with one sentence" in text
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            assert score == pytest.approx(float(model(torch.tensor([ids])).logits[0, 0]), abs=1e-5)
+
+
+def test_a_judges_reward_is_its_softmax_at_the_answer_by_hand(tiny_model_dir):
+    judge = Judge(tiny_model_dir, "answer-is", torch.float32)
+    [reward] = judge(["What is 2 + 3?"], ["The answer is 5."])
+    tok, model = judge.tokenizer, judge.model
+    question = judge.question.format(
+        prompt="What is 2 + 3?\nReply with one sentence: The answer is <number>.",
+        completion="The answer is 5.")
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                   add_generation_prompt=True)
+    with torch.no_grad():
+        logits = model(torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])).logits
+    p = torch.softmax(logits[0, -1].double(), -1)
+    first = lambda w: tok(w, add_special_tokens=False)["input_ids"][0]
+    yes, no = p[list({first("yes"), first("Yes")})].sum(), p[list({first("no"), first("No")})].sum()
+    assert reward == pytest.approx(float(yes / (yes + no)), rel=1e-5)
+
+
+def _pairs_file(path, n=24):
+    path.write_text("".join(json.dumps({
+        "prompt": f"What is {i} + 1?", "chosen": f"The answer is {i + 1}.",
+        "rejected": f"The answer is {i + 7}.", "margin": 0.5 * (i % 2)}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def test_a_tiny_run_resumes_exactly_and_writes_a_reward_model_transformers_loads(
+        tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    data = _pairs_file(tmp_path / "prefs.jsonl")
+    common = ["--model", tiny_model_dir, "--data", data, "--batch-size", "4",
+              "--micro-batch-size", "2", "--eval-every", "2", "--lr", "1e-3", "--dtype", "fp32",
+              "--eval-pairs", "4", "--steps", "4"]
+    whole = rm.main(parse_config(rm.Config, common + ["--save-every", "2", "--keep-last", "0",
+                                                       "--out", str(tmp_path / "a")]))
+    assert [r["step"] for r in whole] == [0, 1, 2, 3, 4]
+    for key in ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward", "eval_accuracy",
+                "eval_margin", "eval_loss", "grad_norm", "tokens_per_s"):
+        assert key in whole[-1], key
+    capsys.readouterr()
+    rm.main(parse_config(rm.Config, common + ["--resume", str(tmp_path / "a/checkpoints/step_2"),
+                                              "--out", str(tmp_path / "b")]))
+    assert "resuming from" in capsys.readouterr().out
+    assert read_metrics(tmp_path / "a") == read_metrics(tmp_path / "b")
+    folder = tmp_path / "a" / "model"
+    model = AutoModelForSequenceClassification.from_pretrained(folder)
+    assert model.config.num_labels == 1 and AutoTokenizer.from_pretrained(folder).chat_template
+    assert (tmp_path / "a" / "curves.png").exists()
+
+
+def test_lora_trains_the_adapters_and_the_new_head_and_writes_a_plain_reward_model(
+        tiny_model_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+    history = rm.main(parse_config(rm.Config, [
+        "--model", tiny_model_dir, "--data", _pairs_file(tmp_path / "p.jsonl"), "--batch-size",
+        "4", "--lora-rank", "4", "--lr", "1e-2", "--steps", "3", "--eval-every", "0",
+        "--dtype", "fp32", "--out", str(tmp_path / "o")]))
+    assert history[-1]["loss"] < history[0]["loss"]
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "o" / "model")
+    assert not hasattr(model, "peft_config") and model.score.weight.shape == (1, 128)
+
+
+def test_grpo_optimises_a_reward_model_and_logs_each_source(reward_model_dir, tiny_model_dir,
+                                                           tmp_path):
+    from conftest import run_grpo
+    run_grpo(["--model", tiny_model_dir, "--data", "arith", "--steps", "1", "--prompts-per-step",
+              "2", "--num-generations", "2", "--max-new-tokens", "6", "--eval-every", "0",
+              "--reward", "correctness", "--reward-model", f"{reward_model_dir}=0.5",
+              "--dtype", "fp32", "--out", str(tmp_path / "g")])
+    [record] = [r for r in read_metrics(tmp_path / "g") if r["step"] == 1]
+    name = f"reward_rm:{reward_model_dir.rstrip('/').split('/')[-1]}"
+    assert name in record and "reward_correctness" in record
+    assert record["reward"] == pytest.approx(record["reward_correctness"] + 0.5 * record[name],
+                                             abs=1e-5)
