@@ -1,0 +1,139 @@
+"""rm.py and TRL's RewardTrainer side by side: tokens per second of reward-model steps on the same
+model, the same pairs, batch, sequence length and dtype.
+
+    pip install trl                         # into this virtualenv, or one of its own (--trl-python)
+    python benchmarks/rm_vs_trl.py          # prints both sides' tokens/s and the ratio
+
+Both sides get SmolLM2-135M-Instruct (the offline default, as its cached HF folder) with a new
+scalar head (AutoModelForSequenceClassification, one label) and the same rows, one file read by
+both: 64 conversational preference pairs in TRL's format (an explicit prompt; chosen and rejected
+answers of ~150 tokens, rendered by the model's chat template on both sides), 8 pairs a step in
+one forward/backward, each side's sequences padded to the step's longest, in the dtype native to
+the machine (`--dtype auto`'s choice), no gradient checkpointing, no centring, the same constant
+learning rate. Each side runs in a process of its own. Printed: each side's median tokens/s over
+the steps after the first (which warms up), tokens counting every token of the step's chosen and
+rejected sequences (TRL's `num_tokens`: its attention masks), padding excluded. --rounds N
+alternates the sides N times (the median of each).
+"""
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, BATCH, MAX_LENGTH, LR = 8, 8, 512, 1e-5
+WORDS = ("the model adds each digit from the right and carries one to the next column when the "
+         "sum passes nine so the total of the two numbers is found column by column").split()
+
+
+def pair_rows(n: int = STEPS * BATCH) -> list[dict]:
+    """n pairs: a question, and two answers of ~150 tokens that differ in their last sentence."""
+    rng, rows = random.Random(0), []
+    for i in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        body = " ".join(rng.choice(WORDS) for _ in range(110))
+        rows.append({"prompt": [{"role": "user", "content": f"Explain how to add {a} and {b}."}],
+                     "chosen": [{"role": "assistant", "content": f"{body}. So {a} + {b} = "
+                                                                  f"{a + b}."}],
+                     "rejected": [{"role": "assistant", "content": f"{body}. So {a} + {b} = "
+                                                                    f"{a + b + 10}."}]})
+    return rows
+
+
+def trl_side(model_dir: str, rows_file: str, result_file: str, dtype: str):
+    """Runs in TRL's Python: RewardTrainer for STEPS steps, timing each and counting its tokens."""
+    import torch
+    from datasets import Dataset
+    from trl import RewardConfig, RewardTrainer
+
+    from vs_trl import step_timer  # (benchmarks/: this script's folder, its working directory)
+
+    rows = [json.loads(line) for line in Path(rows_file).read_text().splitlines()]
+    times, tokens = [], []
+    with tempfile.TemporaryDirectory() as out:
+        config = RewardConfig(output_dir=out, per_device_train_batch_size=BATCH,
+                              max_length=MAX_LENGTH, learning_rate=LR,
+                              lr_scheduler_type="constant", max_steps=STEPS, logging_steps=1,
+                              bf16=dtype == "bf16", report_to=[], save_strategy="no",
+                              gradient_checkpointing=False, center_rewards_coefficient=None,
+                              use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+                              model_init_kwargs={"num_labels": 1})
+        trainer = RewardTrainer(model=model_dir, args=config, train_dataset=Dataset.from_list(rows),
+                                callbacks=[step_timer(times, {"num_tokens": tokens})])
+        trainer.train()
+    per_step = [b - a for a, b in zip([0.0] + tokens, tokens)]  # num_tokens is cumulative
+    Path(result_file).write_text(json.dumps({"step_seconds": times, "tokens": per_step}))
+
+
+def smolrl_side(rows_file: str, result_file: str, dtype: str):
+    """Runs in a process of its own: rm.py for STEPS steps; its log has each step's time."""
+    sys.path.insert(0, str(ROOT))
+    from rm import Config, main
+    with tempfile.TemporaryDirectory() as out:
+        history = main(Config(data=rows_file, batch_size=BATCH, micro_batch_size=BATCH,
+                              max_length=MAX_LENGTH, lr=LR, warmup_steps=0, eval_every=0,
+                              eval_pairs=0, steps=STEPS, dtype=dtype, out=out))
+    steps = [r for r in history if r["step"] > 0][:STEPS]
+    Path(result_file).write_text(json.dumps({"step_seconds": [r["step_seconds"] for r in steps],
+                                             "tokens": [r["tokens"] for r in steps]}))
+
+
+def rate(side: dict) -> float:
+    """Median tokens/s of the steps after the first."""
+    return statistics.median(t / s for t, s in zip(side["tokens"][1:], side["step_seconds"][1:]))
+
+
+def main(trl_python: str, rounds: int):
+    sys.path.insert(0, str(ROOT))
+    from model import choose_dtype, default_model_path, machine, pick_device
+    dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
+    print(f"machine: {machine()}; dtype {dtype.name} ({dtype.reason})", flush=True)
+    rates = {"TRL": [], "smolrl": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_file, result = Path(tmp) / "pairs.jsonl", Path(tmp) / "result.json"
+        rows_file.write_text("".join(json.dumps(r) + "\n" for r in pair_rows()))
+        for k in range(rounds):
+            print(f"smolrl rm.py, {BATCH} pairs a step ...", flush=True)
+            subprocess.run([sys.executable, __file__, "--smolrl-side", str(rows_file),
+                            str(result), dtype.name], check=True)
+            ours = json.loads(result.read_text())
+            print(f"TRL ({trl_python}), {BATCH} pairs a step ...", flush=True)
+            subprocess.run([trl_python, __file__, "--trl-side", default_model_path(),
+                            str(rows_file), str(result), dtype.name], check=True,
+                           cwd=Path(__file__).parent)
+            trl = json.loads(result.read_text())
+            rates["TRL"].append(rate(trl))
+            rates["smolrl"].append(rate(ours))
+            print(f"round {k + 1}: TRL {rates['TRL'][-1]:.0f} tok/s "
+                  f"({statistics.mean(trl['tokens']):.0f} tokens a step), smolrl "
+                  f"{rates['smolrl'][-1]:.0f} tok/s "
+                  f"({statistics.mean(ours['tokens']):.0f} tokens a step)", flush=True)
+    version = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
+                             capture_output=True, text=True).stdout.strip()
+    trl_rate, our_rate = statistics.median(rates["TRL"]), statistics.median(rates["smolrl"])
+    print(f"\n{BATCH} preference pairs a step (chosen and rejected ~170 tokens each), "
+          f"{dtype.name}; median tokens/s of steps 2-{STEPS}, median of {rounds} round(s)")
+    print(f"TRL {version} RewardTrainer {trl_rate:8.0f} tokens/s")
+    print(f"smolrl rm.py             {our_rate:8.0f} tokens/s")
+    print(f"rm.py is {our_rate / trl_rate:.2f}x TRL's tokens per second")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--trl-side"]:  # this script, run by TRL's Python
+        trl_side(*sys.argv[2:6])
+    elif sys.argv[1:2] == ["--smolrl-side"]:
+        smolrl_side(*sys.argv[2:5])
+    else:
+        parser = argparse.ArgumentParser(description=__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--trl-python", default=sys.executable,
+                            help="the Python of an environment with TRL installed (default: "
+                                 "this one)")
+        parser.add_argument("--rounds", type=int, default=1, help="alternate the sides N times")
+        args = parser.parse_args()
+        main(args.trl_python, args.rounds)
