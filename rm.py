@@ -77,7 +77,7 @@ class Config(RunOptions, OfflineOptions, TrainOptions, ModelOptions):
     """prompt template of the builtin pairs"""
     chat: bool = True
     """wrap string prompts in the model's chat template"""
-    builtin_problems: int = 256
+    builtin_problems: int = 128
     """builtin set: arith problems to sample answers for"""
     builtin_samples: int = 4
     """builtin set: answers sampled per problem (temperature 0.7)"""
@@ -159,7 +159,8 @@ def scores(model, sequences: list[list[int]], device: str, pad_id: int, bf16: bo
     ids = right_pad(sequences, pad_id).to(device)  # (B, L)
     attention = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # (B, L)
     with autocast(device, bf16 and next(model.parameters()).dtype == torch.float32):
-        hidden = decoder(input_ids=ids, attention_mask=attention.long()).last_hidden_state
+        hidden = decoder(input_ids=ids, attention_mask=attention.long(),
+                         use_cache=False).last_hidden_state  # (B, L, H) (no KV cache to build)
         last = hidden[torch.arange(len(sequences), device=device), lengths - 1]  # (B, H)
         return base.score(last).squeeze(-1).float()  # (B,)
 
