@@ -278,10 +278,11 @@ def step_record(step: int, sampled, update: dict, train_seconds: float, sync_sec
         record["accuracy"] = sum(sampled.correct) / len(sampled.correct)
     if sampled.episodes:  # --tools / --env
         record.update(episode_metrics(sampled.episodes))
-    if len(sampled.per_fn) > 1:  # each function's mean over the samples it applied to
-        for name, scores in sampled.per_fn.items():
-            scores = [x for x in scores if x is not None]
-            record[f"reward_{name}"] = sum(scores) / max(len(scores), 1)
+    # Each source's mean over the samples it applied to: a reward model's (reward_rm:<name>) is
+    # the proxy the policy climbs, beside the truth (accuracy, eval_accuracy).
+    for name, scores in sampled.per_fn.items():
+        scores = [x for x in scores if x is not None]
+        record[f"reward_{name}"] = sum(scores) / max(len(scores), 1)
     return record
 
 

@@ -157,7 +157,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
               ratio_level="token"):
     """Clipped-surrogate GRPO loss with an optional k3 KL penalty.
 
-    logprobs, old_logprobs, ref_logprobs, mask: (B, T); advantages: (B,).
+    logprobs, old_logprobs, ref_logprobs, mask: (B, T); advantages: (B,) -- one per sequence, as
+    GRPO's -- or (B, T), one per token (ppo.py's GAE).
         r_t      = exp(logprobs - old_logprobs)
         L_t      = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * k3_t
         k3_t     = exp(ref - lp) - (ref - lp) - 1     (>= 0, unbiased for KL(pi || ref))
@@ -177,7 +178,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
     Returns (loss, metrics) with metrics averaged over this batch's valid tokens.
     """
     mask = mask.float()  # (B, T)
-    A = advantages[:, None]  # (B, 1)
+    A = advantages[:, None] if advantages.dim() == 1 else advantages  # (B, 1), or PPO's (B, T)
     log_ratio = logprobs - old_logprobs  # (B, T)
     if ratio_level == "sequence":  # GSPO: one ratio per sequence, broadcast to its tokens
         seq = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)

@@ -255,6 +255,11 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
         """Whether the trainers keep a frozen copy of the initial policy (a KL reference)."""
         return False
 
+    def setup(self, resume_dir: str = "", group=None):
+        """What one trainer process holds (trainer.setup_trainer's Trainer; ppo.py adds a critic)."""
+        from trainer import setup_trainer
+        return setup_trainer(self, resume_dir, self.reference(), group)
+
     def engine_logprobs(self) -> bool:
         """Whether the HF engine returns the log-prob of each token it samples (vLLM always does):
         when the update needs them, as an off-policy step's pi_old."""

@@ -218,6 +218,9 @@ class TrainBatch:
     denom: float  # grpo_loss's denominator for the *global* batch (see loss_denominator)
     token_mask: torch.Tensor | None = None  # (B, T) episodes: True for the model's own tokens,
     # False for the environment's (tool results), which are never trained; None: all of them
+    rewards: torch.Tensor | None = None  # (B,) the samples' rewards, for an algorithm whose
+    # trainers make the advantages (ppo.py: per-token rewards, a critic, GAE)
+    train_policy: bool = True  # False: the critic alone steps (ppo.py's --critic-warmup)
 
     def loss_mask(self, idx, T: int) -> torch.Tensor:
         """(b, T) the tokens of rows `idx` that the loss covers: the completion's (from its

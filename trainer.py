@@ -17,6 +17,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -45,6 +46,7 @@ class Trainer:
     device: str
     group: object = None  # the trainers' data-parallel process group; None for one trainer
     reference: bool = False  # a KL reference is kept: ref_model, or with LoRA the base
+    critic: "Trainer | None" = None  # ppo.py: the value model's own trainer, beside the policy's
     weight_group: object = None  # rank 0 on Ray: its rollout.WeightGroup with the engines
     weight_layout: list | None = None  # what a weight sync sends, bucket by bucket
     engine_bytes: int = 0  # a vLLM engine in this process: its pool of the same CUDA allocator
@@ -58,7 +60,8 @@ class Trainer:
         return dist.get_world_size(self.group) if self.group is not None else 1
 
 
-def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None) -> Trainer:
+def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None,
+                  head: str | None = None) -> Trainer:
     """Model, optimizer and schedule of one training process: from --model, from --init-from's
     weights, or (resume_dir) from a checkpoint with its optimizer and schedule state. reference:
     keep the initial policy, frozen, for a KL term (the algorithm says whether). group: the
@@ -69,7 +72,7 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
     device = pick_device()
     start = model_path(cfg)
     # A LoRA checkpoint holds adapters only: the base comes from where the run started.
-    head = cfg.HEAD  # ("reward": rm.py's scalar head)
+    head = head or cfg.HEAD  # ("reward": a scalar head -- rm.py's model, ppo.py's critic)
     model, tokenizer = load_model(resume_dir if resume_dir and not cfg.lora_rank else start,
                                   device, head=head)
     if head == "lm":
@@ -113,6 +116,11 @@ def resume_trainer(trainer: Trainer, resume_dir: str):
                                                  head=trainer.cfg.HEAD)[0].state_dict())
     load_trainer_state(resume_dir, trainer.model, trainer.optimizer, trainer.scheduler)
     refresh_bf16_copy(trainer)
+
+
+def setup_for(cfg, resume_dir: str = "", group=None) -> Trainer:
+    """What a trainer process holds for an RL Config: cfg.setup (what Ray's workers run)."""
+    return cfg.setup(resume_dir, group)
 
 
 def fsdp(cfg, group) -> bool:
@@ -203,9 +211,12 @@ def export_model(trainer: Trainer, folder: str):
 
 
 def save_trainer(trainer: Trainer, folder: str):
-    """The trainer's half of a checkpoint (checkpoint.py); every rank calls it, rank 0 writes."""
+    """The trainer's half of a checkpoint (checkpoint.py), and a critic's in <folder>/critic;
+    every rank calls it, rank 0 writes."""
     save_trainer_state(folder, trainer.model, trainer.tokenizer, trainer.optimizer,
                        trainer.scheduler, writer=trainer.group is None or dist.get_rank() == 0)
+    if trainer.critic is not None:
+        save_trainer(trainer.critic, str(Path(folder) / "critic"))
 
 
 def weights_of(trainer: Trainer, dtype=None):
@@ -496,6 +507,7 @@ def finish_metrics(raws: list[dict]) -> dict:
     out["trained_frac"] = sum(r["trained_seqs"] for r in raws) / sum(r["seqs"] for r in raws)
     out["trained_tokens"] = sum(r["trained_tokens"] for r in raws)
     out["lr"] = raws[0]["lr"]
+    out.update(raws[0].get("same_on_every_rank", {}))  # (all-reduced figures, e.g. ppo.py's)
     out["peak_memory_gb"] = max(r.get("peak_memory_gb", 0.0) for r in raws)  # of any one rank
     for key in ("resident_memory_gb", "engine_memory_gb"):
         if key in raws[0]:
@@ -543,7 +555,7 @@ class Run:
 def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Run":
     """One process: the trainer and the rollout engine live here. train_step(trainer, batch) is
     grpo.train_on_rollout; start_step: the step the weights are from (a resumed run's)."""
-    trainer = setup_trainer(cfg, resume_dir, cfg.reference())
+    trainer = cfg.setup(resume_dir)
     # The engine holds a plain model of its own (LoRA: the merged weights), built from the
     # trainer's without a second copy of it, and then takes the trainer's weights.
     rollout = make_rollout(cfg.rollout, trainer.model, trainer.tokenizer, device=trainer.device,
@@ -571,7 +583,7 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
     from model import load_tokenizer
     cluster = Cluster(cfg.num_trainers, cfg.num_engines, colocate=cfg.colocate,
                       address=cfg.ray_address)
-    trainers = cluster.trainers(setup_trainer, cfg, resume_dir, cfg.reference())
+    trainers = cluster.trainers(setup_for, cfg, resume_dir)
     trainers.check_shared_folder(cfg.out)  # before anything is trained, not at the first save
     engines = cluster.engines(make_engine, cfg)
     if cfg.weight_sync == "collective":

@@ -486,7 +486,7 @@ MUTANTS = [
            'average = cfg.loss_type == "ipo"\n    out = []', "average = False\n    out = []",
            "under IPO the cached reference log-probs are sums, the policy's averages",
            DPO, pinned=(PIN + "test_ipo_references_and_sft_term_are_length_averaged_too",)),
-    Mutant("prompt-keeps-start", "dpo.py",
+    Mutant("prompt-keeps-start", "pairs.py",
            "prompt_ids = prompt_ids[-cfg.max_prompt_length:]",
            "prompt_ids = prompt_ids[:cfg.max_prompt_length]",
            "an over-long pair keeps the start of its prompt and loses the question's end",

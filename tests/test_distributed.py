@@ -296,3 +296,22 @@ def test_collective_weight_sync_reaches_every_engine_and_a_skipped_one_is_caught
 def _only_rank0_sees(trainer, path):
     import torch.distributed as dist
     return "10.0.0.2", dist.get_rank(trainer.group) == 0 and Path(path).exists()
+
+
+def test_ppo_one_trainer_equals_two_trainers(cluster, tiny_model_dir):
+    """ppo.py on 2 gloo ranks, each holding its shard of the policy and of the critic: the same
+    policy and value losses, explained variance and gradient norms as one process (advantages
+    whitened and the explained variance taken over the global batch: their sums all-reduced)."""
+    from dataclasses import replace as with_
+    import ppo
+    from trainer import setup_for
+    cfg = ppo.Config(data="arith", model=tiny_model_dir, dtype="fp32", lr=1e-3, critic_lr=1e-3,
+                     micro_batch_size=2, max_new_tokens=6, kl_coef=0.02)
+    batch = with_(_batch(), rewards=torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.0]))
+    one = finish_metrics([ppo.train_on_rollout(cfg.setup(), batch)])
+    trainers = cluster.trainers(setup_for, cfg, "")
+    args = [(batch.select(slice(r.start, r.stop)),) for r in shard(len(batch.advantages), 2)]
+    two = finish_metrics(trainers.run(ppo.train_on_rollout, args))
+    for key in ("loss", "value_loss", "explained_variance", "grad_norm", "value_grad_norm",
+                "value_mean", "return_mean"):
+        assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key

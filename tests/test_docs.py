@@ -24,7 +24,7 @@ from data import parse_config  # noqa: E402
 
 PAGES = sorted([ROOT / "README.md", ROOT / "course" / "README.md", *(ROOT / "docs").glob("*.md")])
 CONFIGS = {"grpo.py": ("grpo", "Config"), "sft.py": ("sft", "Config"),
-           "dpo.py": ("dpo", "Config"), "rm.py": ("rm", "Config"),
+           "dpo.py": ("dpo", "Config"), "rm.py": ("rm", "Config"), "ppo.py": ("ppo", "Config"),
            "evaluate.py": ("evaluate", "EvalConfig"), "distill.py": ("distill", "Config")}
 # Words that date a page to the hour it was written: a reader next month cannot place them.
 DATE_RELATIVE = ["yesterday", "today", "tonight", "this morning", "this afternoon",

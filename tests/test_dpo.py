@@ -145,7 +145,7 @@ def test_bad_pairs_fail_before_the_model_loads(tmp_path):
 def test_other_column_names(tokenizer):
     rows = check_pairs([{"question": "q", "good": "y", "bad": "n"}], "prefs.csv",
                        _cfg(prompt_field="question", chosen_field="good", rejected_field="bad"))
-    assert rows == [{"prompt": "q", "chosen": "y", "rejected": "n"}]
+    assert rows == [{"prompt": "q", "chosen": "y", "rejected": "n", "margin": 0.0}]
     pairs, _ = tokenize_pairs(tokenizer, rows, "prefs.csv", _cfg())
     assert len(pairs) == 1
 

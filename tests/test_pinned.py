@@ -435,7 +435,8 @@ def test_an_over_long_pair_loses_the_start_of_its_prompt(tokenizer):
     """Pairs too long for --max-length keep the *end* of the prompt (its last
     --max-prompt-length tokens: the question and the assistant turn's opening), not its start.
     Mutant: prompt-keeps-start."""
-    from dpo import Config as DPOConfig, _chat_ids, tokenize_pairs
+    from dpo import Config as DPOConfig
+    from pairs import _chat_ids, tokenize_pairs
     prompt = "a question " * 20
     rows = [{"prompt": prompt, "chosen": "long answer " * 30, "rejected": "no"}]
     (pair,), _ = tokenize_pairs(tokenizer, rows, "prefs.jsonl", DPOConfig(

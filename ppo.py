@@ -1,0 +1,357 @@
+"""PPO: Proximal Policy Optimization with a critic and GAE, in one file you can read top to bottom --
+what GRPO removes.
+
+GRPO's baseline is the group: G samples of a prompt, each scored against the others. PPO's is a
+second model, a critic V(s_t) that predicts, at every token, the return still to come, trained
+beside the policy (Schulman et al. 2017; InstructGPT, Ouyang et al. 2022):
+
+    r_t   = R [t = the last token] - beta (log pi(a_t | s_t) - log pi_ref(a_t | s_t))   rewards
+    delta = r_t + gamma V(s_t+1) - V(s_t)                                             TD residual
+    A_t   = sum_k (gamma lambda)^k delta_t+k      G_t = A_t + V(s_t)          GAE (Schulman 2016)
+    L_pi  = -min(rho_t A'_t, clip(rho_t, 1 - eps, 1 + eps) A'_t)     grpo.grpo_loss, A' whitened
+    L_V   = 1/2 max((V - G)^2, (clip(V, V_old +- eps_v) - G)^2)      value clip (OpenRLHF, verl)
+
+The time steps are the model's own tokens: in an episode a tool's result is no action -- it
+carries no reward, value target or advantage, and GAE passes over it as if the model's tokens
+stood side by side (verl's masked GAE). R is the sample's reward (rl.score: verifiable rewards,
+reward models, judges); the KL to the starting policy is a per-token reward by default
+(InstructGPT; --kl-in-loss puts it in the loss as GRPO does, k3). The critic starts from the
+policy's weights with a new scalar head, or from a reward model (--critic-from, InstructGPT's
+choice); it has its own optimizer and learning rate, may train alone for --critic-warmup steps
+before the policy moves (VAPO), and may use its own lambda (--critic-lam: VAPO's decoupled GAE).
+Everything else -- engines, episodes, rewards, micro-batches, LoRA (adapters on both models, the
+critic's head trained whole), Ray, checkpoints (the critic in <checkpoint>/critic), held-out
+evaluation -- is the RL loop's (rl.py), as in grpo.py.
+
+    python ppo.py                                         # CPU, offline: SmolLM2-135M learns arith
+    python ppo.py --critic-from out/rm --kl-coef 0.05     # InstructGPT: the critic from the RM
+    python ppo.py --data multiply --init-from out/sft     # episodes with a calculator
+
+What this file leaves out: a shared policy-value network (two heads on one trunk), adaptive KL
+control, and value normalisation.
+"""
+
+import copy
+import time
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from data import check, parse_config
+from evaluate import step_record
+from grpo import grpo_loss
+from model import autocast
+from options import RLOptions
+from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
+from rl import train_batch
+from rollout import policy_lag
+from trainer import UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
+from trainer import frozen_logprobs, micro_batches, optimizer_step, policy_logprobs
+from trainer import reference_logprobs, refresh_bf16_copy, setup_trainer
+
+
+@dataclass
+class Config(RLOptions):
+    """The RL loop's options (options.RLOptions), and PPO's:"""
+    CONFIG_FILE: ClassVar[str] = "ppo_config.json"
+    out: str = "out/ppo"
+
+    # The critic and GAE
+    critic_from: str = ""
+    """the critic's starting weights: "" the policy's (--model / --init-from) with a new scalar head,
+    or a reward model (rm.py's --out, an HF sequence-classification folder: InstructGPT's)"""
+    critic_lr: float = 1e-5
+    """the critic's AdamW learning rate (its own optimizer)"""
+    critic_warmup: int = 0
+    """steps on which the critic alone trains, before the policy moves (VAPO's value pretraining)"""
+    gamma: float = 1.0
+    """discount per token"""
+    lam: float = 0.95
+    """GAE's lambda for the policy's advantages"""
+    critic_lam: float | None = None
+    """GAE's lambda for the critic's returns (VAPO decouples them: 1.0); default: --lam"""
+    value_clip: float = 0.2
+    """the critic's new values stay within this of the old ones in the loss (0 = no clip)"""
+    whiten: bool = True
+    """advantages whitened over the batch's model tokens (mean 0, std 1)"""
+
+    # The policy loss and the KL
+    eps_low: float = 0.2
+    """lower clip range: ratio floored at 1 - eps_low"""
+    eps_high: float = 0.2
+    """upper clip range: ratio capped at 1 + eps_high"""
+    kl_coef: float = 0.0
+    """beta: the KL penalty to the starting policy (0: none, and no reference is kept)"""
+    kl_in_loss: bool = False
+    """the KL as a loss term (k3, as grpo.py's --beta) instead of a per-token reward"""
+
+    def __post_init__(self):  # impossible values stop here, before anything loads
+        super().__post_init__()
+        if self.critic_lam is None:
+            self.critic_lam = self.lam
+        for name in ("critic_lr", "critic_warmup", "value_clip", "kl_coef"):
+            check(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must not be negative")
+        check(0 <= self.lam <= 1 and 0 <= self.critic_lam <= 1 and 0 < self.gamma <= 1,
+              "--lam and --critic-lam must be in [0, 1], --gamma in (0, 1]")
+        check(0 <= self.eps_low < 1 and self.eps_high >= 0, f"--eps-low {self.eps_low} "
+              f"--eps-high {self.eps_high}: need 0 <= eps-low < 1 and eps-high >= 0")
+        check(not self.fsdp, "--fsdp is not supported by ppo.py (two models per trainer)")
+
+    def reference(self) -> bool:
+        return self.kl_coef != 0.0
+
+    def setup(self, resume_dir: str = "", group=None):
+        """The policy's trainer, and the critic's beside it (trainer.critic): from --critic-from
+        or the policy's start, a scalar head per token, its own optimizer; resumed from
+        <checkpoint>/critic."""
+        policy = setup_trainer(self, resume_dir, self.reference(), group)
+        critic_cfg = copy.copy(self)  # (the same settings, but for where it starts and its lr)
+        critic_cfg.model = self.critic_from or self.init_from or self.model
+        critic_cfg.init_from, critic_cfg.lr = "", self.critic_lr
+        policy.critic = setup_trainer(critic_cfg, f"{resume_dir}/critic" if resume_dir else "",
+                                      False, group, head="reward")
+        if not (resume_dir or self.critic_from):  # a new head predicts 0 everywhere at first:
+            zero_head(policy.critic)  # the first advantages are the rewards' (lambda-decayed)
+        return policy
+
+
+def zero_head(critic):
+    """The critic's new scalar head set to 0 (its trainable copy too, under LoRA)."""
+    base = critic.model.get_base_model() if hasattr(critic.model, "peft_config") else critic.model
+    with torch.no_grad():
+        for p in base.score.parameters():
+            p.zero_()
+    refresh_bf16_copy(critic)
+
+
+# ---------------------------------------------------------------------------------------------
+# GAE, rewards per token, the value loss: pure functions of tensors.
+
+
+def gae(rewards, values, mask, gamma: float, lam: float):
+    """Generalized advantage estimation over the model's own tokens (Schulman et al. 2016).
+
+        delta_t = r_t + gamma V_next(t) - V_t,   A_t = delta_t + gamma lam A_next(t),
+        G_t = A_t + V_t
+
+    rewards, values, mask: (B, T), mask True on the model's tokens. next(t) is the next model
+    token of the row (its tool results skipped: no step); after the last one, 0 (the episode
+    ends). Returns (advantages, returns), both (B, T), 0 where the mask is False."""
+    advantages = torch.zeros_like(values)  # (B, T)
+    running = torch.zeros_like(values[:, 0])  # (B,) A of the next model token
+    next_value = torch.zeros_like(values[:, 0])  # (B,) V of the next model token
+    for t in reversed(range(values.shape[1])):
+        step = mask[:, t]  # (B,)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # (B,)
+        running = torch.where(step, delta + gamma * lam * running, running)  # (B,)
+        advantages[:, t] = torch.where(step, running, torch.zeros_like(running))
+        next_value = torch.where(step, values[:, t], next_value)  # (B,)
+    returns = (advantages + values) * mask  # (B, T)
+    return advantages, returns
+
+
+def token_rewards(rewards, mask, logprobs=None, ref_logprobs=None, kl_coef: float = 0.0):
+    """(B, T) per-token rewards: each sample's reward on its last model token, and the KL
+    penalty -kl_coef (log pi - log pi_ref) on every model token (InstructGPT) when given.
+    rewards: (B,); mask, logprobs, ref_logprobs: (B, T)."""
+    T = mask.shape[1]
+    last = (mask * torch.arange(1, T + 1, device=mask.device)).argmax(1)  # (B,) last model token
+    out = torch.zeros(mask.shape, device=mask.device)  # (B, T)
+    out[torch.arange(len(rewards)), last] = rewards.float() * mask.any(1)
+    if kl_coef and ref_logprobs is not None:
+        out = out - kl_coef * (logprobs - ref_logprobs) * mask  # (B, T)
+    return out
+
+
+def value_loss(values, old_values, returns, mask, clip: float, num_tokens: float):
+    """The critic's clipped loss (PPO's; OpenRLHF, verl), summed over the mask's tokens and
+    divided by num_tokens (the global batch's), so micro-batches add up:
+
+        L_V = 1/2 max((V - G)^2, (clip(V, V_old - clip, V_old + clip) - G)^2)
+
+    values, old_values, returns, mask: (B, T). Returns (loss, metrics summed over the tokens)."""
+    mask = mask.float()  # (B, T)
+    unclipped = (values - returns) ** 2  # (B, T)
+    if clip:
+        clipped = (old_values + (values - old_values).clamp(-clip, clip) - returns) ** 2
+        per_token = 0.5 * torch.max(unclipped, clipped)  # (B, T)
+        clip_frac = float(((clipped > unclipped).float() * mask).sum())
+    else:
+        per_token, clip_frac = 0.5 * unclipped, 0.0
+    loss = (per_token * mask).sum() / num_tokens  # ()
+    return loss, {"value_loss": float((per_token.detach() * mask).sum()),
+                  "value_clip_frac": clip_frac,
+                  "value_mean": float((values.detach() * mask).sum()),
+                  "return_mean": float((returns * mask).sum())}
+
+
+# ---------------------------------------------------------------------------------------------
+# The critic's values, and the training step.
+
+
+def token_values(critic, batch, idx, device, bf16: bool):
+    """(b, T) V(s_t) for micro-batch `idx`: the critic's scalar head on the state before each
+    completion token (the state the policy's log-prob of that token comes from)."""
+    base = critic.get_base_model() if hasattr(critic, "peft_config") else critic
+    mb = batch.select(idx)
+    L = int((mb.prompt_lens + mb.completion_lens).max())
+    T = int(mb.completion_lens.max())
+    ids = mb.input_ids[:, :L]
+    attention = (torch.arange(L, device=device)[None] < (mb.prompt_lens + mb.completion_lens)[
+        :, None]).long()  # (b, L) from lengths
+    with autocast(device, bf16 and next(critic.parameters()).dtype == torch.float32):
+        hidden = getattr(base, base.base_model_prefix)(
+            input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
+        states = (mb.prompt_lens[:, None] - 1 + torch.arange(T, device=device)[None]).clamp(
+            max=L - 1)  # (b, T)
+        picked = hidden.gather(1, states[..., None].expand(-1, -1, hidden.shape[-1]))  # (b, T, H)
+        return base.score(picked).squeeze(-1).float()  # (b, T)
+
+
+def train_on_rollout(trainer, batch) -> dict:
+    """`updates_per_rollout` PPO updates on (this rank's shard of) one rollout batch: old
+    log-probs, the reference's, old values; per-token rewards and GAE; advantages whitened over
+    the global batch; then the policy's clipped surrogate and the critic's clipped value loss,
+    each stepping its own optimizer. Returns raw sums (trainer.UpdateStats)."""
+    cfg, policy, device = trainer.cfg, trainer.compute, trainer.device
+    critic, bf16 = trainer.critic, cfg.dtype == "bf16"
+    batch = batch.to(device)
+    keep = (batch.completion_lens > 0).nonzero().flatten()
+    mbs = micro_batches(keep, batch.prompt_lens + batch.completion_lens, cfg)
+    stats = UpdateStats(trainer, batch, keep)
+    if not any_rank_trains(trainer, len(keep)):
+        return stats.result()
+    old = frozen_logprobs(policy, batch, mbs, cfg, device)  # pi_old: the policy that sampled
+    ref = reference_logprobs(trainer, batch, mbs)
+    with torch.no_grad():
+        old_values = [token_values(critic.compute, batch, idx, device, bf16) for idx in mbs]
+    masks = [batch.loss_mask(idx, lp.shape[1]) for idx, lp in zip(mbs, old)]
+    in_reward = cfg.kl_coef if not cfg.kl_in_loss else 0.0
+    advantages, returns = [], []
+    for idx, lp, r, v, mask in zip(mbs, old, ref or [None] * len(mbs), old_values, masks):
+        rewards = token_rewards(batch.rewards[idx], mask, lp, r, in_reward)  # (b, T)
+        advantages.append(gae(rewards, v, mask, cfg.gamma, cfg.lam)[0])
+        returns.append(gae(rewards, v, mask, cfg.gamma, cfg.critic_lam)[1])
+    if cfg.whiten:
+        advantages = whitened(advantages, masks, trainer.group)
+    stats.raw["same_on_every_rank"] = {"explained_variance": explained_variance(
+        returns, old_values, masks, trainer.group)}
+    for update in range(cfg.updates_per_rollout):
+        policy.train()
+        critic.compute.train()
+        critic_loss = 0.0
+        for k, idx in enumerate(mbs):
+            metrics, mask = {}, masks[k]
+            logprobs, entropy = policy_logprobs(policy, batch, idx, cfg, device)
+            if batch.train_policy:  # (not during the critic's warm-up)
+                loss, metrics = grpo_loss(logprobs, old[k], ref[k] if ref else None,
+                                          advantages[k], mask, eps_low=cfg.eps_low,
+                                          eps_high=cfg.eps_high,
+                                          beta=cfg.kl_coef if cfg.kl_in_loss else 0.0,
+                                          num_tokens=batch.denom)
+                loss.backward()
+                add_to_master_grads(trainer)
+            else:
+                loss = torch.zeros(())
+            values = token_values(critic.compute, batch, idx, device, bf16)
+            v_loss, v_metrics = value_loss(values, old_values[k], returns[k], mask,
+                                           cfg.value_clip, batch.denom)
+            v_loss.backward()
+            add_to_master_grads(critic)
+            critic_loss += float(v_loss.detach())
+            tokens = max(float(mask.sum()), 1.0)
+            stats.add(loss, {**metrics, **{key: v / tokens for key, v in v_metrics.items()}},
+                      entropy, mask)
+        critic_norm = optimizer_step(critic, critic_loss)  # (None: not finite, not stepped)
+        stats.raw["same_on_every_rank"]["value_grad_norm"] = \
+            float("nan") if critic_norm is None else critic_norm
+        stats.end_update(optimizer_step(trainer, stats.update_loss) if batch.train_policy
+                         else 0.0)
+    return stats.result()
+
+
+def whitened(advantages: list, masks: list, group) -> list:
+    """Advantages with mean 0 and std 1 over every model token of the global batch (the ranks'
+    sums all-reduced): the scale the clip range is set for."""
+    sums = torch.stack([sum((a * m).sum() for a, m in zip(advantages, masks)),
+                        sum(((a ** 2) * m).sum() for a, m in zip(advantages, masks)),
+                        sum(m.sum() for m in masks).float()])  # (3,)
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    mean = sums[0] / sums[2].clamp(min=1)
+    std = (sums[1] / sums[2].clamp(min=1) - mean ** 2).clamp(min=0).sqrt()
+    return [(a - mean) / (std + 1e-8) * m for a, m in zip(advantages, masks)]
+
+
+def explained_variance(returns: list, values: list, masks: list, group) -> float:
+    """1 - Var(G - V) / Var(G) over the global batch's model tokens: 1 when the critic predicts
+    the returns, 0 when it does no better than their mean, < 0 when worse."""
+    def moments(xs):
+        return [sum((x * m).sum() for x, m in zip(xs, masks)),
+                sum((x ** 2 * m).sum() for x, m in zip(xs, masks))]
+    n = sum(m.sum() for m in masks).float()
+    sums = torch.stack([*moments(returns), *moments([g - v for g, v in zip(returns, values)]), n])
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    n = sums[4].clamp(min=1)
+    var_g = sums[1] / n - (sums[0] / n) ** 2
+    var_e = sums[3] / n - (sums[2] / n) ** 2
+    return float(1 - var_e / var_g) if var_g > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop: the RL loop (rl.py), with the critic's GAE in place of the group's baseline.
+
+
+def main(cfg: Config):
+    session = start_session(cfg, train_on_rollout, line=format_step)
+    run, driver, problems = session.run, session.driver, session.problems
+    N, bad_steps = cfg.prompts_per_step, 0
+    for step in tqdm(range(driver.step + 1, cfg.steps + 1), desc="ppo", unit="step",
+                     initial=driver.step, total=cfg.steps):
+        t_step = time.time()
+        # 1-2. Rollout and rewards, as in GRPO (the critic makes the baseline, not the group).
+        started = start_rollout(run, problems.take(N), cfg, sampling_seed(cfg, step, 0))
+        scored = score(started, cfg, session.reward_fns, session.grader)
+        # 3-4. Advantages (on the trainers: rewards per token, values, GAE) and both updates.
+        t0 = time.time()
+        batch = train_batch(scored.completions, torch.zeros(len(scored.completions)), cfg,
+                            run.tokenizer.pad_token_id)
+        update = run.train(replace(batch, rewards=scored.rewards,
+                                   train_policy=step > cfg.critic_warmup))
+        train_seconds = time.time() - t0
+        bad_steps = count_bad_steps(update, bad_steps, step, cfg.lr)
+        # 5. The engines take the new weights. 6. Metrics, evaluation, samples, checkpoint.
+        sync_seconds = run.sync_weights(step)
+        record = step_record(step, scored, update, train_seconds, sync_seconds,
+                             cfg.num_generations)
+        record.update(reward_errors=session.reward_fns.errors, step_seconds=time.time() - t_step,
+                      policy_lag=policy_lag(scored.completions, step, 0))
+        end_step(session, cfg, step, record, scored, save=not bad_steps)
+    finish_session(session, title=f"PPO on {cfg.data} ({cfg.model})",
+                   loss_keys=("loss", "value_loss"))
+    return driver.history
+
+
+def format_step(r: dict) -> str:
+    """The line ppo.py prints for each step (and for its step-0 evaluation)."""
+    if r["step"] == 0:
+        return f"step    0 | held-out accuracy {r['eval_accuracy']:.3f} (greedy)"
+    accuracy = f"acc {r['accuracy']:.3f} " if "accuracy" in r else ""
+    line = (f"step {r['step']:4d} | reward {r['reward']:.3f} {accuracy}| len "
+            f"{r['completion_len']:.1f} | loss {r['loss']:.4f} gnorm {r['grad_norm']:.3f} | value "
+            f"loss {r.get('value_loss', 0):.4f} ev {r.get('explained_variance', 0):.3f} "
+            f"V {r.get('value_mean', 0):.3f} G {r.get('return_mean', 0):.3f} | gen "
+            f"{r['gen_seconds']:.1f}s train {r['train_seconds']:.1f}s")
+    if "eval_accuracy" in r:
+        line += f" | held-out {r['eval_accuracy']:.3f}"
+    return line
+
+
+if __name__ == "__main__":
+    # The importable module, not __main__: Ray ships ppo.train_on_rollout to its workers.
+    import ppo
+    ppo.main(parse_config(ppo.Config, description=__doc__.split("\n")[0]))

@@ -1,0 +1,154 @@
+"""ppo.py (issue 44): GAE against a plain loop over each row's model tokens (tool results between
+them), the value loss and its clip by hand, per-token rewards, each model's gradient its own loss's
+alone, a tool token's advantage exactly 0, and a tiny run that resumes exactly."""
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+import ppo
+from conftest import make_batch, read_metrics
+from data import parse_config
+
+
+def _plain_gae(rewards, values, mask, gamma, lam):
+    """The textbook recursion over one row's model tokens, side by side (tool tokens dropped),
+    put back at their places; 0 elsewhere."""
+    where = [t for t, m in enumerate(mask) if m]
+    r, v = [rewards[t] for t in where], [values[t] for t in where]
+    adv, running = [0.0] * len(where), 0.0
+    for k in reversed(range(len(where))):
+        next_value = v[k + 1] if k + 1 < len(where) else 0.0
+        running = r[k] + gamma * next_value - v[k] + gamma * lam * running
+        adv[k] = running
+    out_a, out_g = [0.0] * len(mask), [0.0] * len(mask)
+    for k, t in enumerate(where):
+        out_a[t], out_g[t] = adv[k], adv[k] + v[k]
+    return out_a, out_g
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_gae_equals_a_plain_loop_over_each_rows_model_tokens(seed):
+    rng = random.Random(seed)
+    B, T = 5, 12
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):  # a model turn, a tool result (not the model's), another turn; padding
+        n = rng.randint(1, T)
+        row = [True] * n + [False] * (T - n)
+        for t in rng.sample(range(n), k=n // 3):
+            row[t] = False  # a tool result's tokens, between the model's
+        row[0] = True
+        mask[b] = torch.tensor(row)
+    rewards = torch.randn(B, T) * mask  # (rewards only where the model acts)
+    values = torch.randn(B, T)
+    gamma, lam = rng.uniform(0.9, 1.0), rng.uniform(0.5, 1.0)
+    advantages, returns = ppo.gae(rewards, values, mask, gamma, lam)
+    for b in range(B):
+        a, g = _plain_gae(rewards[b].tolist(), values[b].tolist(), mask[b].tolist(), gamma, lam)
+        assert advantages[b].tolist() == pytest.approx(a, abs=1e-5)
+        assert returns[b].tolist() == pytest.approx(g, abs=1e-5)
+    assert (advantages[~mask] == 0).all() and (returns[~mask] == 0).all()  # tool tokens: exactly 0
+
+
+def test_per_token_rewards_put_the_reward_on_the_last_model_token_and_the_kl_on_each():
+    mask = torch.tensor([[True, True, False, True, False], [True, False, False, False, False]])
+    lp, ref = torch.full((2, 5), -1.0), torch.full((2, 5), -1.5)
+    r = ppo.token_rewards(torch.tensor([2.0, -1.0]), mask, lp, ref, kl_coef=0.1)
+    assert torch.allclose(r, torch.tensor([[-0.05, -0.05, 0.0, 2 - 0.05, 0.0],
+                                           [-1 - 0.05, 0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_the_value_loss_and_its_clip_by_hand():
+    values = torch.tensor([[1.0, 0.0, 2.0]])
+    old = torch.tensor([[0.5, 0.0, 0.0]])
+    returns = torch.tensor([[0.0, 1.0, 3.0]])
+    mask = torch.tensor([[True, True, False]])
+    loss, m = ppo.value_loss(values, old, returns, mask, clip=0.2, num_tokens=4)
+    # token 0: unclipped (1 - 0)^2 = 1; clipped V = 0.5 + 0.2 = 0.7, (0.7)^2 = 0.49 -> max 1
+    # token 1: V = old: both (0 - 1)^2 = 1; token 2 is masked
+    assert float(loss) == pytest.approx(0.5 * (1 + 1) / 4)
+    assert m["value_clip_frac"] == 0.0 and m["value_mean"] == 1.0 and m["return_mean"] == 1.0
+    loss, m = ppo.value_loss(torch.tensor([[0.0]]), torch.tensor([[1.0]]), torch.tensor([[2.0]]),
+                             torch.tensor([[True]]), clip=0.5, num_tokens=1)
+    # unclipped (0 - 2)^2 = 4; clipped V = 1 - 0.5 = 0.5: (0.5 - 2)^2 = 2.25 -> max 4
+    assert float(loss) == pytest.approx(2.0) and m["value_clip_frac"] == 0.0
+    loss, m = ppo.value_loss(torch.tensor([[3.0]]), torch.tensor([[1.0]]), torch.tensor([[2.0]]),
+                             torch.tensor([[True]]), clip=0.5, num_tokens=1)
+    # unclipped (3 - 2)^2 = 1; clipped V = 1.5: (1.5 - 2)^2 = 0.25 -> max 1: not the clipped one
+    assert float(loss) == pytest.approx(0.5) and m["value_clip_frac"] == 0.0
+    loss, m = ppo.value_loss(torch.tensor([[2.2]]), torch.tensor([[1.0]]), torch.tensor([[2.0]]),
+                             torch.tensor([[True]]), clip=0.5, num_tokens=1)
+    # unclipped 0.04; clipped V = 1.5: 0.25 -> the clipped term counts
+    assert float(loss) == pytest.approx(0.125) and m["value_clip_frac"] == 1.0
+
+
+def _cfg(model_dir, **kw):
+    return ppo.Config(data="arith", model=model_dir, dtype="fp32", lr=1e-3, critic_lr=1e-3,
+                      micro_batch_size=2, max_new_tokens=6, **kw)
+
+
+def _batch():
+    batch = make_batch([[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]],
+                       [[20, 21, 2], [22, 2], [23, 24, 25, 26], [27, 2]], [0.0] * 4)
+    return replace(batch, rewards=torch.tensor([1.0, 0.0, 0.5, 0.0]))
+
+
+def test_each_model_gets_the_gradient_of_its_own_loss_only(tiny_model_dir, monkeypatch):
+    """The policy's loss never reaches the critic's weights and the value loss never the
+    policy's: each optimizer steps with gradients its own loss made."""
+    trainer = _cfg(tiny_model_dir, kl_coef=0.02).setup()
+    seen = {}
+
+    def recording(who, model):
+        def hook(optimizer, args, kwargs):
+            seen[who] = {n: p.grad is not None for n, p in model.named_parameters()}
+        return hook
+    trainer.optimizer.register_step_pre_hook(recording("policy", trainer.model))
+    trainer.critic.optimizer.register_step_pre_hook(recording("critic", trainer.critic.model))
+    real_backward = torch.Tensor.backward
+    calls = []
+
+    def grads(model):
+        return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+    def changed(model, before):
+        return any((b is None) != (p.grad is None) or (b is not None and not torch.equal(
+            b, p.grad)) for p, b in zip(model.parameters(), before))
+
+    def backward(loss, *args, **kwargs):  # which model's weights each backward reaches
+        policy, critic = grads(trainer.model), grads(trainer.critic.model)
+        real_backward(loss, *args, **kwargs)
+        calls.append((changed(trainer.model, policy), changed(trainer.critic.model, critic)))
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
+    ppo.train_on_rollout(trainer, _batch())
+    assert calls and all(policy != critic for policy, critic in calls)  # one model per backward
+    assert all(seen["policy"].values()) and all(seen["critic"].values())
+
+
+def test_a_critic_warm_up_step_moves_the_critic_alone(tiny_model_dir):
+    trainer = _cfg(tiny_model_dir).setup()
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    critic_before = {n: p.clone() for n, p in trainer.critic.model.named_parameters()}
+    ppo.train_on_rollout(trainer, replace(_batch(), train_policy=False))
+    assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
+    assert any(not torch.equal(p, critic_before[n])
+               for n, p in trainer.critic.model.named_parameters())
+
+
+def test_a_tiny_run_resumes_exactly_and_logs_what_tells_about_the_critic(tiny_model_dir,
+                                                                        tmp_path):
+    common = ["--model", tiny_model_dir, "--data", "arith", "--steps", "4", "--prompts-per-step",
+              "2", "--num-generations", "2", "--max-new-tokens", "6", "--eval-every", "2",
+              "--eval-size", "4", "--lr", "1e-3", "--critic-lr", "1e-3", "--kl-coef", "0.02",
+              "--critic-warmup", "1", "--dtype", "fp32"]
+    whole = ppo.main(parse_config(ppo.Config, common + ["--save-every", "2", "--keep-last", "0",
+                                                         "--out", str(tmp_path / "a")]))
+    for key in ("value_loss", "explained_variance", "value_clip_frac", "value_mean",
+                "return_mean", "value_grad_norm", "eval_accuracy"):
+        assert key in whole[-1], key
+    assert (tmp_path / "a/checkpoints/step_2/critic/model.safetensors").exists()
+    ppo.main(parse_config(ppo.Config, common + ["--resume", str(tmp_path / "a/checkpoints/step_2"),
+                                                "--out", str(tmp_path / "b")]))
+    assert read_metrics(tmp_path / "a") == read_metrics(tmp_path / "b")
