@@ -141,6 +141,8 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float3
                                  device_map=None if device == "cpu" else device, **extra)
     if head == "reward" and model.config.pad_token_id is None:  # (the head finds the last
         model.config.pad_token_id = tokenizer.pad_token_id  # token by it, as TRL's does)
+    if head == "reward":  # (rm.py runs a pair's common prefix once where this allows it)
+        model.smolrl_shares_prompts = decoder_shares_prompts(model.config)
     return model.to(device), tokenizer
 
 
@@ -426,6 +428,29 @@ def _row_blocks(logits, cache_bytes=2**21):
     return [slice(s, s + rows) for s in range(0, n, rows)]
 
 
+def completion_states(model, decoder, input_ids, prompt_lens, completion_lens):
+    """The decoder's state that predicts each completion token -- the state s_t before token t, at
+    position t - 1 -- what an LM head turns into log-probs and a critic's scalar head into V(s_t).
+
+    input_ids (B, L): prompt followed by completion, right-padded. prompt_lens, completion_lens (B,).
+    Returns (hidden (n, H), rows (n,), cols (n,)): one state per completion token, in the order of
+    length_mask(completion_lens).nonzero(). A group's prompt runs once where share_prompts allows.
+    """
+    mask = length_mask(completion_lens, int(completion_lens.max()))  # (B, T)
+    rows, cols = mask.nonzero(as_tuple=True)  # (n,), (n,) one entry per completion token
+    shared = share_prompts(model, input_ids, prompt_lens, completion_lens)
+    if shared is None:
+        # Right padding needs no attention mask: causal attention never looks at later (pad)
+        # positions, and position ids 0..L-1 are already right. This keeps the fast SDPA causal
+        # path. No KV cache: nothing is decoded after this forward.
+        hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        return hidden[rows, prompt_lens[rows] + cols - 1], rows, cols  # (n, H): t-1 predicts t
+    # a group's prompt once, followed by each of its completions (share_prompts)
+    hidden = decoder(input_ids=shared.input_ids, position_ids=shared.positions,
+                     attention_mask=shared.mask, use_cache=False).last_hidden_state
+    return hidden[shared.row[rows], shared.state[rows, cols]], rows, cols  # (n, H)
+
+
 def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, temperature=1.0,
                         chunk_tokens=2048):
     """Log-probs of completion tokens under `model`, and the policy entropy at each of them.
@@ -437,21 +462,9 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
     """
     B = input_ids.shape[0]
     T = int(completion_lens.max())
-    mask = length_mask(completion_lens, T)  # (B, T)
-    rows, cols = mask.nonzero(as_tuple=True)  # (n,), (n,) one entry per completion token
-    pos = prompt_lens[rows] + cols  # (n,) position of each completion token in input_ids
-    targets = input_ids[rows, pos]  # (n,)
-    shared = share_prompts(model, input_ids, prompt_lens, completion_lens)
-    if shared is None:
-        # Right padding needs no attention mask: causal attention never looks at later (pad)
-        # positions, and position ids 0..L-1 are already right. This keeps the fast SDPA causal
-        # path. No KV cache: nothing is decoded after this forward.
-        hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
-        hidden = hidden[rows, pos - 1]  # (n, H): the state at t-1 predicts token t
-    else:  # a group's prompt once, followed by each of its completions (share_prompts)
-        hidden = model.get_decoder()(input_ids=shared.input_ids, position_ids=shared.positions,
-                                     attention_mask=shared.mask, use_cache=False).last_hidden_state
-        hidden = hidden[shared.row[rows], shared.state[rows, cols]]  # (n, H)
+    hidden, rows, cols = completion_states(model, model.get_decoder(), input_ids, prompt_lens,
+                                           completion_lens)
+    targets = input_ids[rows, prompt_lens[rows] + cols]  # (n,) each completion token
     lp_chunks, ent_chunks = [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
         lp, ent = chunk_logprobs(model, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens],
@@ -568,6 +581,22 @@ def _fp32_probe(config):
         text.layer_types = text.layer_types[:1]
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def decoder_shares_prompts(config, atol: float = 1e-3) -> bool:
+    """check_head_logits' prompt-sharing verdict for a model with a scalar head instead of an LM
+    head (a reward model, a critic), made as a bf16 model's is: on a one-layer fp32 causal LM of
+    its architecture -- the verdict is on the decoder, whose states either head reads. False for
+    an architecture that has no causal LM (an encoder reward model such as DeBERTa)."""
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):  # (the probe seeds its weights: not the run's RNG)
+        try:
+            probe = _fp32_probe(config)
+        except ValueError:  # (no AutoModelForCausalLM for this config)
+            return False
+    ids = torch.arange(3, 19) * 7919 % 256  # (16,) arbitrary tokens of the probe's vocabulary
+    return _sharing_changes_nothing(probe, ids, atol)
 
 
 def _sharing_changes_nothing(model, ids, atol: float) -> bool:

@@ -43,12 +43,13 @@ from tqdm import tqdm
 from data import check, parse_config
 from evaluate import step_record
 from grpo import grpo_loss
-from model import autocast
+from model import autocast, completion_states
 from options import RLOptions
 from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import train_batch
 from rollout import policy_lag
 from trainer import UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
+from trainer import engine_correction
 from trainer import frozen_logprobs, micro_batches, optimizer_step, policy_logprobs
 from trainer import reference_logprobs, refresh_bf16_copy, setup_trainer
 
@@ -194,28 +195,26 @@ def value_loss(values, old_values, returns, mask, clip: float, num_tokens: float
 
 def token_values(critic, batch, idx, device, bf16: bool):
     """(b, T) V(s_t) for micro-batch `idx`: the critic's scalar head on the state before each
-    completion token (the state the policy's log-prob of that token comes from)."""
+    completion token -- the state the policy's log-prob of that token comes from (a group's
+    prompt run once, as for the policy: model.completion_states)."""
     base = critic.get_base_model() if hasattr(critic, "peft_config") else critic
     mb = batch.select(idx)
-    L = int((mb.prompt_lens + mb.completion_lens).max())
+    L = int((mb.prompt_lens + mb.completion_lens).max())  # (no padding columns it does not need)
     T = int(mb.completion_lens.max())
-    ids = mb.input_ids[:, :L]
-    attention = (torch.arange(L, device=device)[None] < (mb.prompt_lens + mb.completion_lens)[
-        :, None]).long()  # (b, L) from lengths
     with autocast(device, bf16 and next(critic.parameters()).dtype == torch.float32):
-        hidden = getattr(base, base.base_model_prefix)(
-            input_ids=ids, attention_mask=attention, use_cache=False).last_hidden_state
-        states = (mb.prompt_lens[:, None] - 1 + torch.arange(T, device=device)[None]).clamp(
-            max=L - 1)  # (b, T)
-        picked = hidden.gather(1, states[..., None].expand(-1, -1, hidden.shape[-1]))  # (b, T, H)
-        return base.score(picked).squeeze(-1).float()  # (b, T)
+        hidden, rows, cols = completion_states(base, getattr(base, base.base_model_prefix),
+                                               mb.input_ids[:, :L], mb.prompt_lens,
+                                               mb.completion_lens)  # (n, H)
+        values = base.score(hidden).squeeze(-1).float()  # (n,)
+    return torch.zeros(len(idx), T, device=device).index_put((rows, cols), values)  # (b, T)
 
 
 def train_on_rollout(trainer, batch) -> dict:
-    """`updates_per_rollout` PPO updates on (this rank's shard of) one rollout batch: old
-    log-probs, the reference's, old values; per-token rewards and GAE; advantages whitened over
-    the global batch; then the policy's clipped surrogate and the critic's clipped value loss,
-    each stepping its own optimizer. Returns raw sums (trainer.UpdateStats)."""
+    """`updates_per_rollout` PPO updates on (this rank's shard of) one rollout batch. Each update
+    steps the critic (its clipped value loss), then the policy (the clipped surrogate), each with
+    its own optimizer; the first also makes what they train towards -- per-token rewards, the
+    critic's values V_old, GAE's advantages (whitened over the global batch) and returns. The two
+    losses share no weights, so their order changes nothing. Returns raw sums (UpdateStats)."""
     cfg, policy, device = trainer.cfg, trainer.compute, trainer.device
     critic, bf16 = trainer.critic, cfg.dtype == "bf16"
     batch = batch.to(device)
@@ -224,30 +223,57 @@ def train_on_rollout(trainer, batch) -> dict:
     stats = UpdateStats(trainer, batch, keep)
     if not any_rank_trains(trainer, len(keep)):
         return stats.result()
-    old = frozen_logprobs(policy, batch, mbs, cfg, device)  # pi_old: the policy that sampled
-    ref = reference_logprobs(trainer, batch, mbs)
-    with torch.no_grad():
-        old_values = [token_values(critic.compute, batch, idx, device, bf16) for idx in mbs]
-    masks = [batch.loss_mask(idx, lp.shape[1]) for idx, lp in zip(mbs, old)]
     in_reward = cfg.kl_coef if not cfg.kl_in_loss else 0.0
-    advantages, returns = [], []
-    for idx, lp, r, v, mask in zip(mbs, old, ref or [None] * len(mbs), old_values, masks):
-        rewards = token_rewards(batch.rewards[idx], mask, lp, r, in_reward)  # (b, T)
-        advantages.append(gae(rewards, v, mask, cfg.gamma, cfg.lam)[0])
-        returns.append(gae(rewards, v, mask, cfg.gamma, cfg.critic_lam)[1])
-    if cfg.whiten:
-        advantages = whitened(advantages, masks, trainer.group)
-    stats.raw["same_on_every_rank"] = {"explained_variance": explained_variance(
-        returns, old_values, masks, trainer.group)}
+    # pi_old, the policy that sampled: frozen before the first update where the KL reward needs it
+    # or several updates move the policy; with one update and no KL reward, the current log-probs
+    # (detached) are pi_old, as in grpo.py, and no extra forward runs.
+    old = frozen_logprobs(policy, batch, mbs, cfg, device) \
+        if cfg.updates_per_rollout > 1 or in_reward else None
+    ref = reference_logprobs(trainer, batch, mbs)
+    n = len(mbs)
+    old_values, advantages, returns, masks, value_metrics = [None] * n, [None] * n, [None] * n, \
+        [None] * n, [None] * n
     for update in range(cfg.updates_per_rollout):
-        policy.train()
+        # 1. The critic: its values, with gradient. On the first update its weights are the ones
+        # the rollout was valued by, so these values, detached, are V_old -- GAE's -- and no
+        # separate no-grad pass is needed; later updates keep them.
         critic.compute.train()
         critic_loss = 0.0
         for k, idx in enumerate(mbs):
+            values = token_values(critic.compute, batch, idx, device, bf16)  # (b, T)
+            if update == 0:
+                masks[k] = batch.loss_mask(idx, values.shape[1])  # (b, T) the model's tokens
+                old_values[k] = values.detach()
+                rewards = token_rewards(batch.rewards[idx], masks[k], old[k] if old else None,
+                                        ref[k] if ref else None, in_reward)  # (b, T)
+                advantages[k] = gae(rewards, old_values[k], masks[k], cfg.gamma, cfg.lam)[0]
+                returns[k] = gae(rewards, old_values[k], masks[k], cfg.gamma, cfg.critic_lam)[1]
+            v_loss, v_metrics = value_loss(values, old_values[k], returns[k], masks[k],
+                                           cfg.value_clip, batch.denom)
+            v_loss.backward()
+            add_to_master_grads(critic)
+            critic_loss += float(v_loss.detach())
+            tokens = max(float(masks[k].sum()), 1.0)  # (per token, as the policy's metrics)
+            value_metrics[k] = {key: v / tokens for key, v in v_metrics.items()}
+        if update == 0:
+            if cfg.whiten:
+                advantages = whitened(advantages, masks, trainer.group)
+            stats.raw["same_on_every_rank"] = {"explained_variance": explained_variance(
+                returns, old_values, masks, trainer.group)}
+        critic_norm = optimizer_step(critic, critic_loss)  # (None: not finite, not stepped)
+        stats.raw["same_on_every_rank"]["value_grad_norm"] = \
+            float("nan") if critic_norm is None else critic_norm
+        # 2. The policy: grpo.py's clipped surrogate with the critic's advantages per token.
+        policy.train()
+        for k, idx in enumerate(mbs):
             metrics, mask = {}, masks[k]
             logprobs, entropy = policy_logprobs(policy, batch, idx, cfg, device)
+            pi_old = old[k] if old else logprobs.detach()  # (one update: pi_old == pi_theta)
+            # (the trainer/engine mismatch metrics, with vLLM; grpo.py's --is-cap correction
+            # is not offered here)
+            engine_correction(batch, idx, pi_old, mask, 0.0, stats.mismatch if update == 0 else None)
             if batch.train_policy:  # (not during the critic's warm-up)
-                loss, metrics = grpo_loss(logprobs, old[k], ref[k] if ref else None,
+                loss, metrics = grpo_loss(logprobs, pi_old, ref[k] if ref else None,
                                           advantages[k], mask, eps_low=cfg.eps_low,
                                           eps_high=cfg.eps_high,
                                           beta=cfg.kl_coef if cfg.kl_in_loss else 0.0,
@@ -256,18 +282,7 @@ def train_on_rollout(trainer, batch) -> dict:
                 add_to_master_grads(trainer)
             else:
                 loss = torch.zeros(())
-            values = token_values(critic.compute, batch, idx, device, bf16)
-            v_loss, v_metrics = value_loss(values, old_values[k], returns[k], mask,
-                                           cfg.value_clip, batch.denom)
-            v_loss.backward()
-            add_to_master_grads(critic)
-            critic_loss += float(v_loss.detach())
-            tokens = max(float(mask.sum()), 1.0)
-            stats.add(loss, {**metrics, **{key: v / tokens for key, v in v_metrics.items()}},
-                      entropy, mask)
-        critic_norm = optimizer_step(critic, critic_loss)  # (None: not finite, not stepped)
-        stats.raw["same_on_every_rank"]["value_grad_norm"] = \
-            float("nan") if critic_norm is None else critic_norm
+            stats.add(loss, {**metrics, **value_metrics[k]}, entropy, mask)
         stats.end_update(optimizer_step(trainer, stats.update_loss) if batch.train_policy
                          else 0.0)
     return stats.result()

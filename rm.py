@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from data import Template, check, load_table, parse_config
 from formats import check_pairs
-from model import DTYPES, autocast, load_model, right_pad
+from model import DTYPES, autocast, load_model, right_pad, share_prompts
 from options import ModelOptions, OfflineOptions, RunOptions, TrainOptions, settle
 from pairs import Pair, builtin_pairs, tokenize_pairs
 from rollout import HFRollout
@@ -125,7 +125,8 @@ def reward_loss(chosen, rejected, margin=None, center_coefficient: float = 0.0):
 
 
 # ---------------------------------------------------------------------------------------------
-# Scores: one forward over a micro-batch's chosen and rejected sequences.
+# Scores: one forward over a micro-batch's chosen and rejected sequences, each pair's common
+# prefix (its prompt at least) run once.
 
 
 def sequence(pair_prompt: list[int], response: list[int], suffix: list[int], pad_id) -> list[int]:
@@ -149,29 +150,63 @@ def turn_suffix(tokenizer) -> list[int]:
     return tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
 
 
-def scores(model, sequences: list[list[int]], device: str, pad_id: int, bf16: bool):
-    """(B,) the reward model's score of each sequence: the decoder over the right-padded batch,
-    the scalar head on each sequence's last token (found from its length, not from the pad).
-    bf16: the run computes in bf16 (autocast where the weights are fp32: LoRA's base)."""
+def scores(model, sequences: list[list[int]], device: str, pad_id: int, bf16: bool,
+           shared_lens: list[int] | None = None):
+    """(B,) the reward model's score of each sequence: the decoder's state at its last token (found
+    from its length, not from the pad), through the scalar head. bf16: the run computes in bf16
+    (autocast where the weights are fp32: LoRA's base). shared_lens: (B,) how many first tokens
+    each sequence has in common with another of the batch (a pair's prompt, and the start its two
+    responses share): those then run once (model.share_prompts), where the model is verified to
+    allow it; without them, or where it is not, every sequence runs in its own padded row."""
     base = model.get_base_model() if hasattr(model, "peft_config") else model
     decoder = getattr(base, base.base_model_prefix)
-    lengths = torch.tensor([len(s) for s in sequences], device=device)  # (B,)
-    ids = right_pad(sequences, pad_id).to(device)  # (B, L)
-    attention = torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]  # (B, L)
+    B = len(sequences)
+    lengths = torch.tensor([len(s) for s in sequences])  # (B,)
+    # share_prompts hands back the state that *predicts* each completion token, never the last
+    # token's own; so each sequence gets one dummy token (the pad) after it, and the state that
+    # predicts the dummy is the last real token's. Causal attention: it changes no state before it.
+    ids = right_pad([s + [pad_id] for s in sequences], pad_id)  # (B, L + 1)
+    shared = None
+    if shared_lens is not None:
+        # (at least one token, so the first completion token has a state to predict it)
+        prompt_lens = torch.tensor([min(max(n, 1), len(s))
+                                    for n, s in zip(shared_lens, sequences)])  # (B,)
+        shared = share_prompts(base, ids, prompt_lens, lengths + 1 - prompt_lens)
     with autocast(device, bf16 and next(model.parameters()).dtype == torch.float32):
-        hidden = decoder(input_ids=ids, attention_mask=attention.long(),
-                         use_cache=False).last_hidden_state  # (B, L, H) (no KV cache to build)
-        last = hidden[torch.arange(len(sequences), device=device), lengths - 1]  # (B, H)
+        if shared is None:
+            # Right padding needs no attention mask: causal attention never looks at the later pad,
+            # positions 0..L-1 are already right, and SDPA keeps its fast causal kernel (a padding
+            # mask makes transformers build an (L, L) mask per row). No KV cache to build.
+            hidden = decoder(input_ids=ids[:, :-1].to(device),  # (the rows without the dummy)
+                             use_cache=False).last_hidden_state  # (B, L, H)
+            last = hidden[torch.arange(B, device=device), lengths.to(device) - 1]  # (B, H)
+        else:  # each distinct prefix once, then each sequence's own rest and its dummy
+            hidden = decoder(input_ids=shared.input_ids, position_ids=shared.positions,
+                             attention_mask=shared.mask, use_cache=False).last_hidden_state
+            # hidden: (R, L', H), one row per distinct prefix
+            dummy = (lengths - prompt_lens).to(device)  # (B,) its index in the "completion"
+            state = shared.state[torch.arange(B, device=device), dummy]  # (B,) predicts it
+            last = hidden[shared.row, state]  # (B, H)
         return base.score(last).squeeze(-1).float()  # (B,)
+
+
+def pair_sequences(pairs: list[Pair], suffix: list[int], pad_id: int):
+    """A micro-batch's 2B sequences (its chosen, then its rejected) and how many first tokens each
+    has in common with the other of its pair: the prompt, and often the start of both responses
+    (pairs that differ in their last sentence), which scores then runs once."""
+    chosen = [sequence(p.prompt, p.chosen, suffix, pad_id) for p in pairs]
+    rejected = [sequence(p.prompt, p.rejected, suffix, pad_id) for p in pairs]
+    common = [next((i for i, (a, b) in enumerate(zip(c, r)) if a != b), min(len(c), len(r)))
+              for c, r in zip(chosen, rejected)]
+    return chosen + rejected, common + common
 
 
 def batch_loss(model, pairs: list[Pair], cfg: Config, device: str, pad_id: int,
                suffix: list[int], num_pairs: int):
     """A micro-batch's loss, scaled so that micro-batches of a batch of num_pairs add up to the
     batch's mean; and its metrics, summed over its pairs."""
-    seqs = [sequence(p.prompt, p.chosen, suffix, pad_id) for p in pairs] + \
-        [sequence(p.prompt, p.rejected, suffix, pad_id) for p in pairs]
-    both = scores(model, seqs, device, pad_id, cfg.dtype == "bf16")  # (2B,)
+    seqs, shared_lens = pair_sequences(pairs, suffix, pad_id)
+    both = scores(model, seqs, device, pad_id, cfg.dtype == "bf16", shared_lens)  # (2B,)
     chosen, rejected = both[:len(pairs)], both[len(pairs):]  # (B,), (B,)
     margin = torch.tensor([p.margin for p in pairs], device=device)  # (B,)
     losses, metrics = reward_loss(chosen, rejected, margin, cfg.center_rewards_coefficient)
@@ -191,7 +226,9 @@ def train_step(trainer, pairs: list[Pair], cfg: Config, suffix: list[int]) -> di
         sums = {k: sums.get(k, 0.0) + v for k, v in m.items()}
     grad_norm = optimizer_step(trainer, sums["loss"])
     seconds = time.time() - t0
-    tokens = sum(2 * len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs)
+    # Every token of the 2B sequences scored (as TRL's num_tokens counts them), whether a pair's
+    # shared prefix ran once or twice
+    tokens = sum(map(len, pair_sequences(pairs, suffix, pad)[0]))
     return {**{k: v / len(pairs) for k, v in sums.items()},
             "grad_norm": float("nan") if grad_norm is None else grad_norm,
             "lr": trainer.scheduler.get_last_lr()[0], "step_seconds": seconds,

@@ -3,6 +3,7 @@ model, the same pairs, batch, sequence length and dtype.
 
     pip install trl                         # into this virtualenv, or one of its own (--trl-python)
     python benchmarks/rm_vs_trl.py          # prints both sides' tokens/s and the ratio
+    python benchmarks/rm_vs_trl.py --pairs distinct   # answers with nothing in common
 
 Both sides get SmolLM2-135M-Instruct (the offline default, as its cached HF folder) with a new
 scalar head (AutoModelForSequenceClassification, one label) and the same rows, one file read by
@@ -14,6 +15,13 @@ learning rate. Each side runs in a process of its own. Printed: each side's medi
 the steps after the first (which warms up), tokens counting every token of the step's chosen and
 rejected sequences (TRL's `num_tokens`: its attention masks), padding excluded. --rounds N
 alternates the sides N times (the median of each).
+
+Which pairs: `--pairs edited` (the default) gives each pair one answer and a copy of it with its
+last sentence changed -- the shape of the pairs rm.py builds by default (a right and a wrong
+"The answer is N."), of edited or corrected responses, and of pairs that share a long reasoning
+prefix; rm.py runs what a pair's two sequences have in common once, TRL runs it twice.
+`--pairs distinct` gives the two answers no common text beyond the prompt (two independent
+samples, as in most chat preference sets): there only the ~40-token prompt is shared.
 """
 
 import argparse
@@ -31,16 +39,18 @@ WORDS = ("the model adds each digit from the right and carries one to the next c
          "sum passes nine so the total of the two numbers is found column by column").split()
 
 
-def pair_rows(n: int = STEPS * BATCH) -> list[dict]:
-    """n pairs: a question, and two answers of ~150 tokens that differ in their last sentence."""
+def pair_rows(kind: str, n: int = STEPS * BATCH) -> list[dict]:
+    """n pairs: a question, and two answers of ~150 tokens that differ in their last sentence
+    (kind "edited") or in every word (kind "distinct")."""
     rng, rows = random.Random(0), []
     for i in range(n):
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         body = " ".join(rng.choice(WORDS) for _ in range(110))
+        other = body if kind == "edited" else " ".join(rng.choice(WORDS) for _ in range(110))
         rows.append({"prompt": [{"role": "user", "content": f"Explain how to add {a} and {b}."}],
                      "chosen": [{"role": "assistant", "content": f"{body}. So {a} + {b} = "
                                                                   f"{a + b}."}],
-                     "rejected": [{"role": "assistant", "content": f"{body}. So {a} + {b} = "
+                     "rejected": [{"role": "assistant", "content": f"{other}. So {a} + {b} = "
                                                                     f"{a + b + 10}."}]})
     return rows
 
@@ -88,7 +98,7 @@ def rate(side: dict) -> float:
     return statistics.median(t / s for t, s in zip(side["tokens"][1:], side["step_seconds"][1:]))
 
 
-def main(trl_python: str, rounds: int):
+def main(trl_python: str, rounds: int, kind: str):
     sys.path.insert(0, str(ROOT))
     from model import choose_dtype, default_model_path, machine, pick_device
     dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
@@ -96,7 +106,7 @@ def main(trl_python: str, rounds: int):
     rates = {"TRL": [], "smolrl": []}
     with tempfile.TemporaryDirectory() as tmp:
         rows_file, result = Path(tmp) / "pairs.jsonl", Path(tmp) / "result.json"
-        rows_file.write_text("".join(json.dumps(r) + "\n" for r in pair_rows()))
+        rows_file.write_text("".join(json.dumps(r) + "\n" for r in pair_rows(kind)))
         for k in range(rounds):
             print(f"smolrl rm.py, {BATCH} pairs a step ...", flush=True)
             subprocess.run([sys.executable, __file__, "--smolrl-side", str(rows_file),
@@ -116,7 +126,7 @@ def main(trl_python: str, rounds: int):
     version = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
                              capture_output=True, text=True).stdout.strip()
     trl_rate, our_rate = statistics.median(rates["TRL"]), statistics.median(rates["smolrl"])
-    print(f"\n{BATCH} preference pairs a step (chosen and rejected ~170 tokens each), "
+    print(f"\n{BATCH} {kind} preference pairs a step (chosen and rejected ~170 tokens each), "
           f"{dtype.name}; median tokens/s of steps 2-{STEPS}, median of {rounds} round(s)")
     print(f"TRL {version} RewardTrainer {trl_rate:8.0f} tokens/s")
     print(f"smolrl rm.py             {our_rate:8.0f} tokens/s")
@@ -135,5 +145,7 @@ if __name__ == "__main__":
                             help="the Python of an environment with TRL installed (default: "
                                  "this one)")
         parser.add_argument("--rounds", type=int, default=1, help="alternate the sides N times")
+        parser.add_argument("--pairs", choices=("edited", "distinct"), default="edited",
+                            help="answers that differ in their last sentence, or in every word")
         args = parser.parse_args()
-        main(args.trl_python, args.rounds)
+        main(args.trl_python, args.rounds, args.pairs)

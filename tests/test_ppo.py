@@ -152,3 +152,30 @@ def test_a_tiny_run_resumes_exactly_and_logs_what_tells_about_the_critic(tiny_mo
     ppo.main(parse_config(ppo.Config, common + ["--resume", str(tmp_path / "a/checkpoints/step_2"),
                                                 "--out", str(tmp_path / "b")]))
     assert read_metrics(tmp_path / "a") == read_metrics(tmp_path / "b")
+
+
+def test_the_critic_reads_the_state_before_each_completion_token(tiny_model_dir, monkeypatch):
+    """V(s_t) is the scalar head on the decoder's state at position prompt_len + t - 1 -- the state
+    the policy's log-prob of token t comes from -- computed here row by row, alone, with no
+    padding; the batch runs each group's prompt once (model.share_prompts: asserted taken)."""
+    import model as model_module
+    trainer = _cfg(tiny_model_dir).setup()
+    critic = trainer.critic.model
+    torch.manual_seed(0)
+    with torch.no_grad():
+        critic.score.weight.normal_()  # (a fresh head is zero: it would read nothing)
+    taken = []
+    real = model_module.share_prompts
+    monkeypatch.setattr(model_module, "share_prompts",
+                        lambda *a: taken.append(real(*a)) or taken[-1])
+    prompts = [[5, 6, 7], [5, 6, 7], [5, 6, 7], [8, 9], [8, 9], [8, 9]]
+    completions = [[20, 21, 2], [22], [23, 24, 25, 26], [27, 2], [28], [29, 30, 2]]
+    batch = make_batch(prompts, completions, [0.0] * 6)
+    with torch.no_grad():
+        values = ppo.token_values(critic, batch, torch.arange(6), "cpu", False)  # (6, T)
+        assert taken and taken[0] is not None
+        for b, (p, c) in enumerate(zip(prompts, completions)):
+            hidden = critic.model(input_ids=torch.tensor([p + c])).last_hidden_state[0]
+            expected = critic.score(hidden[len(p) - 1:len(p) + len(c) - 1]).squeeze(-1)
+            torch.testing.assert_close(values[b, :len(c)], expected, rtol=1e-5, atol=1e-5)
+            assert bool((values[b, len(c):] == 0).all())

@@ -2,7 +2,8 @@
 token with left and right padding, a saved reward model loaded by transformers scoring alike, bad
 data and a path that is no reward model stopped in one line before training, a reward model with
 a tokenizer of its own re-tokenizing the decoded text, a judge's yes-probability by hand, and a
-tiny run: exact resume, LoRA, the HF folder it writes, and GRPO optimising it."""
+tiny run: exact resume, LoRA, the HF folder it writes, and GRPO optimising it; a pair's common
+prefix run once, with the scores and gradients of its rows."""
 
 import json
 import math
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import rm
-from conftest import read_metrics
+from conftest import assert_close_to_scale, read_metrics
 from data import parse_config
 from formats import check_pairs
 from reward_models import Judge, RewardModel, check_learned_rewards, conversation
@@ -65,6 +66,56 @@ def test_the_score_is_the_last_tokens_with_left_and_right_padding(reward_model_d
             theirs = model(input_ids=ids, attention_mask=mask.long()).logits[:, 0]
             assert torch.allclose(ours, theirs, atol=1e-5), (side, ours, theirs)
     assert rm.sequence([1, 2], [3, pad], [], pad) == [1, 2, 3]  # never ends on the pad
+
+
+def test_a_pairs_common_prefix_runs_once_with_the_scores_and_gradients_of_its_rows(
+        reward_model_dir, monkeypatch):
+    """rm.scores with each pair's common prefix run once (model.share_prompts; the score read at
+    the state that predicts a dummy token after each sequence) gives the scores and gradients of
+    the padded rows, and the scores of transformers' own forward on each sequence alone: prompts
+    of different lengths, one shared by two pairs, responses of one token and more, a common start,
+    a chosen that is the start of its rejected. A model not verified to share runs the rows."""
+    from transformers import AutoModelForSequenceClassification
+    from model import load_model
+    from pairs import Pair
+    model, tokenizer = load_model(reward_model_dir, head="reward")  # (fp32)
+    assert model.smolrl_shares_prompts  # load_model's verdict on the reward model's decoder
+    pad = tokenizer.pad_token_id
+    long, short, one = list(range(5, 25)), list(range(30, 37)), [40]  # prompts: 20, 7, 1 tokens
+    pairs = [Pair(long, [50], [51]),  # one token each
+             Pair(short, [52, 53, 54, 55], [52, 53, 56]),  # their first two tokens in common
+             Pair(one, [57], [57, 58, 59]),  # the chosen is where the rejected starts
+             Pair(long, [60, 61], [62])]  # the first pair's prompt
+    seqs, shared_lens = rm.pair_sequences(pairs, [], pad)
+    assert shared_lens == [20, 9, 2, 20] * 2
+    verdicts, share = [], rm.share_prompts
+    monkeypatch.setattr(rm, "share_prompts", lambda *args: verdicts.append(share(*args)) or
+                        verdicts[-1])
+    weights = torch.randn(len(seqs))
+
+    def run(lens):
+        model.zero_grad()
+        got = rm.scores(model, seqs, "cpu", pad, bf16=False, shared_lens=lens)  # (8,)
+        (got * weights).sum().backward()
+        return got.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    together = run(shared_lens)
+    assert verdicts[-1] is not None and verdicts[-1].input_ids.shape[0] == 3  # 3 distinct prefixes
+    apart = run(None)
+    torch.testing.assert_close(together[0], apart[0], rtol=1e-5, atol=1e-5)
+    for name in apart[1]:  # (to fp32's rounding, which scales with the largest gradient)
+        assert_close_to_scale(together[1][name], apart[1][name], what=name)
+    reference = AutoModelForSequenceClassification.from_pretrained(reward_model_dir).eval()
+    with torch.no_grad():
+        alone = torch.stack([reference(torch.tensor([s])).logits[0, 0] for s in seqs])  # (8,)
+        one_short = torch.stack([reference(torch.tensor([s[:-1]])).logits[0, 0] for s in seqs])
+    torch.testing.assert_close(together[0], alone, rtol=1e-5, atol=1e-5)
+    assert (alone - one_short).abs().min() > 1e-3  # (a state one token early would be caught)
+    model.smolrl_shares_prompts = False
+    with torch.no_grad():
+        rows = rm.scores(model, seqs, "cpu", pad, bf16=False, shared_lens=shared_lens)
+    assert verdicts[-1] is None
+    torch.testing.assert_close(rows, alone, rtol=1e-5, atol=1e-5)
 
 
 def test_bad_pairs_and_a_path_that_is_no_reward_model_stop_in_one_line(tiny_model_dir, tmp_path,

@@ -1,0 +1,50 @@
+"""grpo.py on Ray with --async-steps 1, end to end, in both dtypes."""
+
+import pytest
+
+pytest.importorskip("ray")
+
+from conftest import read_metrics, run_grpo  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(dtype, tiny_model_dir,
+                                                                           tmp_path):
+    """grpo.py on Ray (2 trainers + 1 engine, colocated, collective weight sync) with
+    --async-steps 1: the engine samples step t+1 while the trainers train step t. With lr 0 the lag
+    cannot change what is sampled, so in fp32 everything but the numerics of pi_old (the engine's
+    log-probs instead of the trainer's) must equal a one-process synchronous run's: the same
+    problems, seeds, completions and rewards. In bf16 the engine on Ray drew other tokens than the
+    one in this process (an AMX Xeon: rewards 0.5 vs 0.625 at step 1): it was built without the
+    prompt-sharing verdict, so it decoded every prompt whole where this process's engine shares
+    their prefix -- other numerics, and a token at a sampling boundary flips with the last bit of
+    a bf16 logit. Fixed in issue 40 and pinned without Ray, bit for bit (test_rollout.py's
+    test_a_ray_engine_is_built_from_what_the_trainers_start_from...); on the Zen 5 EPYC this
+    bf16 run now draws the one-process run's tokens, rewards and held-out score exactly, but the
+    AMX Xeon was not measured again, and a Ray worker computes on fewer threads (OMP_NUM_THREADS),
+    so bf16 equality is not asserted here. What must hold in both dtypes is the lag and that the
+    trainer's log-probs describe what the engine sampled: the async ratio pi_theta / pi_engine is
+    1 within the dtype's rounding. (In a file of its own: grpo.py starts its own local Ray, and
+    the suite's files run in parallel, one per core.)"""
+    args = ["--model", tiny_model_dir, "--data", "arith", "--steps", "2", "--prompts-per-step",
+            "2", "--num-generations", "4", "--max-new-tokens", "6", "--eval-every", "2",
+            "--eval-size", "4", "--temperature", "1.0", "--lr", "0", "--beta", "0.01",
+            "--reward", "tests.rewards:parity_reward", "--dtype", dtype]
+    run_grpo([*args, "--num-trainers", "2", "--num-engines", "1", "--colocate",
+              "--async-steps", "1", "--out", str(tmp_path / "a")])
+    lagged = read_metrics(tmp_path / "a")
+    assert [r["step"] for r in lagged] == [0, 1, 2] and "eval_accuracy" in lagged[-1]
+    assert (tmp_path / "a" / "model" / "model.safetensors").exists()  # saved by trainer rank 0
+    assert [r["policy_lag"] for r in lagged[1:]] == [0, 1]
+    for a in lagged[1:]:  # pi_theta / pi_engine with equal weights
+        assert a["ratio"] == pytest.approx(1.0, abs=0.02)
+    if dtype == "bf16":  # (no comparison to make: no one-process run)
+        return
+    run_grpo([*args, "--out", str(tmp_path / "s")])
+    synced = read_metrics(tmp_path / "s")
+    assert [r["policy_lag"] for r in synced[1:]] == [0, 0]
+    for a, s in zip(lagged[1:], synced[1:]):
+        for key in ("reward", "completion_len", "zero_std_frac", "truncated_frac", "trained_frac"):
+            assert a[key] == s[key], key
+        assert a["loss"] == pytest.approx(s["loss"], abs=0.02)
+    assert lagged[-1]["eval_accuracy"] == synced[-1]["eval_accuracy"]
