@@ -287,7 +287,7 @@ def step_record(step: int, sampled, update: dict, train_seconds: float, sync_sec
 
 
 def format_step(r: dict) -> str:
-    """The line grpo.py prints for each step (and for its step-0 evaluation)."""
+    """The line grpo.py and ppo.py print for each step (and for the step-0 evaluation)."""
     if r["step"] == 0:
         return f"step    0 | held-out accuracy {r['eval_accuracy']:.3f} (greedy)"
     accuracy = f"acc {r['accuracy']:.3f} " if "accuracy" in r else ""
@@ -295,12 +295,17 @@ def format_step(r: dict) -> str:
             f"zero-std {r['zero_std_frac']:.2f} | len {r['completion_len']:.1f} "
             f"trunc {r['truncated_frac']:.2f} | gnorm {r['grad_norm']:.3f}")
     if "entropy_trained" in r:
-        line += f" ent {r['entropy_trained']:.3f} clip {r['clip_low'] + r['clip_high']:.3f}"
+        line += f" ent {r['entropy_trained']:.3f}"
+    if "clip_low" in r:  # (no policy loss: ppo.py's critic warm-up)
+        line += f" clip {r['clip_low'] + r['clip_high']:.3f}"
     if "kl" in r:
         line += f" kl {r['kl']:.4f}"
     if "turns" in r:
         line += (f" | turns {r['turns']:.1f} tools {r['tool_calls']:.2f} "
                  f"(errors {r['tool_errors']})")
+    if "value_loss" in r:  # ppo.py's critic: its loss, explained variance, values and returns
+        line += (f" | value loss {r['value_loss']:.4f} ev {r['explained_variance']:.3f} "
+                 f"V {r['value_mean']:.3f} G {r['return_mean']:.3f}")
     line += (f" | gen {r['gen_seconds']:.1f}s train {r['train_seconds']:.1f}s "
              f"({r['gen_tokens_per_s']:.0f} tok/s gen)")
     if "eval_accuracy" in r:

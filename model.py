@@ -428,29 +428,6 @@ def _row_blocks(logits, cache_bytes=2**21):
     return [slice(s, s + rows) for s in range(0, n, rows)]
 
 
-def completion_states(model, decoder, input_ids, prompt_lens, completion_lens):
-    """The decoder's state that predicts each completion token -- the state s_t before token t, at
-    position t - 1 -- what an LM head turns into log-probs and a critic's scalar head into V(s_t).
-
-    input_ids (B, L): prompt followed by completion, right-padded. prompt_lens, completion_lens (B,).
-    Returns (hidden (n, H), rows (n,), cols (n,)): one state per completion token, in the order of
-    length_mask(completion_lens).nonzero(). A group's prompt runs once where share_prompts allows.
-    """
-    mask = length_mask(completion_lens, int(completion_lens.max()))  # (B, T)
-    rows, cols = mask.nonzero(as_tuple=True)  # (n,), (n,) one entry per completion token
-    shared = share_prompts(model, input_ids, prompt_lens, completion_lens)
-    if shared is None:
-        # Right padding needs no attention mask: causal attention never looks at later (pad)
-        # positions, and position ids 0..L-1 are already right. This keeps the fast SDPA causal
-        # path. No KV cache: nothing is decoded after this forward.
-        hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
-        return hidden[rows, prompt_lens[rows] + cols - 1], rows, cols  # (n, H): t-1 predicts t
-    # a group's prompt once, followed by each of its completions (share_prompts)
-    hidden = decoder(input_ids=shared.input_ids, position_ids=shared.positions,
-                     attention_mask=shared.mask, use_cache=False).last_hidden_state
-    return hidden[shared.row[rows], shared.state[rows, cols]], rows, cols  # (n, H)
-
-
 def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, temperature=1.0,
                         chunk_tokens=2048):
     """Log-probs of completion tokens under `model`, and the policy entropy at each of them.
@@ -462,9 +439,21 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
     """
     B = input_ids.shape[0]
     T = int(completion_lens.max())
-    hidden, rows, cols = completion_states(model, model.get_decoder(), input_ids, prompt_lens,
-                                           completion_lens)
-    targets = input_ids[rows, prompt_lens[rows] + cols]  # (n,) each completion token
+    mask = length_mask(completion_lens, T)  # (B, T)
+    rows, cols = mask.nonzero(as_tuple=True)  # (n,), (n,) one entry per completion token
+    pos = prompt_lens[rows] + cols  # (n,) position of each completion token in input_ids
+    targets = input_ids[rows, pos]  # (n,)
+    shared = share_prompts(model, input_ids, prompt_lens, completion_lens)
+    if shared is None:
+        # Right padding needs no attention mask: causal attention never looks at later (pad)
+        # positions, and position ids 0..L-1 are already right. This keeps the fast SDPA causal
+        # path. No KV cache: nothing is decoded after this forward.
+        hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden = hidden[rows, pos - 1]  # (n, H): the state at t-1 predicts token t
+    else:  # a group's prompt once, followed by each of its completions (share_prompts)
+        hidden = model.get_decoder()(input_ids=shared.input_ids, position_ids=shared.positions,
+                                     attention_mask=shared.mask, use_cache=False).last_hidden_state
+        hidden = hidden[shared.row[rows], shared.state[rows, cols]]  # (n, H)
     lp_chunks, ent_chunks = [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
         lp, ent = chunk_logprobs(model, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens],

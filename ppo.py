@@ -43,7 +43,7 @@ from tqdm import tqdm
 from data import check, parse_config
 from evaluate import step_record
 from grpo import grpo_loss
-from model import autocast, completion_states
+from model import autocast, length_mask, share_prompts
 from options import RLOptions
 from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import train_batch
@@ -195,17 +195,25 @@ def value_loss(values, old_values, returns, mask, clip: float, num_tokens: float
 
 def token_values(critic, batch, idx, device, bf16: bool):
     """(b, T) V(s_t) for micro-batch `idx`: the critic's scalar head on the state before each
-    completion token -- the state the policy's log-prob of that token comes from (a group's
-    prompt run once, as for the policy: model.completion_states)."""
+    completion token t -- position prompt_len + t - 1, the state the policy's log-prob of token t
+    comes from (model.completion_logprobs reads the same one) -- with a group's prompt run once
+    where model.share_prompts allows, as for the policy."""
     base = critic.get_base_model() if hasattr(critic, "peft_config") else critic
+    decoder = getattr(base, base.base_model_prefix)
     mb = batch.select(idx)
     L = int((mb.prompt_lens + mb.completion_lens).max())  # (no padding columns it does not need)
-    T = int(mb.completion_lens.max())
+    ids, T = mb.input_ids[:, :L], int(mb.completion_lens.max())
+    rows, cols = length_mask(mb.completion_lens, T).nonzero(as_tuple=True)  # (n,) per token
+    shared = share_prompts(base, ids, mb.prompt_lens, mb.completion_lens)
     with autocast(device, bf16 and next(critic.parameters()).dtype == torch.float32):
-        hidden, rows, cols = completion_states(base, getattr(base, base.base_model_prefix),
-                                               mb.input_ids[:, :L], mb.prompt_lens,
-                                               mb.completion_lens)  # (n, H)
-        values = base.score(hidden).squeeze(-1).float()  # (n,)
+        if shared is None:  # right padding: causal attention needs no mask (completion_logprobs)
+            hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state  # (b, L, H)
+            states = hidden[rows, mb.prompt_lens[rows] + cols - 1]  # (n, H)
+        else:
+            hidden = decoder(input_ids=shared.input_ids, position_ids=shared.positions,
+                             attention_mask=shared.mask, use_cache=False).last_hidden_state
+            states = hidden[shared.row[rows], shared.state[rows, cols]]  # (n, H)
+        values = base.score(states).squeeze(-1).float()  # (n,)
     return torch.zeros(len(idx), T, device=device).index_put((rows, cols), values)  # (b, T)
 
 
@@ -322,7 +330,7 @@ def explained_variance(returns: list, values: list, masks: list, group) -> float
 
 
 def main(cfg: Config):
-    session = start_session(cfg, train_on_rollout, line=format_step)
+    session = start_session(cfg, train_on_rollout)
     run, driver, problems = session.run, session.driver, session.problems
     N, bad_steps = cfg.prompts_per_step, 0
     for step in tqdm(range(driver.step + 1, cfg.steps + 1), desc="ppo", unit="step",
@@ -349,21 +357,6 @@ def main(cfg: Config):
     finish_session(session, title=f"PPO on {cfg.data} ({cfg.model})",
                    loss_keys=("loss", "value_loss"))
     return driver.history
-
-
-def format_step(r: dict) -> str:
-    """The line ppo.py prints for each step (and for its step-0 evaluation)."""
-    if r["step"] == 0:
-        return f"step    0 | held-out accuracy {r['eval_accuracy']:.3f} (greedy)"
-    accuracy = f"acc {r['accuracy']:.3f} " if "accuracy" in r else ""
-    line = (f"step {r['step']:4d} | reward {r['reward']:.3f} {accuracy}| len "
-            f"{r['completion_len']:.1f} | loss {r['loss']:.4f} gnorm {r['grad_norm']:.3f} | value "
-            f"loss {r.get('value_loss', 0):.4f} ev {r.get('explained_variance', 0):.3f} "
-            f"V {r.get('value_mean', 0):.3f} G {r.get('return_mean', 0):.3f} | gen "
-            f"{r['gen_seconds']:.1f}s train {r['train_seconds']:.1f}s")
-    if "eval_accuracy" in r:
-        line += f" | held-out {r['eval_accuracy']:.3f}"
-    return line
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """What the critic costs: PPO's update beside GRPO's on one batch, and the two runs' curves.
 
     python benchmarks/ppo_vs_grpo.py step                    # one batch, both updates, timed
-    python benchmarks/ppo_vs_grpo.py curves out/rl-true out/ppo --out docs/ppo_vs_grpo.png
+    python benchmarks/ppo_vs_grpo.py curves out/grpo out/ppo --labels grpo.py,ppo.py --out docs/ppo_vs_grpo.png
 
 `step` builds one rollout batch shaped like the default run's (8 prompts x 8 samples, 55-token
 prompts, 16-token completions, random tokens, every sample's reward and advantage non-zero so both
@@ -97,21 +97,21 @@ def read(folder: str) -> list[dict]:
     return [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
 
 
-def curves(folders: list[str], out: str):
+def curves(folders: list[str], out: str, labels: list[str]):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for k, folder in enumerate(folders):
-        rows = read(folder)
+        rows, label = read(folder), labels[k] if k < len(labels) else folder
         clock, seconds = {0: 0.0}, 0.0
         for r in rows[1:]:
             seconds += r.get("step_seconds", 0.0)
             clock[r["step"]] = seconds
         held = [(r["step"], r["eval_accuracy"]) for r in rows if "eval_accuracy" in r]
         steps, accuracy = zip(*held)
-        by_step.plot(steps, accuracy, "o-", color=f"C{k}", label=folder)
-        by_time.plot([clock[s] / 60 for s in steps], accuracy, "o-", color=f"C{k}", label=folder)
+        by_step.plot(steps, accuracy, "o-", color=f"C{k}", label=label)
+        by_time.plot([clock[s] / 60 for s in steps], accuracy, "o-", color=f"C{k}", label=label)
         step_times = [r["step_seconds"] for r in rows[1:] if "step_seconds" in r]
         print(f"{folder}: held-out " + " -> ".join(f"{a:.3f}" for a in accuracy)
               + f" at steps {', '.join(map(str, steps))}; median step "
@@ -136,8 +136,10 @@ if __name__ == "__main__":
     c = sub.add_parser("curves", help="two run folders' held-out accuracy")
     c.add_argument("folders", nargs="+")
     c.add_argument("--out", default="ppo_vs_grpo.png")
+    c.add_argument("--labels", default="", help="comma-separated, one per folder (default: the "
+                   "folders)")
     args = parser.parse_args()
     if args.what == "step":
         step(args.repeats, args.dtype)
     else:
-        curves(args.folders, args.out)
+        curves(args.folders, args.out, [x for x in args.labels.split(",") if x])

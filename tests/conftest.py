@@ -35,6 +35,14 @@ AUTO_DTYPE_ENV = "SMOLRL_AUTO_DTYPE"  # model.AUTO_DTYPE_ENV (not imported: see 
 def pytest_configure(config):
     os.environ[AUTO_DTYPE_ENV] = (config.getoption("--auto-dtype") or
                                   os.environ.get(AUTO_DTYPE_ENV) or "fp32")
+    # `make test` runs a worker per core (pytest-xdist): each worker, and the runs it starts, get
+    # the cores' share of threads. torch's default -- every core in every process -- has the
+    # workers' OpenMP threads wait on each other's cores (measured: the suite took TIMING_NOTE).
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def pytest_report_header(config):

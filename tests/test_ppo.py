@@ -158,15 +158,14 @@ def test_the_critic_reads_the_state_before_each_completion_token(tiny_model_dir,
     """V(s_t) is the scalar head on the decoder's state at position prompt_len + t - 1 -- the state
     the policy's log-prob of token t comes from -- computed here row by row, alone, with no
     padding; the batch runs each group's prompt once (model.share_prompts: asserted taken)."""
-    import model as model_module
     trainer = _cfg(tiny_model_dir).setup()
     critic = trainer.critic.model
     torch.manual_seed(0)
     with torch.no_grad():
         critic.score.weight.normal_()  # (a fresh head is zero: it would read nothing)
     taken = []
-    real = model_module.share_prompts
-    monkeypatch.setattr(model_module, "share_prompts",
+    real = ppo.share_prompts
+    monkeypatch.setattr(ppo, "share_prompts",
                         lambda *a: taken.append(real(*a)) or taken[-1])
     prompts = [[5, 6, 7], [5, 6, 7], [5, 6, 7], [8, 9], [8, 9], [8, 9]]
     completions = [[20, 21, 2], [22], [23, 24, 25, 26], [27, 2], [28], [29, 30, 2]]
