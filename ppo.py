@@ -279,7 +279,8 @@ def train_on_rollout(trainer, batch) -> dict:
             pi_old = old[k] if old else logprobs.detach()  # (one update: pi_old == pi_theta)
             # (the trainer/engine mismatch metrics, with vLLM; grpo.py's --is-cap correction
             # is not offered here)
-            engine_correction(batch, idx, pi_old, mask, 0.0, stats.mismatch if update == 0 else None)
+            engine_correction(batch, idx, pi_old, mask, 0.0,
+                              stats.mismatch if update == 0 else None)
             if batch.train_policy:  # (not during the critic's warm-up)
                 loss, metrics = grpo_loss(logprobs, pi_old, ref[k] if ref else None,
                                           advantages[k], mask, eps_low=cfg.eps_low,
