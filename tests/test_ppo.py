@@ -178,3 +178,29 @@ def test_the_critic_reads_the_state_before_each_completion_token(tiny_model_dir,
             expected = critic.score(hidden[len(p) - 1:len(p) + len(c) - 1]).squeeze(-1)
             torch.testing.assert_close(values[b, :len(c)], expected, rtol=1e-5, atol=1e-5)
             assert bool((values[b, len(c):] == 0).all())
+
+
+def test_a_bf16_step_values_as_fp32_does_and_trains_both_models(tiny_model_dir):
+    """--dtype bf16 (what `auto` picks on AMX and Zen 5): the critic's bf16 compute copy gives the
+    fp32 master's values within bf16's rounding, and one step moves both models, finitely."""
+    trainer = replace(_cfg(tiny_model_dir), dtype="bf16").setup()
+    critic = trainer.critic
+    torch.manual_seed(0)
+    with torch.no_grad():
+        critic.model.score.weight.normal_()
+    from trainer import refresh_bf16_copy
+    refresh_bf16_copy(critic)
+    batch = _batch()
+    assert next(critic.compute.parameters()).dtype == torch.bfloat16  # (the critic's bf16 copy)
+    with torch.no_grad():
+        low = ppo.token_values(critic.compute, batch, torch.arange(4), "cpu", True)
+        full = ppo.token_values(critic.model, batch, torch.arange(4), "cpu", False)
+    scale = float(full.abs().max())
+    assert scale > 0 and float((low - full).abs().max()) < 0.05 * scale
+    before = [p.clone() for p in (trainer.model.lm_head.weight, critic.model.score.weight)]
+    metrics = ppo.train_on_rollout(trainer, batch)
+    after = (trainer.model.lm_head.weight, critic.model.score.weight)
+    assert all(not torch.equal(b, a) for b, a in zip(before, after))
+    from trainer import finish_metrics
+    out = finish_metrics([metrics])
+    assert all(torch.isfinite(torch.tensor(out[k])) for k in ("loss", "value_loss", "grad_norm"))
