@@ -43,7 +43,7 @@ from tqdm import tqdm
 from data import check, parse_config
 from evaluate import step_record
 from grpo import grpo_loss
-from model import autocast, length_mask, share_prompts
+from model import autocast, length_mask, resolve, share_prompts
 from options import RLOptions
 from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import train_batch
@@ -331,6 +331,8 @@ def explained_variance(returns: list, values: list, masks: list, group) -> float
 
 
 def main(cfg: Config):
+    if cfg.critic_from:  # a path that is no model stops in one line, before any model loads
+        resolve(cfg.critic_from, "--critic-from")
     session = start_session(cfg, train_on_rollout)
     run, driver, problems = session.run, session.driver, session.problems
     N, bad_steps = cfg.prompts_per_step, 0

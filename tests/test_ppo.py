@@ -204,3 +204,13 @@ def test_a_bf16_step_values_as_fp32_does_and_trains_both_models(tiny_model_dir):
     from trainer import finish_metrics
     out = finish_metrics([metrics])
     assert all(torch.isfinite(torch.tensor(out[k])) for k in ("loss", "value_loss", "grad_norm"))
+
+
+def test_a_critic_from_nothing_stops_in_one_line_before_any_model_loads(tiny_model_dir, tmp_path,
+                                                                          monkeypatch):
+    import trainer as trainer_module
+    monkeypatch.setattr(trainer_module, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    cfg = replace(_cfg(tiny_model_dir), critic_from=str(tmp_path / "no-such-model"),
+                  out=str(tmp_path / "out"))
+    with pytest.raises(SystemExit, match=r"^error: --critic-from .*no-such-model"):
+        ppo.main(cfg)
