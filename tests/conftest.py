@@ -37,7 +37,8 @@ def pytest_configure(config):
                                   os.environ.get(AUTO_DTYPE_ENV) or "fp32")
     # `make test` runs a worker per core (pytest-xdist): each worker, and the runs it starts, get
     # the cores' share of threads. torch's default -- every core in every process -- has the
-    # workers' OpenMP threads wait on each other's cores (measured: the suite took TIMING_NOTE).
+    # workers' OpenMP threads wait on each other's cores (2-core AVX2 EPYC: 775 s before, 714 s
+    # after with four more tests).
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, len(os.sched_getaffinity(0)) // workers)
