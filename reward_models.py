@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from data import TEMPLATES
-from model import load_model, load_tokenizer, pick_device, resolve
+from model import load_model, pick_device, resolve
 
 BATCH = 16  # sequences a learned reward scores together
 JUDGE_PROMPT = ("Here is a question and an answer to it.\n\nQuestion: {prompt}\n\n"
