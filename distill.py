@@ -48,7 +48,7 @@ from model import load_model, load_tokenizer, pick_device, resolve
 from evaluate import step_record
 from options import RLOptions
 from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
-from rl import train_batch
+from rl import log_rollouts, replayed, train_batch, with_detail
 from rollout import HFRollout
 from trainer import UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
 from trainer import micro_batches, optimizer_step
@@ -186,7 +186,7 @@ def train_on_rollout(trainer, batch) -> dict:
     stats = UpdateStats(trainer, batch, keep)
     if not any_rank_trains(trainer, len(keep)):
         return stats.result()
-    for _ in range(cfg.updates_per_rollout):
+    for update in range(cfg.updates_per_rollout):
         student.train()
         for idx in mbs:
             mb = batch.select(idx)
@@ -201,6 +201,13 @@ def train_on_rollout(trainer, batch) -> dict:
             stats.add(loss, {key: float((getattr(scores, key) * mask).sum() / tokens) for key in
                              ("reverse_kl", "student_logprob", "teacher_logprob")},
                       scores.entropy, mask)
+            if update == 0:  # each token's scores, for the rollout log's detail rows
+                T = int(mb.completion_lens.max())
+                stats.keep_tokens(batch, idx, **{name: torch.zeros(len(idx), T).index_put(
+                    (scores.rows.cpu(), scores.cols.cpu()), getattr(scores, key).detach().float().cpu())
+                    for name, key in (("logprob", "student_logprob"), ("entropy", "entropy"),
+                                      ("teacher_logprob", "teacher_logprob"),
+                                      ("reverse_kl", "reverse_kl"))})
         stats.end_update(optimizer_step(trainer, stats.update_loss))
     return stats.result()
 
@@ -255,17 +262,25 @@ def main(cfg: Config):
         t_step = time.time()
         # 1. Samples: the student's (on-policy), or with --lmbda < 1 on some steps the teacher's.
         on_policy = random.Random(cfg.seed * 1_000_003 + step).random() < cfg.lmbda
-        if not on_policy:
+        if not on_policy and not session.replay:
             teacher_run = teacher_run or teacher_engine(cfg, run)
-        seed = sampling_seed(cfg, step, 0)
-        started = start_rollout(run if on_policy else teacher_run, problems.take(N), cfg, seed)
-        scored = score(started, cfg, session.reward_fns, session.grader)  # (metrics only)
+        if session.replay:  # --replay: a saved run's samples (rollout_log.py)
+            scored = replayed(session, step)[1]
+        else:
+            seed = sampling_seed(cfg, step, 0)
+            started = start_rollout(run if on_policy else teacher_run, problems.take(N), cfg,
+                                    seed)
+            scored = score(started, cfg, session.reward_fns, session.grader)  # (metrics only)
         # 2. The teacher grades every sampled token; the student steps towards it.
         t0 = time.time()
         zeros = torch.zeros(len(scored.completions))  # (no advantages: the divergence trains)
-        update = run.train(train_batch(scored.completions, zeros, cfg,
-                                       run.tokenizer.pad_token_id))
+        batch = with_detail(train_batch(scored.completions, zeros, cfg,
+                                        run.tokenizer.pad_token_id), scored.rewards, cfg)
+        update = run.train(batch)
         train_seconds = time.time() - t0
+        # Every sample and the teacher's per-token scores of it, to rollouts.jsonl.
+        log_rollouts(session, cfg, step, scored, batch, update.pop("token_detail"),
+                     per_sample_advantages=False)
         bad_steps = count_bad_steps(update, bad_steps, step, cfg.lr)
         # 3. The engine takes the new weights. 4. Metrics, evaluation, samples, checkpoint.
         sync_seconds = run.sync_weights(step)

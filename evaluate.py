@@ -186,18 +186,18 @@ def plot_curves(history: list[dict], path, title: str = "",
     plt.close(fig)
 
 
-def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> dict:
-    """grpo.py's held-out metrics: greedy accuracy with the same engine and grader as training
-    (run: a trainer.Run, cfg: a grpo.Config)."""
+def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> tuple[dict, list[dict]]:
+    """grpo.py's held-out metrics -- greedy accuracy with the same engine and grader as training
+    (run: a trainer.Run, cfg: a grpo.Config) --, and the samples they come from."""
     t0 = time.time()
-    summary, _ = evaluate_rows(run.rollout, run.tokenizer, rows, template=cfg.template,
+    summary, samples = evaluate_rows(run.rollout, run.tokenizer, rows, template=cfg.template,
                                chat=cfg.chat, sampling=Sampling(cfg.max_new_tokens, 0.0), n=1,
                                grader=grader, dataset="held-out", agent=run.agent)
     return {"eval_accuracy": summary["avg@n"], "eval_completion_len": summary["mean_len"],
             **{f"eval_{key}": summary[key] for key in ("turns", "tool_calls", "tool_call_rate",
                                                         "tool_error_rate", "reward")
                if key in summary},
-            "eval_seconds": time.time() - t0}
+            "eval_seconds": time.time() - t0}, samples
 
 
 TRACKERS = ("tensorboard", "wandb")
@@ -271,7 +271,8 @@ def step_record(step: int, sampled, update: dict, train_seconds: float, sync_sec
         "train_seconds": train_seconds, "sync_seconds": sync_seconds,
         # (episodes: the model's own tokens; tool results are appended, not generated)
         "gen_tokens_per_s": (sum(map(sum, comps.mask)) if comps.mask is not None else
-                             float(lens.sum())) / sampled.gen_seconds,
+                             float(lens.sum())) / sampled.gen_seconds if sampled.gen_seconds
+        else 0.0,  # (--replay: nothing was generated)
         "train_tokens_per_s": update["trained_tokens"] / max(train_seconds, 1e-9),
     }
     if sampled.correct:  # data with reference answers

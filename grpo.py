@@ -38,11 +38,12 @@ from evaluate import step_record
 from options import RLOptions
 from reward import Grader, RewardFunctions
 from rl import Scored, end_step, finish_session, sampling_seed, score, start_rollout
-from rl import start_session, train_batch
+from rl import log_rollouts, replayed, start_session, train_batch, with_detail
 from rollout import policy_lag
 from trainer import Trainer, UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
 from trainer import engine_correction, frozen_logprobs, micro_batches, optimizer_step
-from trainer import policy_logprobs, reference_logprobs, same_pass_count, untrained_mismatch
+from trainer import logprobs_after_update, policy_logprobs, reference_logprobs, same_pass_count
+from trainer import untrained_mismatch
 
 
 @dataclass
@@ -231,30 +232,35 @@ def has_signal(rewards: torch.Tensor, G: int) -> torch.Tensor:
 
 
 def dynamic_sampling(run, problems: ProblemStream, first: Scored, cfg: Config, step: int,
-                     reward_fns: RewardFunctions, grader: Grader) -> tuple[Scored, Scored, dict]:
+                     reward_fns: RewardFunctions, grader: Grader
+                     ) -> tuple[Scored, Scored, dict, list[bool]]:
     """DAPO's dynamic sampling: groups whose rewards are all equal carry no signal; drop them and
     sample fresh prompts until N groups have some, for at most max_fill_rounds more rounds.
-    Returns every round sampled (for the metrics), the groups to train on, and refill metrics."""
+    Returns every round sampled (for the metrics), the groups to train on, refill metrics, and
+    which samples of the rounds those are."""
     G, N, rounds = cfg.num_generations, cfg.prompts_per_step, [first]
     while (sum(int(has_signal(r.rewards, G).sum()) for r in rounds) < N
            and len(rounds) <= cfg.max_fill_rounds):
         rounds.append(score(start_rollout(run, problems.take(N), cfg, sampling_seed(
             cfg, step, len(rounds))), cfg, reward_fns, grader, cfg.overlong_buffer))
-    kept, dropped = groups_with_signal(rounds, G, N)
+    kept, dropped, taken = groups_with_signal(rounds, G, N)
     return Scored.concat(rounds), kept, {"dropped_groups": dropped, "fill_rounds": len(rounds) - 1,
-                                         "kept_groups": len(kept.completions) // G}
+                                         "kept_groups": len(kept.completions) // G}, taken
 
 
-def groups_with_signal(rounds: list[Scored], G: int, limit: int) -> tuple[Scored, int]:
+def groups_with_signal(rounds: list[Scored], G: int, limit: int
+                       ) -> tuple[Scored, int, list[bool]]:
     """Dynamic sampling: the first `limit` groups of the rounds that have signal, as one Scored,
-    and how many groups were dropped."""
-    parts, dropped = [], 0
+    how many groups were dropped, and for every sample of the rounds whether it was taken."""
+    parts, dropped, taken = [], 0, []
     for scored in rounds:
         signal = has_signal(scored.rewards, G)
         dropped += int((~signal).sum())
-        for i in signal.nonzero().flatten().tolist()[:limit - len(parts)]:
+        chosen = signal.nonzero().flatten().tolist()[:limit - len(parts)]
+        for i in chosen:
             parts.append(scored.select(list(range(i * G, (i + 1) * G))))
-    return Scored.concat(parts) if parts else rounds[0].select([]), dropped
+        taken += [g in chosen for g in range(len(scored.rewards) // G) for _ in range(G)]
+    return Scored.concat(parts) if parts else rounds[0].select([]), dropped, taken
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +320,11 @@ def train_on_rollout(trainer: Trainer, batch) -> dict:
             (loss * trainer.world if trainer.sharded else loss).backward()  # micro-batches add up
             add_to_master_grads(trainer)
             stats.add(loss, metrics, entropy, mask)
+            if update == 0:  # what the loss read, for the rollout log's detail rows
+                stats.keep_tokens(batch, idx, logprob=logprobs, old_logprob=old, entropy=entropy,
+                                  ref_logprob=ref_lps[k] if ref_lps else None)
         stats.end_update(optimizer_step(trainer, stats.update_loss))
+    logprobs_after_update(trainer, batch, trained, stats)
     return stats.result()
 
 
@@ -333,27 +343,36 @@ def main(cfg: Config):
         t_step = time.time()
         # 1-2. Rollout and rewards: G completions for each of N prompts, scored. (With
         # --async-steps 1 they were started during the last step, and sampled by its weights.)
-        started = started or start_rollout(run, problems.take(N), cfg, sampling_seed(cfg, step, 0))
-        sampled = scored = score(started, cfg, reward_fns, grader,  # all sampled / trained on
-                                 cfg.overlong_buffer)
-        lag, refill = policy_lag(sampled.completions, step, cfg.async_steps), {}
-        if cfg.dynamic_sampling:  # DAPO: train on groups with a reward spread; sample more of them
-            sampled, scored, refill = dynamic_sampling(run, problems, scored, cfg, step,
-                                                       reward_fns, grader)
-        # --async-steps 1: the engines sample the next step's batch while the trainers train.
-        started = (start_rollout(run, problems.take(N), cfg, sampling_seed(cfg, step + 1, 0))
-                   if cfg.async_steps and step < cfg.steps else None)
+        kept, refill = None, {}  # (which of the samples drawn are trained on: all of them)
+        if session.replay:  # --replay: a saved run's samples and rewards (rollout_log.py)
+            sampled, scored, kept = replayed(session, step)
+        else:
+            started = started or start_rollout(run, problems.take(N), cfg,
+                                               sampling_seed(cfg, step, 0))
+            sampled = scored = score(started, cfg, reward_fns, grader,  # all sampled / trained on
+                                     cfg.overlong_buffer)
+            if cfg.dynamic_sampling:  # DAPO: train on groups with a reward spread; sample more
+                sampled, scored, refill, kept = dynamic_sampling(run, problems, scored, cfg,
+                                                                 step, reward_fns, grader)
+            # --async-steps 1: the engines sample the next step's batch while the trainers train.
+            started = (start_rollout(run, problems.take(N), cfg, sampling_seed(cfg, step + 1, 0))
+                       if cfg.async_steps and step < cfg.steps else None)
+        lag = policy_lag(sampled.completions, step, cfg.async_steps)
         # 3. Advantages: each completion against the rest of its group. 4. Policy update.
         t0 = time.time()
         update = {"loss": 0.0, "grad_norm": 0.0, "trained_frac": 0.0, "trained_tokens": 0,
                   "skipped_updates": 0}
+        batch = None
         if len(scored.completions):
             advantages = group_advantages(scored.rewards, G, scale=cfg.adv_scale,
                                           leave_one_out=cfg.leave_one_out)
-            update = run.train(train_batch(scored.completions, advantages, cfg,
-                                           run.tokenizer.pad_token_id, cfg.loss_agg,
-                                           cfg.overlong_filter))
+            batch = with_detail(train_batch(scored.completions, advantages, cfg,
+                                            run.tokenizer.pad_token_id, cfg.loss_agg,
+                                            cfg.overlong_filter), scored.rewards, cfg)
+            update = run.train(batch)
         train_seconds = time.time() - t0
+        # Every sample, its advantage and what the update computed of it, to rollouts.jsonl.
+        log_rollouts(session, cfg, step, sampled, batch, update.pop("token_detail", {}), kept)
         bad_steps = count_bad_steps(update, bad_steps, step, cfg.lr)
         # 5. The engines take the new weights.
         sync_seconds = run.sync_weights(step)

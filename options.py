@@ -180,6 +180,15 @@ class RLLoopOptions:
     log_samples_every: int = 10
     """print a few sampled completions every N steps (0 = never)"""
 
+    # The rollout log: <out>/rollouts.jsonl (rollout_log.py), and training on a saved one
+    rollout_tokens: int = 2
+    """groups a step whose per-token numbers (text pieces, log-probs, entropy, advantages) the
+    rollout log keeps, those with a reward spread first (-1 = every sample); every sample's
+    tokens, text, rewards and advantage are kept whatever it says"""
+    replay: str = ""
+    """train on the samples a run folder's rollouts.jsonl holds instead of sampling: the same
+    batches in the same order, their saved rewards (change the loss, compare on the same data)"""
+
 
 @dataclass
 class TaskOptions:

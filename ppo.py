@@ -46,10 +46,10 @@ from grpo import grpo_loss
 from model import autocast, length_mask, resolve, share_prompts
 from options import RLOptions
 from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
-from rl import train_batch
+from rl import log_rollouts, replayed, train_batch, with_detail
 from rollout import policy_lag
 from trainer import UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
-from trainer import engine_correction
+from trainer import engine_correction, logprobs_after_update
 from trainer import frozen_logprobs, micro_batches, optimizer_step, policy_logprobs
 from trainer import reference_logprobs, refresh_bf16_copy, setup_trainer
 
@@ -292,8 +292,14 @@ def train_on_rollout(trainer, batch) -> dict:
             else:
                 loss = torch.zeros(())
             stats.add(loss, {**metrics, **value_metrics[k]}, entropy, mask)
+            if update == 0:  # what the losses read, for the rollout log's detail rows
+                stats.keep_tokens(batch, idx, logprob=logprobs, old_logprob=pi_old,
+                                  entropy=entropy, ref_logprob=ref[k] if ref else None,
+                                  advantage=advantages[k], value=old_values[k],
+                                  **{"return": returns[k]})
         stats.end_update(optimizer_step(trainer, stats.update_loss) if batch.train_policy
                          else 0.0)
+    logprobs_after_update(trainer, batch, batch.completion_lens > 0, stats)
     return stats.result()
 
 
@@ -340,15 +346,21 @@ def main(cfg: Config):
                      initial=driver.step, total=cfg.steps):
         t_step = time.time()
         # 1-2. Rollout and rewards, as in GRPO (the critic makes the baseline, not the group).
-        started = start_rollout(run, problems.take(N), cfg, sampling_seed(cfg, step, 0))
-        scored = score(started, cfg, session.reward_fns, session.grader)
+        if session.replay:  # --replay: a saved run's samples and rewards (rollout_log.py)
+            scored = replayed(session, step)[1]
+        else:
+            started = start_rollout(run, problems.take(N), cfg, sampling_seed(cfg, step, 0))
+            scored = score(started, cfg, session.reward_fns, session.grader)
         # 3-4. Advantages (on the trainers: rewards per token, values, GAE) and both updates.
         t0 = time.time()
-        batch = train_batch(scored.completions, torch.zeros(len(scored.completions)), cfg,
-                            run.tokenizer.pad_token_id)
+        batch = with_detail(train_batch(scored.completions, torch.zeros(len(scored.completions)),
+                                        cfg, run.tokenizer.pad_token_id), scored.rewards, cfg)
         update = run.train(replace(batch, rewards=scored.rewards,
                                    train_policy=step > cfg.critic_warmup))
         train_seconds = time.time() - t0
+        # Every sample and what both losses computed of it (advantages per token), to the log.
+        log_rollouts(session, cfg, step, scored, batch, update.pop("token_detail"),
+                     per_sample_advantages=False)
         bad_steps = count_bad_steps(update, bad_steps, step, cfg.lr)
         # 5. The engines take the new weights. 6. Metrics, evaluation, samples, checkpoint.
         sync_seconds = run.sync_weights(step)

@@ -17,16 +17,18 @@ Samples are prompt-major (sample k of prompt i at i * G + k) throughout.
 
 import time
 from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 
 import torch
 
 from data import TEMPLATES, ProblemStream, encode_prompts, load_problems, task_summary
-from env import Agent, load_environment, load_tools
+from env import Agent, Episode, load_environment, load_tools
 from evaluate import evaluate_held_out, show_samples
 from model import DTYPES, length_mask, pack, right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from reward_models import check_learned_rewards, learned_rewards
 from rollout import Completions, Ready, Sampling
+from rollout_log import RolloutLog, detail_index, detail_samples, saved_steps
 from session import RunFolder, close_run, open_run, resume_driver, start_log
 from checkpoint import save_checkpoint
 from trainer import setup_local, setup_ray
@@ -44,6 +46,8 @@ class Session:
     eval_rows: list[dict]
     reward_fns: RewardFunctions
     grader: Grader
+    rollouts: RolloutLog  # <out>/rollouts.jsonl: every step's samples, scores, advantages
+    replay: dict | None = None  # --replay: a saved run's samples of each step, trained on again
 
     @property
     def driver(self):
@@ -60,6 +64,7 @@ def start_session(cfg, train_step, line=None) -> Session:
     if cfg.memory_plan:
         print(cfg.memory_plan)
     folder = open_run(cfg)
+    replay = replay_steps(cfg)
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
     # episodes (--tools, --env): the model acts, tools and the environment answer
@@ -76,9 +81,28 @@ def start_session(cfg, train_step, line=None) -> Session:
     run.agent = agent
     problems = ProblemStream(train_rows, skip=folder.driver.consumed)
     start_log(folder, cfg, line)
+    session = Session(folder, run, problems, eval_rows, reward_fns, grader,
+                      RolloutLog(folder.out, folder.driver.step), replay)
     if cfg.eval_every and eval_rows and folder.driver.step == 0:
-        folder.log({"step": 0, **evaluate_held_out(run, eval_rows, cfg, grader)})
-    return Session(folder, run, problems, eval_rows, reward_fns, grader)
+        folder.log({"step": 0, **evaluate(session, cfg, 0)})
+    return session
+
+
+def replay_steps(cfg) -> dict | None:
+    """--replay: the saved samples of every step the run will take, checked now (rollout_log)."""
+    if not cfg.replay:
+        return None
+    if Path(cfg.replay).resolve() == Path(cfg.out).resolve():
+        raise SystemExit(f"error: --replay {cfg.replay} is this run's own --out, whose "
+                         f"rollouts.jsonl the run starts anew; pass another --out")
+    return saved_steps(cfg.replay, cfg.num_generations, cfg.prompts_per_step, cfg.steps)
+
+
+def evaluate(session: Session, cfg, step: int) -> dict:
+    """The held-out evaluation's metrics; its samples go to the rollout log."""
+    metrics, samples = evaluate_held_out(session.run, session.eval_rows, cfg, session.grader)
+    session.rollouts.eval(step, samples, session.eval_rows)
+    return metrics
 
 
 def end_step(session: Session, cfg, step: int, record: dict, scored: "Scored", pending: int = 0,
@@ -88,7 +112,7 @@ def end_step(session: Session, cfg, step: int, record: dict, scored: "Scored", p
     batch that was started but not trained on yet."""
     run, driver = session.run, session.driver
     if session.eval_rows and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-        record.update(evaluate_held_out(run, session.eval_rows, cfg, session.grader))
+        record.update(evaluate(session, cfg, step))
     session.folder.log(record)
     if cfg.log_samples_every and step % cfg.log_samples_every == 0:
         show_samples(scored.rows, [run.tokenizer.decode(c) for c in  # (episodes: all turns)
@@ -221,6 +245,8 @@ class TrainBatch:
     rewards: torch.Tensor | None = None  # (B,) the samples' rewards, for an algorithm whose
     # trainers make the advantages (ppo.py: per-token rewards, a critic, GAE)
     train_policy: bool = True  # False: the critic alone steps (ppo.py's --critic-warmup)
+    detail: torch.Tensor | None = None  # (B,) long: the sample's index where the trainer reports
+    # its per-token numbers for the rollout log (rollout_log.detail_index), -1 elsewhere
 
     def loss_mask(self, idx, T: int) -> torch.Tensor:
         """(b, T) the tokens of rows `idx` that the loss covers: the completion's (from its
@@ -271,5 +297,51 @@ def train_batch(comps: Completions, advantages, cfg, pad_id: int, loss_agg: str 
                       denom, token_mask)
 
 
+# ---------------------------------------------------------------------------------------------
+# The rollout log (rollout_log.py) and --replay.
 
+
+def with_detail(batch: TrainBatch, rewards: torch.Tensor, cfg) -> TrainBatch:
+    """The batch, its samples for per-token detail marked (--rollout-tokens): the trainers report
+    what their update computed for those."""
+    samples = detail_samples(rewards, cfg.num_generations, cfg.rollout_tokens)
+    return replace(batch, detail=detail_index(len(rewards), samples))
+
+
+def log_rollouts(session: Session, cfg, step: int, sampled: Scored, batch: TrainBatch | None,
+                 tokens: dict, kept: list[bool] | None = None, per_sample_advantages=True):
+    """Every sample the step drew to <out>/rollouts.jsonl: kept, the ones the update took (None:
+    all), in the order of `batch`, with its advantages (per_sample_advantages: GRPO's are one per
+    sample; ppo.py's are per token, among `tokens`) and the trainers' per-token numbers."""
+    detail = [] if batch is None or batch.detail is None else \
+        [i for i in batch.detail.tolist() if i >= 0]
+    advantages = batch.advantages if batch is not None and per_sample_advantages else None
+    session.rollouts.train(step, sampled, cfg.num_generations, session.run.tokenizer, kept,
+                           advantages, detail, tokens)
+
+
+def replayed(session: Session, step: int) -> tuple[Scored, Scored, list[bool]]:
+    """--replay: step `step` of the saved run, as the loop's records -- every sample it drew, the
+    ones it trained on, and which those are -- with the rewards it gave them (nothing is sampled
+    or scored again)."""
+    saved = session.replay[step]
+    optional = lambda key: [r[key] for r in saved] if key in saved[0] else None  # noqa: E731
+    comps = Completions([r["prompt_ids"] for r in saved], [r["completion_ids"] for r in saved],
+                        [r["truncated"] for r in saved], [r["completion"] for r in saved],
+                        optional("engine_logprobs"), min(r["policy_version"] for r in saved),
+                        mask=[[bool(m) for m in r["mask"]] for r in saved] if "mask" in saved[0]
+                        else None)
+    episodes = [Episode(r["row"], None, r["episode"]["prompt"], r["prompt_ids"],
+                        r["episode"]["messages"], r["completion_ids"],
+                        [bool(m) for m in r["mask"]], r.get("engine_logprobs", []),
+                        r["episode"]["turns"], r["episode"]["tool_calls"],
+                        r["episode"]["tool_errors"], r["episode"]["tool_seconds"],
+                        r["episode"]["done"], r["truncated"])
+                for r in saved] if "episode" in saved[0] else []
+    sampled = Scored([r["row"] for r in saved], comps, torch.tensor([r["reward"] for r in saved]),
+                     [r["correct"] for r in saved] if saved[0]["correct"] is not None else [],
+                     {name: [r["rewards"][name] for r in saved] for name in saved[0]["rewards"]},
+                     episodes=episodes)
+    kept = [r["kept"] for r in saved]
+    return sampled, sampled.select([i for i, k in enumerate(kept) if k]), kept
 

@@ -472,7 +472,7 @@ def held_out_evaluation(trainer, held_out: list[Example], task_rows: list[dict],
                 record["eval_loss"] = batch_loss(trainer, held_out, cfg, train=False)["loss"]
         if task_rows:
             engine.update_weights(full_weights(trainer.model))
-            record.update(evaluate_held_out(run, task_rows, cfg, grader))
+            record.update(evaluate_held_out(run, task_rows, cfg, grader)[0])
         record["eval_seconds"] = time.time() - t0
         return record
     return evaluate_now

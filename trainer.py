@@ -434,6 +434,7 @@ class UpdateStats:
     def __init__(self, trainer, batch, keep):
         self.device, self.engine_bytes = trainer.device, trainer.engine_bytes
         self.raw = {"sums": {}, "tokens": 0, "mismatch": {}, "loss": 0.0, "grad_norm": 0.0,
+                    "token_detail": {},
                     "skipped_updates": 0, "applied_updates": 0, "trained_seqs": len(keep),
                     "seqs": len(batch.completion_lens),
                     "trained_tokens": int((batch.prompt_lens + batch.completion_lens)[keep].sum()),
@@ -449,6 +450,18 @@ class UpdateStats:
         for key, v in metrics.items():  # token-weighted, so they become full-batch means
             self._sums[key] = self._sums.get(key, 0.0) + v * tokens
         self._tokens += tokens
+
+    def keep_tokens(self, batch, idx, **series):
+        """Per-token numbers (name=(b, T) tensor, None: not computed) of the rows of micro-batch
+        `idx` that the rollout log keeps in detail (batch.detail), by sample index."""
+        if batch.detail is None:
+            return
+        for j, i in enumerate(idx.tolist()):
+            sample, n = int(batch.detail[i]), int(batch.completion_lens[i])
+            if sample >= 0:
+                entry = self.raw["token_detail"].setdefault(sample, {})
+                entry.update({name: t[j, :n].float().tolist() for name, t in series.items()
+                              if t is not None})
 
     def end_update(self, grad_norm: float | None):
         """The update's optimizer step happened (grad_norm), or was skipped (None: not finite):
@@ -494,10 +507,25 @@ def count_bad_steps(update: dict, bad_steps: int, step: int, lr: float) -> int:
     return bad_steps
 
 
+@torch.no_grad()
+def logprobs_after_update(trainer, batch, trained, stats: UpdateStats):
+    """The rollout log's `new_logprob`: the log-probs of its detail rows that were trained, under
+    the weights the step's updates left (one no-grad pass over a few rows). Not under FSDP, whose
+    ranks would each need the same passes."""
+    if batch.detail is None or trainer.sharded:
+        return
+    rows = (trained & (batch.detail >= 0)).nonzero().flatten()
+    if len(rows):
+        trainer.compute.eval()
+        lp = frozen_logprobs(trainer.compute, batch, [rows], trainer.cfg, trainer.device)[0]
+        stats.keep_tokens(batch, rows, new_logprob=lp)
+
+
 def finish_metrics(raws: list[dict]) -> dict:
-    """Combine the raw sums of one or more ranks into the step's metrics."""
+    """Combine the raw sums of one or more ranks into the step's metrics (and the per-token
+    numbers of the rollout log's samples, as `token_detail`)."""
     tokens = sum(r["tokens"] for r in raws)
-    out = {}
+    out = {"token_detail": {k: v for r in raws for k, v in r["token_detail"].items()}}
     for r in raws:
         for key, v in r["sums"].items():
             out[key] = out.get(key, 0.0) + v / max(tokens, 1)

@@ -468,9 +468,11 @@ def test_dynamic_sampling_keeps_the_first_groups_with_signal_and_counts_the_rest
     b = _round([0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0], 10)
     assert has_signal(a.rewards, 2).tolist() == [False, True, False]
     assert has_signal(b.rewards, 2).tolist() == [True, True, False, False]
-    kept, dropped = groups_with_signal([a, b], G=2, limit=2)
+    kept, dropped, taken = groups_with_signal([a, b], G=2, limit=2)
     assert kept.completions.completion_ids == [[2], [3], [10], [11]]
     assert kept.rewards.tolist() == [0.0, 1.0, 0.0, 1.0] and dropped == 4
+    # (which samples of the rounds those are: the rollout log's `kept`)
+    assert taken == [False, False, True, True, False, False] + [True] * 4 + [False] * 4
 
 
 def test_dynamic_sampling_keeps_groups_of_rows_without_answers():
@@ -481,7 +483,7 @@ def test_dynamic_sampling_keeps_groups_of_rows_without_answers():
     from grpo import groups_with_signal
     scored = _round([0.0, 1.0, 1.0, 1.0], 0)
     scored.correct = []  # as score() leaves it for rows without an answer
-    kept, dropped = groups_with_signal([scored], G=2, limit=2)
+    kept, dropped, _ = groups_with_signal([scored], G=2, limit=2)
     assert kept.completions.completion_ids == [[0], [1]] and dropped == 1
     assert kept.correct == []
 

@@ -1,0 +1,71 @@
+"""The rollout log (rollout_log.py): every step's samples on disk, with what the update used, and
+--replay, which trains on them again."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import read_metrics, run_grpo, small_run_args
+
+
+def _train(out):
+    return [r for r in map(json.loads, (out / "rollouts.jsonl").read_text().splitlines())
+            if r["kind"] == "train"]
+
+
+def test_the_log_holds_every_sample_and_what_the_update_used(tiny_model_dir, tmp_path):
+    """Two steps of 2 x 4 with a KL term and every sample in detail: 16 train records, 2 x 2 held-out
+    ones (steps 0 and 2); each advantage is the group's; step 1's log-probs are the starting
+    model's (computed here again, by hand), and so is its reference; step 2's new_logprob is the
+    exported model's -- the log holds what the update read, not something like it."""
+    import pandas as pd
+    from grpo import group_advantages
+    from model import completion_logprobs, load_model, pack
+    out = tmp_path / "run"
+    args = small_run_args(tiny_model_dir, out) + ["--steps", "2", "--eval-every", "2",
+                                                   "--eval-size", "2", "--rollout-tokens", "-1"]
+    run_grpo(args)
+    frame = pd.read_json(out / "rollouts.jsonl", lines=True)  # (one line, as documented)
+    assert list(frame.groupby("kind").size().items()) == [("eval", 4), ("train", 16)]
+    train = _train(out)
+    assert [r["step"] for r in train] == [1] * 8 + [2] * 8 and all(r["kept"] for r in train)
+    for step in (1, 2):
+        rows = [r for r in train if r["step"] == step]
+        expected = group_advantages(torch.tensor([r["reward"] for r in rows]), 4)
+        assert [r["advantage"] for r in rows] == pytest.approx(expected.tolist(), abs=1e-6)
+        assert all(len(r["tokens"]["pieces"]) == len(r["completion_ids"]) for r in rows)
+
+    def logprobs_under(model, rows):
+        ids, prompt_lens, lens = pack([r["prompt_ids"] for r in rows],
+                                      [r["completion_ids"] for r in rows], pad_id=2)
+        with torch.no_grad():
+            lp = completion_logprobs(model, ids, prompt_lens, lens, temperature=1.0)[0]
+        return [lp[i, :len(r["completion_ids"])].tolist() for i, r in enumerate(rows)]
+
+    first = [r for r in train if r["step"] == 1 and "logprob" in r["tokens"]]
+    assert first, "step 1 trained no sample"
+    for r, lp in zip(first, logprobs_under(load_model(tiny_model_dir)[0], first)):
+        assert r["tokens"]["logprob"] == pytest.approx(lp, abs=2e-4)
+        assert r["tokens"]["ref_logprob"] == pytest.approx(lp, abs=2e-4)
+        assert r["tokens"]["old_logprob"] == r["tokens"]["logprob"]  # (one update: pi_old = pi)
+    last = [r for r in train if r["step"] == 2 and "new_logprob" in r["tokens"]]
+    assert last, "step 2 trained no sample"
+    for r, lp in zip(last, logprobs_under(load_model(str(out / "model"))[0], last)):
+        assert r["tokens"]["new_logprob"] == pytest.approx(lp, abs=2e-4)
+
+
+def test_replay_reproduces_the_run_exactly(tiny_model_dir, tmp_path):
+    """--replay trains on the saved samples: same losses, same final weights, to the bit (fp32)."""
+    from model import load_model
+    original, replay = tmp_path / "original", tmp_path / "replay"
+    run_grpo(small_run_args(tiny_model_dir, original) + ["--steps", "3"])
+    run_grpo(small_run_args(tiny_model_dir, replay) + ["--steps", "3", "--replay", str(original)])
+    keys = ("loss", "grad_norm", "kl", "reward", "accuracy", "trained_frac")
+    assert [{k: r.get(k) for k in keys} for r in read_metrics(replay)] == \
+        [{k: r.get(k) for k in keys} for r in read_metrics(original)]
+    a, b = load_model(str(original / "model"))[0], load_model(str(replay / "model"))[0]
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+    assert [r["completion_ids"] for r in _train(replay)] == \
+        [r["completion_ids"] for r in _train(original)]
