@@ -146,46 +146,6 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
     return summarize(samples, n, grader), samples
 
 
-def plot_curves(history: list[dict], path, title: str = "",
-                train_keys=("reward", "accuracy"), eval_keys=("eval_accuracy",),
-                stage_bounds=(), loss_keys=()) -> None:
-    """Training curves (train_keys per step) and held-out metrics (eval_keys) in one PNG;
-    stage_bounds draws a dashed line where each stage of a staged run ends; loss_keys (a loss is
-    no fraction of 1) go on a second axis, on the right."""
-    import matplotlib
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key in train_keys:
-        points = [(r["step"], r[key]) for r in history if key in r]
-        if points:
-            ax.plot(*zip(*points), label=f"train {key}", alpha=0.6)
-    for key, color in zip(eval_keys, ("black", "tab:red", "tab:green")):
-        points = [(r["step"], r[key]) for r in history if key in r]
-        if points:
-            ax.plot(*zip(*points), "o-", color=color, label=f"held-out {key.removeprefix('eval_')}")
-    for bound in stage_bounds:
-        ax.axvline(bound, color="gray", linestyle="--", linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    handles = ax.get_legend_handles_labels()
-    if loss_keys:
-        right = ax.twinx()
-        for key, style in zip(loss_keys, ("-", "s--")):
-            points = [(r["step"], r[key]) for r in history if key in r]
-            if points:
-                right.plot(*zip(*points), style, color="tab:purple", alpha=0.7, label=key)
-        right.set_ylabel("loss (nats per token)")
-        right.set_ylim(bottom=0)
-        handles = [a + b for a, b in zip(handles, right.get_legend_handles_labels())]
-    ax.legend(*handles)
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> tuple[dict, list[dict]]:
     """grpo.py's held-out metrics -- greedy accuracy with the same engine and grader as training
     (run: a trainer.Run, cfg: a grpo.Config) --, and the samples they come from."""

@@ -73,3 +73,23 @@ def gpu_peak_flops(dtype: torch.dtype, device: int = 0) -> tuple[float, str]:
     end.record()
     torch.cuda.synchronize(device)
     return 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1000), f"{name}, measured"
+
+
+def machine() -> dict:
+    """What a run ran on, for its report: the CPU, its cores, the GPU, the library versions."""
+    import os
+    import platform
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import transformers
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(), "gpu": torch.cuda.get_device_name(0)
+            if torch.cuda.is_available() else "none", "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "platform": platform.platform()}
+

@@ -23,7 +23,9 @@ from tqdm import tqdm
 
 from checkpoint import DriverState, claim_checkpoints, find_checkpoint, load_driver_state
 from checkpoint import save_checkpoint
-from evaluate import RunLog, plot_curves
+from evaluate import RunLog
+from hardware import machine
+from report import plot_curves, write_report
 
 
 @dataclass
@@ -63,16 +65,18 @@ def start_log(folder: RunFolder, cfg, line=None):
     config, written to <out>/<cfg.CONFIG_FILE>."""
     folder.log = RunLog(folder.out, folder.driver.history, cfg.report_to, asdict(cfg), line)
     (folder.out / cfg.CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2))
+    (folder.out / "machine.json").write_text(json.dumps(machine(), indent=2))  # (for the report)
 
 
 def close_run(folder: RunFolder, export, title: str, **plot):
     """After the last step: the model alone (optimizer state lives in checkpoints only) in
-    <out>/model by export(folder), and the curves."""
+    <out>/model by export(folder), the curves, and the report page (report.py)."""
     folder.log.close()
     export(str(folder.out / "model"))
     plot_curves(folder.driver.history, folder.out / "curves.png", title=title, **plot)
-    print(f"saved the model in {folder.out}/model/, metrics.jsonl and curves.png in "
-          f"{folder.out}/")
+    write_report(folder.out)
+    print(f"saved the model in {folder.out}/model/, metrics.jsonl, curves.png and report.html "
+          f"(open it in a browser) in {folder.out}/")
 
 
 # ---------------------------------------------------------------------------------------------
