@@ -113,6 +113,7 @@ def end_step(session: Session, cfg, step: int, record: dict, scored: "Scored", p
     run, driver = session.run, session.driver
     if session.eval_rows and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
         record.update(evaluate(session, cfg, step))
+    record["rollout_log_seconds"], session.rollouts.seconds = session.rollouts.seconds, 0.0
     session.folder.log(record)
     if cfg.log_samples_every and step % cfg.log_samples_every == 0:
         show_samples(scored.rows, [run.tokenizer.decode(c) for c in  # (episodes: all turns)

@@ -46,6 +46,7 @@ groups a step adds ~5 %.
 """
 
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -84,7 +85,7 @@ class RolloutLog:
     records of steps up to s (the steps after them are sampled again)."""
 
     def __init__(self, out: Path, resumed_at: int):
-        self.path = Path(out) / FILE
+        self.path, self.seconds = Path(out) / FILE, 0.0  # (seconds: writing, since last asked)
         kept = [r for r in read_rollouts(self.path) if r["step"] <= resumed_at] \
             if resumed_at and self.path.exists() else []
         self._write(kept, "w")
@@ -99,6 +100,7 @@ class RolloutLog:
         took (None: all), in the order of its batch, whose index the advantages (per sample),
         `detail` (the samples chosen for per-token detail: detail_samples) and `tokens` (the
         trainer's per-token numbers, by sample: TrainBatch.detail) go by."""
+        t0 = time.perf_counter()
         comps, tokens, detail = sampled.completions, tokens or {}, set(detail)
         kept = kept if kept is not None else [True] * len(comps)
         records, trained = [], -1
@@ -126,6 +128,7 @@ class RolloutLog:
                 r["tokens"] = self._tokens(tokenizer, comps, i, tokens.get(trained, {}))
             records.append(r)
         self._write(records)
+        self.seconds += time.perf_counter() - t0
 
     @staticmethod
     def _tokens(tokenizer, comps, i: int, numbers: dict) -> dict:
@@ -135,10 +138,12 @@ class RolloutLog:
 
     def eval(self, step: int, samples: list[dict], rows: list[dict]):
         """A held-out evaluation's samples (evaluate.evaluate_rows' records, rows: its problems)."""
+        t0 = time.perf_counter()
         by_id = {r["id"]: r for r in rows}
         self._write([{"v": FORMAT, "kind": "eval", "step": step,
                       "problem": by_id.get(s["id"], {}).get("problem"),
                       "answer": by_id.get(s["id"], {}).get("answer"), **s} for s in samples])
+        self.seconds += time.perf_counter() - t0
 
 
 def read_rollouts(path, kind: str | None = None) -> list[dict]:

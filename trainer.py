@@ -516,9 +516,11 @@ def logprobs_after_update(trainer, batch, trained, stats: UpdateStats):
         return
     rows = (trained & (batch.detail >= 0)).nonzero().flatten()
     if len(rows):
+        t0 = time.perf_counter()
         trainer.compute.eval()
         lp = frozen_logprobs(trainer.compute, batch, [rows], trainer.cfg, trainer.device)[0]
         stats.keep_tokens(batch, rows, new_logprob=lp)
+        stats.raw["detail_seconds"] = time.perf_counter() - t0  # (what the log costs the step)
 
 
 def finish_metrics(raws: list[dict]) -> dict:
@@ -537,6 +539,7 @@ def finish_metrics(raws: list[dict]) -> dict:
     out["lr"] = raws[0]["lr"]
     out.update(raws[0].get("same_on_every_rank", {}))  # (all-reduced figures, e.g. ppo.py's)
     out["peak_memory_gb"] = max(r.get("peak_memory_gb", 0.0) for r in raws)  # of any one rank
+    out["detail_seconds"] = max(r.get("detail_seconds", 0.0) for r in raws)
     for key in ("resident_memory_gb", "engine_memory_gb"):
         if key in raws[0]:
             out[key] = max(r[key] for r in raws)

@@ -472,7 +472,7 @@ def test_dynamic_sampling_keeps_the_first_groups_with_signal_and_counts_the_rest
     assert kept.completions.completion_ids == [[2], [3], [10], [11]]
     assert kept.rewards.tolist() == [0.0, 1.0, 0.0, 1.0] and dropped == 4
     # (which samples of the rounds those are: the rollout log's `kept`)
-    assert taken == [False, False, True, True, False, False] + [True] * 4 + [False] * 4
+    assert taken == [False, False, True, True, False, False] + [True] * 2 + [False] * 6
 
 
 def test_dynamic_sampling_keeps_groups_of_rows_without_answers():
