@@ -13,8 +13,10 @@ from conftest import rl_trainer, ROOT, read_metrics, run_grpo, small_run_args
 
 
 def test_resume_is_exact(tiny_model_dir, tmp_path):
+    """b stops after step 3 with its checkpoint at step 2, and resumes from it: its metrics and
+    its rollout log (step 3 cut, then sampled again) are a's, which ran straight through."""
     run_grpo(small_run_args(tiny_model_dir, tmp_path / "a") + ["--steps", "4"])
-    run_grpo(small_run_args(tiny_model_dir, tmp_path / "b") + ["--steps", "2", "--save-every", "2"])
+    run_grpo(small_run_args(tiny_model_dir, tmp_path / "b") + ["--steps", "3", "--save-every", "2"])
     assert (tmp_path / "b/checkpoints/step_2/trainer_state.pt").exists()
     result = run_grpo(small_run_args(tiny_model_dir, tmp_path / "b") + ["--steps", "4",
                                                                        "--resume", "auto"])
@@ -22,6 +24,8 @@ def test_resume_is_exact(tiny_model_dir, tmp_path):
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert a == b  # every non-timing metric of steps 3 and 4 (and 1, 2) is identical
+    logs = [(tmp_path / run / "rollouts.jsonl").read_text().splitlines() for run in "ab"]
+    assert len(logs[0]) == 4 * 8 and logs[0] == logs[1]
 
 
 def test_keep_last_and_bad_resume(tiny_model_dir, tmp_path):

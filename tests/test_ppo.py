@@ -2,6 +2,7 @@
 them), the value loss and its clip by hand, per-token rewards, each model's gradient its own loss's
 alone, a tool token's advantage exactly 0, and a tiny run that resumes exactly."""
 
+import json
 import random
 from dataclasses import replace
 
@@ -152,6 +153,18 @@ def test_a_tiny_run_resumes_exactly_and_logs_what_tells_about_the_critic(tiny_mo
     ppo.main(parse_config(ppo.Config, common + ["--resume", str(tmp_path / "a/checkpoints/step_2"),
                                                 "--out", str(tmp_path / "b")]))
     assert read_metrics(tmp_path / "a") == read_metrics(tmp_path / "b")
+    # The rollout log: the critic's per-token figures for the detailed samples. At the last token
+    # GAE's target is that token's reward -- the sequence's, less the KL penalty there.
+    logs = [[json.loads(line) for line in (tmp_path / run / "rollouts.jsonl").read_text()
+             .splitlines() if '"kind": "train"' in line] for run in "ab"]
+    detailed = [r for r in logs[0] if "tokens" in r]
+    assert len(detailed) == 4 * 4 and all(r["advantage"] is None for r in logs[0])
+    for r in detailed:
+        t = r["tokens"]
+        assert r["reward"] - 0.02 * (t["old_logprob"][-1] - t["ref_logprob"][-1]) == \
+            pytest.approx(t["return"][-1], abs=2e-3)
+        assert len(t["advantage"]) == len(t["value"]) == len(r["completion_ids"])
+    assert logs[1] == [r for r in logs[0] if r["step"] > 2]  # (resumed: the same samples)
 
 
 def test_the_critic_reads_the_state_before_each_completion_token(tiny_model_dir, monkeypatch):

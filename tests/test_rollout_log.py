@@ -2,6 +2,7 @@
 --replay, which trains on them again."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -55,12 +56,17 @@ def test_the_log_holds_every_sample_and_what_the_update_used(tiny_model_dir, tmp
         assert r["tokens"]["new_logprob"] == pytest.approx(lp, abs=2e-4)
 
 
-def test_replay_reproduces_the_run_exactly(tiny_model_dir, tmp_path):
-    """--replay trains on the saved samples: same losses, same final weights, to the bit (fp32)."""
+@pytest.mark.parametrize("task", [[], ["--data", "multiply", "--max-new-tokens", "32",
+                                          "--max-episode-tokens", "64"]],
+                         ids=["completions", "episodes"])
+def test_replay_reproduces_the_run_exactly(tiny_model_dir, tmp_path, task):
+    """--replay trains on the saved samples: same losses, same final weights, to the bit (fp32);
+    episodes (the calculator task) too, their masks and turns rebuilt from the log."""
     from model import load_model
     original, replay = tmp_path / "original", tmp_path / "replay"
-    run_grpo(small_run_args(tiny_model_dir, original) + ["--steps", "3"])
-    run_grpo(small_run_args(tiny_model_dir, replay) + ["--steps", "3", "--replay", str(original)])
+    run_grpo(small_run_args(tiny_model_dir, original) + ["--steps", "3"] + task)
+    run_grpo(small_run_args(tiny_model_dir, replay) + ["--steps", "3", "--replay", str(original)]
+             + task)
     keys = ("loss", "grad_norm", "kl", "reward", "accuracy", "trained_frac")
     assert [{k: r.get(k) for k in keys} for r in read_metrics(replay)] == \
         [{k: r.get(k) for k in keys} for r in read_metrics(original)]
@@ -69,3 +75,27 @@ def test_replay_reproduces_the_run_exactly(tiny_model_dir, tmp_path):
         assert torch.equal(x, y), name
     assert [r["completion_ids"] for r in _train(replay)] == \
         [r["completion_ids"] for r in _train(original)]
+
+
+def test_a_replay_that_cannot_be_stops_in_one_line(tiny_model_dir, tmp_path):
+    """No log there, too few steps in it, another group size, its own --out: one line each, before
+    any model loads (--model points nowhere: reaching the load would fail otherwise)."""
+    import grpo
+    from data import parse_config
+    original = tmp_path / "original"
+    run_grpo(small_run_args(tiny_model_dir, original) + ["--steps", "2"])
+    base = small_run_args("no/such/model", tmp_path / "b")
+    for extra, message in [(["--replay", str(tmp_path)], "no rollouts.jsonl there"),
+                           (["--replay", str(original), "--steps", "3"],
+                            "has no samples of step 3 (it holds steps 1-2)"),
+                           (["--replay", str(original), "--steps", "2", "--num-generations", "2"],
+                            "groups are not of --num-generations 2"),
+                           (["--replay", str(original), "--steps", "2", "--out", str(original)],
+                            "is this run's own --out")]:
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            grpo.main(parse_config(grpo.Config, base + extra))
+    assert len(_train(original)) == 16  # (the refused runs left it alone)
+    lines = (original / "rollouts.jsonl").read_text().splitlines()
+    (original / "rollouts.jsonl").write_text(lines[0].replace('"v": 1', '"v": 9') + "\n")
+    with pytest.raises(SystemExit, match="line 1: rollouts of format 9"):
+        grpo.main(parse_config(grpo.Config, base + ["--replay", str(original), "--steps", "1"]))

@@ -503,6 +503,7 @@ def test_a_tiny_run_resumes_exactly_and_its_model_loads_in_grpo_and_evaluate(tin
     sft.main(parse_config(Config, common + ["--out", str(run), "--resume", "auto"]))
     assert read_metrics(run) == read_metrics(tmp_path / "whole")
     assert (run / "curves.png").exists() and (run / "model" / "model.safetensors").exists()
+    assert "loss and held-out" in (run / "report.html").read_text()  # (its curves: report.py)
     assert json.loads((run / "sft_config.json").read_text())["dtype"] == "fp32"
 
     import evaluate
