@@ -181,7 +181,7 @@ class RLLoopOptions:
     """print a few sampled completions every N steps (0 = never)"""
 
     # The rollout log: <out>/rollouts.jsonl (rollout_log.py), and training on a saved one
-    rollout_tokens: int = 2
+    rollout_tokens: int = 1
     """groups a step whose per-token numbers (text pieces, log-probs, entropy, advantages) the
     rollout log keeps, those with a reward spread first (-1 = every sample); every sample's
     tokens, text, rewards and advantage are kept whatever it says"""

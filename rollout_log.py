@@ -40,9 +40,9 @@ kind "eval" -- one per held-out sample (evaluate.evaluate_rows' record, and the 
     id, problem, answer, completion, extracted, correct, length, truncated (turns, tool_calls,
     tool_errors for episodes)
 
-Size: ids cost ~6 bytes a token. The default run's file is ~2 MB; a GPU run of 300 steps x 512
-samples x ~1,200 tokens is ~1.1 GB (about a third of one 1.5B checkpoint), per-token detail of 2
-groups a step adds ~5 %.
+Size: ids cost ~6 bytes a token, a detailed token ~60. The default run's file is ~1 MB; a GPU run
+of 300 steps x 512 samples x ~1,200 tokens is ~1.1 GB (about a third of one 1.5B checkpoint), and
+one detailed group a step adds ~10 / N of that (N prompts a step).
 """
 
 import json

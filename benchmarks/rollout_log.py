@@ -37,7 +37,7 @@ def page_open_seconds(page: Path, loads: int) -> list[float]:
     try:
         for _ in range(loads):
             driver.get("about:blank")
-            driver.get(page.as_uri())
+            driver.get(page.resolve().as_uri())
             timing = driver.execute_script(
                 "const t = performance.getEntriesByType('navigation')[0];"
                 "return [t.startTime, t.loadEventEnd];")
