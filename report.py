@@ -217,9 +217,15 @@ def steps_data(train: list[dict]) -> list[dict]:
         group["samples"].append(sample)
     out = []
     for s in sorted(steps):
-        groups = list(steps[s]["groups"].values())
-        for g in groups:
+        groups = []
+        for index, g in steps[s]["groups"].items():
+            g["index"] = index
             g["samples"].sort(key=lambda x: -x["reward"])
+            groups.append(g)
+        # The groups shown token by token first, then those with a reward spread (they trained),
+        # then the rest (all samples alike: advantage 0).
+        groups.sort(key=lambda g: (not any("pieces" in x for x in g["samples"]),
+                                   len({x["reward"] for x in g["samples"]}) == 1, g["index"]))
         out.append({"step": s, "groups": groups})
     return out
 
@@ -307,7 +313,7 @@ STEP_BROWSER = """
 <p class="legend"><span class="tok pos">positive</span> <span class="tok neg">negative</span>
 <span class="tok env">tool result: not trained</span> <span class="prompt-key">prompt: not
 trained</span>. Each group's samples sorted by reward; per-token colours for the samples the log
-kept in detail (--rollout-tokens), plain text for the rest. Hover a token for its value.</p>
+kept in detail (--rollout-tokens: first), plain text for the rest. Hover a token for its value.</p>
 <div id="groups"></div>
 """
 
@@ -345,7 +351,7 @@ margin:0 0 6px;font-size:12px;max-height:9em;overflow:auto}
 .sample{border:1px solid #e4e4e4;border-radius:4px;padding:6px;min-width:0}
 .sample.dropped{opacity:.55}.head{font-size:12px;color:#444;margin-bottom:4px}
 .text{white-space:pre-wrap;word-break:break-word;font:12px/1.5 ui-monospace,monospace}
-.tok{border-radius:2px}.tok.env{background:#ddd;color:#555;font-style:italic;
+.tok{border-radius:2px;box-shadow:inset -1px 0 0 rgba(255,255,255,.9)}.tok.env{background:#ddd;color:#555;font-style:italic;
 outline:1px dashed #aaa}
 .tok.pos{background:rgb(255,150,150)}.tok.neg{background:rgb(150,150,255)}
 .prompt-key{background:#f3f3f3;color:#666;padding:0 3px}
@@ -399,9 +405,9 @@ SCRIPT = r"""
       'full colour at |' + kind + '| = ' + scale.toFixed(3) : 'no ' + kind + ' in this step';
     var root = document.getElementById('groups');
     root.textContent = '';
-    step.groups.forEach(function (g, gi) {
+    step.groups.forEach(function (g) {
       var box = el('div', 'group');
-      box.appendChild(el('div', 'head', 'group ' + gi + (g.answer !== null &&
+      box.appendChild(el('div', 'head', 'group ' + g.index + (g.answer !== null &&
         g.answer !== undefined ? ' · answer ' + g.answer : '')));
       box.appendChild(el('pre', 'prompt', g.template || g.prompt));
       var grid = el('div', 'samples');
