@@ -505,8 +505,8 @@ MUTANTS = [
            pinned=(PIN + "test_dynamic_sampling_keeps_the_first_groups_with_signal_and_counts_the"
                          "_rest",)),
     Mutant("signal-over-limit", "grpo.py",
-           "for i in signal.nonzero().flatten().tolist()[:limit - len(parts)]:",
-           "for i in signal.nonzero().flatten().tolist()[:limit]:",
+           "chosen = signal.nonzero().flatten().tolist()[:limit - len(parts)]",
+           "chosen = signal.nonzero().flatten().tolist()[:limit]",
            "dynamic sampling keeps more than N groups",
            first("tests/test_grpo_e2e.py::test_dynamic_sampling_fills_the_batch", then=DAPO),
            pinned=(PIN + "test_dynamic_sampling_keeps_the_first_groups_with_signal_and_counts_the"
