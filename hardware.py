@@ -76,20 +76,12 @@ def gpu_peak_flops(dtype: torch.dtype, device: int = 0) -> tuple[float, str]:
 
 
 def machine() -> dict:
-    """What a run ran on, for its report: the CPU, its cores, the GPU, the library versions."""
+    """What a run ran on, for its report (machine.json): model.machine()'s line -- the GPU, or the
+    CPU, its torch kernels and threads --, the cores, the library versions."""
     import os
     import platform
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name")), cpu)
-    except OSError:
-        pass
     import transformers
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-            else os.cpu_count(), "gpu": torch.cuda.get_device_name(0)
-            if torch.cuda.is_available() else "none", "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
-
+    from model import machine as hardware_line
+    return {"hardware": hardware_line(), "cores": len(os.sched_getaffinity(0)),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform()}

@@ -259,6 +259,8 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
               "LoRA is for models that fit one device")
         check(not self.fsdp or self.num_trainers > 1, "--fsdp shards the model over several "
               "trainers: use it with --num-trainers N, N > 1")
+        check(self.rollout_tokens >= -1, f"--rollout-tokens {self.rollout_tokens}: groups a step "
+              f"kept token by token: 0 or more, or -1 for every sample")
 
     def reference(self) -> bool:
         """Whether the trainers keep a frozen copy of the initial policy (a KL reference)."""

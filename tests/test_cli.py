@@ -73,6 +73,7 @@ def test_fixed_choices_are_checked_when_parsed(cls, argv, message, capsys):
     (Config, ["--resume", "auto", "--init-from", "x"], "give one of them"),
     (Config, ["--async-steps", "2"], "--async-steps 2: 0 (on-policy) or 1"),
     (Config, ["--async-steps", "1", "--is-cap", "2"], "leave --is-cap out"),
+    (Config, ["--rollout-tokens", "-2"], "--rollout-tokens -2: groups a step kept token by token"),
     (DPOConfig, ["--label-smoothing", "0.5"], "--label-smoothing 0.5"),
     (DPOConfig, ["--beta", "0"], "--beta 0"),
     (EvalConfig, ["-n", "0"], "^error: -n must be at least 1"),
