@@ -234,6 +234,9 @@ def step_record(step: int, sampled, update: dict, train_seconds: float, sync_sec
                              float(lens.sum())) / sampled.gen_seconds if sampled.gen_seconds
         else 0.0,  # (--replay: nothing was generated)
         "train_tokens_per_s": update["trained_tokens"] / max(train_seconds, 1e-9),
+        # the update's model FLOPs over its seconds, against the trainers' peak (hardware.py)
+        "mfu": (update.get("model_flops", 0.0) / train_seconds / update["peak_flops"]
+                if train_seconds and update.get("peak_flops") else 0.0),
     }
     if sampled.correct:  # data with reference answers
         record["accuracy"] = sum(sampled.correct) / len(sampled.correct)
@@ -268,7 +271,8 @@ def format_step(r: dict) -> str:
         line += (f" | value loss {r['value_loss']:.4f} ev {r['explained_variance']:.3f} "
                  f"V {r['value_mean']:.3f} G {r['return_mean']:.3f}")
     line += (f" | gen {r['gen_seconds']:.1f}s train {r['train_seconds']:.1f}s "
-             f"({r['gen_tokens_per_s']:.0f} tok/s gen)")
+             f"({r['gen_tokens_per_s']:.0f} tok/s gen"
+             + (f", mfu {r['mfu']:.1%})" if r.get("mfu") else ")"))
     if "eval_accuracy" in r:
         line += f" | held-out {r['eval_accuracy']:.3f}"
     if r.get("reward_errors"):

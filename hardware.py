@@ -16,6 +16,8 @@ A KL reference or a teacher adds one forward of its own. Recomputed activations 
 checkpointing) are not model FLOPs: they lower the MFU, as they should.
 """
 
+import functools
+import time
 from typing import NamedTuple
 
 import torch
@@ -73,6 +75,36 @@ def gpu_peak_flops(dtype: torch.dtype, device: int = 0) -> tuple[float, str]:
     end.record()
     torch.cuda.synchronize(device)
     return 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1000), f"{name}, measured"
+
+
+def processed_tokens(input_ids, prompt_lens, completion_lens, rows, shares_prompts: bool) -> int:
+    """The tokens a forward over `rows` of a packed batch runs: each row's prompt and completion,
+    and with prompt sharing (model.share_prompts) a prompt the row before it also has only once."""
+    total, last = 0, None
+    for i in rows.tolist():
+        prompt = input_ids[i, :int(prompt_lens[i])]
+        if not (shares_prompts and last is not None and torch.equal(prompt, last)):
+            total += len(prompt)
+        total += int(completion_lens[i])
+        last = prompt
+    return total
+
+
+@functools.cache
+def peak_flops(device_type: str, dtype: torch.dtype) -> tuple[float, str]:
+    """(FLOP/s, where the figure comes from) of this process's device in `dtype`, once per
+    process: a GPU's datasheet (gpu_peak_flops), or on a CPU the rate of a large matmul on all of
+    torch's threads, measured -- the best a training step's matmuls could do here."""
+    if device_type == "cuda":
+        return gpu_peak_flops(dtype)
+    a, b = torch.randn(512, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
+    a @ b  # (the first call picks a kernel)
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < 0.3:
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 512 * 2048 * 2048 / best, f"{torch.get_num_threads()}-thread CPU matmul, measured"
 
 
 def machine() -> dict:

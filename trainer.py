@@ -25,6 +25,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoint import load_trainer_state, save_trainer_state
+from hardware import model_cost, peak_flops, processed_tokens, train_flops_per_token
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
 from model import add_lora, full_state_dict, full_weights, is_lora, load_adapters, load_model
 from model import pick_device
@@ -427,6 +428,20 @@ def peak_memory_gb(device: str, engine_bytes: int = 0) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def update_flops(trainer, batch, keep) -> float:
+    """The model FLOPs of one update over rows `keep` (hardware.py's count): the policy's forward
+    and backward over the tokens its forward runs, and the KL reference's forward. Not counted:
+    ppo.py's critic, distill.py's teacher, an old-policy pass (--updates-per-rollout > 1)."""
+    if not len(keep):
+        return 0.0
+    tokens = processed_tokens(batch.input_ids, batch.prompt_lens, batch.completion_lens, keep,
+                              getattr(trainer.compute, "smolrl_shares_prompts", False))
+    length = float((batch.prompt_lens + batch.completion_lens)[keep].float().mean())
+    return tokens * train_flops_per_token(model_cost(trainer.model), length,
+                                          lora=is_lora(trainer.model),
+                                          extra_forwards=int(trainer.reference))
+
+
 class UpdateStats:
     """What train_on_rollout reports, as raw sums on this rank: finish_metrics turns the ranks'
     sums into the step's metrics (token-weighted means, the loss summed over ranks)."""
@@ -438,7 +453,10 @@ class UpdateStats:
                     "skipped_updates": 0, "applied_updates": 0, "trained_seqs": len(keep),
                     "seqs": len(batch.completion_lens),
                     "trained_tokens": int((batch.prompt_lens + batch.completion_lens)[keep].sum()),
-                    "lr": trainer.scheduler.get_last_lr()[0]}
+                    "lr": trainer.scheduler.get_last_lr()[0],
+                    "model_flops": update_flops(trainer, batch, keep),  # (an update's)
+                    "peak_flops": peak_flops(torch.device(trainer.device).type,
+                                             next(trainer.compute.parameters()).dtype)[0]}
         self.mismatch = self.raw["mismatch"]
         self.update_loss, self._sums, self._tokens = 0.0, {}, 0  # of the update in progress
 
@@ -478,6 +496,7 @@ class UpdateStats:
         self.update_loss, self._sums, self._tokens = 0.0, {}, 0
 
     def result(self) -> dict:
+        self.raw["model_flops"] *= self.raw["applied_updates"]
         applied = max(self.raw.pop("applied_updates"), 1)
         self.raw["loss"] /= applied
         self.raw["grad_norm"] /= applied
@@ -540,6 +559,8 @@ def finish_metrics(raws: list[dict]) -> dict:
     out.update(raws[0].get("same_on_every_rank", {}))  # (all-reduced figures, e.g. ppo.py's)
     out["peak_memory_gb"] = max(r.get("peak_memory_gb", 0.0) for r in raws)  # of any one rank
     out["detail_seconds"] = max(r.get("detail_seconds", 0.0) for r in raws)
+    out["model_flops"] = sum(r["model_flops"] for r in raws)
+    out["peak_flops"] = sum(r["peak_flops"] for r in raws)  # (the trainers' devices together)
     for key in ("resident_memory_gb", "engine_memory_gb"):
         if key in raws[0]:
             out[key] = max(r[key] for r in raws)

@@ -238,3 +238,33 @@ def test_bf16_engine_keeps_rope_in_fp32_far_into_the_sequence(tokenizer):
     # measured: 0.0042 at positions >= 1000 with fp32 buffers, 0.031 with inv_freq in bf16
     assert float(diff[999:].mean()) < 0.01
     assert float(diff[999:].mean()) < 3 * float(diff[:100].mean())
+
+
+def test_the_update_s_model_flops_are_a_hand_count_of_the_tiny_llama(tiny_model_dir):
+    """hardware.py's count for the tiny Llama (vocab V, width 128, MLP 256, 2 layers, 2 heads of
+    64 with one KV head, tied head): N = V*128 (the head; the tied embedding is looked up) + 2 x
+    (q 128*128 + k, v 128*64 each + o 128*128 + gate, up, down 3 x 128*256); a forward is 2N + 4
+    L d T a token, a backward twice that, and the KL reference one more forward. Two groups of two
+    rows share their prompt: the forward runs each prompt once (4 + 3 tokens) and every
+    completion (2 + 1 + 2 + 2)."""
+    from conftest import make_batch
+    from hardware import processed_tokens
+    from grpo import Config
+    from trainer import setup_trainer, update_flops
+    cfg = Config(model=tiny_model_dir, data="arith", beta=0.1)
+    trainer = setup_trainer(cfg, reference=True)
+    V = trainer.model.config.vocab_size
+    N = V * 128 + 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) + 5 * 128  # (+ the norms'
+    # weights: every parameter but the looked-up embedding counts, as in nanoGPT's estimate_mfu)
+    batch = make_batch([[5, 6, 7, 8]] * 2 + [[9, 10, 11]] * 2, [[1, 2], [3], [4, 5], [6, 7]],
+                       [1.0, -1.0, 1.0, -1.0])
+    keep = torch.arange(4)
+    assert processed_tokens(batch.input_ids, batch.prompt_lens, batch.completion_lens, keep,
+                            True) == 4 + 3 + 7
+    assert processed_tokens(batch.input_ids, batch.prompt_lens, batch.completion_lens, keep,
+                            False) == 2 * 4 + 2 * 3 + 7
+    T = (6 + 5 + 5 + 5) / 4  # the mean row length
+    per_token = (2 * N + 4 * 2 * 128 * T) * 2 + (4 * N + 8 * 2 * 128 * T)  # policy + reference
+    shares = trainer.compute.smolrl_shares_prompts
+    assert update_flops(trainer, batch, keep) == pytest.approx(
+        (14 if shares else 21) * per_token, rel=1e-9)
