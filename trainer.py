@@ -537,8 +537,15 @@ def logprobs_after_update(trainer, batch, trained, stats: UpdateStats):
     if len(rows):
         t0 = time.perf_counter()
         trainer.compute.eval()
-        lp = frozen_logprobs(trainer.compute, batch, [rows], trainer.cfg, trainer.device)[0]
-        stats.keep_tokens(batch, rows, new_logprob=lp)
+        # A group's samples often repeat one another once the policy is sure (the same answer,
+        # token for token): each distinct row once, its log-probs copied to its repeats.
+        lengths = batch.prompt_lens + batch.completion_lens
+        first: dict[tuple, int] = {}
+        inverse = torch.tensor([first.setdefault(tuple(batch.input_ids[i, :lengths[i]].tolist()),
+                                                 len(first)) for i in rows.tolist()])
+        distinct = rows[[inverse.tolist().index(k) for k in range(len(first))]]
+        lp = frozen_logprobs(trainer.compute, batch, [distinct], trainer.cfg, trainer.device)[0]
+        stats.keep_tokens(batch, rows, new_logprob=lp[inverse.to(lp.device)])
         stats.raw["detail_seconds"] = time.perf_counter() - t0  # (what the log costs the step)
 
 
