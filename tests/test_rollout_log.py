@@ -99,3 +99,28 @@ def test_a_replay_that_cannot_be_stops_in_one_line(tiny_model_dir, tmp_path):
     (original / "rollouts.jsonl").write_text(lines[0].replace('"v": 1', '"v": 9') + "\n")
     with pytest.raises(SystemExit, match="line 1: rollouts of format 9"):
         grpo.main(parse_config(grpo.Config, base + ["--replay", str(original), "--steps", "1"]))
+
+
+def test_new_logprob_computes_each_distinct_row_once_and_copies_it(tiny_model_dir):
+    """Rows 0 and 2 are the same sample (prompt and completion), row 3 shares the prompt only: all
+    four get the log-probs a plain forward of each row alone gives."""
+    from conftest import make_batch
+    from dataclasses import replace
+    from grpo import Config
+    from model import completion_logprobs, pack
+    from rollout_log import detail_index
+    from trainer import UpdateStats, logprobs_after_update, setup_trainer
+    trainer = setup_trainer(Config(model=tiny_model_dir, data="arith", dtype="fp32"))
+    prompts, completions = [[5, 6, 7], [9, 10], [5, 6, 7], [5, 6, 7]], [[1, 2], [3], [1, 2], [4]]
+    batch = replace(make_batch(prompts, completions, [1.0, -1.0, 1.0, -1.0]),
+                    detail=detail_index(4, [0, 1, 2, 3]))
+    keep = torch.arange(4)
+    stats = UpdateStats(trainer, batch, keep)
+    logprobs_after_update(trainer, batch, torch.ones(4, dtype=torch.bool), stats)
+    for i in range(4):
+        ids, prompt_lens, lens = pack([prompts[i]], [completions[i]], pad_id=2)
+        with torch.no_grad():
+            alone = completion_logprobs(trainer.model, ids, prompt_lens, lens,
+                                        temperature=trainer.cfg.temperature)[0][0]
+        assert stats.raw["token_detail"][i]["new_logprob"] == pytest.approx(alone.tolist(),
+                                                                            abs=1e-5)
