@@ -105,7 +105,7 @@ class RolloutLog:
         kept = kept if kept is not None else [True] * len(comps)
         records, trained = [], -1
         for i in range(len(comps)):
-            trained += kept[i]
+            trained += kept[i]  # (a kept sample's index in the update's batch)
             r = {"v": FORMAT, "kind": "train", "step": step, "index": i, "group": i // group_size,
                  "sample": i % group_size, "kept": kept[i], "row": sampled.rows[i],
                  "prompt_ids": comps.prompt_ids[i], "completion_ids": comps.completion_ids[i],

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoint import load_trainer_state, save_trainer_state
-from hardware import model_cost, peak_flops, processed_tokens, train_flops_per_token
+from hardware import ModelCost, model_cost, peak_flops, processed_tokens, train_flops_per_token
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
 from model import add_lora, full_state_dict, full_weights, is_lora, load_adapters, load_model
 from model import pick_device
@@ -51,6 +51,7 @@ class Trainer:
     weight_group: object = None  # rank 0 on Ray: its rollout.WeightGroup with the engines
     weight_layout: list | None = None  # what a weight sync sends, bucket by bucket
     engine_bytes: int = 0  # a vLLM engine in this process: its pool of the same CUDA allocator
+    cost: ModelCost | None = None  # N, L, d of the trained model, for its FLOPs (hardware.py)
 
     @property
     def sharded(self) -> bool:  # FSDP2 over the trainers
@@ -88,6 +89,7 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
         ref_model = computing_like(initial, model, cfg, group)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    cost = model_cost(model)  # (before FSDP shards the parameters it counts)
     if fsdp(cfg, group):
         # Models too large for one GPU: shard parameters, gradients and optimizer state over the
         # ranks (FSDP2). Its gradient reduction *averages* over ranks, so train_on_rollout scales
@@ -103,7 +105,7 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
     if cfg.compile:  # the policy's forward, and the reference's: the same numerics
         compile_layers(compute, *([ref_model] if ref_model is not None else []))
     return Trainer(model, compute, tokenizer, ref_model, optimizer, scheduler, cfg, device, group,
-                   reference)
+                   reference, cost=cost)
 
 
 def resume_trainer(trainer: Trainer, resume_dir: str):
@@ -432,12 +434,12 @@ def update_flops(trainer, batch, keep) -> float:
     """The model FLOPs of one update over rows `keep` (hardware.py's count): the policy's forward
     and backward over the tokens its forward runs, and the KL reference's forward. Not counted:
     ppo.py's critic, distill.py's teacher, an old-policy pass (--updates-per-rollout > 1)."""
-    if not len(keep):
+    if not len(keep) or trainer.cost is None:
         return 0.0
     tokens = processed_tokens(batch.input_ids, batch.prompt_lens, batch.completion_lens, keep,
                               getattr(trainer.compute, "smolrl_shares_prompts", False))
     length = float((batch.prompt_lens + batch.completion_lens)[keep].float().mean())
-    return tokens * train_flops_per_token(model_cost(trainer.model), length,
+    return tokens * train_flops_per_token(trainer.cost, length,
                                           lora=is_lora(trainer.model),
                                           extra_forwards=int(trainer.reference))
 

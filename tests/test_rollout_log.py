@@ -124,3 +124,17 @@ def test_new_logprob_computes_each_distinct_row_once_and_copies_it(tiny_model_di
                                         temperature=trainer.cfg.temperature)[0][0]
         assert stats.raw["token_detail"][i]["new_logprob"] == pytest.approx(alone.tolist(),
                                                                             abs=1e-5)
+
+
+def test_a_bf16_run_logs_what_its_bf16_update_read(tiny_model_dir, tmp_path):
+    """In bf16 (the trainer's bf16 copy) the log still holds the update's own numbers: at step 1
+    the reference computes exactly as the policy does (trainer.computing_like), so their saved
+    log-probs are equal, and the update moved new_logprob away from them."""
+    out = tmp_path / "bf16"
+    run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "1", "--dtype", "bf16",
+                                                   "--num-generations", "2",
+                                                   "--rollout-tokens", "-1"])
+    trained = [r["tokens"] for r in _train(out) if "logprob" in r.get("tokens", {})]
+    assert trained, "step 1 trained no sample"
+    assert all(t["ref_logprob"] == t["logprob"] for t in trained)
+    assert any(t["new_logprob"] != t["logprob"] for t in trained)
