@@ -138,3 +138,32 @@ def test_a_bf16_run_logs_what_its_bf16_update_read(tiny_model_dir, tmp_path):
     assert trained, "step 1 trained no sample"
     assert all(t["ref_logprob"] == t["logprob"] for t in trained)
     assert any(t["new_logprob"] != t["logprob"] for t in trained)
+
+
+def test_the_format_round_trips_what_replay_needs(tmp_path, tokenizer):
+    """A step written and read back gives replay the same completions -- ids, masks, truncation,
+    the engine's float32 log-probs to the bit --, rewards, scores and which samples were kept."""
+    from types import SimpleNamespace
+    from rl import Scored, replayed
+    from rollout import Completions
+    from rollout_log import RolloutLog, saved_steps
+    lps = torch.randn(4, 3).tolist()  # float32 values, as an engine returns them
+    comps = Completions([[1, 2]] * 4, [[5, 6, 7]] * 4, [False, True, False, False],
+                        ["a", "b", "c", "d"], lps, policy_version=3,
+                        mask=[[True, False, True]] * 4)
+    scored = Scored([{"problem": "p", "answer": "1"}] * 4, comps,
+                    torch.tensor([1.0, 0.0, 0.5, 0.0]), [1.0, 0.0, 0.0, 0.0],
+                    {"correctness": [1.0, 0.0, None, 0.0]})
+    log = RolloutLog(tmp_path, 0)
+    log.train(1, scored, 2, tokenizer, kept=[True, True, False, False],
+              advantages=torch.tensor([0.7, -0.7]))
+    session = SimpleNamespace(replay=saved_steps(str(tmp_path), 2, 2, 1))
+    sampled, trained, kept = replayed(session, 1)
+    assert kept == [True, True, False, False]
+    for name in ("prompt_ids", "completion_ids", "truncated", "text", "engine_logprobs", "mask"):
+        assert getattr(sampled.completions, name) == getattr(comps, name), name
+    assert sampled.completions.policy_version == 3
+    assert torch.equal(sampled.rewards, scored.rewards) and sampled.per_fn == scored.per_fn
+    assert trained.completions.text == ["a", "b"] and sampled.correct == scored.correct
+    advantages = [r["advantage"] for r in _train(tmp_path)]
+    assert advantages == [pytest.approx(0.7), pytest.approx(-0.7), None, None]
