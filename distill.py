@@ -202,12 +202,14 @@ def train_on_rollout(trainer, batch) -> dict:
                              ("reverse_kl", "student_logprob", "teacher_logprob")},
                       scores.entropy, mask)
             if update == 0:  # each token's scores, for the rollout log's detail rows
-                T = int(mb.completion_lens.max())
-                stats.keep_tokens(batch, idx, **{name: torch.zeros(len(idx), T).index_put(
-                    (scores.rows.cpu(), scores.cols.cpu()), getattr(scores, key).detach().float().cpu())
-                    for name, key in (("logprob", "student_logprob"), ("entropy", "entropy"),
-                                      ("teacher_logprob", "teacher_logprob"),
-                                      ("reverse_kl", "reverse_kl"))})
+                where, T = (scores.rows.cpu(), scores.cols.cpu()), int(mb.completion_lens.max())
+
+                def by_row(x):  # (n,) -> (b, T)
+                    return torch.zeros(len(idx), T).index_put(where, x.detach().float().cpu())
+                stats.keep_tokens(batch, idx, logprob=by_row(scores.student_logprob),
+                                  entropy=by_row(scores.entropy),
+                                  teacher_logprob=by_row(scores.teacher_logprob),
+                                  reverse_kl=by_row(scores.reverse_kl))
         stats.end_update(optimizer_step(trainer, stats.update_loss))
     return stats.result()
 

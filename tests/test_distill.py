@@ -132,6 +132,13 @@ def test_a_tiny_student_moves_towards_its_teacher(tiny_model_dir, teacher_dir, t
     out = tmp_path / "on"
     assert (out / "checkpoints/step_8/distill_config.json").exists() and (out / "curves.png").exists()
     assert json.loads((out / "distill_config.json").read_text())["teacher"] == teacher_dir
+    # The rollout log: each detailed token's scores, the reverse KL never negative.
+    detailed = [r["tokens"] for r in map(json.loads, (out / "rollouts.jsonl").read_text()
+                                        .splitlines()) if "tokens" in r]
+    assert len(detailed) == 8 * 4  # a group a step
+    for t in detailed:
+        assert len(t["teacher_logprob"]) == len(t["logprob"]) == len(t["pieces"])
+        assert min(t["reverse_kl"]) >= -1e-4
     import grpo
     grpo.Config(data="arith", init_from=str(out / "model"))  # an HF folder grpo.py starts from
     distill.main(parse_config(distill.Config, args + ["--steps", "2", "--lmbda", "0",
