@@ -95,7 +95,7 @@ def replay_steps(cfg) -> dict | None:
     if Path(cfg.replay).resolve() == Path(cfg.out).resolve():
         raise SystemExit(f"error: --replay {cfg.replay} is this run's own --out, whose "
                          f"rollouts.jsonl the run starts anew; pass another --out")
-    return saved_steps(cfg.replay, cfg.num_generations, cfg.prompts_per_step, cfg.steps)
+    return saved_steps(cfg.replay, cfg.num_generations, cfg.steps)
 
 
 def evaluate(session: Session, cfg, step: int) -> dict:

@@ -165,25 +165,24 @@ def read_rollouts(path, kind: str | None = None) -> list[dict]:
     return records
 
 
-def saved_steps(folder: str, group_size: int, prompts: int, steps: int, flag: str = "--replay"
-                ) -> dict[int, list[dict]]:
+def saved_steps(folder: str, group_size: int, steps: int) -> dict[int, list[dict]]:
     """--replay's rollouts: every training step's samples from a run folder, checked against the
     run that replays them (its steps, its group size) before any model loads."""
     path = Path(folder) / FILE
     if not path.is_file():
-        raise SystemExit(f"error: {flag} {folder}: no {FILE} there (a run folder of grpo.py, "
+        raise SystemExit(f"error: --replay {folder}: no {FILE} there (a run folder of grpo.py, "
                          f"ppo.py or distill.py)")
     by_step: dict[int, list[dict]] = {}
     for r in read_rollouts(path, "train"):
         by_step.setdefault(r["step"], []).append(r)
     missing = [s for s in range(1, steps + 1) if s not in by_step]
     if missing:
-        raise SystemExit(f"error: {flag} {folder}: {FILE} has no samples of step {missing[0]} "
+        raise SystemExit(f"error: --replay {folder}: {FILE} has no samples of step {missing[0]} "
                          f"(it holds steps {min(by_step, default=0)}-{max(by_step, default=0)}); "
                          f"pass --steps {max(by_step, default=0)} or fewer")
     for s, records in by_step.items():
         if any(r["sample"] >= group_size for r in records) or \
                 sum(r["kept"] for r in records) % group_size:
-            raise SystemExit(f"error: {flag} {folder}: step {s}'s groups are not of "
+            raise SystemExit(f"error: --replay {folder}: step {s}'s groups are not of "
                              f"--num-generations {group_size}; replay with the run's own")
     return by_step

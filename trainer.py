@@ -542,12 +542,17 @@ def logprobs_after_update(trainer, batch, trained, stats: UpdateStats):
         # A group's samples often repeat one another once the policy is sure (the same answer,
         # token for token): each distinct row once, its log-probs copied to its repeats.
         lengths = batch.prompt_lens + batch.completion_lens
-        first: dict[tuple, int] = {}
-        inverse = torch.tensor([first.setdefault(tuple(batch.input_ids[i, :lengths[i]].tolist()),
-                                                 len(first)) for i in rows.tolist()])
-        distinct = rows[[inverse.tolist().index(k) for k in range(len(first))]]
-        lp = frozen_logprobs(trainer.compute, batch, [distinct], trainer.cfg, trainer.device)[0]
-        stats.keep_tokens(batch, rows, new_logprob=lp[inverse.to(lp.device)])
+        position: dict[tuple, int] = {}  # a distinct row's tokens -> its place in `distinct`
+        distinct, of_row = [], []  # (of_row: each row's place in `distinct`)
+        for i in rows.tolist():
+            key = tuple(batch.input_ids[i, :lengths[i]].tolist())
+            if key not in position:
+                position[key] = len(distinct)
+                distinct.append(i)
+            of_row.append(position[key])
+        lp = frozen_logprobs(trainer.compute, batch, [torch.tensor(distinct, device=rows.device)],
+                             trainer.cfg, trainer.device)[0]
+        stats.keep_tokens(batch, rows, new_logprob=lp[torch.tensor(of_row, device=lp.device)])
         stats.raw["detail_seconds"] = time.perf_counter() - t0  # (what the log costs the step)
 
 

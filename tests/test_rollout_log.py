@@ -157,7 +157,7 @@ def test_the_format_round_trips_what_replay_needs(tmp_path, tokenizer):
     log = RolloutLog(tmp_path, 0)
     log.train(1, scored, 2, tokenizer, kept=[True, True, False, False],
               advantages=torch.tensor([0.7, -0.7]))
-    session = SimpleNamespace(replay=saved_steps(str(tmp_path), 2, 2, 1))
+    session = SimpleNamespace(replay=saved_steps(str(tmp_path), 2, 1))
     sampled, trained, kept = replayed(session, 1)
     assert kept == [True, True, False, False]
     for name in ("prompt_ids", "completion_ids", "truncated", "text", "engine_logprobs", "mask"):
