@@ -226,6 +226,12 @@ def _update(engine, state, version):
     return engine.update_weights(state, version)
 
 
+def _release_kept(engine):
+    release = getattr(engine, "release_kept", None)
+    if release:
+        release()
+
+
 def gather(refs: list, what: str = "trainer or engine") -> list:
     """Wait for work submitted to trainers and engines together (say, both ends of a broadcast)."""
     return _get(refs, what)
@@ -262,6 +268,10 @@ class EngineGroup:
         return Pending([w.run.remote(_generate, [prompt_ids[i] for i in r], n,
                                      _shard_sampling(sampling, r.start))
                         for w, r in zip(self.workers, parts)])
+
+    def release_kept(self):
+        """Every engine frees what it kept for continuing calls (episodes' keys and values)."""
+        self.run(_release_kept)
 
     def run(self, fn, *args) -> list:
         """fn(engine, *args) on every engine, e.g. to inspect them."""

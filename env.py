@@ -365,12 +365,17 @@ class Agent:
         Returns them as completions (everything after the prompt, the mask of the model's
         tokens, the graded answer as text), and the episodes themselves."""
         episodes, seconds, version, logprobs = self.start(rows, n), 0.0, None, False
+        prompt_tokens = cached_tokens = 0
+        decode_bound = 0.0
         for turn in range(self.max_turns):
             running = [e for e in episodes if not e.done]
             if not running:
                 break
+            # Each turn draws anew; the HF engine keeps each episode's keys and values for the
+            # next turn, which then prefills only the tool result (vLLM: prefix caching).
             seeded = replace(sampling, seed=None if sampling.seed is None else
-                             request_seed(sampling.seed, turn))  # each turn draws anew
+                             request_seed(sampling.seed, turn),
+                             keep_cache=turn + 1 < self.max_turns)
             # Each episode's room is its own: one generate call, as long as the roomiest needs,
             # and each turn cut to its episode's room (the tokens before a cut are sampled as
             # they would be without it), as TRL truncates each sample.
@@ -379,6 +384,9 @@ class Agent:
             out = engine.generate([e.prompt_ids + e.ids for e in running], 1,
                                   replace(seeded, max_new_tokens=max(rooms)))
             seconds += out.seconds
+            prompt_tokens, cached_tokens = prompt_tokens + out.prompt_tokens, \
+                cached_tokens + out.cached_tokens
+            decode_bound += out.decode_bound
             version = out.policy_version if version is None else min(version, out.policy_version)
             logprobs = out.engine_logprobs is not None
             for i, (e, room) in enumerate(zip(running, rooms)):
@@ -387,10 +395,14 @@ class Agent:
                 cut = out.truncated[i] or len(tokens) > room
                 _model_turn(self.chat, e, tokens[:room], turn_logprobs[:room], cut,
                             last=turn + 1 == self.max_turns, max_tokens=self.max_tokens)
+        release = getattr(engine, "release_kept", None)  # (engines that keep nothing have none)
+        if release:
+            release()
         comps = Completions([e.prompt_ids for e in episodes], [e.ids for e in episodes],
                             [e.truncated for e in episodes], [e.answer for e in episodes],
                             [e.logprobs for e in episodes] if logprobs else None, version or 0,
-                            seconds, [e.mask for e in episodes])
+                            seconds, [e.mask for e in episodes], prompt_tokens, cached_tokens,
+                            decode_bound)
         return comps, episodes
 
 

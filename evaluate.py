@@ -237,6 +237,12 @@ def step_record(step: int, sampled, update: dict, train_seconds: float, sync_sec
         # the update's model FLOPs over its seconds, against the trainers' peak (hardware.py)
         "mfu": (update.get("model_flops", 0.0) / train_seconds / update["peak_flops"]
                 if train_seconds and update.get("peak_flops") else 0.0),
+        # decoding's memory-bandwidth floor over the engine's seconds (hardware.py)
+        "gen_bw_frac": comps.decode_bound / sampled.gen_seconds if sampled.gen_seconds else 0.0,
+        # prompt tokens whose keys and values came from a cache: a group's shared prompt, an
+        # episode's earlier turns
+        "prompt_cache_hit": comps.cached_tokens / comps.prompt_tokens if comps.prompt_tokens
+        else 0.0,
     }
     if sampled.correct:  # data with reference answers
         record["accuracy"] = sum(sampled.correct) / len(sampled.correct)
@@ -272,6 +278,7 @@ def format_step(r: dict) -> str:
                  f"V {r['value_mean']:.3f} G {r['return_mean']:.3f}")
     line += (f" | gen {r['gen_seconds']:.1f}s train {r['train_seconds']:.1f}s "
              f"({r['gen_tokens_per_s']:.0f} tok/s gen"
+             + (f" at {r['gen_bw_frac']:.0%} of bandwidth" if r.get("gen_bw_frac") else "")
              + (f", mfu {r['mfu']:.1%})" if r.get("mfu") else ")"))
     if "eval_accuracy" in r:
         line += f" | held-out {r['eval_accuracy']:.3f}"

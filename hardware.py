@@ -14,6 +14,14 @@ from its vendor's datasheet. Their ratio is the model-FLOPs utilisation (MFU):
 
 A KL reference or a teacher adds one forward of its own. Recomputed activations (gradient
 checkpointing) are not model FLOPs: they lower the MFU, as they should.
+
+Decoding is bound by memory, not FLOPs: each step reads every weight once and each sampled token
+reads its context's keys and values once. Its floor is those bytes over the memory bandwidth
+(a GPU's datasheet, a CPU's measured copy rate); gen_bw_frac is that floor over the seconds the
+engine took:
+
+    gen_bw_frac = (steps x weight bytes + context tokens read x KV bytes a token) / bandwidth
+                  / generation seconds
 """
 
 import functools
@@ -27,6 +35,13 @@ import torch
 GPU_PEAK_TFLOPS = {
     "H200": (989, 67), "H100 PCIe": (756, 51), "H100": (989, 67), "A100": (312, 19.5),
     "L40S": (362, 91.6), "L4": (121, 30.3), "RTX 4090": (165, 82.6),
+}
+
+
+# Memory bandwidth, GB/s, from the datasheets (the first name the device's name contains wins).
+GPU_BANDWIDTH_GBS = {
+    "H200": 4800, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-40GB": 1555, "A100-PCIE-40GB": 1555,
+    "A100 80GB PCIe": 1935, "A100": 2039, "L40S": 864, "L4": 300, "RTX 4090": 1008,
 }
 
 
@@ -75,6 +90,51 @@ def gpu_peak_flops(dtype: torch.dtype, device: int = 0) -> tuple[float, str]:
     end.record()
     torch.cuda.synchronize(device)
     return 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1000), f"{name}, measured"
+
+
+class DecodeCost(NamedTuple):
+    weight_bytes: int  # read once per decoding step: the matmul weights, in the engine's dtype
+    kv_bytes_per_token: int  # one context token's keys and values, every layer
+
+
+def decode_cost(model, dtype: torch.dtype) -> DecodeCost:
+    """What a decoding step of `model` in `dtype` must read (see the module docstring)."""
+    text = model.config.get_text_config()
+    size = torch.empty((), dtype=dtype).element_size()
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return DecodeCost(model_cost(model).matmul_params * size,
+                      2 * text.num_hidden_layers * kv_heads * head_dim * size)
+
+
+def decode_bytes(cost: DecodeCost, steps: int, context_tokens: int) -> float:
+    """The bytes `steps` decoding steps read at the least, their sampled tokens having read
+    `context_tokens` keys and values in all."""
+    return steps * cost.weight_bytes + context_tokens * cost.kv_bytes_per_token
+
+
+@functools.cache
+def memory_bandwidth(device_type: str) -> tuple[float, str]:
+    """(bytes/s, where the figure comes from) of this process's device memory, once per process:
+    a GPU's datasheet, else a 256 MB copy timed on all of torch's threads (bytes read + written)."""
+    if device_type == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, gbs in GPU_BANDWIDTH_GBS.items():
+            if key in name:
+                return gbs * 1e9, f"{name} datasheet"
+    device = "cuda" if device_type == "cuda" else "cpu"
+    a = torch.ones(2**26, device=device)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.nbytes / best, f"{torch.get_num_threads()}-thread copy, measured"
 
 
 def processed_tokens(input_ids, prompt_lens, completion_lens, rows, shares_prompts: bool) -> int:

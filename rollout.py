@@ -20,9 +20,13 @@ import math
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from os.path import commonprefix
+from typing import NamedTuple
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from hardware import DecodeCost, decode_bytes, decode_cost, memory_bandwidth
 from model import empty_copy, full_weights, named_tensors, stop_token_ids
 
 
@@ -32,6 +36,9 @@ class Sampling:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     seed: int | None = None
+    keep_cache: bool = False  # the HF engine keeps each sample's keys and values for a next call
+    # whose prompts continue these (an episode's next turn, env.Agent): it then prefills only the
+    # new tokens. (vLLM finds such prefixes itself: prefix caching.)
 
 
 @dataclass
@@ -46,6 +53,10 @@ class Completions:
     seconds: float = 0.0  # the engine's time generating them (engines side by side: the longest)
     mask: list[list[bool]] | None = None  # episodes (env.py): True where the model sampled the
     # token, False for the environment's; None: every completion token is the model's
+    prompt_tokens: int = 0  # prompt tokens the engine was given (each distinct prompt once) ...
+    cached_tokens: int = 0  # ... and how many of them it took from a cache, not a forward
+    decode_bound: float = 0.0  # the seconds its decoding takes at the memory-bandwidth bound
+    # (hardware.py): over `seconds`, how close the engine came to the machine's limit
 
     def __len__(self):
         return len(self.completion_ids)
@@ -54,7 +65,8 @@ class Completions:
         pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
         return Completions(pick(self.prompt_ids), pick(self.completion_ids), pick(self.truncated),
                            pick(self.text), pick(self.engine_logprobs), self.policy_version,
-                           self.seconds, pick(self.mask))
+                           self.seconds, pick(self.mask), self.prompt_tokens, self.cached_tokens,
+                           self.decode_bound)
 
     @staticmethod
     def concat(parts: list["Completions"]) -> "Completions":
@@ -64,7 +76,9 @@ class Completions:
                            join("text"), join("engine_logprobs"),
                            min(p.policy_version for p in parts),  # the stalest part's
                            max(p.seconds for p in parts),  # (engines generate side by side)
-                           join("mask"))
+                           join("mask"), sum(p.prompt_tokens for p in parts),
+                           sum(p.cached_tokens for p in parts),
+                           max(p.decode_bound for p in parts))  # (as `seconds`)
 
 
 class Ready:
@@ -163,6 +177,25 @@ def shared_prefix(prompts: list[list[int]]) -> list[int]:
 HF_BATCH = 256  # samples the HF engine decodes together
 
 
+@dataclass
+class KeptRow:
+    """One sample's keys and values at the end of a generate call, kept for a call whose prompt
+    continues it (Sampling.keep_cache): an episode's next turn then prefills only what the
+    environment appended, not the whole episode again."""
+    tokens: list[int]  # the tokens whose keys and values are held, in order: the prompt, then
+    # the tokens fed back while decoding (past a stop token, whatever was fed before it left)
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (heads, len, dim)
+    version: int  # the weights that computed them
+
+
+class Decoded(NamedTuple):
+    tokens: list[list[int]]  # max_new_tokens per sample (past its stop token: padding)
+    logprobs: list[list[float]]  # of each token, under the distribution it was drawn from
+    reused: int  # prompt tokens taken from a cache, not run through the model
+    steps: int  # decoding forwards (one token per live sample each)
+    context: int  # keys and values those forwards' tokens attended to, all samples together
+
+
 class HFRollout:
     """A plain decoding loop over a Hugging Face model, batched with left padding.
 
@@ -177,6 +210,11 @@ class HFRollout:
     trainer computes: model.choose_dtype): autocast would re-cast every fp32 weight at every
     decoding step, and the copy makes the HF engine behave like the vLLM one (it holds its own
     weights; update_weights refreshes them). In bf16 on CPU this is ~1.3x faster than autocast.
+
+    Episodes (env.Agent) call generate once a turn, each prompt the whole episode so far. Asked to
+    (Sampling.keep_cache), the engine keeps every sample's keys and values (KeptRow) and the next
+    call starts each prompt that continues a kept sample from them: only the tool result's tokens
+    are prefilled. A weight update drops them (other weights, other keys).
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int = HF_BATCH, device: str = "cpu",
@@ -186,6 +224,7 @@ class HFRollout:
         # batch_size: samples decoded together; on a CPU a decode step's matmuls run ~1.2x faster
         # per row with 256 rows than with 64.
         self.version, self.weight_group = 0, None
+        self.kept: dict[tuple, list[KeptRow]] = {}  # by the prompt each was generated from
         # Not requires_grad_(False): measured here, it makes bf16 CPU generation 2.5x slower (a
         # different matmul path is taken); decoding already runs without autograd. A plain model
         # (a LoRA model's merged weights), filled tensor by tensor: no second full copy. A frozen
@@ -198,8 +237,11 @@ class HFRollout:
             self.update_weights(full_weights(model))
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
-        # Prompts share their common prefix's forward (_decode) where check_head_logits has
-        # verified that masks and positions define a token's log-probs, as share_prompts needs.
+        self.decode_cost = decode_cost(self.model, dtype)  # bytes a decoding step reads
+        # Prompts share their common prefix's forward (_decode), and episodes continue from kept
+        # keys and values, where check_head_logits has verified that masks and positions define a
+        # token's log-probs, as share_prompts needs: the padding then sits between a row's cached
+        # tokens and its new ones.
         self.share_prefix = getattr(model, "smolrl_shares_prompts", False)
 
     @torch.no_grad()
@@ -208,7 +250,7 @@ class HFRollout:
         (and cast) into the engine's own tensor."""
         t0 = time.perf_counter()
         self._fill(named_tensors(weights))
-        self.version = version
+        self.version, self.kept = version, {}
         return time.perf_counter() - t0
 
     def _fill(self, pairs):
@@ -224,11 +266,15 @@ class HFRollout:
     def sleep(self):
         """(The HF engine keeps its copy of the weights: nothing to free for a training step.)"""
 
+    def release_kept(self):
+        """Free the keys and values kept for continuing calls (the episodes are over)."""
+        self.kept = {}
+
     @torch.no_grad()
     def receive_weights(self, layout: list, version: int) -> float:
         t0 = time.perf_counter()
         self._fill(self.weight_group.receive(layout))  # as each bucket arrives
-        self.version = version
+        self.version, self.kept = version, {}
         return time.perf_counter() - t0
 
     def submit_generate(self, prompt_ids, n: int, sampling: Sampling) -> Ready:
@@ -239,43 +285,43 @@ class HFRollout:
         t0 = time.perf_counter()
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
-        completions, truncated, logprobs = [], [], []
+        kept, self.kept = self.kept, {}  # what the last call kept serves this one only
+        completions, truncated, logprobs, cached, read = [], [], [], 0, 0.0
         for batch, copies in group_batches(prompt_ids, n, self.batch_size):
-            for row, row_logprobs in zip(*self._decode(batch, copies, sampling)):
+            out = self._decode(batch, copies, sampling, kept)
+            cached += out.reused
+            read += decode_bytes(self.decode_cost, out.steps, out.context)
+            for row, row_lps in zip(out.tokens, out.logprobs):
                 tokens, cut = cut_at_stop(row, self.stop_ids, sampling.max_new_tokens)
                 completions.append(tokens)
                 truncated.append(cut)
-                logprobs.append(row_logprobs[:len(tokens)])
+                logprobs.append(row_lps[:len(tokens)])
         prompts = [p for p in prompt_ids for _ in range(n)]  # prompt-major
         text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         sampled = self.logprobs and sampling.temperature > 0  # (greedy evaluation needs none)
         return Completions(prompts, completions, truncated, text, logprobs if sampled else None,
-                           self.version, time.perf_counter() - t0)
+                           self.version, time.perf_counter() - t0,
+                           prompt_tokens=sum(map(len, prompt_ids)), cached_tokens=cached,
+                           decode_bound=read / memory_bandwidth(torch.device(self.device).type)[0])
 
-    def _decode(self, prompts: list[list[int]], copies: int, sampling: Sampling):
-        """`copies` samples of each prompt -> (max_new_tokens tokens per sample, prompt-major: a
-        sample leaves the batch at its stop token, padding follows, which cut_at_stop trims; and
-        the log-prob of each token under the distribution it was drawn from)."""
-        # The tokens every prompt starts with (a chat template's system prompt, an instruction)
-        # run once, in one row, and their cache is copied to every prompt: arith's 256 held-out
-        # prompts share 27 of their 53 tokens. Only for models verified to give a token the same
-        # log-probs whatever else shares its row (model.check_head_logits): the prompts' padding
-        # now sits between the prefix and their own tokens.
-        prefix, cache = shared_prefix(prompts) if self.share_prefix else [], None
-        if len(prefix) >= MIN_SHARED_PREFIX:
-            cache = self.model(input_ids=torch.tensor([prefix], device=self.device),
-                               use_cache=True, logits_to_keep=1).past_key_values
-            cache.reorder_cache(torch.zeros(len(prompts), dtype=torch.long, device=self.device))
-            prompts = [p[len(prefix):] for p in prompts]
-        P, C = max(len(p) for p in prompts), len(prefix) if cache is not None else 0
+    def _decode(self, prompts: list[list[int]], copies: int, sampling: Sampling,
+                kept: dict) -> Decoded:
+        """`copies` samples of each prompt, prompt-major: a sample leaves the batch at its stop
+        token, padding follows, which cut_at_stop trims."""
+        full_prompts = prompts
+        # held[i]: how many of prompt i's first tokens `cache` holds; reused: prompt tokens that
+        # did not run through the model
+        cache, held, reused = self._start_cache(prompts, kept)
+        prompts = [p[h:] for p, h in zip(prompts, held)]
+        P, C = max(len(p) for p in prompts), (cache.get_seq_length() if cache is not None else 0)
         ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(prompts), C + P), dtype=torch.long)
-        attn[:, :C] = 1
         for i, p in enumerate(prompts):  # left padding: every prompt ends at column C + P
             ids[i, P - len(p):] = torch.tensor(p)
+            attn[i, C - held[i]:C] = 1  # (its cached tokens end at column C)
             attn[i, C + P - len(p):] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
-        # each prompt counts from its first token, the shared prefix included
+        # each prompt counts from its first token, the cached ones included
         positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, C:]
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions,
                          past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -293,6 +339,8 @@ class HFRollout:
         logprobs = torch.zeros(tokens.shape, device=self.device)
         live = torch.arange(len(rows), device=self.device)  # the samples in the batch
         done = torch.zeros(len(rows), dtype=torch.bool, device=self.device)  # per batch row
+        keep = sampling.keep_cache and self._can_keep(cache)
+        steps = context = 0
         for t in range(sampling.max_new_tokens):
             token = sample_next(logits, sampling)  # (live,)
             tokens[live, t] = token  # (past a sample's stop token: ignored by cut_at_stop)
@@ -304,14 +352,83 @@ class HFRollout:
             # Samples that stopped leave the batch -- a step costs ~ its rows -- once a quarter
             # of it has: each reorder copies the whole cache, long prompts' too.
             if done.sum() > len(done) // 4:
-                keep = (~done).nonzero().squeeze(1)
-                cache.reorder_cache(keep)
-                live, token, attn, position = live[keep], token[keep], attn[keep], position[keep]
-                done = done[keep]
+                if keep:
+                    self._keep(cache, attn, done.nonzero().squeeze(1), live, full_prompts,
+                               copies, tokens, t)
+                stay = (~done).nonzero().squeeze(1)
+                cache.reorder_cache(stay)
+                live, token, attn, position = live[stay], token[stay], attn[stay], position[stay]
+                done = done[stay]
             attn, position = torch.cat([attn, attn.new_ones(len(live), 1)], 1), position + 1
+            steps, context = steps + 1, context + int(attn.sum())
             logits = self.model(input_ids=token[:, None], attention_mask=attn, use_cache=True,
                                 position_ids=position, past_key_values=cache).logits[:, -1]
-        return tokens.tolist(), logprobs.tolist()
+        if keep:
+            self._keep(cache, attn, torch.arange(len(live), device=self.device), live,
+                       full_prompts, copies, tokens, t)
+        return Decoded(tokens.tolist(), logprobs.tolist(), reused, steps, context)
+
+    def _start_cache(self, prompts: list[list[int]], kept: dict):
+        """(a cache to start the prompts from or None, how many of each prompt's first tokens it
+        holds, left-padded to end at one column, and the prompt tokens it spares). A prompt that continues a kept sample starts
+        from that sample's keys and values; else the tokens every prompt starts with (a chat
+        template's system prompt, an instruction) run once, in one row, and their cache is copied
+        to every prompt: arith's 256 held-out prompts share 27 of their 53 tokens. Only for models
+        verified to give a token the same log-probs whatever else shares its row
+        (model.check_head_logits): the prompts' padding sits between the cache and their tokens."""
+        if not self.share_prefix:
+            return None, [0] * len(prompts), 0
+        lengths = {len(key) for key in kept}
+        found = [self._continued(p, kept, lengths) for p in prompts]
+        if any(found):
+            held = [f[1] if f else 0 for f in found]
+            C, layers = max(held), []
+            for layer in range(len(next(f for f in found if f)[0].layers)):
+                k, v = next(f for f in found if f)[0].layers[layer]
+                keys = k.new_zeros(len(prompts), k.shape[0], C, k.shape[2])
+                values = v.new_zeros(len(prompts), v.shape[0], C, v.shape[2])
+                for i, f in enumerate(found):
+                    if f:
+                        keys[i, :, C - held[i]:] = f[0].layers[layer][0][:, :held[i]]
+                        values[i, :, C - held[i]:] = f[0].layers[layer][1][:, :held[i]]
+                layers.append((keys, values))
+            return DynamicCache(ddp_cache_data=layers), held, sum(held)
+        prefix = shared_prefix(prompts)
+        if len(prefix) < MIN_SHARED_PREFIX:
+            return None, [0] * len(prompts), 0
+        cache = self.model(input_ids=torch.tensor([prefix], device=self.device),
+                           use_cache=True, logits_to_keep=1).past_key_values
+        cache.reorder_cache(torch.zeros(len(prompts), dtype=torch.long, device=self.device))
+        return cache, [len(prefix)] * len(prompts), len(prefix) * (len(prompts) - 1)
+
+    def _continued(self, prompt: list[int], kept: dict, lengths: set[int]):
+        """(the kept sample this prompt continues furthest, how many of its tokens to start from),
+        or None. At least the prompt's last token runs again: its logits draw the first token."""
+        best, held = None, 0
+        for length in lengths:
+            for row in kept.get(tuple(prompt[:length]), ()):
+                n = min(len(commonprefix([row.tokens, prompt])), len(prompt) - 1)
+                if row.version == self.version and n > held:
+                    best, held = row, n
+        return (best, held) if best else None
+
+    def _can_keep(self, cache) -> bool:
+        """Plain keys and values in every layer (no sliding window, no recurrent state), for a
+        model whose rows may hold padding between cached and new tokens (check_head_logits)."""
+        return self.share_prefix and isinstance(cache, DynamicCache) and \
+            all(type(layer) is DynamicLayer for layer in cache.layers)
+
+    def _keep(self, cache, attn, batch_rows, live, prompts, copies, tokens, fed: int):
+        """Keep the keys and values of the batch's rows `batch_rows` -- samples live[row] -- with
+        their tokens: the prompt, then the `fed` tokens decoded and fed back."""
+        for r in batch_rows.tolist():
+            sample = int(live[r])
+            prompt = prompts[sample // copies]
+            columns = attn[r].nonzero().squeeze(1)  # the row's tokens, without its padding
+            layers = [(layer.keys[r][:, columns], layer.values[r][:, columns])
+                      for layer in cache.layers]
+            self.kept.setdefault(tuple(prompt), []).append(
+                KeptRow(prompt + tokens[sample, :fed].tolist(), layers, self.version))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -444,11 +561,13 @@ class VLLMRollout:
                        enforce_eager=enforce_eager, distributed_executor_backend="uni",
                        worker_extension_cls="rollout.WeightSync",
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.on_gpu,
+                       enable_prefix_caching=True,  # an episode's turns continue the last one's
                        **whole_prefills)
         torch.set_num_threads(threads)  # the CPU engine drops the process to 1 thread: the
         # trainer shares this process and wants them all back
         self.tokenizer, self.dtype = tokenizer, getattr(torch, dtype)
         self.max_model_len = max_model_len
+        self.decode_cost: DecodeCost | None = None  # make_rollout sets it from the model
         # The same stop ids as the HF engine (model.stop_token_ids): vLLM itself also stops on
         # the generation config's eos ids, and a completion ending in one is not truncated.
         self.stop_ids = stop_ids
@@ -528,19 +647,33 @@ class VLLMRollout:
                   for i in range(len(prompt_ids))]
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                     use_tqdm=False)
-        prompts, completions, truncated, logprobs = [], [], [], []
+        prompts, completions, truncated, logprobs, cached, context = [], [], [], [], 0, 0
         for p, request in zip(prompt_ids, outputs):
+            cached += request.num_cached_tokens or 0  # prompt tokens found in the prefix cache
             for sample in request.outputs:  # n samples, in order: prompt-major like HFRollout
                 tokens = list(sample.token_ids)
                 lps = [d[t].logprob for t, d in zip(tokens, sample.logprobs)]
                 tokens, cut = cut_at_stop(tokens, self.stop_ids, sampling.max_new_tokens)
+                # (token t after the first attends to the prompt and the t tokens before it)
+                context += (len(tokens) - 1) * len(p) + len(tokens) * (len(tokens) - 1) // 2
                 prompts.append(p)
                 completions.append(tokens)
                 truncated.append(cut)
                 logprobs.append(lps[:len(tokens)])
         text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         return Completions(prompts, completions, truncated, text, logprobs, self.version,
-                           time.perf_counter() - t0)
+                           time.perf_counter() - t0, prompt_tokens=sum(map(len, prompt_ids)),
+                           cached_tokens=cached, decode_bound=self._decode_bound(completions,
+                                                                                 context))
+
+    def _decode_bound(self, completions: list[list[int]], context: int) -> float:
+        """The memory-bandwidth floor of a call's decoding (hardware.py), its steps counted as a
+        continuous batch takes them: one per token of the longest completion after its first."""
+        if self.decode_cost is None or not completions:
+            return 0.0
+        steps = max(len(c) for c in completions) - 1
+        device = "cuda" if self.on_gpu else "cpu"
+        return decode_bytes(self.decode_cost, steps, context) / memory_bandwidth(device)[0]
 
 
 def engine_mismatch(trainer_lp, engine_lp, mask) -> dict:
@@ -603,6 +736,7 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
         # Its weights, KV cache and workspace: a pool of this process's CUDA allocator, which
         # the trainer's memory figures leave out (trainer.peak_memory_gb).
         engine.memory_bytes = torch.cuda.memory_allocated() - before if on_gpu else 0
+        engine.decode_cost = decode_cost(model, dtype)
         engine.update_weights(full_weights(model))  # the trainer's weights, whatever is on disk
         return engine
     raise SystemExit(f"error: unknown rollout engine {kind!r}; choose hf or vllm")

@@ -16,8 +16,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-TIMING = ("seconds", "tokens_per_s", "memory", "peak_flops", "mfu")  # metrics that differ
-# between identical runs (peak_flops: the machine's matmul rate, measured)
+TIMING = ("seconds", "tokens_per_s", "memory", "peak_flops", "mfu", "bw_frac")  # metrics that
+# differ between identical runs (peak_flops: the machine's matmul rate, measured)
 
 
 # What `--dtype auto` means in the tests: fp32 on every CPU kind, so that a test comparing two runs

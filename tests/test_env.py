@@ -180,6 +180,77 @@ def test_an_episode_on_the_hf_engine(tiny_model, monkeypatch):
     check_an_episode_on(engine, model, tokenizer, monkeypatch, atol=1e-4)
 
 
+def test_episodes_continue_from_kept_keys_and_values_with_nothing_changed(tiny_model_dir,
+                                                                         monkeypatch):
+    """The HF engine keeps each episode's keys and values between turns and prefills only the tool
+    result: the episodes (tokens, masks, engine log-probs) and the losses and gradient norms they
+    train with are those of prefilling every turn whole (fp32, seeded). Turns end at many lengths
+    (a one-in-six chance of stopping per token), so episodes leave the batch mid-turn and finish after
+    different numbers of turns. The kept keys really serve: after the first turn only the new
+    tokens run, and a weight update drops them."""
+    import grpo
+    from model import check_head_logits, load_model
+    model, tokenizer = load_model(tiny_model_dir)
+    check_head_logits(model)  # (what lets the engine put padding between cached and new tokens)
+    stops = set(range(1000, 1000 + len(tokenizer) // 6)) | {tokenizer.eos_token_id}
+    call = {"type": "function", "function": {"name": "calculator",
+                                             "arguments": {"expression": "6 * 7"}}}
+
+    def play(keep: bool):
+        engine = HFRollout(model, tokenizer, dtype=torch.float32, logprobs=True)
+        engine.stop_ids = stops
+        if not keep:
+            monkeypatch.setattr(engine, "_can_keep", lambda cache: False)
+        chat = ToolChat(tokenizer, load_tools("calculator"))
+        # a tiny random model writes no tool calls: every turn that stopped "calls" one
+        monkeypatch.setattr(chat, "parse", lambda prefix, turn: {"content": "", "tool_calls": [
+            call]} if turn[-1] in stops else {"content": "42"})
+        agent = Agent(chat, "{problem}", 4, 120)
+        rows = [{"problem": f"What is {a} * 7?"} for a in (3, 6, 9)]
+        comps, episodes = agent.run(engine, rows, 4, Sampling(10, 1.0, seed=5))
+        return engine, comps, episodes
+
+    kept_engine, kept, episodes = play(keep=True)
+    _, whole, _ = play(keep=False)
+    assert kept.completion_ids == whole.completion_ids and kept.mask == whole.mask
+    torch.testing.assert_close(torch.tensor(sum(kept.engine_logprobs, [])),
+                               torch.tensor(sum(whole.engine_logprobs, [])), atol=1e-5, rtol=0)
+    turns = [e.turns for e in episodes]
+    assert max(turns) >= 3 and min(turns) < 3 and len(set(map(len, kept.completion_ids))) > 6
+    # every turn after the first starts from the episode so far: of the same prompt tokens, the
+    # ones that ran are the first turn's and each later turn's tool result (and the token before
+    # it), where prefilling whole shares only the prompts' common prefix (the tool list)
+    assert kept.prompt_tokens == whole.prompt_tokens
+    ran = [c.prompt_tokens - c.cached_tokens for c in (kept, whole)]
+    assert ran[0] < ran[1] / 2
+    assert kept_engine.kept == {}  # released when the episodes ended
+
+    losses = []
+    for comps in (kept, whole):
+        trainer = rl_trainer(grpo.Config(data="arith", model=tiny_model_dir, dtype="fp32",
+                                         beta=0.0, lr=1e-3))
+        advantages = torch.linspace(-1, 1, len(comps))
+        batch = rl.train_batch(comps, advantages, trainer.cfg, pad_id=tokenizer.pad_token_id)
+        metrics = grpo.train_on_rollout(trainer, batch)
+        losses.append((metrics["loss"], metrics["grad_norm"]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6, abs=1e-7)
+
+
+def test_kept_keys_and_values_never_outlive_the_weights(tiny_model):
+    """A kept sample is continued only by the weights that computed it: a weight update drops
+    the engine's kept keys and values."""
+    from model import full_weights
+    model, tokenizer = tiny_model
+    engine = HFRollout(model, tokenizer, dtype=torch.float32)
+    engine.share_prefix = True
+    engine.generate([[5, 6, 7, 8]], 2, Sampling(4, 1.0, seed=0, keep_cache=True))
+    assert sum(map(len, engine.kept.values())) == 2
+    engine.update_weights(full_weights(model), version=1)
+    assert engine.kept == {}
+    out = engine.generate([[5, 6, 7, 8, 9]], 1, Sampling(4, 1.0, seed=0))
+    assert out.cached_tokens == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Episodes never crash the run, and each is limited and scored on its own.
 

@@ -268,3 +268,27 @@ def test_the_update_s_model_flops_are_a_hand_count_of_the_tiny_llama(tiny_model_
     shares = trainer.compute.smolrl_shares_prompts
     assert update_flops(trainer, batch, keep) == pytest.approx(
         (14 if shares else 21) * per_token, rel=1e-9)
+
+
+def test_decoding_s_bandwidth_floor_is_a_hand_count_of_the_tiny_llama(tiny_model, monkeypatch):
+    """hardware.py's decoding floor for the tiny Llama: a step reads the N matmul weights (as in
+    the FLOPs test: the tied head once), a context token's keys and values are 2 (K, V) x 2
+    layers x 1 KV head x 64 dims; fp32, 4 bytes each. The HF engine counts its steps and the
+    context they read by hand: 2 samples of a 4-token prompt, 3 tokens each and no stop token --
+    two decoding forwards after the prefill (tokens 1 and 2 are fed), reading 5 then 6 keys a
+    sample. At 1 byte/s the bound is the bytes themselves."""
+    import rollout
+    from hardware import decode_bytes, decode_cost
+    from rollout import HFRollout, Sampling
+    model, tokenizer = tiny_model
+    V = model.config.vocab_size
+    N = V * 128 + 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) + 5 * 128
+    cost = decode_cost(model, torch.float32)
+    assert cost == (4 * N, 2 * 2 * 1 * 64 * 4)
+    assert decode_cost(model, torch.bfloat16) == (2 * N, 2 * 2 * 1 * 64 * 2)
+    engine = HFRollout(model, tokenizer, dtype=torch.float32)
+    engine.stop_ids = set()
+    monkeypatch.setattr(rollout, "memory_bandwidth", lambda device: (1.0, "by hand"))
+    out = engine.generate([[5, 6, 7, 8]], 2, Sampling(3, 1.0, seed=0))
+    assert [len(c) for c in out.completion_ids] == [3, 3]
+    assert out.decode_bound == decode_bytes(cost, 2, 2 * 5 + 2 * 6) == 2 * 4 * N + 22 * 1024
