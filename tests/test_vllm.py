@@ -141,6 +141,22 @@ def test_an_episode_on_the_vllm_engine(engine, model_and_tokenizer, monkeypatch)
     check_an_episode_on(engine, model, tokenizer, monkeypatch, atol=LOGPROB_ATOL)
 
 
+def test_a_continued_prompt_is_served_from_vllm_s_prefix_cache(engine, model_and_tokenizer):
+    """An episode's next turn starts with the last turn's prompt and sampled tokens: vLLM finds
+    them in its prefix cache (on for every run), and says how many prompt tokens it found; a
+    weight update empties the cache (its keys were the old weights')."""
+    prompt = [(7 * i) % 5000 + 100 for i in range(200)]
+    sampling = Sampling(max_new_tokens=8, temperature=1.0, seed=3)
+    first = engine.generate([prompt], 1, sampling)
+    assert first.prompt_tokens == 200 and first.decode_bound > 0
+    turn = prompt + first.completion_ids[0] + [11, 12, 13]
+    second = engine.generate([turn], 1, sampling)
+    assert second.prompt_tokens == len(turn)
+    assert 128 <= second.cached_tokens < len(turn)
+    engine.update_weights(model_and_tokenizer[0].state_dict())
+    assert engine.generate([turn], 1, sampling).cached_tokens == 0
+
+
 def test_greedy_generations_agree_with_hf(engine, model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     engine.update_weights(model.state_dict())
