@@ -116,7 +116,7 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
     """Generate n samples per row -- or with an agent (env.Agent, --tools / --env) play n
     episodes of each -- and grade them. Returns (summary row, per-sample records)."""
     fmt = TEMPLATES[template][1]
-    samples = []
+    samples, decode_bound = [], 0.0
     bar = tqdm(total=len(rows) * n, desc=f"eval {dataset}", unit="sample", disable=not progress,
                leave=False)
     for s in range(0, len(rows), batch_prompts):
@@ -126,6 +126,7 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
             out, episodes = agent.run(rollout, chunk, n, sampling)
         else:
             out = rollout.generate(encode_prompts(tokenizer, chunk, template, chat), n, sampling)
+        decode_bound += out.decode_bound
         extracted = [extract_answer(t, fmt) for t in out.text]
         if "answer" in chunk[0]:
             correct = grader.grade(extracted, [r["answer"] for r in chunk for _ in range(n)])
@@ -143,7 +144,8 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
                                hasattr(episodes[i].env, "get_reward") else {})})
         bar.update(len(out))
     bar.close()
-    return summarize(samples, n, grader), samples
+    # (the seconds its decoding takes at the memory-bandwidth bound: hardware.py)
+    return {**summarize(samples, n, grader), "decode_bound": decode_bound}, samples
 
 
 def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> tuple[dict, list[dict]]:
@@ -157,7 +159,8 @@ def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> tuple[dict,
             **{f"eval_{key}": summary[key] for key in ("turns", "tool_calls", "tool_call_rate",
                                                         "tool_error_rate", "reward")
                if key in summary},
-            "eval_seconds": time.time() - t0}, samples
+            "eval_seconds": time.time() - t0,
+            "eval_bw_frac": summary["decode_bound"] / (time.time() - t0)}, samples
 
 
 TRACKERS = ("tensorboard", "wandb")
@@ -382,6 +385,7 @@ def main(argv=None):
                                          chat=cfg.chat, sampling=sampling, n=cfg.n, grader=grader,
                                          dataset=name, batch_prompts=cfg.batch_prompts,
                                          agent=agent)
+        summary.pop("decode_bound")  # (the table holds what was measured about the model)
         results["datasets"][name] = summary
         all_samples += samples
     grader.close()
