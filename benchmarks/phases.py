@@ -1,0 +1,93 @@
+"""Where a GRPO step's time goes, phase by phase, beside the bound the machine holds each phase to.
+
+    python benchmarks/phases.py --run                 # the default task: grpo.py --steps 6
+                                                      # --eval-every 3, then the table
+    python benchmarks/phases.py --run -- --dtype bf16 # grpo.py flags after --
+    python benchmarks/phases.py out/grpo              # the table of a run already made
+
+Per phase, the median seconds a step (an evaluation for `evaluation`), the seconds the phase would
+take at the machine's limit, and their ratio (hardware.py):
+
+    generation   the decoding's bytes (weights once a step, each token's context of keys and
+                 values) over the memory bandwidth                          gen_bw_frac
+    update       the model FLOPs of the policy's forward and backward and the KL reference's
+                 forward (beta > 0) over the matmul peak                    mfu
+    sync         the weights read in fp32 and written in the engine's dtype over the bandwidth
+    evaluation   as generation, for the greedy held-out pass                eval_bw_frac
+    rewards      grading on the CPU: no bound is claimed
+
+The bandwidth and peak are a GPU's datasheet figures, or on a CPU measured once by the run (a
+256 MB copy, a 512x2048x2048 matmul on all threads); both are printed. The last line names the
+phase with the most seconds above its bound: where the next speed-up is.
+"""
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def table(folder: Path) -> list[tuple]:
+    """(phase, seconds, bound seconds or None, what bounds it) from a run folder's metrics."""
+    import torch
+    from hardware import memory_bandwidth, model_cost
+    from model import DTYPES, load_model
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    config = json.loads(next(folder.glob("*_config.json")).read_text())  # (grpo_config.json)
+    steps = [r for r in rows if "gen_seconds" in r]
+    evals = [r for r in rows if "eval_seconds" in r]
+    med = lambda rs, key: statistics.median(r.get(key, 0.0) for r in rs)  # noqa: E731
+    gen, train, sync = med(steps, "gen_seconds"), med(steps, "train_seconds"), \
+        med(steps, "sync_seconds")
+    model, _ = load_model(config["model"])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = DTYPES[config["dtype"]] if config["dtype"] in DTYPES else torch.float32
+    bandwidth, where = memory_bandwidth(device)
+    params = sum(p.numel() for p in model.parameters())
+    sync_bytes = params * (4 + torch.empty((), dtype=dtype).element_size())
+    peak = med(steps, "peak_flops")
+    update_bound = med(steps, "model_flops") / peak if peak else None
+    reference = " and the KL reference's forward" if config.get("beta", 0) > 0 else ""
+    out = [("generation", gen, gen * med(steps, "gen_bw_frac"),
+            f"weights + KV bytes over {bandwidth / 1e9:.0f} GB/s ({where})"),
+           ("update", train, update_bound,
+            f"policy forward + backward{reference} over {peak / 1e9:.0f} GFLOP/s matmul peak"),
+           ("sync", sync, sync_bytes / bandwidth, f"{params / 1e6:.0f}M weights read and written"),
+           ("rewards", med(steps, "reward_seconds"), None, "grading (no bound claimed)")]
+    if evals:
+        ev = med(evals, "eval_seconds")
+        out.insert(3, ("evaluation", ev, ev * med(evals, "eval_bw_frac") or None,
+                       "as generation, greedy held-out"))
+    return out
+
+
+def main():
+    args = sys.argv[1:]
+    if args[:1] == ["--run"]:
+        extra = args[2:] if args[1:2] == ["--"] else args[1:]
+        tmp = tempfile.mkdtemp()
+        subprocess.run([sys.executable, "grpo.py", "--steps", "6", "--eval-every", "3",
+                        "--out", tmp, *extra], cwd=ROOT, check=True)
+        folder = Path(tmp)
+    elif len(args) == 1:
+        folder = Path(args[0])
+    else:
+        sys.exit(__doc__)
+    from model import machine
+    print(f"machine: {machine()}; run: {folder}")
+    print(f"{'phase':>11} {'seconds':>8} {'bound s':>8} {'ratio':>6}  bound")
+    rows = table(folder)
+    for phase, seconds, bound, what in rows:
+        ratio = f"{bound / seconds:6.1%}" if bound and seconds else f"{'-':>6}"
+        print(f"{phase:>11} {seconds:8.2f} {bound or 0:8.2f} {ratio}  {what}")
+    slack = max(rows, key=lambda r: r[1] - (r[2] or 0))
+    print(f"most seconds above its bound: {slack[0]} ({slack[1] - (slack[2] or 0):.1f} s a step)")
+
+
+if __name__ == "__main__":
+    main()
