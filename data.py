@@ -285,9 +285,10 @@ TASKS = {
     "custom": Task("", "", "answer-is", 24, 0.7, "", 256, 1e-5, 30, 16, 10),
     # agentic, offline: a calculator for 3-digit multiplication; a guessing game over turns, with
     # room for four guesses and the final word (bisection finds 15 numbers of 16 in four guesses;
-    # guessing at random among the numbers still possible, 58 % of them). Episodes that play the
-    # game run to ~400 tokens: 16 a micro-batch (64, measured, took 24 GB on a CPU)
-    "multiply": Task("multiply", "", "answer-is", 48, 0.7, "multiply", 128, 1e-5, 16, 64, 8,
+    # guessing at random among the numbers still possible, 58 % of them). Episodes run to 300-400
+    # tokens: 16 a micro-batch (a token's activations for the backward are ~0.5 MB on SmolLM2; 64
+    # episodes a micro-batch, measured, took 24 GB on a CPU for guess, 18.9 GB for multiply's PPO)
+    "multiply": Task("multiply", "", "answer-is", 48, 0.7, "multiply", 128, 1e-5, 16, 16, 8,
                      tools="calculator"),
     "guess": Task("guess", "", "raw", 48, 0.7, "guess", 64, 1e-5, 16, 16, 8, reward="",
                   env="env:GuessTheNumber", max_turns=5),
