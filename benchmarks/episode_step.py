@@ -6,6 +6,8 @@ run, with each run's seconds per phase and peak resident memory.
                                                                # beside 792edfd (the base)
     python sft.py --out out/sft                                # multiply's warm start
     python benchmarks/episode_step.py out/sft --data multiply --base ""   # this tree alone
+    python benchmarks/episode_step.py out/sft --data multiply --base "" --micro-batch-size 64
+                                                               # (other flags go to grpo.py)
 
 Each tree runs `grpo.py --data D --init-from WARM --steps S --eval-every 0` with the task's own
 defaults (guess: 8 prompts x 8 episodes, 5 turns of <= 48 tokens) in a process of its own -- the
@@ -71,8 +73,8 @@ def main():
     parser.add_argument("--base", default="792edfd", help="the earlier commit; '' for none")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("extra", nargs="*", help="more grpo.py flags, after --")
-    args = parser.parse_args()
+    args, extra = parser.parse_known_args()  # more grpo.py flags, e.g. --micro-batch-size 64
+    args.extra = [flag for flag in extra if flag != "--"]
     from model import machine
     print(f"machine: {machine()}; {args.data} from {args.warm_start}, {args.steps} steps a tree",
           flush=True)
