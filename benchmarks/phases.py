@@ -86,7 +86,8 @@ def main():
         ratio = f"{bound / seconds:6.1%}" if bound and seconds else f"{'-':>6}"
         print(f"{phase:>11} {seconds:8.2f} {bound or 0:8.2f} {ratio}  {what}")
     slack = max(rows, key=lambda r: r[1] - (r[2] or 0))
-    print(f"most seconds above its bound: {slack[0]} ({slack[1] - (slack[2] or 0):.1f} s a step)")
+    each = "an evaluation" if slack[0] == "evaluation" else "a step"
+    print(f"most seconds above its bound: {slack[0]} ({slack[1] - (slack[2] or 0):.1f} s {each})")
 
 
 if __name__ == "__main__":
