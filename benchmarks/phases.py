@@ -21,6 +21,7 @@ The bandwidth and peak are a GPU's datasheet figures, or on a CPU measured once 
 phase with the most seconds above its bound: where the next speed-up is.
 """
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -67,17 +68,20 @@ def table(folder: Path) -> list[tuple]:
 
 
 def main():
-    args = sys.argv[1:]
-    if args[:1] == ["--run"]:
-        extra = args[2:] if args[1:2] == ["--"] else args[1:]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", nargs="?", help="a grpo.py run's --out, instead of --run")
+    parser.add_argument("--run", action="store_true", help="run the default task first")
+    args, extra = parser.parse_known_args()  # (with --run: more grpo.py flags)
+    if args.run:
         tmp = tempfile.mkdtemp()
         subprocess.run([sys.executable, "grpo.py", "--steps", "6", "--eval-every", "3",
-                        "--out", tmp, *extra], cwd=ROOT, check=True)
+                        "--out", tmp, *[flag for flag in extra if flag != "--"]], cwd=ROOT,
+                       check=True)
         folder = Path(tmp)
-    elif len(args) == 1:
-        folder = Path(args[0])
+    elif args.folder and not extra:
+        folder = Path(args.folder)
     else:
-        sys.exit(__doc__)
+        parser.error("give a run folder, or --run")
     from model import machine
     print(f"machine: {machine()}; run: {folder}")
     print(f"{'phase':>11} {'seconds':>8} {'bound s':>8} {'ratio':>6}  bound")
