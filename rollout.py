@@ -275,7 +275,10 @@ class HFRollout:
         self.pad_id = tokenizer.pad_token_id
         self.decode_cost = decode_cost(self.model, dtype)  # bytes a decoding step reads
         if self.model.config.get_text_config()._attn_implementation == "sdpa":
-            self.model.set_attn_implementation("smolrl_decode")  # (decode_attention)
+            try:  # (decode_attention; a model that takes no pluggable attention keeps SDPA)
+                self.model.set_attn_implementation("smolrl_decode")
+            except (ValueError, AttributeError):
+                pass
         # Prompts share their common prefix's forward (_decode), and episodes continue from kept
         # keys and values, where check_head_logits has verified that masks and positions define a
         # token's log-probs, as share_prompts needs: the padding then sits between a row's cached
