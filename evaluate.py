@@ -155,12 +155,12 @@ def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> tuple[dict,
     summary, samples = evaluate_rows(run.rollout, run.tokenizer, rows, template=cfg.template,
                                chat=cfg.chat, sampling=Sampling(cfg.max_new_tokens, 0.0), n=1,
                                grader=grader, dataset="held-out", agent=run.agent)
+    seconds = time.time() - t0
     return {"eval_accuracy": summary["avg@n"], "eval_completion_len": summary["mean_len"],
             **{f"eval_{key}": summary[key] for key in ("turns", "tool_calls", "tool_call_rate",
                                                         "tool_error_rate", "reward")
                if key in summary},
-            "eval_seconds": time.time() - t0,
-            "eval_bw_frac": summary["decode_bound"] / (time.time() - t0)}, samples
+            "eval_seconds": seconds, "eval_bw_frac": summary["decode_bound"] / seconds}, samples
 
 
 TRACKERS = ("tensorboard", "wandb")

@@ -185,7 +185,7 @@ def decode_attention(module, query, key, value, attention_mask, dropout: float =
     """The HF engine's attention. A decoding step has one query per row, and its cost is reading
     the keys and values: here each KV head's are read once for the query heads that share it
     (grouped-query attention), with the softmax in fp32. SDPA's CPU kernel took 17 ms a layer for
-    64 rows of 400 tokens in bf16 -- 70 % of a SmolLM2 decoding step, ~15x its bytes' time at the
+    64 rows of 400 tokens in bf16 -- 70 % of a SmolLM2 decoding step, ~18x its bytes' time at the
     measured bandwidth. Prefill (several queries a row), sliding windows, soft-capping and
     attention sinks go to SDPA as before.
 
@@ -230,6 +230,22 @@ class Decoded(NamedTuple):
     reused: int  # prompt tokens taken from a cache, not run through the model
     steps: int  # decoding forwards (one token per live sample each)
     context: int  # keys and values those forwards' tokens attended to, all samples together
+
+
+def kept_cache(rows: list[KeptRow | None], held: list[int]) -> DynamicCache:
+    """One cache for a batch of prompts: row i holds the first held[i] keys and values of kept
+    sample rows[i] (none for None), left-padded with zeros so that every row ends at one column."""
+    C, some = max(held), next(r for r in rows if r is not None)
+    layers = []
+    for layer, (k, v) in enumerate(some.layers):
+        keys = k.new_zeros(len(rows), k.shape[0], C, k.shape[2])  # (B, KV heads, C, dim)
+        values = v.new_zeros(len(rows), v.shape[0], C, v.shape[2])
+        for i, (row, n) in enumerate(zip(rows, held)):
+            if row is not None:
+                keys[i, :, C - n:] = row.layers[layer][0][:, :n]
+                values[i, :, C - n:] = row.layers[layer][1][:, :n]
+        layers.append((keys, values))
+    return DynamicCache(ddp_cache_data=layers)
 
 
 class HFRollout:
@@ -411,29 +427,20 @@ class HFRollout:
 
     def _start_cache(self, prompts: list[list[int]], kept: dict):
         """(a cache to start the prompts from or None, how many of each prompt's first tokens it
-        holds, left-padded to end at one column, and the prompt tokens it spares). A prompt that continues a kept sample starts
-        from that sample's keys and values; else the tokens every prompt starts with (a chat
-        template's system prompt, an instruction) run once, in one row, and their cache is copied
-        to every prompt: arith's 256 held-out prompts share 27 of their 53 tokens. Only for models
-        verified to give a token the same log-probs whatever else shares its row
-        (model.check_head_logits): the prompts' padding sits between the cache and their tokens."""
+        holds, left-padded to end at one column, and the prompt tokens it spares). A prompt that
+        continues a kept sample starts from that sample's keys and values; else the tokens every
+        prompt starts with (a chat template's system prompt, an instruction) run once, in one row,
+        and their cache is copied to every prompt: arith's 256 held-out prompts share 27 of their
+        53 tokens. Only for models verified to give a token the same log-probs whatever else
+        shares its row (model.check_head_logits): the prompts' padding sits between the cache and
+        their tokens."""
         if not self.share_prefix:
             return None, [0] * len(prompts), 0
         lengths = {len(key) for key in kept}
         found = [self._continued(p, kept, lengths) for p in prompts]
         if any(found):
-            held = [f[1] if f else 0 for f in found]
-            C, layers = max(held), []
-            for layer in range(len(next(f for f in found if f)[0].layers)):
-                k, v = next(f for f in found if f)[0].layers[layer]
-                keys = k.new_zeros(len(prompts), k.shape[0], C, k.shape[2])
-                values = v.new_zeros(len(prompts), v.shape[0], C, v.shape[2])
-                for i, f in enumerate(found):
-                    if f:
-                        keys[i, :, C - held[i]:] = f[0].layers[layer][0][:, :held[i]]
-                        values[i, :, C - held[i]:] = f[0].layers[layer][1][:, :held[i]]
-                layers.append((keys, values))
-            return DynamicCache(ddp_cache_data=layers), held, sum(held)
+            rows, held = [f[0] if f else None for f in found], [f[1] if f else 0 for f in found]
+            return kept_cache(rows, held), held, sum(held)
         prefix = shared_prefix(prompts)
         if len(prefix) < MIN_SHARED_PREFIX:
             return None, [0] * len(prompts), 0
