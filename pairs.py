@@ -80,9 +80,20 @@ def tokenize_pairs(tokenizer, rows, source, cfg):
     return pairs, skipped
 
 
-def builtin_pairs(rollout, tokenizer, cfg):
+def corrected(text: str, wrong: str | None, answer: str) -> str | None:
+    """`text` with its answer `wrong` (extract_answer's, the last occurrence) replaced by the right
+    `answer`: the same words, the same format, only the number changed. None without an answer."""
+    if not wrong or wrong not in text:
+        return None
+    head, _, tail = text.rpartition(wrong)
+    return head + answer + tail
+
+
+def builtin_pairs(rollout, tokenizer, cfg, correct_own: bool = False):
     """On-policy pairs from the arith task: the model's own wrong answer is rejected; its own right
-    answer is chosen when it has one, else the reference answer in the template's format."""
+    answer is chosen when it has one, else the reference answer in the template's format -- or,
+    with correct_own, that wrong answer with its number corrected (then the two differ in the
+    number alone, and a reward model cannot tell them apart by their form: rm.py)."""
     stream = arith_stream(cfg.seed + 1)
     problems = [next(stream) for _ in range(cfg.builtin_problems)]
     prompt_ids = encode_prompts(tokenizer, problems, cfg.template, cfg.chat)
@@ -90,24 +101,33 @@ def builtin_pairs(rollout, tokenizer, cfg):
     comps = rollout.generate(prompt_ids, n, Sampling(32, temperature=0.7, seed=cfg.seed))
     fmt = TEMPLATES[cfg.template][1]
     grader = Grader()
-    correct = grader.grade([extract_answer(t, fmt) for t in comps.text],
+    answers = [extract_answer(t, fmt) for t in comps.text]
+    correct = grader.grade(answers,
                            [p["answer"] for p in problems for _ in range(n)])
     grader.close()
-    pairs, own_chosen = [], 0
+    pairs, own_chosen, own_fixed = [], 0, 0
     for i, problem in enumerate(problems):
         group = range(i * n, (i + 1) * n)
         right = [k for k in group if correct[k] and not comps.truncated[k]]
         wrong = [k for k in group if not correct[k]]
         if not wrong:
             continue  # nothing to prefer against
+        fixed = corrected(comps.text[wrong[0]], answers[wrong[0]], problem["answer"]) \
+            if correct_own and not comps.truncated[wrong[0]] else None
         if right:
             chosen = comps.completion_ids[right[0]]
             own_chosen += 1
+        elif fixed is not None:  # (both as text: they differ in the number's tokens only)
+            pairs.append(Pair(prompt_ids[i], _text_response(tokenizer, fixed),
+                              _text_response(tokenizer, comps.text[wrong[0]])))
+            own_fixed += 1
+            continue
         else:
             reference = (f"The answer is {problem['answer']}." if fmt == "answer-is"
                          else f"\\boxed{{{problem['answer']}}}")
             chosen = _text_response(tokenizer, reference)
         pairs.append(Pair(prompt_ids[i], chosen, comps.completion_ids[wrong[0]]))
     print(f"builtin pairs: {len(pairs)} from {len(problems)} problems x {n} samples; chosen is the "
-          f"model's own answer in {own_chosen}, the reference answer in {len(pairs) - own_chosen}")
+          f"model's own answer in {own_chosen}, its wrong one corrected in {own_fixed}, the "
+          f"reference answer in {len(pairs) - own_chosen - own_fixed}")
     return pairs

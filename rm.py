@@ -81,6 +81,10 @@ class Config(RunOptions, OfflineOptions, TrainOptions, ModelOptions):
     """builtin set: arith problems to sample answers for"""
     builtin_samples: int = 4
     """builtin set: answers sampled per problem (temperature 0.7)"""
+    builtin_corrected: bool = True
+    """builtin set: where the model never got a problem right, prefer its wrong answer with the
+    number corrected (the two differ in correctness alone) to the wrong answer, not the reference
+    answer (which differs in form too: a model learns the form, docs/reward-models.md)"""
     max_length: int = 512
     """prompt + response tokens; longer pairs lose prompt tokens first, then response tokens"""
     max_prompt_length: int = 256
@@ -267,7 +271,7 @@ def main(cfg: Config):
         sampler = HFRollout(load_model(cfg.model, trainer.device, DTYPES[cfg.dtype])[0],
                             tokenizer, device=trainer.device, dtype=DTYPES[cfg.dtype],
                             shares_weights=True)
-        pairs = builtin_pairs(sampler, tokenizer, cfg)
+        pairs = builtin_pairs(sampler, tokenizer, cfg, cfg.builtin_corrected)
         del sampler
     else:
         pairs = tokenize_pairs(tokenizer, rows, cfg.data, cfg)[0]

@@ -248,3 +248,42 @@ def test_grpo_optimises_a_reward_model_and_logs_each_source(reward_model_dir, ti
     assert name in record and "reward_correctness" in record
     assert record["reward"] == pytest.approx(record["reward_correctness"] + 0.5 * record[name],
                                              abs=1e-5)
+
+
+def test_builtin_pairs_correct_the_models_own_wrong_answer_where_it_never_got_it_right(tokenizer):
+    """rm.py's builtin pairs: a problem the model got right pairs its right answer with a wrong
+    one; a problem it never got right pairs its wrong answer, number corrected, with the same
+    answer as it was (the two differ in the number alone); an answer with no number falls back to
+    the reference answer."""
+    from types import SimpleNamespace
+
+    from pairs import builtin_pairs, corrected
+    assert corrected("So 12 + 30 = 42. The answer is 41.", "41", "42") == \
+        "So 12 + 30 = 42. The answer is 42."
+    assert corrected("I do not know.", None, "42") is None
+    cfg = SimpleNamespace(seed=0, builtin_problems=3, builtin_samples=2, template="answer-is",
+                          chat=True)
+    from data import arith_stream
+    stream = arith_stream(cfg.seed + 1)
+    answers = [next(stream)["answer"] for _ in range(3)]
+    wrong = str(int(answers[1]) + 1)
+    texts = [f"The answer is {answers[0]}.", "The answer is 7.",  # right, then wrong
+             f"I add them: the answer is {wrong}.", "no idea",  # wrong twice, one with a number
+             "no idea", "none"]  # wrong twice, no number at all
+
+    class Rollout:
+        def generate(self, prompt_ids, n, sampling):
+            ids = [tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                   for t in texts]
+            return SimpleNamespace(text=texts, completion_ids=ids, truncated=[False] * 6)
+
+    def text(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    for correct_own in (False, True):
+        pairs = builtin_pairs(Rollout(), tokenizer, cfg, correct_own)
+        assert [text(p.rejected) for p in pairs] == ["The answer is 7.", texts[2], "no idea"]
+        chosen = [text(p.chosen) for p in pairs]
+        assert chosen[0] == texts[0] and chosen[2] == f"The answer is {answers[2]}."
+        assert chosen[1] == (f"I add them: the answer is {answers[1]}." if correct_own else
+                             f"The answer is {answers[1]}.")
