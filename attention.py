@@ -1,0 +1,172 @@
+"""smolrl's attention: SDPA, except in the two places where smolrl knows the layout better than a
+mask can say it.
+
+    a decoding step (one query a row)      each KV head's keys and values read once for the query
+                                           heads that share it, the softmax in fp32 (the engine)
+    a packed row of a shared prompt        each completion against its prompt's keys and its own,
+    (model.share_prompts)                  never against the other completions of the row
+
+The second is what makes prompt sharing pay on long rows. A GRPO group packed as one row -- its
+prompt once, then its G completions -- is P + G n tokens long; SDPA given the row's mask still
+computes every query against every key of the row, (P + G n)^2 pairs, and its masked kernel runs
+slower than its causal one. Its keys are few and known: the prompt's and the completion's own.
+So the completions are gathered into a batch of their own, each row the completion's n queries
+against its prompt's P keys followed by its own n keys, and run through one SDPA call: G n (P + n)
+pairs. (Prefix-shared or "cascade" attention: Hydragen, Juravsky et al. 2024; FlashInfer's.)
+
+    python -c "import attention"      # registers "smolrl" with transformers' AttentionInterface
+
+A model takes it with use_smolrl_attention(model) (load_model and the HF engine call it); a model
+whose attention is not pluggable keeps SDPA, and share_prompts then hands it the row's mask.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+NAME = "smolrl"
+
+
+class PrefixLayout(NamedTuple):
+    """Where a packed batch's completions sit (model.share_prompts builds it): R rows of L tokens,
+    each a prompt (at most P tokens, from position 0) followed by completions; S completions of
+    at most n tokens in all. Indices are flat, row * L + position."""
+    prompt_len: int  # P: the longest prompt
+    queries: torch.Tensor  # (S, n) each completion's tokens (padding repeats its first)
+    keys: torch.Tensor  # (S, P + n) the keys it sees: its prompt's, then its own
+    mask: torch.Tensor  # (S, 1, n, P + n) bool: the real prompt keys, its own earlier tokens
+    source: torch.Tensor  # (R L,) each position's output in cat(prompt outputs, completion
+    #                       outputs, one zero row): prompts' from the first, completions' from the
+    #                       second, padding's the zero row
+
+
+def prefix_layout(segment: torch.Tensor, prompt_lens: list[int]) -> PrefixLayout:
+    """The layout of packed rows from `segment` (R, L): 0 for a prompt token, i for the i-th
+    completion of its row, -1 for padding (as share_prompts marks them); prompt_lens (R,)."""
+    R, L = segment.shape
+    P = max(prompt_lens)
+    queries, prompts, lengths = [], [], []
+    for r in range(R):
+        for i in range(1, int(segment[r].max()) + 1):
+            where = (segment[r] == i).nonzero().flatten() + r * L  # (n_i,) flat positions
+            if len(where):
+                queries.append(where)
+                prompts.append(r)
+                lengths.append(len(where))
+    n = max(lengths)
+    S = len(queries)
+    own = torch.stack([torch.cat([q, q[:1].expand(n - len(q))]) for q in queries])  # (S, n)
+    prompt = torch.tensor(prompts)[:, None] * L + torch.arange(P)  # (S, P)
+    P_of = torch.tensor([prompt_lens[r] for r in prompts])  # (S,)
+    i = torch.arange(n)
+    sees_prompt = torch.arange(P)[None, None, :] < P_of[:, None, None]  # (S, 1, P)
+    sees_own = (i[None, None, :] <= i[None, :, None]) \
+        & (i[None, None, :] < torch.tensor(lengths)[:, None, None])  # (S, n, n)
+    mask = torch.cat([sees_prompt.expand(S, n, P), sees_own], dim=-1)[:, None]  # (S, 1, n, P+n)
+    source = torch.full((R * L,), R * P + S * n)  # the zero row
+    flat = torch.arange(R * L)
+    in_prompt = (segment.flatten() == 0)
+    source[in_prompt] = (flat // L * P + flat % L)[in_prompt]
+    for s, q in enumerate(queries):
+        source[q] = R * P + s * n + torch.arange(len(q))
+    return PrefixLayout(P, own, torch.cat([prompt, own], dim=1), mask, source)
+
+
+def prefix_shared_attention(query, key, value, layout: PrefixLayout, scaling, dropout: float):
+    """Attention over packed rows of shared prompts (see the module docstring).
+
+    query (R, H, L, D), key and value (R, KV, L, D) -> (R, L, H, D)."""
+    R, H, L, D = query.shape
+    P = layout.prompt_len
+    # The prompts, causal among their own first P tokens (a shorter prompt's later positions hold
+    # completion tokens: their outputs here are not used)
+    causal = torch.ones(1, 1, P, P, dtype=torch.bool, device=query.device).tril()
+    head = small_attention(query[:, :, :P], key[:, :, :P], value[:, :, :P], causal, scaling,
+                           dropout)  # (R, H, P, D)
+    flat = lambda x: x.transpose(1, 2).reshape(R * L, x.shape[1], D)  # noqa: E731 (R L, heads, D)
+    q = flat(query)[layout.queries].transpose(1, 2)  # (S, H, n, D)
+    k = flat(key)[layout.keys].transpose(1, 2)  # (S, KV, P + n, D)
+    v = flat(value)[layout.keys].transpose(1, 2)
+    tail = small_attention(q, k, v, layout.mask, scaling, dropout)  # (S, H, n, D)
+    outputs = torch.cat([head.transpose(1, 2).reshape(-1, H, D),
+                         tail.transpose(1, 2).reshape(-1, H, D), head.new_zeros(1, H, D)])
+    return outputs[layout.source].view(R, L, H, D)
+
+
+SMALL_SCORES = 2**22  # attention scores a call may hold (~16 MB in fp32 a layer, kept for backward)
+
+
+def small_attention(q, k, v, mask, scaling, dropout: float):
+    """SDPA's result for q (B, H, n, D), k and v (B, KV, m, D), mask (B or 1, 1, n, m) bool.
+    Short rows -- a prompt, a completion against it -- run as two matmuls and an fp32 softmax:
+    SDPA's CPU kernel pays per row block, and its backward took 2-4x as long as the matmuls' in
+    bf16 at such sizes (a 2-core EPYC Zen 4). Long rows keep SDPA, which holds no (n, m) scores."""
+    B, H, n, D = q.shape
+    KV, m = k.shape[1], k.shape[2]
+    if B * H * n * m > SMALL_SCORES or dropout:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
+                                              enable_gqa=True, dropout_p=dropout)
+    g = H // KV  # query heads per KV head: each KV head's keys are read once for its g
+    scores = (q.reshape(B, KV, g * n, D) @ k.transpose(-1, -2)).float() * scaling  # (B,KV,g n,m)
+    scores = scores.view(B, KV, g, n, m).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, KV, g * n, m)
+    return (probs @ v).view(B, H, n, D)
+
+
+def decode_attention(query, key, value, attention_mask, scaling):
+    """A decoding step. Its cost is reading the keys and values: here each KV head's are read
+    once for the query heads that share it (grouped-query attention), with the softmax in fp32.
+    SDPA's CPU kernel took 17 ms a layer for 64 rows of 400 tokens in bf16 -- 70 % of a SmolLM2
+    decoding step, ~18x its bytes' time at the measured bandwidth.
+
+    query (B, H, 1, D), key and value (B, KV, L, D), attention_mask (B, 1, 1, L) bool (True:
+    attend) or None -> (B, 1, H, D)."""
+    B, H, _, D = query.shape
+    KV, L = key.shape[1], key.shape[2]
+    q = query.reshape(B, KV, H // KV, D)  # the query heads of each KV head
+    scores = torch.matmul(q, key.transpose(-1, -2)).float() * scaling  # (B, KV, H/KV, L)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, -L:]  # (B, 1, 1, L)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+            else scores + mask.float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value)  # (B, KV, H/KV, D)
+    return out.reshape(B, 1, H, D)
+
+
+def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+              scaling: float | None = None, prefix_layout: PrefixLayout | None = None, **kwargs):
+    """The attention function transformers calls in each layer ("smolrl"): the two cases above,
+    and SDPA for everything else -- and for sliding windows, soft-capping and attention sinks,
+    which neither case handles."""
+    special = kwargs.get("sliding_window") or kwargs.get("softcap") \
+        or getattr(module, "sinks", None) is not None
+    scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if prefix_layout is not None and not special:
+        return prefix_shared_attention(query, key, value, prefix_layout, scaling, dropout), None
+    if query.shape[2] == 1 and key.shape[2] > 1 and not special:
+        return decode_attention(query, key, value, attention_mask, scaling), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(NAME, attention)
+AttentionMaskInterface.register(NAME, sdpa_mask)  # (the masks SDPA is given)
+
+
+def use_smolrl_attention(model) -> bool:
+    """Switch a model that runs SDPA to smolrl's attention; False where it cannot take it (a model
+    that runs another attention, or whose attention is not pluggable, keeps its own)."""
+    if model.config.get_text_config()._attn_implementation == NAME:
+        return True
+    if model.config.get_text_config()._attn_implementation != "sdpa":
+        return False
+    try:
+        model.set_attn_implementation(NAME)
+    except (ValueError, AttributeError):
+        return False
+    return model.config.get_text_config()._attn_implementation == NAME
