@@ -222,6 +222,7 @@ def step_record(step: int, sampled, update: dict, train_seconds: float, sync_sec
     """A GRPO step's metrics from what it sampled (a grpo.Scored, every round) and its update.
     These, not the loss (~0 by construction on-policy), say whether RL is working."""
     comps, rewards = sampled.completions, sampled.rewards
+    update_seconds = train_seconds - update.get("detail_seconds", 0.0)
     lens = torch.tensor([len(c) for c in comps.completion_ids], dtype=torch.float)
     record = {
         "step": step,
@@ -237,9 +238,10 @@ def step_record(step: int, sampled, update: dict, train_seconds: float, sync_sec
                              float(lens.sum())) / sampled.gen_seconds if sampled.gen_seconds
         else 0.0,  # (--replay: nothing was generated)
         "train_tokens_per_s": update["trained_tokens"] / max(train_seconds, 1e-9),
-        # the update's model FLOPs over its seconds, against the trainers' peak (hardware.py)
-        "mfu": (update.get("model_flops", 0.0) / train_seconds / update["peak_flops"]
-                if train_seconds and update.get("peak_flops") else 0.0),
+        # the update's model FLOPs over its seconds, against the trainers' peak (hardware.py);
+        # not the rollout log's extra pass, which is no part of the update (detail_seconds)
+        "mfu": (update.get("model_flops", 0.0) / update_seconds / update["peak_flops"]
+                if update_seconds > 0 and update.get("peak_flops") else 0.0),
         # decoding's memory-bandwidth floor over the engine's seconds (hardware.py)
         "gen_bw_frac": comps.decode_bound / sampled.gen_seconds if sampled.gen_seconds else 0.0,
         # prompt tokens whose keys and values came from a cache: a group's shared prompt, an

@@ -444,3 +444,6 @@ def test_an_episodes_engine_holds_its_longest_turn_and_counts_only_sampled_token
     sampled = rl.Scored([{}, {}], comps, torch.tensor([1.0, 0.0]), [], {}, gen_seconds=2.0)
     update = {"trained_tokens": 0}
     assert step_record(1, sampled, update, 1.0, 0.0, 2)["gen_tokens_per_s"] == 5.0
+    # mfu: the update's FLOPs over the update's own seconds, the rollout log's pass left out
+    update = {"trained_tokens": 0, "model_flops": 6e9, "peak_flops": 1e10, "detail_seconds": 0.5}
+    assert step_record(1, sampled, update, 2.0, 0.0, 2)["mfu"] == pytest.approx(0.4)
