@@ -44,9 +44,10 @@ class PrefixLayout(NamedTuple):
     #                       second, padding's the zero row
 
 
-def prefix_layout(segment: torch.Tensor, prompt_lens: list[int]) -> PrefixLayout:
+def prefix_layout(segment: torch.Tensor, prompt_lens: list[int], device) -> PrefixLayout:
     """The layout of packed rows from `segment` (R, L): 0 for a prompt token, i for the i-th
-    completion of its row, -1 for padding (as share_prompts marks them); prompt_lens (R,)."""
+    completion of its row, -1 for padding (as share_prompts marks them); prompt_lens (R,). Built
+    on the host, handed over on `device`."""
     R, L = segment.shape
     P = max(prompt_lens)
     queries, prompts, lengths = [], [], []
@@ -73,7 +74,8 @@ def prefix_layout(segment: torch.Tensor, prompt_lens: list[int]) -> PrefixLayout
     source[in_prompt] = (flat // L * P + flat % L)[in_prompt]
     for s, q in enumerate(queries):
         source[q] = R * P + s * n + torch.arange(len(q))
-    return PrefixLayout(P, own, torch.cat([prompt, own], dim=1), mask, source)
+    return PrefixLayout(P, own.to(device), torch.cat([prompt, own], dim=1).to(device),
+                        mask.to(device), source.to(device))
 
 
 def prefix_shared_attention(query, key, value, layout: PrefixLayout, scaling, dropout: float):

@@ -492,13 +492,13 @@ MAX_SHARED_LEN = 2048
 def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPrompts | None:
     """The G samples of a GRPO group have one prompt, so the training forward need not run it G
     times: each distinct prompt goes through the decoder once, followed by all of its completions,
-    in one row whose attention mask lets a completion see the prompt and its own earlier tokens --
-    never another completion -- and whose position ids restart at the prompt's end for each
-    completion. Every completion token gets exactly the state it would get in its own row (the
+    in one row where a completion sees the prompt and its own earlier tokens -- never another
+    completion -- and whose position ids restart at the prompt's end for each completion (said to
+    smolrl's attention as where the completions are, attention.PrefixLayout; to SDPA as a mask). Every completion token gets exactly the state it would get in its own row (the
     same keys, the same positions), for a fraction of the tokens when prompts are long next to
     completions (arith: 55-token prompts, <= 24-token answers). None -- run the rows as they
-    are -- when sharing saves less than a fifth of the tokens, when the packed row would be long
-    or longer than the model's sliding window, and for models not verified to give every
+    are -- when sharing saves less than a fifth of the tokens, when the packed row would be longer
+    than the model's sliding window (or under SDPA, than MAX_SHARED_LEN), and for models not verified to give every
     completion the same log-probs shared as alone (check_head_logits sets
     smolrl_shares_prompts: hybrid Mamba / linear-attention decoders run a packed row as one
     sequence, and some models cannot take a custom mask at all)."""
@@ -511,6 +511,8 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
     input_ids, prompt_lens = input_ids.cpu(), prompt_lens.cpu()
     completion_lens = completion_lens.cpu()
     B, T = input_ids.shape[0], int(completion_lens.max())
+    if T == 0:
+        return None  # (no completion token to predict)
     members: dict[tuple, list[int]] = {}  # prompt tokens -> the rows that have it
     for b in range(B):
         members.setdefault(tuple(input_ids[b, :prompt_lens[b]].tolist()), []).append(b)
@@ -540,10 +542,9 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
             state[b, :min(n, 1)] = P - 1  # the first token is predicted by the prompt's last state
             start += n
     if attention == ATTENTION:  # each completion against its prompt and itself (attention.py)
-        layout = prefix_layout(segment, [len(p) for p in members])
-        return SharedPrompts(ids.to(device), positions.to(device), None,
-                             PrefixLayout(*(x.to(device) if torch.is_tensor(x) else x
-                                            for x in layout)), row.to(device), state.to(device))
+        layout = prefix_layout(segment, [len(p) for p in members], device)
+        return SharedPrompts(ids.to(device), positions.to(device), None, layout, row.to(device),
+                             state.to(device))
     q, k = segment[:, :, None], segment[:, None, :]  # (R, L, 1), (R, 1, L)
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     # Padding attends to itself only: a query that attends to nothing gives NaN in SDPA.
