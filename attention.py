@@ -113,10 +113,12 @@ def small_attention(q, k, v, mask, scaling, dropout: float):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
                                               enable_gqa=True, dropout_p=dropout)
     g = H // KV  # query heads per KV head: each KV head's keys are read once for its g
-    scores = (q.reshape(B, KV, g * n, D) @ k.transpose(-1, -2)).float() * scaling  # (B,KV,g n,m)
+    # In fp32 throughout, as SDPA's kernel accumulates: scores rounded to bf16 would be off by
+    # ~0.4 % of their size
+    scores = (q.float().reshape(B, KV, g * n, D) @ k.float().transpose(-1, -2)) * scaling
     scores = scores.view(B, KV, g, n, m).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(B, KV, g * n, m)
-    return (probs @ v).view(B, H, n, D)
+    probs = torch.softmax(scores, dim=-1).view(B, KV, g * n, m)  # (B, KV, g n, m)
+    return (probs @ v.float()).view(B, H, n, D).to(v.dtype)
 
 
 def decode_attention(query, key, value, attention_mask, scaling):
@@ -140,6 +142,16 @@ def decode_attention(query, key, value, attention_mask, scaling):
     return out.reshape(B, 1, H, D)
 
 
+def takes_layouts(config) -> bool:
+    """Whether every layer of a model with this (text) config attends to all earlier tokens,
+    plainly: no sliding window, no soft-capping, no layer of another type (Qwen2's and Gemma's
+    sliding layers). Packed rows of other models carry SDPA's mask instead (share_prompts)."""
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    return not getattr(config, "sliding_window", None) \
+        and not getattr(config, "attn_logit_softcapping", None) \
+        and all(t == "full_attention" for t in layer_types)
+
+
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
               scaling: float | None = None, prefix_layout: PrefixLayout | None = None, **kwargs):
     """The attention function transformers calls in each layer ("smolrl"): the two cases above,
@@ -148,7 +160,10 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
     special = kwargs.get("sliding_window") or kwargs.get("softcap") \
         or getattr(module, "sinks", None) is not None
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if prefix_layout is not None and not special:
+    if prefix_layout is not None:
+        if special:  # (share_prompts hands a layout only where takes_layouts says so)
+            raise ValueError("a packed row's layout reached a layer with a sliding window, "
+                             "soft-capping or sinks: it needs SDPA's mask")
         return prefix_shared_attention(query, key, value, prefix_layout, scaling, dropout), None
     if query.shape[2] == 1 and key.shape[2] > 1 and not special:
         return decode_attention(query, key, value, attention_mask, scaling), None

