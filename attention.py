@@ -11,13 +11,14 @@ prompt once, then its G completions -- is P + G n tokens long; SDPA given the ro
 computes every query against every key of the row, (P + G n)^2 pairs, and its masked kernel runs
 slower than its causal one. Its keys are few and known: the prompt's and the completion's own.
 So the completions are gathered into a batch of their own, each row the completion's n queries
-against its prompt's P keys followed by its own n keys, and run through one SDPA call: G n (P + n)
-pairs. (Prefix-shared or "cascade" attention: Hydragen, Juravsky et al. 2024; FlashInfer's.)
+against its prompt's P keys followed by its own n keys, and run through one attention call:
+G n (P + n) pairs. (Prefix-shared or "cascade" attention: Hydragen, Juravsky et al. 2024; FlashInfer's.)
 
     python -c "import attention"      # registers "smolrl" with transformers' AttentionInterface
 
-A model takes it with use_smolrl_attention(model) (load_model and the HF engine call it); a model
-whose attention is not pluggable keeps SDPA, and share_prompts then hands it the row's mask.
+A model takes it with use_smolrl_attention(model) (load_model and the HF engine call it). A model
+whose attention is not pluggable keeps SDPA, and share_prompts hands its packed rows SDPA's mask --
+as it does for a model with a sliding window or soft-capping (takes_layouts).
 """
 
 from typing import NamedTuple
@@ -104,7 +105,7 @@ SMALL_SCORES = 2**22  # attention scores a call may hold (~16 MB in fp32 a layer
 
 def small_attention(q, k, v, mask, scaling, dropout: float):
     """SDPA's result for q (B, H, n, D), k and v (B, KV, m, D), mask (B or 1, 1, n, m) bool.
-    Short rows -- a prompt, a completion against it -- run as two matmuls and an fp32 softmax:
+    Short rows -- a prompt, a completion against it -- run as two matmuls and a softmax:
     SDPA's CPU kernel pays per row block, and its backward took 2-4x as long as the matmuls' in
     bf16 at such sizes (a 2-core EPYC Zen 4). Long rows keep SDPA, which holds no (n, m) scores."""
     B, H, n, D = q.shape
