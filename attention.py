@@ -100,26 +100,64 @@ def prefix_shared_attention(query, key, value, layout: PrefixLayout, scaling, dr
     return outputs[layout.source].view(R, L, H, D)
 
 
-SMALL_SCORES = 2**22  # attention scores a call may hold (~16 MB in fp32 a layer, kept for backward)
+SMALL_SCORES = 2**22  # attention scores a call may compute (~16 MB in fp32 a layer)
 
 
 def small_attention(q, k, v, mask, scaling, dropout: float):
     """SDPA's result for q (B, H, n, D), k and v (B, KV, m, D), mask (B or 1, 1, n, m) bool.
-    Short rows -- a prompt, a completion against it -- run as two matmuls and a softmax:
-    SDPA's CPU kernel pays per row block, and its backward took 2-4x as long as the matmuls' in
-    bf16 at such sizes (a 2-core EPYC Zen 4). Long rows keep SDPA, which holds no (n, m) scores."""
+    Short rows -- a prompt, a completion against it -- run as two matmuls and a softmax
+    (SmallAttention): SDPA's CPU kernel pays per row block, and its backward took 2-4x as long as
+    the matmuls' in bf16 at such sizes (a 2-core EPYC Zen 4). Long rows keep SDPA."""
     B, H, n, D = q.shape
-    KV, m = k.shape[1], k.shape[2]
-    if B * H * n * m > SMALL_SCORES or dropout:
+    if B * H * n * k.shape[2] > SMALL_SCORES or dropout:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
                                               enable_gqa=True, dropout_p=dropout)
-    g = H // KV  # query heads per KV head: each KV head's keys are read once for its g
-    # In fp32 throughout, as SDPA's kernel accumulates: scores rounded to bf16 would be off by
-    # ~0.4 % of their size
-    scores = (q.float().reshape(B, KV, g * n, D) @ k.float().transpose(-1, -2)) * scaling
-    scores = scores.view(B, KV, g, n, m).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(B, KV, g * n, m)  # (B, KV, g n, m)
-    return (probs @ v.float()).view(B, H, n, D).to(v.dtype)
+    return SmallAttention.apply(q, k, v, mask, scaling)
+
+
+def _probs(q, k, mask, scaling):
+    """softmax(q k^T scaling) where `mask` allows, in fp32 throughout as SDPA's kernel accumulates
+    (scores rounded to bf16 would be off by ~0.4 % of their size). Each KV head's keys are read
+    once for its g query heads: q (B, KV, g n, D), k (B, KV, m, D) -> (B, KV, g n, m)."""
+    B, KV, gn, _ = q.shape
+    n, m = mask.shape[-2], k.shape[2]
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scaling
+    scores = scores.view(B, KV, gn // n, n, m).masked_fill(~mask[:, :, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).view(B, KV, gn, m)
+
+
+class SmallAttention(torch.autograd.Function):
+    """Attention as matmuls whose backward recomputes the probabilities from q and k, as
+    FlashAttention's does, instead of keeping them: autograd would keep B H n m fp32 numbers a
+    layer for the backward -- on the multiply episodes' micro-batch, as much again as all the
+    rest of a layer's activations. The backward of o = p v, p = softmax(s), s = q k^T scaling:
+
+        dv = p^T do      dp = do v^T      ds = p * (dp - rowsum(dp * p))
+        dq = ds k scaling                 dk = ds^T q scaling"""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, scaling):
+        B, H, n, D = q.shape
+        KV = k.shape[1]
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.scaling = scaling
+        p = _probs(q.reshape(B, KV, H // KV * n, D), k, mask, scaling)
+        return (p @ v.float()).view(B, H, n, D).to(v.dtype)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, mask = ctx.saved_tensors
+        B, H, n, D = q.shape
+        KV = k.shape[1]
+        q = q.reshape(B, KV, H // KV * n, D)  # (B, KV, g n, D)
+        p = _probs(q, k, mask, ctx.scaling)  # (B, KV, g n, m), recomputed
+        d_out = d_out.float().reshape(B, KV, H // KV * n, D)
+        dv = p.transpose(-1, -2) @ d_out  # (B, KV, m, D)
+        dp = d_out @ v.float().transpose(-1, -2)  # (B, KV, g n, m)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scaling
+        dq = (ds @ k.float()).view(B, H, n, D)
+        dk = ds.transpose(-1, -2) @ q.float()  # (B, KV, m, D): summed over each head's g queries
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def decode_attention(query, key, value, attention_mask, scaling):

@@ -286,11 +286,12 @@ TASKS = {
     # agentic, offline: a calculator for 3-digit multiplication; a guessing game over turns, with
     # room for four guesses and the final word (bisection finds 15 numbers of 16 in four guesses;
     # guessing at random among the numbers still possible, 58 % of them). Episodes run to 300-400
-    # tokens: 16 a micro-batch (a token's activations for the backward are ~0.5 MB on SmolLM2; 64
-    # episodes a micro-batch, measured, took 24 GB on a CPU for guess, 18.9 GB for multiply's PPO)
-    "multiply": Task("multiply", "", "answer-is", 48, 0.7, "multiply", 128, 1e-5, 16, 16, 8,
+    # tokens: 8 a micro-batch (a token's activations for the backward are ~0.8 MB on SmolLM2;
+    # multiply's GRPO stage peaked at 4.0 GB resident with 8, 5.0 GB with 16, at the same speed;
+    # 64 episodes a micro-batch took 24 GB for guess, 18.9 GB for multiply's PPO)
+    "multiply": Task("multiply", "", "answer-is", 48, 0.7, "multiply", 128, 1e-5, 16, 8, 8,
                      tools="calculator"),
-    "guess": Task("guess", "", "raw", 48, 0.7, "guess", 64, 1e-5, 16, 16, 8, reward="",
+    "guess": Task("guess", "", "raw", 48, 0.7, "guess", 64, 1e-5, 16, 8, 8, reward="",
                   env="env:GuessTheNumber", max_turns=5),
 }
 

@@ -50,7 +50,7 @@ from options import RLOptions
 from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import log_rollouts, replayed, train_batch, with_detail
 from rollout import HFRollout
-from trainer import UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
+from trainer import UpdateStats, any_rank_trains, count_bad_steps
 from trainer import micro_batches, optimizer_step
 
 
@@ -196,7 +196,6 @@ def train_on_rollout(trainer, batch) -> dict:
                 mb.token_mask[scores.rows, scores.cols].float()  # (n,)
             loss = (scores.divergence * mask).sum() / batch.denom  # token-mean, global batch
             loss.backward()  # micro-batches add up to the batch's loss
-            add_to_master_grads(trainer)
             tokens = mask.sum().clamp(min=1)
             stats.add(loss, {key: float((getattr(scores, key) * mask).sum() / tokens) for key in
                              ("reverse_kl", "student_logprob", "teacher_logprob")},

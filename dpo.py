@@ -40,7 +40,7 @@ from pairs import Pair, builtin_pairs, tokenize_pairs
 from reward import Grader
 from rollout import HFRollout, Sampling
 from session import close_run, offline_loop, open_run, resume_driver, start_log
-from trainer import add_to_master_grads, export_model, optimizer_step, resume_trainer
+from trainer import export_model, optimizer_step, resume_trainer
 from trainer import save_trainer, setup_trainer
 
 
@@ -258,7 +258,6 @@ def train_step(trainer, pairs: list[Pair], refs: list | None, cfg: Config) -> di
                              refs[s:s + cfg.micro_batch_size] if refs else None, cfg,
                              trainer.device, len(pairs))
         loss.backward()
-        add_to_master_grads(trainer)
         sums = {k: sums.get(k, 0.0) + v for k, v in m.items()}
     grad_norm = optimizer_step(trainer, sums["loss"])
     seconds = time.time() - t0

@@ -40,7 +40,7 @@ from reward import Grader, RewardFunctions
 from rl import Scored, end_step, finish_session, sampling_seed, score, start_rollout
 from rl import log_rollouts, replayed, start_session, train_batch, with_detail
 from rollout import policy_lag
-from trainer import Trainer, UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
+from trainer import Trainer, UpdateStats, any_rank_trains, count_bad_steps
 from trainer import engine_correction, frozen_logprobs, micro_batches, optimizer_step
 from trainer import logprobs_after_update, policy_logprobs, reference_logprobs, same_pass_count
 from trainer import untrained_mismatch
@@ -318,7 +318,6 @@ def train_on_rollout(trainer: Trainer, batch) -> dict:
                 (loss * 0.0).backward()
                 continue
             (loss * trainer.world if trainer.sharded else loss).backward()  # micro-batches add up
-            add_to_master_grads(trainer)
             stats.add(loss, metrics, entropy, mask)
             if update == 0:  # what the loss read, for the rollout log's detail rows
                 stats.keep_tokens(batch, idx, logprob=logprobs, old_logprob=old, entropy=entropy,

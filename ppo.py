@@ -48,7 +48,7 @@ from options import RLOptions
 from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import log_rollouts, replayed, train_batch, with_detail
 from rollout import policy_lag
-from trainer import UpdateStats, add_to_master_grads, any_rank_trains, count_bad_steps
+from trainer import UpdateStats, any_rank_trains, count_bad_steps
 from trainer import engine_correction, logprobs_after_update
 from trainer import frozen_logprobs, micro_batches, optimizer_step, policy_logprobs
 from trainer import reference_logprobs, refresh_bf16_copy, setup_trainer
@@ -258,7 +258,6 @@ def train_on_rollout(trainer, batch) -> dict:
             v_loss, v_metrics = value_loss(values, old_values[k], returns[k], masks[k],
                                            cfg.value_clip, batch.denom)
             v_loss.backward()
-            add_to_master_grads(critic)
             critic_loss += float(v_loss.detach())
             tokens = max(float(masks[k].sum()), 1.0)  # (per token, as the policy's metrics)
             value_metrics[k] = {key: v / tokens for key, v in v_metrics.items()}
@@ -287,7 +286,6 @@ def train_on_rollout(trainer, batch) -> dict:
                                           beta=cfg.kl_coef if cfg.kl_in_loss else 0.0,
                                           num_tokens=batch.denom)
                 loss.backward()
-                add_to_master_grads(trainer)
             else:
                 loss = torch.zeros(())
             stats.add(loss, {**metrics, **value_metrics[k]}, entropy, mask)

@@ -42,7 +42,7 @@ from options import ModelOptions, OfflineOptions, RunOptions, TrainOptions, sett
 from pairs import Pair, builtin_pairs, tokenize_pairs
 from rollout import HFRollout
 from session import close_run, offline_loop, open_run, resume_driver, start_log
-from trainer import add_to_master_grads, export_model, optimizer_step, resume_trainer
+from trainer import export_model, optimizer_step, resume_trainer
 from trainer import save_trainer, setup_trainer
 
 
@@ -225,7 +225,6 @@ def train_step(trainer, pairs: list[Pair], cfg: Config, suffix: list[int]) -> di
         loss, m = batch_loss(trainer.compute, pairs[s:s + cfg.micro_batch_size], cfg,
                              trainer.device, pad, suffix, len(pairs))
         loss.backward()
-        add_to_master_grads(trainer)
         sums = {k: sums.get(k, 0.0) + v for k, v in m.items()}
     grad_norm = optimizer_step(trainer, sums["loss"])
     seconds = time.time() - t0

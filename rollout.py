@@ -223,10 +223,11 @@ class HFRollout:
     suppressed tokens) into every call: changes the trainer's log-probs would never see. A sample
     leaves the batch at its stop token, so the steps after it cost less.
 
-    Generation runs on its own copy of the policy in the run's compute dtype (bf16 or fp32, as the
+    Generation runs on a copy of the policy in the run's compute dtype (bf16 or fp32, as the
     trainer computes: model.choose_dtype): autocast would re-cast every fp32 weight at every
-    decoding step, and the copy makes the HF engine behave like the vLLM one (it holds its own
-    weights; update_weights refreshes them). In bf16 on CPU this is ~1.3x faster than autocast.
+    decoding step (in bf16 on CPU the copy is ~1.3x faster). Its own copy, which update_weights
+    refreshes, as a vLLM engine holds its own -- or, in a trainer's process, the very tensors the
+    trainer computes with (shares_weights; trainer.setup_local).
 
     Episodes (env.Agent) call generate once a turn, each prompt the whole episode so far. Asked to
     (Sampling.keep_cache), the engine keeps every sample's keys and values (KeptRow) and the next
@@ -245,9 +246,12 @@ class HFRollout:
         # Not requires_grad_(False): measured here, it makes bf16 CPU generation 2.5x slower (a
         # different matmul path is taken); decoding already runs without autograd. A plain model
         # (a LoRA model's merged weights), filled tensor by tensor: no second full copy. A frozen
-        # model already in `dtype` (distill.py's teacher) is sampled from as it is
-        # (shares_weights): the engine then never takes other weights.
-        if shares_weights and next(model.parameters()).dtype == dtype:
+        # model already in `dtype` is sampled from as it is (shares_weights): distill.py's frozen
+        # teacher, or the very tensors a trainer in this process computes with (its bf16 copy, or
+        # its fp32 weights; trainer.setup_local), which its optimizer step has already updated
+        # when a sync comes -- then nothing to copy.
+        self.shares_weights = shares_weights and next(model.parameters()).dtype == dtype
+        if self.shares_weights:
             self.model = model.eval()
         else:
             self.model = empty_copy(model, dtype)
@@ -267,7 +271,8 @@ class HFRollout:
         """Take a state dict's or full_weights' (name, tensor) pairs one at a time, each copied
         (and cast) into the engine's own tensor."""
         t0 = time.perf_counter()
-        self._fill(named_tensors(weights))
+        if not self.shares_weights:
+            self._fill(named_tensors(weights))
         self.version, self.kept = version, {}
         return time.perf_counter() - t0
 
@@ -301,6 +306,7 @@ class HFRollout:
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], n: int, sampling: Sampling) -> Completions:
         t0 = time.perf_counter()
+        self.model.eval()  # (shared weights: the trainer may have left them in training mode)
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         kept, self.kept = self.kept, {}  # what the last call kept serves this one only
@@ -401,7 +407,11 @@ class HFRollout:
         found = [self._continued(p, kept, lengths) for p in prompts]
         if any(found):
             rows, held = [f[0] if f else None for f in found], [f[1] if f else 0 for f in found]
-            return kept_cache(rows, held), held, sum(held)
+            cache = kept_cache(rows, held)
+            used = {id(row) for row in rows}  # now in `cache`: freed, not held through the decode
+            for key in kept:
+                kept[key] = [row for row in kept[key] if id(row) not in used]
+            return cache, held, sum(held)
         prefix = shared_prefix(prompts)
         if len(prefix) < MIN_SHARED_PREFIX:
             return None, [0] * len(prompts), 0
@@ -717,15 +727,17 @@ PROMPT_ROOM = 2048  # tokens a vLLM engine holds for a prompt, beside the most i
 
 def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_tokens: int = 1024,
                  gpu_memory_utilization: float = 0.2, seed: int = 0, logprobs: bool = False,
-                 max_num_seqs: int | None = None,
+                 max_num_seqs: int | None = None, shares_weights: bool = False,
                  dtype: torch.dtype = torch.bfloat16):
     """The engine named by --rollout / --backend: "hf" or "vllm" (loads the folder `model` came
     from, then takes the trainer's current weights; max_new_tokens: the most tokens after a prompt,
     tokens_after_prompt), computing in `dtype` (the run's: see
     model.choose_dtype). vLLM always returns the log-probs it sampled with; HF when asked
-    (`logprobs`)."""
+    (`logprobs`). shares_weights: the HF engine samples from `model`'s own tensors where they are
+    in `dtype` (HFRollout)."""
     if kind == "hf":
-        return HFRollout(model, tokenizer, device=device, logprobs=logprobs, dtype=dtype)
+        return HFRollout(model, tokenizer, device=device, logprobs=logprobs, dtype=dtype,
+                         shares_weights=shares_weights)
     if kind == "vllm":
         try:
             import vllm  # noqa: F401

@@ -52,7 +52,7 @@ from options import EpisodeOptions, ModelOptions, OfflineOptions, RunOptions, Tr
 from reward import Grader
 from rollout import HF_BATCH, HFRollout
 from session import close_run, offline_loop, open_run, resume_driver, start_log
-from trainer import add_to_master_grads, export_model, micro_batches, optimizer_step, save_trainer
+from trainer import export_model, micro_batches, optimizer_step, save_trainer
 from trainer import setup_trainer
 
 
@@ -396,7 +396,6 @@ def batch_loss(trainer, examples: list[Example], cfg: Config, train: bool) -> di
             loss = sft_loss(logprobs, mb.trained.to(trainer.device), num_tokens)
         if train:
             loss.backward()
-            add_to_master_grads(trainer)  # (bf16 copy: its gradients into the fp32 masters)
         sums["loss"] += float(loss.detach())
         sums["entropy"] += float(entropy.sum())
         sums["padded_tokens"] += mb.input_ids.numel()

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM,
                           GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
                           PhiConfig, PhiForCausalLM)
@@ -320,6 +321,32 @@ def test_smolrl_attention_gives_the_logits_sdpa_gives():
         step = model(input_ids=ids[:, 8:], past_key_values=first.past_key_values).logits
     torch.testing.assert_close(whole, want)
     torch.testing.assert_close(step[:, -1], want[:, -1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_attention_recomputes_in_its_backward_the_gradients_sdpa_gives(dtype):
+    """attention.SmallAttention keeps q, k and v for the backward, not the probabilities, and
+    recomputes them there: its output and its gradients for q, k and v must be SDPA's (computed
+    in fp64 as the reference) to the input dtype's rounding, with grouped query heads and a
+    mask whose rows see different keys."""
+    from attention import SmallAttention
+    torch.manual_seed(0)
+    B, H, KV, n, m, D = 3, 6, 2, 5, 9, 8
+    q, k, v = (torch.randn(B, h, length, D).to(dtype).requires_grad_()
+               for h, length in ((H, n), (KV, m), (KV, m)))
+    mask = torch.rand(B, 1, n, m) < 0.6
+    mask[..., 0] = True  # every query sees a key
+    d_out = torch.randn(B, H, n, D)
+    got = SmallAttention.apply(q, k, v, mask, 0.3)
+    got.backward(d_out.to(dtype))
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*ref, attn_mask=mask, scale=0.3, enable_gqa=True)
+    want.backward(d_out.double())
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    assert got.dtype == dtype and all(t.grad.dtype == dtype for t in (q, k, v))
+    torch.testing.assert_close(got.double(), want, **tol)
+    for mine, theirs in zip((q, k, v), ref):
+        torch.testing.assert_close(mine.grad.double(), theirs.grad, **tol)
 
 
 @pytest.mark.parametrize("arch", ["mistral-window", "qwen2-sliding-layer"])

@@ -283,3 +283,35 @@ def test_a_ray_engine_is_built_from_what_the_trainers_start_from_and_samples_as_
     sampling = Sampling(8, temperature=1.0, seed=5)
     a, b = local.generate(prompts, 4, sampling), remote.generate(prompts, 4, sampling)
     assert a.completion_ids == b.completion_ids and a.engine_logprobs == b.engine_logprobs
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_one_process_hf_engine_samples_from_the_trainers_own_tensors(dtype, tiny_model_dir,
+                                                                          tmp_path, monkeypatch):
+    """setup_local's HF engine holds no weights of its own: it decodes with the very tensors the
+    trainer computes with (the bf16 copy, or the fp32 weights), so the optimizer step's new
+    weights reach it with nothing copied, and it samples what an engine holding a copy of those
+    weights samples, bit for bit."""
+    import grpo
+    import trainer as trainer_module
+    from conftest import make_batch
+    from data import parse_config
+    from model import full_weights
+    cfg = parse_config(grpo.Config, ["--model", tiny_model_dir, "--dtype", dtype, "--lr", "1e-2",
+                                     "--max-new-tokens", "8", "--out", str(tmp_path / "out")])
+    made = []
+    setup = type(cfg).setup
+    monkeypatch.setattr(type(cfg), "setup", lambda self, *a: made.append(setup(self, *a)) or made[0])
+    run = trainer_module.setup_local(cfg, grpo.train_on_rollout)
+    trainer, engine = made[0], run.rollout
+    engine_tensors = {p.data_ptr() for p in engine.model.parameters()}
+    assert engine_tensors == {p.data_ptr() for p in trainer.compute.parameters()}
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    run.train(make_batch([[5, 6, 7, 8]] * 2, [[9, 10, 11], [12, 13, 14]], [1.0, -1.0]))
+    assert run.sync_weights(1) >= 0 and engine.version == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
+    copy = HFRollout(trainer.model, trainer.tokenizer, dtype=engine.model.dtype)  # its own copy
+    copy.update_weights(full_weights(trainer.model))
+    prompts, sampling = [[5, 6, 7, 8], [9, 10, 11, 12, 13]], Sampling(8, temperature=1.0, seed=3)
+    a, b = engine.generate(prompts, 3, sampling), copy.generate(prompts, 3, sampling)
+    assert a.completion_ids == b.completion_ids
