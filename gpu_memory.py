@@ -54,6 +54,7 @@ class Workload(NamedTuple):
     max_num_seqs: int  # samples one generation call decodes together (vLLM's max_num_seqs)
     seq_len: int  # the longest sequence trained
     teacher: str = ""  # a frozen teacher's folder or hub id (distill.py), resident throughout
+    engine_shares_weights: bool = False  # the HF engine decodes from the trainer's own tensors
 
 
 class MemoryPlan(NamedTuple):
@@ -160,8 +161,9 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
     P, usable, dtype_bytes = shape.params, USABLE * device_bytes, 2 if run.bf16 else 4
     if run.lora_rank:  # the frozen base in fp32 under autocast; the adapters are negligible
         trainer = 4 * P
-    else:  # fp32 master weights 4 + gradients 4 + AdamW moments 8, bf16 copy and its gradient 4
-        trainer = (16 + (4 if run.bf16 else 0)) * P + (dtype_bytes * P if run.reference else 0)
+    else:  # fp32 master weights 4 + gradients 4 + AdamW moments 8, bf16 copy 2 (its gradients
+        # go into the fp32 ones one tensor at a time: trainer.bf16_copy)
+        trainer = (16 + (2 if run.bf16 else 0)) * P + (dtype_bytes * P if run.reference else 0)
     trainer /= run.shards
     frozen = dtype_bytes * model_shape(run.teacher).params if run.teacher else 0
     kv = 1.1 * run.batch_tokens * shape.kv_bytes_per_token * dtype_bytes / 2
@@ -171,8 +173,8 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
                   + run.max_num_seqs * shape.vocab * SAMPLER_BYTES)
         utilization = gpu_memory_utilization or math.ceil(100 * engine / device_bytes) / 100
         engine, kept = utilization * device_bytes, ENGINE_WORKSPACE  # (asleep: some stays)
-    elif run.engine == "hf":  # never sleeps: its weights stay while the trainer trains
-        kept = dtype_bytes * P
+    elif run.engine == "hf":  # never sleeps: its weights stay while the trainer trains (unless
+        kept = 0.0 if run.engine_shares_weights else dtype_bytes * P  # they are the trainer's)
         engine = kept + kv + run.max_num_seqs * shape.vocab * 4  # (+ a decode step's logits)
     if not run.engine_on_this_gpu:
         engine = kept = 0.0

@@ -279,6 +279,13 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
     def on_ray(self) -> bool:
         return self.num_trainers > 1 or self.num_engines > 1 or bool(self.ray_address)
 
+    def engine_shares_weights(self) -> bool:
+        """Whether the HF engine decodes from the very tensors the trainer computes with
+        (trainer.setup_local): in the trainer's process, not on Ray; not under LoRA (its engine
+        holds the merged weights); not with compiled layers (decoding's shapes would recompile)."""
+        return self.rollout == "hf" and not self.on_ray() and not self.lora_rank \
+            and not self.compile
+
     def workload(self) -> Workload:
         """What this run puts on one GPU, for gpu_memory.plan_memory."""
         samples = self.prompts_per_step * self.num_generations
@@ -287,7 +294,8 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
                         self.reference() and not self.lora_rank,
                         self.num_trainers if self.fsdp else 1, self.rollout,
                         self.colocate or not self.on_ray(), samples * (PROMPT_TOKENS + new_tokens),
-                        samples, PROMPT_TOKENS + new_tokens)
+                        samples, PROMPT_TOKENS + new_tokens,
+                        engine_shares_weights=self.engine_shares_weights())
 
 
 # ---------------------------------------------------------------------------------------------

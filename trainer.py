@@ -641,7 +641,7 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
     # on SmolLM2-135M in bf16), nothing to sync. Else (vLLM; LoRA, whose engine holds the merged
     # weights; compiled layers, which decoding's shapes would recompile) the engine holds a
     # plain model of its own, built without a second copy of the trainer's, and takes its weights.
-    shared = cfg.rollout == "hf" and not cfg.lora_rank and not cfg.compile
+    shared = cfg.engine_shares_weights()
     rollout = make_rollout(cfg.rollout, trainer.compute if shared else trainer.model,
                            trainer.tokenizer, device=trainer.device, shares_weights=shared,
                            dtype=DTYPES[cfg.dtype],

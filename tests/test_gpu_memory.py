@@ -36,13 +36,13 @@ def _plan(path, gb, **kw):
 
 
 def test_the_one_gpu_commands_get_settings_that_fit(qwen_1_5b):
-    """Full fine-tuning of 1.5B on 80 GB: 20 bytes a parameter resident (fp32 weights, gradients,
-    AdamW moments, the bf16 copy and its gradients), an engine share that holds the step's 64 x
+    """Full fine-tuning of 1.5B on 80 GB: 18 bytes a parameter resident (fp32 weights, gradients,
+    AdamW moments, the bf16 copy; its gradients go into the fp32 ones one at a time), an engine share that holds the step's 64 x
     1,536-token batch, its workspace and its sampler's profile of 64 requests (not vLLM's default
     1,024), and micro-batches of what is left. LoRA on 24 GB needs checkpointing. Full
     fine-tuning on 32 GB does not fit, and says so in one line."""
     full = _plan(qwen_1_5b, 80)
-    assert full.trainer_gb == pytest.approx(20 * 1.5437e9 / GB, rel=1e-3)
+    assert full.trainer_gb == pytest.approx(18 * 1.5437e9 / GB, rel=1e-3)
     assert not full.gradient_checkpointing and full.max_tokens_per_microbatch >= 4 * 1536
     used = (full.trainer_gb + full.logits_gb + 2 +
             full.activations_kb * 1024 * full.max_tokens_per_microbatch / GB)
@@ -84,7 +84,7 @@ def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
         parse_config(Config, ["--model", qwen_1_5b, "--rollout", "vllm", "--dry-run"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert "# memory plan (80 GB GPU, 90% usable): trainer 28.8 GB resident; vLLM engine" in out
+    assert "# memory plan (80 GB GPU, 90% usable): trainer 25.9 GB resident; vLLM engine" in out
     assert "gradient_checkpointing = false" in out and "gpu_memory_utilization = 0.09" in out
 
 
@@ -143,7 +143,8 @@ def test_the_plan_counts_the_tensors_a_run_really_holds(lora_rank, tiny_model_di
     """The plan's resident figures against the storages of the real tensors a CPU run holds at
     the optimizer step (issue 41: the teacher, the HF engine's weights, a LoRA engine were not in
     it): the trainer's weights, gradients, optimizer state, bf16 copy and KL reference; the HF
-    engine's own weights; distill.py's teacher, read in the compute dtype."""
+    engine's own weights (none when it decodes from the trainer's bf16 copy); distill.py's
+    teacher, read in the compute dtype."""
     import distill
     from conftest import make_batch
     from grpo import train_on_rollout
@@ -166,16 +167,16 @@ def test_the_plan_counts_the_tensors_a_run_really_holds(lora_rank, tiny_model_di
         return out
     monkeypatch.setattr(trainer.optimizer, "step", step)
     train_on_rollout(trainer, make_batch([[5, 6], [7, 8]], [[20, 21, 2], [22, 2]], [1.0, -1.0]))
-    engine = HFRollout(trainer.model, trainer.tokenizer, dtype=torch.bfloat16)
+    shares = cfg.engine_shares_weights()  # (one process; LoRA's engine holds merged weights)
+    engine = HFRollout(trainer.compute if shares else trainer.model, trainer.tokenizer,
+                       dtype=torch.bfloat16, shares_weights=shares)
     teacher = distill.load_teacher(tiny_model_dir, "cpu", torch.bfloat16)
     plan = gpu_memory.plan_memory(cfg.workload()._replace(teacher=tiny_model_dir), 80 * GB)
-    # ... and, until a micro-batch's gradients are added to the fp32 masters' (and freed), the
-    # bf16 copy's gradients: as large as the copy itself.
-    copy_grads = 0 if trainer.compute is trainer.model else _storage_bytes(
-        trainer.compute.parameters())
-    assert plan.trainer_gb * GB == pytest.approx(held["trainer"] + copy_grads, rel=0.05)
-    assert plan.engine_kept_gb * GB == pytest.approx(
-        _storage_bytes(engine.model.parameters()), rel=0.01)
+    # (the bf16 copy's gradients went into the fp32 ones as the backward made them: none left)
+    assert plan.trainer_gb * GB == pytest.approx(held["trainer"], rel=0.05)
+    own = 0 if engine.shares_weights else _storage_bytes(engine.model.parameters())
+    assert (own == 0) == (lora_rank == 0)  # full fine-tuning: the trainer's compute copy
+    assert plan.engine_kept_gb * GB == pytest.approx(own, rel=0.01)
     assert plan.frozen_gb * GB == pytest.approx(_storage_bytes(teacher.parameters()), rel=0.01)
 
 
