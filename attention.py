@@ -136,6 +136,8 @@ class SmallAttention(torch.autograd.Function):
         dq = ds k scaling                 dk = ds^T q scaling"""
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)  # (fp32 as written, under a caller's autocast too:
+    @torch.autocast("cuda", enabled=False)  # the backward runs outside it)
     def forward(ctx, q, k, v, mask, scaling):
         B, H, n, D = q.shape
         KV = k.shape[1]
@@ -145,6 +147,8 @@ class SmallAttention(torch.autograd.Function):
         return (p @ v.float()).view(B, H, n, D).to(v.dtype)
 
     @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
     def backward(ctx, d_out):
         q, k, v, mask = ctx.saved_tensors
         B, H, n, D = q.shape

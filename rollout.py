@@ -287,7 +287,8 @@ class HFRollout:
         self.weight_group = WeightGroup(host, port, rank, world_size, backend)
 
     def sleep(self):
-        """(The HF engine keeps its copy of the weights: nothing to free for a training step.)"""
+        """(The HF engine keeps its weights -- its own copy, or the trainer's tensors: nothing to
+        free for a training step.)"""
 
     def release_kept(self):
         """Free the keys and values kept for continuing calls (the episodes are over)."""

@@ -649,6 +649,7 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
                            gpu_memory_utilization=cfg.gpu_memory_utilization,
                            logprobs=cfg.engine_logprobs(),
                            max_num_seqs=cfg.prompts_per_step * cfg.num_generations)
+    assert rollout.shares_weights if shared else True  # (the memory plan counts on it)
     rollout.update_weights(weights_of(trainer), version=start_step)
     trainer.engine_bytes = getattr(rollout, "memory_bytes", 0)
 
@@ -656,6 +657,8 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
         rollout.sleep()  # the engine's GPU memory is the trainer's until the sync that follows
         return_free_memory()  # (what the rollout freed, before the update allocates its own)
         metrics = finish_metrics([train_step(trainer, batch)])
+        if shared:  # its weights changed under it now, not at the sync: no kept keys survive
+            rollout.release_kept()
         return_free_memory()  # (the update's activations, before the next rollout)
         return metrics
 

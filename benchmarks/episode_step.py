@@ -17,7 +17,8 @@ timed steps (all but the first when S > 1: the first pays for start-up caches) o
 generation and update seconds, the tokens the update trained per second, the prompt tokens served
 from a cache and gen_bw_frac / mfu where the tree logs them, and the process's peak resident
 memory (the kernel's high-water mark, start-up and the step-0-free loop included) and the highest
-seen in each phase (rollout, update, the rest). The last line is the speed-up of a whole step (generation + scoring + update + sync).
+seen in each phase (rollout, update, the rest). The last line is the speed-up of a whole step
+(generation + scoring + update + sync).
 """
 
 import argparse

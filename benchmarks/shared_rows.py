@@ -4,8 +4,8 @@ each completion against its prompt's keys and its own).
 
     python benchmarks/shared_rows.py                        # arith's shape: 8 groups of 8, a
                                                             # 55-token prompt, ~15-token answers
-    python benchmarks/shared_rows.py --prompt 120 --completion 200 --groups 2
-                                                            # guess's episodes (16 a micro-batch)
+    python benchmarks/shared_rows.py --prompt 209 --completion 200 --groups 1
+                                                            # guess's episodes (8 a micro-batch)
 
 The offline default model in the dtype `--dtype auto` picks here, random tokens (the time does not
 depend on them), completion lengths drawn within +-30 % of --completion. Printed per way: the best

@@ -323,13 +323,17 @@ def test_smolrl_attention_gives_the_logits_sdpa_gives():
     torch.testing.assert_close(step[:, -1], want[:, -1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "fp32 under autocast"])
 def test_small_attention_recomputes_in_its_backward_the_gradients_sdpa_gives(dtype):
     """attention.SmallAttention keeps q, k and v for the backward, not the probabilities, and
     recomputes them there: its output and its gradients for q, k and v must be SDPA's (computed
     in fp64 as the reference) to the input dtype's rounding, with grouped query heads and a
-    mask whose rows see different keys."""
+    mask whose rows see different keys -- under bf16 autocast too (LoRA's and FSDP's fp32
+    weights), where a forward run by autocast in bf16 and a backward recomputed in fp32 would
+    differ by ~1 %."""
     from attention import SmallAttention
+    autocast = dtype == "fp32 under autocast"
+    dtype = torch.float32 if autocast else dtype
     torch.manual_seed(0)
     B, H, KV, n, m, D = 3, 6, 2, 5, 9, 8
     q, k, v = (torch.randn(B, h, length, D).to(dtype).requires_grad_()
@@ -337,7 +341,8 @@ def test_small_attention_recomputes_in_its_backward_the_gradients_sdpa_gives(dty
     mask = torch.rand(B, 1, n, m) < 0.6
     mask[..., 0] = True  # every query sees a key
     d_out = torch.randn(B, H, n, D)
-    got = SmallAttention.apply(q, k, v, mask, 0.3)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got = SmallAttention.apply(q, k, v, mask, 0.3)
     got.backward(d_out.to(dtype))
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
     want = F.scaled_dot_product_attention(*ref, attn_mask=mask, scale=0.3, enable_gqa=True)
