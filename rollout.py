@@ -270,10 +270,11 @@ class HFRollout:
     def update_weights(self, weights, version: int = 0) -> float:
         """Take a state dict's or full_weights' (name, tensor) pairs one at a time, each copied
         (and cast) into the engine's own tensor."""
-        t0 = time.perf_counter()
-        if not self.shares_weights:
-            self._fill(named_tensors(weights))
         self.version, self.kept = version, {}
+        if self.shares_weights:  # the trainer's own tensors: they are the new weights already
+            return 0.0
+        t0 = time.perf_counter()
+        self._fill(named_tensors(weights))
         return time.perf_counter() - t0
 
     def _fill(self, pairs):

@@ -13,6 +13,7 @@ take at the machine's limit, and their ratio (hardware.py):
     update       the model FLOPs of the policy's forward and backward and the KL reference's
                  forward (beta > 0) over the matmul peak                    mfu
     sync         the weights read in fp32 and written in the engine's dtype over the bandwidth
+                 (none where the HF engine decodes from the trainer's own tensors)
     evaluation   as generation, for the greedy held-out pass                eval_bw_frac
     rewards      grading on the CPU: no bound is claimed
 
@@ -58,7 +59,8 @@ def table(folder: Path) -> list[tuple]:
             f"weights + KV bytes over {bandwidth / 1e9:.0f} GB/s ({where})"),
            ("update", train, update_bound,
             f"policy forward + backward{reference} over {peak / 1e9:.0f} GFLOP/s matmul peak"),
-           ("sync", sync, sync_bytes / bandwidth, f"{params / 1e6:.0f}M weights read and written"),
+           ("sync", sync, sync_bytes / bandwidth, f"{params / 1e6:.0f}M weights read and written")
+           if sync else ("sync", 0.0, None, "none: the HF engine decodes from the trainer's tensors"),
            ("rewards", med(steps, "reward_seconds"), None, "grading (no bound claimed)")]
     if evals:
         ev = med(evals, "eval_seconds")
