@@ -649,7 +649,7 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
                            gpu_memory_utilization=cfg.gpu_memory_utilization,
                            logprobs=cfg.engine_logprobs(),
                            max_num_seqs=cfg.prompts_per_step * cfg.num_generations)
-    assert rollout.shares_weights if shared else True  # (the memory plan counts on it)
+    assert not shared or rollout.shares_weights  # (the memory plan counts on it)
     rollout.update_weights(weights_of(trainer), version=start_step)
     trainer.engine_bytes = getattr(rollout, "memory_bytes", 0)
 

@@ -67,8 +67,9 @@ def child(script: str, argv: list[str]):
         if hasattr(grpo, fn):  # (an earlier tree may name them otherwise)
             setattr(grpo, fn, labelled(name, getattr(grpo, fn)))
     threading.Thread(target=watch, daemon=True).start()
-    atexit.register(lambda: print("peak_rss_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                                  "phases", json.dumps(peaks), flush=True))
+    peak_kib = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # noqa: E731
+    atexit.register(lambda: print("peak_rss_kib", peak_kib(), "phases", json.dumps(peaks),
+                                  flush=True))
     sys.argv = [script, *argv]
     runpy.run_path(script, run_name="__main__")
 

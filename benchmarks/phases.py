@@ -60,7 +60,7 @@ def table(folder: Path) -> list[tuple]:
            ("update", train, update_bound,
             f"policy forward + backward{reference} over {peak / 1e9:.0f} GFLOP/s matmul peak"),
            ("sync", sync, sync_bytes / bandwidth, f"{params / 1e6:.0f}M weights read and written")
-           if sync else ("sync", 0.0, None, "none: the HF engine decodes from the trainer's tensors"),
+           if sync else ("sync", 0.0, None, "none: the HF engine decodes from the trainer's own"),
            ("rewards", med(steps, "reward_seconds"), None, "grading (no bound claimed)")]
     if evals:
         ev = med(evals, "eval_seconds")

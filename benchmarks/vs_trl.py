@@ -154,7 +154,8 @@ def main(trl_python: str, seed: int, engine: str):
               f"completion length {statistics.mean(r['completion_len'][1:]):5.1f} tokens   "
               f"(steps: {', '.join(f'{t:.1f}' for t in r['step_seconds'])})")
     for kind, r in ours.items():
-        ratio = statistics.median(trl["step_seconds"][1:]) / statistics.median(r["step_seconds"][1:])
+        ratio = statistics.median(trl["step_seconds"][1:]) / statistics.median(
+            r["step_seconds"][1:])
         per_token = ratio * statistics.mean(r["completion_len"][1:]) / statistics.mean(
             trl["completion_len"][1:])
         print(f"smolrl ({kind} engine) is {ratio:.1f}x TRL's speed per step, {per_token:.1f}x per "

@@ -301,7 +301,8 @@ def test_the_one_process_hf_engine_samples_from_the_trainers_own_tensors(dtype, 
                                      "--max-new-tokens", "8", "--out", str(tmp_path / "out")])
     made = []
     setup = type(cfg).setup
-    monkeypatch.setattr(type(cfg), "setup", lambda self, *a: made.append(setup(self, *a)) or made[0])
+    monkeypatch.setattr(type(cfg), "setup",
+                        lambda self, *a: made.append(setup(self, *a)) or made[0])
     run = trainer_module.setup_local(cfg, grpo.train_on_rollout)
     trainer, engine = made[0], run.rollout
     engine_tensors = {p.data_ptr() for p in engine.model.parameters()}
