@@ -12,7 +12,9 @@ computes every query against every key of the row, (P + G n)^2 pairs, and its ma
 slower than its causal one. Its keys are few and known: the prompt's and the completion's own.
 So the completions are gathered into a batch of their own, each row the completion's n queries
 against its prompt's P keys followed by its own n keys, and run through one attention call:
-G n (P + n) pairs. (Prefix-shared or "cascade" attention: Hydragen, Juravsky et al. 2024; FlashInfer's.)
+G n (P + n) pairs. (Prefix-shared or "cascade" attention: Hydragen, Juravsky et al. 2024;
+FlashInfer's.) Short rows run as matmuls whose backward recomputes the probabilities
+(SmallAttention), long ones through SDPA.
 
     python -c "import attention"      # registers "smolrl" with transformers' AttentionInterface
 

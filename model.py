@@ -497,12 +497,13 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
     times: each distinct prompt goes through the decoder once, followed by all of its completions,
     in one row where a completion sees the prompt and its own earlier tokens -- never another
     completion -- and whose position ids restart at the prompt's end for each completion (said to
-    smolrl's attention as where the completions are, attention.PrefixLayout; to SDPA as a mask). Every completion token gets exactly the state it would get in its own row (the
-    same keys, the same positions), for a fraction of the tokens when prompts are long next to
-    completions (arith: 55-token prompts, <= 24-token answers). None -- run the rows as they
-    are -- when sharing saves less than a fifth of the tokens, when the packed row would be longer
-    than the model's sliding window (or under SDPA, than MAX_SHARED_LEN), and for models not verified to give every
-    completion the same log-probs shared as alone (check_head_logits sets
+    smolrl's attention as where the completions are, attention.PrefixLayout; to SDPA as a mask).
+    Every completion token gets exactly the state it would get in its own row (the same keys, the
+    same positions), for a fraction of the tokens when prompts are long next to completions
+    (arith: 55-token prompts, <= 24-token answers). None -- run the rows as they are -- when
+    sharing saves less than a fifth of the tokens, when a packed row under SDPA's mask would be
+    longer than MAX_SHARED_LEN or the model's sliding window, and for models not verified to give
+    every completion the same log-probs shared as alone (check_head_logits sets
     smolrl_shares_prompts: hybrid Mamba / linear-attention decoders run a packed row as one
     sequence, and some models cannot take a custom mask at all)."""
     config = model.config.get_text_config()

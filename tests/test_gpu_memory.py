@@ -37,10 +37,10 @@ def _plan(path, gb, **kw):
 
 def test_the_one_gpu_commands_get_settings_that_fit(qwen_1_5b):
     """Full fine-tuning of 1.5B on 80 GB: 18 bytes a parameter resident (fp32 weights, gradients,
-    AdamW moments, the bf16 copy; its gradients go into the fp32 ones one at a time), an engine share that holds the step's 64 x
-    1,536-token batch, its workspace and its sampler's profile of 64 requests (not vLLM's default
-    1,024), and micro-batches of what is left. LoRA on 24 GB needs checkpointing. Full
-    fine-tuning on 32 GB does not fit, and says so in one line."""
+    AdamW moments, the bf16 copy; its gradients go into the fp32 ones one at a time), an engine
+    share that holds the step's 64 x 1,536-token batch, its workspace and its sampler's profile
+    of 64 requests (not vLLM's default 1,024), and micro-batches of what is left. LoRA on 24 GB
+    needs checkpointing. Full fine-tuning on 32 GB does not fit, and says so in one line."""
     full = _plan(qwen_1_5b, 80)
     assert full.trainer_gb == pytest.approx(18 * 1.5437e9 / GB, rel=1e-3)
     assert not full.gradient_checkpointing and full.max_tokens_per_microbatch >= 4 * 1536
