@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 def table(folder: Path) -> list[tuple]:
     """(phase, seconds, bound seconds or None, what bounds it) from a run folder's metrics."""
     import torch
-    from hardware import memory_bandwidth, model_cost
+    from hardware import memory_bandwidth
     from model import DTYPES, load_model
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     config = json.loads(next(folder.glob("*_config.json")).read_text())  # (grpo_config.json)
