@@ -92,8 +92,8 @@ def prefix_shared_attention(query, key, value, layout: PrefixLayout, scaling, dr
     causal = torch.ones(1, 1, P, P, dtype=torch.bool, device=query.device).tril()
     head = small_attention(query[:, :, :P], key[:, :, :P], value[:, :, :P], causal, scaling,
                            dropout)  # (R, H, P, D)
-    # Gathers by index_select: its backward sums a prompt key's gradients from the completions
-    # that read it with index_add_, where x[index]'s took ~4x as long on a CPU (index_put_).
+    # Gathered by index_select, whose backward sums the gradients of a key that several
+    # completions read with index_add_ (x[index]'s backward, index_put_, took ~4x as long on a CPU)
     gather = lambda x, index: x.index_select(0, index.flatten()).view(  # noqa: E731
         *index.shape, *x.shape[1:])
     flat = lambda x: x.transpose(1, 2).reshape(R * L, x.shape[1], D)  # noqa: E731 (R L, heads, D)
