@@ -116,9 +116,20 @@ def small_attention(q, k, v, mask, scaling, dropout: float):
     the matmuls' in bf16 at such sizes (a 2-core EPYC Zen 4). Long rows keep SDPA."""
     B, H, n, D = q.shape
     if B * H * n * k.shape[2] > SMALL_SCORES or dropout:
+        gqa = sdpa_takes_gqa(q.device)
+        if not gqa:  # each query head its own copy of its KV head's keys and values
+            k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))  # (B, H, m, D)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                              enable_gqa=True, dropout_p=dropout)
+                                              enable_gqa=gqa, dropout_p=dropout)
     return SmallAttention.apply(q, k, v, mask, scaling)
+
+
+def sdpa_takes_gqa(device) -> bool:
+    """Whether SDPA with a mask is handed the KV heads as they are (enable_gqa), or one per query
+    head. Not on CUDA: FlashAttention takes no mask and the memory-efficient kernel no grouped
+    heads, so SDPA would fall back to its math kernel, which keeps the fp32 scores for backward
+    (~9.9 GB a layer at 8K tokens, 12 heads); transformers' use_gqa_in_sdpa decides alike."""
+    return torch.device(device).type != "cuda"
 
 
 def _probs(q, k, mask, scaling):

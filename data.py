@@ -572,7 +572,8 @@ def parse_config(cls, argv=None, description=None):
     """A CLI flag per dataclass field (--max-new-tokens for max_new_tokens), help from docstrings.
 
     `--config FILE.toml` sets any field (keys spelled like the fields, - or _); flags given on the
-    command line override it. `--dry-run` prints the resolved config and exits, loading nothing.
+    command line override it. `--dry-run` prints the resolved config and exits, loading nothing
+    (with --gpu-gb, on any machine, the memory plan of a GPU that size).
     """
     docs = {}
     for klass in reversed(cls.__mro__):  # a subclass's Config (distill.py's) inherits docstrings
@@ -603,12 +604,16 @@ def parse_config(cls, argv=None, description=None):
         parser.set_defaults(**read_toml_config(first.config, fields))
     args = vars(parser.parse_args(argv))
     config_file, dry_run = args.pop("config"), args.pop("dry_run")
+    if args.get("gpu_gb") and not dry_run:
+        import torch
+        check(torch.cuda.is_available(), f"--gpu-gb {args['gpu_gb']:g}: this machine has no GPU, "
+              f"so the plan is all it can give: add --dry-run")
     cfg = cls(**args)  # __post_init__ checks the values
     if dry_run:
         if hasattr(cfg, "task"):
             print(f"# {task_summary(cfg)}")
         if getattr(cfg, "memory_plan", None):
-            print(f"# {cfg.memory_plan}")
+            print("\n".join(f"# {line}" for line in str(cfg.memory_plan).splitlines()))
         print(f"# resolved config{' (from ' + config_file + ' and the command line)' if config_file else ''}")
         for name, value in asdict(cfg).items():
             print(f"{name} = {json.dumps(value)}")

@@ -84,7 +84,9 @@ class Config(RLOptions):
     def workload(self):
         """The RL loop's, and the teacher beside the trainer for the whole run (grading; the
         steps it samples share it)."""
-        return super().workload()._replace(teacher=resolve(self.teacher, "--teacher"))
+        run = super().workload()
+        return run._replace(frozen=run.frozen + (("teacher", resolve(self.teacher, "--teacher"),
+                                                  "lm"),))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ from data import Template, arith_heldout, check, load_table, parse_config
 from evaluate import evaluate_rows
 from formats import check_pairs
 from model import DTYPES, autocast, completion_logprobs, full_weights, length_mask, pack
-from options import ModelOptions, OfflineOptions, RunOptions, TrainOptions, settle
-from pairs import Pair, builtin_pairs, tokenize_pairs
+from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions
+from pairs import ANSWER_TOKENS, Pair, builtin_pairs, tokenize_pairs
 from reward import Grader
 from rollout import HFRollout, Sampling
 from session import close_run, offline_loop, open_run, resume_driver, start_log
@@ -44,9 +44,9 @@ from trainer import export_model, optimizer_step, resume_trainer
 from trainer import save_trainer, setup_trainer
 
 
-# (Last base first: model, optimisation, epochs, evaluation and checkpoints.)
+# (Last base first: model, optimisation, epochs, evaluation and checkpoints, pairs.)
 @dataclass
-class Config(RunOptions, OfflineOptions, TrainOptions, ModelOptions):
+class Config(PairOptions, RunOptions, OfflineOptions, TrainOptions, ModelOptions):
     """The shared options (options.py), and DPO's:"""
     CONFIG_FILE: ClassVar[str] = "dpo_config.json"
     ADAM_BETAS: ClassVar[tuple] = (0.9, 0.999)  # (TRL's DPOTrainer's, as before the shared set-up)
@@ -55,33 +55,7 @@ class Config(RunOptions, OfflineOptions, TrainOptions, ModelOptions):
     epochs: int = 2
     out: str = "out/dpo"
 
-    # DPO's data: pairs in TRL's preference format (formats.py), or sampled from the model
-    data: str = "builtin"
-    """`builtin` (on-policy arith pairs), a .jsonl/.json/.csv/.parquet file, or a hub dataset id"""
-    prompt_field: str = "prompt"
-    """the data's prompt column (a string or chat messages)"""
-    chosen_field: str = "chosen"
-    """the data's preferred-response column"""
-    rejected_field: str = "rejected"
-    """the data's dispreferred-response column"""
-    split: str = ""
-    """hub datasets: the split (default: train)"""
-    eval_pairs: int = 32
-    """preference pairs held out to measure reward accuracy on data the model never trained on"""
-    template: Template = "answer-is"
-    """prompt template for the builtin pairs and the held-out task evaluation"""
-    chat: bool = True
-    """wrap string prompts in the model's chat template"""
-    builtin_problems: int = 256
-    """builtin set: arith problems to sample answers for"""
-    builtin_samples: int = 4
-    """builtin set: answers sampled per problem (temperature 0.7)"""
-    max_length: int = 512
-    """prompt + response tokens; longer pairs lose prompt tokens first, then response tokens"""
-    max_prompt_length: int = 256
-    """prompt tokens kept (from the end) when a pair is too long"""
-    micro_batch_size: int = 8
-    """pairs per forward/backward (chosen and rejected go through one forward together)"""
+    # The held-out task (builtin data)
     eval_size: int = 256
     """held-out arith problems for the task metric (builtin data only)"""
 
@@ -98,14 +72,9 @@ class Config(RunOptions, OfflineOptions, TrainOptions, ModelOptions):
     """use log ref = 0, i.e. no reference model"""
 
     def __post_init__(self):  # impossible values stop here, before anything loads
-        settle(self, on_cpu={"gradient_checkpointing": False})
-        for name in ("micro_batch_size", "max_length", "max_prompt_length", "builtin_problems",
-                     "eval_size"):
-            check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
-        check(self.eval_pairs >= 0 and self.sft_weight >= 0, "--eval-pairs and --sft-weight "
-              "must not be negative")
-        check(self.builtin_samples >= 2, "--builtin-samples must be at least 2 (a pair needs two "
-              "answers)")
+        super().__post_init__()
+        check(self.eval_size >= 1, "--eval-size must be at least 1")
+        check(self.sft_weight >= 0, "--sft-weight must not be negative")
         check(self.beta > 0, f"--beta {self.beta}: must be positive")
         check(0 <= self.label_smoothing < 0.5, f"--label-smoothing {self.label_smoothing}: must "
               f"be in [0, 0.5) (at 0.5 the labels carry no information)")
@@ -214,6 +183,8 @@ def main(cfg: Config):
     rows = None if cfg.data == "builtin" else check_pairs(load_table(cfg.data, cfg.split),
                                                           cfg.data, cfg)
     print(f"dtype {cfg.dtype} ({cfg.dtype_reason})")
+    if cfg.memory_plan:
+        print(cfg.memory_plan)
     # The starting weights, also on --resume: they sample the builtin pairs and are the reference.
     trainer = setup_trainer(cfg)
     tokenizer, device = trainer.tokenizer, trainer.device
@@ -288,7 +259,7 @@ def held_out_evaluation(trainer, pairs, refs, rollout, task_rows, cfg: Config, g
             rollout.update_weights(full_weights(trainer.model))
             summary, _ = evaluate_rows(rollout, trainer.tokenizer, task_rows,
                                        template=cfg.template, chat=cfg.chat,
-                                       sampling=Sampling(32, temperature=0.0), n=1,
+                                       sampling=Sampling(ANSWER_TOKENS, temperature=0.0), n=1,
                                        grader=grader, dataset="held-out")
             record["eval_accuracy"] = summary["avg@n"]
         record["eval_seconds"] = time.time() - t0

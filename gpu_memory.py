@@ -1,21 +1,25 @@
-"""GPU memory: what a GRPO run needs on one GPU, estimated before anything loads, and the settings
-that make it fit.
+"""GPU memory: what a run needs on one GPU, estimated before anything loads, and the settings that
+make it fit.
 
 A trainer and its engine share the GPU (unless Ray gives the engine a GPU of its own). While the
-engine generates, the trainer's weights, gradients and optimizer state stay resident beside the
-engine's weights and KV cache; while the trainer trains, a vLLM engine sleeps (its memory
-discarded, a workspace kept), the HF engine keeps its weights, and the activations saved for
-backward take what is left. Frozen models (distill.py's teacher) stay resident throughout. So:
+engine generates, every trained model's weights, gradients and optimizer state (the policy's, and
+ppo.py's critic's) stay resident beside the engine's weights and KV cache; while the trainer
+trains, a vLLM engine sleeps (its memory discarded, a workspace kept), the HF engine keeps its
+weights, and the activations saved for backward take what is left. Frozen models -- a KL
+reference, distill.py's teacher, --reward-model and --judge models -- stay resident throughout. So:
 
-    generation:  trainer state + frozen + engine (weights, KV cache, workspace)   <= usable
-    training:    trainer state + frozen + what the engine keeps + activations + logits <= usable
+    generation:  trained + frozen + engine (weights, KV cache, workspace)            <= usable
+    training:    trained + frozen + what the engine keeps + activations + logits   <= usable
                                                                       (usable = 90 % of the GPU)
 
-grpo.Config (and distill.py's) and sft.Config describe their run as a Workload and ask plan_memory
-for whatever of --gradient-checkpointing, --max-tokens-per-microbatch and --gpu-memory-utilization
-the command line left unset; --dry-run prints the plan. Every figure comes from the models'
-configs: their parameters are counted, and the activations one token saves for backward are
-measured, on PyTorch's meta device (shapes only, no memory, no weights read).
+Every algorithm's Config describes its run as a Workload (workload()) and asks plan_memory for
+whatever of --gradient-checkpointing, --max-tokens-per-microbatch and --gpu-memory-utilization
+the command line left unset (dpo.py and rm.py fix their micro-batch: the plan only checks it, and
+checkpoints when it must). The run prints the plan; --dry-run prints it and stops, and with
+--gpu-gb N it plans a bf16 GPU of N GiB on any machine, one without a GPU included. Every figure
+comes from the models' configs: their parameters are counted, and the activations one token
+saves for backward are measured, on PyTorch's meta device (shapes only, no memory, no weights
+read).
 """
 
 import functools
@@ -42,7 +46,7 @@ ACTIVATION_HEADROOM = 1.1
 
 
 class Workload(NamedTuple):
-    """What a run puts on one GPU: each algorithm's Config describes itself as one."""
+    """What a run puts on one GPU: each algorithm's Config describes itself as one (workload())."""
     model: str  # folder or hub id of the trained model
     lora_rank: int  # 0: full fine-tuning
     bf16: bool  # the compute dtype is bf16 (a bf16 copy of the weights trains)
@@ -53,14 +57,28 @@ class Workload(NamedTuple):
     batch_tokens: int  # what one generation call holds: samples x (prompt + new tokens)
     max_num_seqs: int  # samples one generation call decodes together (vLLM's max_num_seqs)
     seq_len: int  # the longest sequence trained
-    teacher: str = ""  # a frozen teacher's folder or hub id (distill.py), resident throughout
+    frozen: tuple = ()  # (name, folder or hub id, head) of each model resident throughout in the
+    #                     compute dtype, never trained: distill.py's teacher, reward models, judges
     engine_shares_weights: bool = False  # the HF engine decodes from the trainer's own tensors
+    head: str = "lm"  # the trained model's head: "lm", or "reward" (rm.py's scalar head)
+    critic: str = ""  # ppo.py: the critic's start, a second model trained as the policy is
+    microbatch_tokens: int = 0  # the tokens of a micro-batch where the algorithm fixes them
+    #                             (dpo.py, rm.py: pairs x 2 sequences x --max-length); 0: planned
+    engine_freed: bool = False  # the engine is gone before the first update (rm.py's sampler)
+
+
+class Resident(NamedTuple):
+    """A model the run keeps on the GPU from start to end."""
+    name: str  # policy, KL reference, critic, teacher, rm:<name>, judge:<name>
+    gb: float
+    what: str  # what its bytes are
 
 
 class MemoryPlan(NamedTuple):
     device_gb: float
-    trainer_gb: float  # weights, gradients, AdamW state, the bf16 copy, the KL reference
-    frozen_gb: float  # a teacher (distill.py), in the compute dtype
+    trainer_gb: float  # what trains: weights, gradients, AdamW state, the bf16 copy, the KL
+    #                    reference (and ppo.py's critic, all of it again)
+    frozen_gb: float  # never trained, in the compute dtype: a teacher, reward models, judges
     engine_gb: float  # generating: its weights, the KV cache of one step's batch, its workspace
     engine_kept_gb: float  # training: what the engine keeps (the HF engine its weights)
     activations_kb: float  # per token, saved for backward (as checkpointed, when it is)
@@ -68,19 +86,36 @@ class MemoryPlan(NamedTuple):
     gradient_checkpointing: bool
     max_tokens_per_microbatch: int
     gpu_memory_utilization: float  # vLLM's share of the GPU (0 for the HF engine)
+    resident: tuple = ()  # Resident records: every model held throughout, trainer_gb + frozen_gb
+
+    def training_gb(self) -> float:
+        """What the update adds to the resident models: the engine's kept share, one
+        micro-batch's activations and a chunk of logits."""
+        return (self.engine_kept_gb + self.logits_gb
+                + self.activations_kb * self.max_tokens_per_microbatch / 2**20)
+
+    def peak_gb(self) -> float:
+        """The larger of the two phases: resident models + the engine generating, or + training."""
+        return self.trainer_gb + self.frozen_gb + max(self.engine_gb, self.training_gb())
 
     def __str__(self):
-        engine = (f"vLLM engine {self.engine_gb:.1f} GB (--gpu-memory-utilization "
-                  f"{self.gpu_memory_utilization:.2f})" if self.gpu_memory_utilization else
-                  f"HF engine {self.engine_gb:.1f} GB generating, {self.engine_kept_gb:.1f} GB "
-                  f"kept")
-        teacher = f"; teacher {self.frozen_gb:.1f} GB" if self.frozen_gb else ""
-        return (f"memory plan ({self.device_gb:.0f} GB GPU, {USABLE:.0%} usable): trainer "
-                f"{self.trainer_gb:.1f} GB resident{teacher}; {engine}; training: "
-                f"{self.activations_kb:.0f} KB/token of activations"
-                f"{' (checkpointed)' if self.gradient_checkpointing else ''} x "
-                f"{self.max_tokens_per_microbatch} tokens/micro-batch + {self.logits_gb:.1f} GB "
-                f"of logits")
+        lines = [f"memory plan for a {self.device_gb:g} GB GPU ({USABLE:.0%} usable: "
+                 f"{USABLE * self.device_gb:.1f} GB); resident throughout:"]
+        lines += [f"  {r.name:<16} {r.gb:6.1f} GB  {r.what}" for r in self.resident]
+        if self.gpu_memory_utilization:
+            lines.append(f"  {'vLLM engine':<16} {self.engine_gb:6.1f} GB  generating "
+                         f"(--gpu-memory-utilization {self.gpu_memory_utilization:.2f}); "
+                         f"{self.engine_kept_gb:.1f} GB kept asleep while training")
+        elif self.engine_gb:
+            lines.append(f"  {'HF engine':<16} {self.engine_gb:6.1f} GB  generating; "
+                         f"{self.engine_kept_gb:.1f} GB kept while training (its own weights)")
+        lines.append(f"  {'training':<16} {self.training_gb() - self.engine_kept_gb:6.1f} GB  "
+                     f"{self.activations_kb:.0f} KB/token of activations"
+                     f"{' (checkpointed)' if self.gradient_checkpointing else ''} x "
+                     f"{self.max_tokens_per_microbatch:,} tokens/micro-batch + "
+                     f"{self.logits_gb:.1f} GB of logits")
+        lines.append(f"  {'peak':<16} {self.peak_gb():6.1f} GB")
+        return "\n".join(lines)
 
 
 class ModelShape(NamedTuple):
@@ -99,7 +134,7 @@ def model_shape(path: str) -> ModelShape:
     count, and the bytes one token saves for backward through the decoder, measured at two
     sequence lengths (the difference cancels the weights, which backward also holds on to)."""
     from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     text = model.config.get_text_config()
@@ -142,7 +177,7 @@ def lora_layer_bytes(path: str, rank: int) -> float:
     kernels: measured by a CPU forward of a one-layer copy with a small vocabulary."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from model import add_lora
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     text = config.get_text_config()
     text.num_hidden_layers, text.vocab_size = 1, 256
     torch.manual_seed(0)
@@ -153,19 +188,73 @@ def lora_layer_bytes(path: str, rank: int) -> float:
     return 2 * d1 - d2
 
 
+@functools.cache
+def head_params(path: str, head: str = "lm") -> int:
+    """Parameters of the model at `path` with its language-model head ("lm") or a scalar one
+    ("reward": rm.py's model, ppo.py's critic, a --reward-model), counted on the meta device. The
+    two differ by the LM head where it is not tied to the embeddings (545M at Qwen2.5-7B's)."""
+    if head == "lm":
+        return model_shape(path).params
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    config.num_labels = 1
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.bfloat16)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _trained(run: Workload, path: str, head: str, name: str) -> Resident:
+    """A trained model's resident bytes: full fine-tuning keeps fp32 master weights 4, their
+    gradients 4, AdamW's two moments 8 and a bf16 copy 2 (whose gradients go into the fp32 ones
+    one tensor at a time: trainer.bf16_copy) a parameter; LoRA the frozen fp32 base (the
+    adapters and their state are negligible). FSDP shards it over the trainers."""
+    P = head_params(path, head)
+    if run.lora_rank:
+        return Resident(name, 4 * P / run.shards / GiB, "fp32 base under LoRA (the adapters train)")
+    return Resident(name, (16 + 2 * run.bf16) * P / run.shards / GiB,
+                    "fp32 weights, gradients, AdamW moments" + (", bf16 copy" if run.bf16 else "")
+                    + (f", sharded over {run.shards}" if run.shards > 1 else ""))
+
+
+def residents(run: Workload) -> list[Resident]:
+    """Every model the run keeps on the GPU from start to end."""
+    dtype_bytes, kind = (2, "bf16") if run.bf16 else (4, "fp32")
+    out = [_trained(run, run.model, run.head, "policy" if run.head == "lm" else "reward model")]
+    if run.reference:
+        out.append(Resident("KL reference", dtype_bytes * model_shape(run.model).params
+                            / run.shards / GiB, f"frozen initial weights, {kind}"))
+    if run.critic:
+        out.append(_trained(run, run.critic, "reward", "critic"))
+    out += [Resident(name, dtype_bytes * head_params(path, head) / GiB, f"frozen, {kind}")
+            for name, path, head in run.frozen]
+    return out
+
+
+def _activations(run: Workload, path: str) -> tuple[float, float]:
+    """(full, checkpointed) bytes a token saves for backward through the model at `path`.
+    Checkpointed, backward keeps every layer's input (the residual stream: bf16 on a bf16 copy,
+    fp32 under LoRA's autocast, beside the layers' shared fp32 rotary cos and sin) and recomputes
+    one layer at a time."""
+    shape = model_shape(path)
+    if run.lora_rank:
+        layer = lora_layer_bytes(path, run.lora_rank)
+        inputs = shape.layers * shape.hidden * 4 + 2 * shape.head_dim * 4
+        return shape.layers * layer, inputs + layer
+    full = shape.activation_bytes_per_token
+    return full, shape.layers * shape.hidden * 2 + full / shape.layers
+
+
 def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
                 max_tokens_per_microbatch=None, gpu_memory_utilization=None) -> MemoryPlan:
     """The three settings, those passed as None chosen to fit a GPU of device_bytes, the others
-    kept and only checked. Stops with one line when nothing fits."""
+    kept and only checked. Stops with one line that says what does not fit, and by how much."""
     shape = model_shape(run.model)
     P, usable, dtype_bytes = shape.params, USABLE * device_bytes, 2 if run.bf16 else 4
-    if run.lora_rank:  # the frozen base in fp32 under autocast; the adapters are negligible
-        trainer = 4 * P
-    else:  # fp32 master weights 4 + gradients 4 + AdamW moments 8, bf16 copy 2 (its gradients
-        # go into the fp32 ones one tensor at a time: trainer.bf16_copy)
-        trainer = (16 + (2 if run.bf16 else 0)) * P + (dtype_bytes * P if run.reference else 0)
-    trainer /= run.shards
-    frozen = dtype_bytes * model_shape(run.teacher).params if run.teacher else 0
+    gpu = f"a {device_bytes / GiB:g} GB GPU ({usable / GiB:.1f} GB usable)"
+    held = residents(run)
+    trainer = GiB * sum(r.gb for r in held if r.name in ("policy", "reward model",
+                                                         "KL reference", "critic"))
+    frozen = GiB * sum(r.gb for r in held) - trainer
     kv = 1.1 * run.batch_tokens * shape.kv_bytes_per_token * dtype_bytes / 2
     utilization, engine, kept = 0.0, 0.0, 0.0
     if run.engine == "vllm":
@@ -178,41 +267,55 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
         engine = kept + kv + run.max_num_seqs * shape.vocab * 4  # (+ a decode step's logits)
     if not run.engine_on_this_gpu:
         engine = kept = 0.0
-    if trainer + frozen + engine > usable:
-        what = (f"{run.model} does not fit this GPU ({device_bytes / GiB:.0f} GB) while "
-                f"generating: trainer {trainer / GiB:.1f} GB + "
-                + (f"teacher {frozen / GiB:.1f} GB + " if frozen else "")
-                + f"engine {engine / GiB:.1f} GB; try --lora-rank 16, fewer samples or shorter "
-                  f"sequences")
+    if run.engine_freed:
+        kept = 0.0
+    generating = trainer + frozen + engine
+    if generating > usable:
+        parts = " + ".join(f"{r.name} {r.gb:.1f}" for r in held) + \
+            (f" + engine {engine / GiB:.1f}" if engine else "")
+        what = (f"{run.model} does not fit {gpu} while generating: {parts} = "
+                f"{generating / GiB:.1f} GB, {(generating - usable) / GiB:.1f} GB over; try "
+                f"{_smaller(run)}")
         if run.engine != "vllm" or gpu_memory_utilization is None:
             raise SystemExit(f"error: {what}")
         print(f"warning: by the memory plan's estimate, {what}")  # (the user's choice stands)
     logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES
     room = usable - trainer - frozen - kept - logits
-    # Checkpointed, backward keeps every layer's input (the residual stream: bf16 on a bf16 copy,
-    # fp32 under LoRA's autocast, beside the layers' shared fp32 rotary cos and sin) and
-    # recomputes one layer at a time.
-    if run.lora_rank:
-        layer = lora_layer_bytes(run.model, run.lora_rank)
-        inputs = shape.layers * shape.hidden * 4 + 2 * shape.head_dim * 4
-        checkpointed, full = inputs + layer, shape.layers * layer
-    else:
-        full = shape.activation_bytes_per_token
-        checkpointed = shape.layers * shape.hidden * 2 + full / shape.layers
+    # The policy and ppo.py's critic train one after the other: the larger one's activations.
+    full, checkpointed = (max(pair) for pair in zip(*(
+        _activations(run, path) for path in {run.model, run.critic or run.model})))
     checkpointed, full = ACTIVATION_HEADROOM * checkpointed, ACTIVATION_HEADROOM * full
+    tokens = max_tokens_per_microbatch or run.microbatch_tokens or None  # (None: planned)
     # Recomputing activations costs ~30 % more compute: only when micro-batches of a few whole
-    # sequences would not fit without it.
+    # sequences (or the algorithm's own micro-batch) would not fit without it.
     ckpt = gradient_checkpointing
     if ckpt is None:
-        ckpt = room < 4 * run.seq_len * full
+        ckpt = room < (tokens or 4 * run.seq_len) * full
     per_token = checkpointed if ckpt else full
-    tokens = max_tokens_per_microbatch
     if tokens is None:
         tokens = int(room // per_token) // 1024 * 1024
         if tokens < run.seq_len:
-            raise SystemExit(f"error: one {run.seq_len}-token sequence's activations "
-                             f"({run.seq_len * per_token / GiB:.1f} GB) do not fit beside the "
-                             f"trainer's {trainer / GiB:.1f} GB on this GPU; try --lora-rank 16 "
-                             f"or a shorter --max-new-tokens")
+            need = run.seq_len * per_token
+            raise SystemExit(f"error: {run.model} does not fit {gpu} while training: one "
+                             f"{run.seq_len}-token sequence's activations ({need / GiB:.1f} GB) "
+                             f"need {(need - room) / GiB:.1f} GB more than is left beside the "
+                             f"resident models ({(trainer + frozen) / GiB:.1f} GB); try "
+                             f"{_smaller(run)}")
+    elif tokens * per_token > room:
+        need = tokens * per_token
+        what = (f"{run.model} does not fit {gpu} while training: a micro-batch of {tokens} "
+                f"tokens saves {need / GiB:.1f} GB of activations, {(need - room) / GiB:.1f} GB "
+                f"more than is left beside the resident models")
+        if not max_tokens_per_microbatch:  # (the algorithm's micro-batch: dpo.py's, rm.py's)
+            raise SystemExit(f"error: {what}; lower --micro-batch-size or --max-length"
+                             + ("" if run.lora_rank else ", or try --lora-rank 16"))
+        print(f"warning: by the memory plan's estimate, {what} (--max-tokens-per-microbatch "
+              f"{tokens} as given)")
     return MemoryPlan(device_bytes / GiB, trainer / GiB, frozen / GiB, engine / GiB, kept / GiB,
-                      per_token / 1024, logits / GiB, ckpt, tokens, utilization)
+                      per_token / 1024, logits / GiB, ckpt, tokens, utilization, tuple(held))
+
+
+def _smaller(run: Workload) -> str:
+    """What a run that does not fit can try."""
+    return ("" if run.lora_rank else "--lora-rank 16, ") + "fewer samples, shorter sequences" \
+        + (" or a smaller --critic-from" if run.critic else "") + " or a larger GPU"

@@ -8,6 +8,7 @@ them (`settle`: the dtype, the GPU memory plan).
     RunOptions        evaluation cadence, output, trackers, checkpoints every algorithm
     EpisodeOptions    tools and environments                            sft.py and the RL loop
     OfflineOptions    epochs, steps and batches                         sft.py, dpo.py, rm.py
+    PairOptions       preference pairs, their lengths and micro-batches dpo.py, rm.py
     RLOptions         the RL loop's: task, sampling, episodes, steps and micro-batches, held-out
                       problems, Ray                                     grpo.py, distill.py, ppo.py
 
@@ -25,8 +26,11 @@ import torch
 from checkpoint import recorded_dtype
 from data import Template, apply_task, check, flag
 from evaluate import TRACKERS
-from gpu_memory import PROMPT_TOKENS, Workload, plan_memory
-from model import DEFAULT_MODEL, choose_dtype, model_path, pick_device
+from gpu_memory import GiB, PROMPT_TOKENS, Workload, plan_memory
+from model import DEFAULT_MODEL, DtypeChoice, choose_dtype, model_path, pick_device
+from pairs import ANSWER_TOKENS
+from reward_models import frozen_models
+from rollout import HF_BATCH
 
 
 @dataclass
@@ -67,6 +71,12 @@ class TrainOptions:
     """LoRA scale numerator (0 = 2 * rank)"""
     lora_targets: str = "all-linear"
     """LoRA: the modules adapted (comma-separated names, e.g. q_proj,v_proj; or all-linear)"""
+
+    # GPU memory (gpu_memory.py)
+    gpu_gb: float = 0
+    """plan the memory of a GPU with this many GiB: with --dry-run on any machine, one without a
+    GPU included (a bf16 GPU; shapes from the model's config, no weights read), it prints the plan
+    or what does not fit and by how much; on a GPU, the share of it the run plans for (0 = all)"""
 
     ADAM_BETAS: ClassVar[tuple] = (0.9, 0.99)  # RL's (DeepSeekMath); dpo.py keeps TRL's 0.999
     HEAD: ClassVar[str] = "lm"  # the model trained: a causal LM, or "reward" (rm.py's)
@@ -118,6 +128,55 @@ class OfflineOptions:
     again, reshuffled, as often as it takes (0 = --epochs' worth)"""
     batch_size: int = 16
     """rows per optimizer step (an epoch is ceil(rows / batch_size) steps, its last batch short)"""
+
+
+@dataclass
+class PairOptions:
+    # Preference pairs: TRL's preference format (formats.py), or sampled from the model
+    data: str = "builtin"
+    """`builtin` (the model's own arith answers: a right one preferred to a wrong one), a
+    .jsonl/.json/.csv/.parquet file, or a hub dataset id"""
+    prompt_field: str = "prompt"
+    """the data's prompt column (a string or chat messages)"""
+    chosen_field: str = "chosen"
+    """the data's preferred-response column"""
+    rejected_field: str = "rejected"
+    """the data's dispreferred-response column"""
+    split: str = ""
+    """hub datasets: the split (default: train)"""
+    eval_pairs: int = 32
+    """preference pairs held out, to measure the pair accuracy on data never trained on"""
+    template: Template = "answer-is"
+    """prompt template of the builtin pairs (and of dpo.py's held-out task)"""
+    chat: bool = True
+    """wrap string prompts in the model's chat template"""
+    builtin_problems: int = 256
+    """builtin set: arith problems to sample answers for"""
+    builtin_samples: int = 4
+    """builtin set: answers sampled per problem (temperature 0.7)"""
+    max_length: int = 512
+    """prompt + response tokens; longer pairs lose prompt tokens first, then response tokens"""
+    max_prompt_length: int = 256
+    """prompt tokens kept (from the end) when a pair is too long"""
+    micro_batch_size: int = 8
+    """pairs per forward/backward (chosen and rejected go through one forward together)"""
+
+    def __post_init__(self):  # impossible values stop here, before anything loads
+        settle(self, on_cpu={"gradient_checkpointing": False})
+        check(self.builtin_samples >= 2, "--builtin-samples must be at least 2 (a pair needs two "
+              "answers)")
+
+    def workload(self) -> Workload:
+        """What a run on pairs (dpo.py, rm.py) puts on one GPU, for gpu_memory.plan_memory: the
+        trainer, micro-batches of --micro-batch-size pairs x 2 sequences of up to --max-length
+        tokens, and with the builtin pairs the HF engine that samples them (its own copy of the
+        weights, in the compute dtype; dpo.py's held-out evaluation decodes on it too)."""
+        builtin = self.data == "builtin"
+        samples = min(self.builtin_problems * self.builtin_samples, HF_BATCH) if builtin else 0
+        return Workload(model_path(self), self.lora_rank, self.dtype == "bf16", False, 1,
+                        "hf" if builtin else "", True, samples * (PROMPT_TOKENS + ANSWER_TOKENS),
+                        samples, self.max_length, head=self.HEAD,
+                        microbatch_tokens=2 * self.micro_batch_size * self.max_length)
 
 
 @dataclass
@@ -238,9 +297,9 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
 
     def __post_init__(self):  # the task's defaults fill what is unset; impossible values stop here
         apply_task(self)
-        if self.rollout == "auto":
+        if self.rollout == "auto":  # (--gpu-gb without a GPU plans the GPU command: vLLM's)
             gpu_and_vllm = torch.cuda.is_available() and importlib.util.find_spec("vllm")
-            self.rollout = "vllm" if gpu_and_vllm else "hf"
+            self.rollout = "vllm" if gpu_and_vllm or pretends_gpu(self) else "hf"
         settle(self, on_cpu={"gradient_checkpointing": False, "max_tokens_per_microbatch": 0,
                              "gpu_memory_utilization": 0.2})
         check(self.num_generations >= 2, f"--num-generations {self.num_generations}: a group needs "
@@ -295,6 +354,7 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
                         self.num_trainers if self.fsdp else 1, self.rollout,
                         self.colocate or not self.on_ray(), samples * (PROMPT_TOKENS + new_tokens),
                         samples, PROMPT_TOKENS + new_tokens,
+                        frozen=frozen_models(self.reward_model, self.judge),
                         engine_shares_weights=self.engine_shares_weights())
 
 
@@ -303,23 +363,38 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
 
 AT_LEAST_ONE = ("batch_size", "prompts_per_step", "max_new_tokens", "updates_per_rollout",
                 "micro_batch_size", "num_trainers", "num_engines", "max_turns",
-                "max_episode_tokens", "epochs")
+                "max_episode_tokens", "epochs", "max_length", "max_prompt_length",
+                "builtin_problems")
 NOT_NEGATIVE = ("lr", "warmup_steps", "weight_decay", "eval_every", "save_every", "keep_last",
                 "lora_rank", "lora_alpha", "steps", "max_tokens_per_microbatch",
-                "log_samples_every")
+                "log_samples_every", "eval_pairs")
+
+
+def pretends_gpu(cfg) -> bool:
+    """--gpu-gb on a machine without a GPU: the run is planned as on a bf16 GPU of that size
+    (parse_config lets it only print the plan: --dry-run)."""
+    return bool(cfg.gpu_gb) and pick_device() != "cuda"
 
 
 def settle(cfg, on_cpu: dict):
     """What every Config does after its own defaults are filled: `auto` dtype resolved (what
-    computes fastest here; a resumed run keeps the dtype it recorded); on a GPU, the memory
-    settings left unset (None) chosen by the plan of cfg.workload(), on a CPU `on_cpu`'s; and the
-    shared checks, before anything loads."""
-    choice = choose_dtype(cfg.dtype, pick_device(),
-                          recorded_dtype(cfg.out, cfg.resume, cfg.CONFIG_FILE))
+    computes fastest here; a resumed run keeps the dtype it recorded); on a GPU (or one --gpu-gb
+    pretends), the memory settings left unset (None) chosen by the plan of cfg.workload(), on a
+    CPU `on_cpu`'s; and the shared checks, before anything loads."""
+    check(cfg.gpu_gb >= 0, f"--gpu-gb {cfg.gpu_gb:g} must not be negative")
+    recorded = recorded_dtype(cfg.out, cfg.resume, cfg.CONFIG_FILE)
+    if pretends_gpu(cfg) and cfg.dtype == "auto" and not recorded:
+        choice = DtypeChoice("bf16", f"--gpu-gb {cfg.gpu_gb:g}: planned for a GPU that computes "
+                                     f"bf16 natively")
+    else:
+        choice = choose_dtype(cfg.dtype, pick_device(), recorded)
     cfg.dtype, cfg.dtype_reason = choice.name, choice.reason  # (the reason is no option)
     cfg.memory_plan = None  # on a GPU: what the unset memory settings are based on
-    if pick_device() == "cuda":
-        cfg.memory_plan = plan_memory(cfg.workload(), torch.cuda.mem_get_info()[1],
+    if pick_device() == "cuda" or cfg.gpu_gb:
+        total = torch.cuda.mem_get_info()[1] if pick_device() == "cuda" else cfg.gpu_gb * GiB
+        check(cfg.gpu_gb * GiB <= total, f"--gpu-gb {cfg.gpu_gb:g}: this GPU has "
+              f"{total / GiB:.0f} GiB")
+        cfg.memory_plan = plan_memory(cfg.workload(), int(cfg.gpu_gb * GiB or total),
                                       *(getattr(cfg, name, None) for name in (
                                           "gradient_checkpointing", "max_tokens_per_microbatch",
                                           "gpu_memory_utilization")))

@@ -13,6 +13,9 @@ from reward import Grader, extract_answer
 from rollout import Sampling
 
 
+ANSWER_TOKENS = 32  # an arith answer's tokens at most: the builtin pairs' and dpo.py's held-out task
+
+
 @dataclass
 class Pair:
     prompt: list[int]
@@ -98,7 +101,7 @@ def builtin_pairs(rollout, tokenizer, cfg, correct_own: bool = False):
     problems = [next(stream) for _ in range(cfg.builtin_problems)]
     prompt_ids = encode_prompts(tokenizer, problems, cfg.template, cfg.chat)
     n = cfg.builtin_samples
-    comps = rollout.generate(prompt_ids, n, Sampling(32, temperature=0.7, seed=cfg.seed))
+    comps = rollout.generate(prompt_ids, n, Sampling(ANSWER_TOKENS, temperature=0.7, seed=cfg.seed))
     fmt = TEMPLATES[cfg.template][1]
     grader = Grader()
     answers = [extract_answer(t, fmt) for t in comps.text]

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from data import check, parse_config
 from evaluate import step_record
 from grpo import grpo_loss
-from model import autocast, length_mask, resolve, share_prompts
+from model import autocast, length_mask, model_path, resolve, share_prompts
 from options import RLOptions
 from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import log_rollouts, replayed, train_batch, with_detail
@@ -103,6 +103,13 @@ class Config(RLOptions):
 
     def reference(self) -> bool:
         return self.kl_coef != 0.0
+
+    def workload(self):
+        """The RL loop's, and the critic beside the policy: a second trained model (its own
+        weights, gradients and AdamW state), from --critic-from or the policy's start."""
+        critic = resolve(self.critic_from, "--critic-from") if self.critic_from else \
+            model_path(self)
+        return super().workload()._replace(critic=critic)
 
     def setup(self, resume_dir: str = "", group=None):
         """The policy's trainer, and the critic's beside it (trainer.critic): from --critic-from

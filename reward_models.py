@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from data import TEMPLATES
-from model import load_model, pick_device, resolve
+from model import head_logits, load_model, pick_device, resolve
 
 BATCH = 16  # sequences a learned reward scores together
 JUDGE_PROMPT = ("Here is a question and an answer to it.\n\nQuestion: {prompt}\n\n"
@@ -117,9 +117,17 @@ class Judge:
             ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"]
                    for t in asked[s:s + BATCH]]
             batch = _right_padded(ids, self.tokenizer.pad_token_id, self.model.device)
-            logits = self.model(**batch).logits.float()  # (b, L, V)
-            last = batch["attention_mask"].sum(1) - 1  # (b,) the position that predicts the answer
-            logp = torch.log_softmax(logits[torch.arange(len(ids)), last], -1)  # (b, V)
+            # The decoder alone, then the head at one position a row: the model's own forward
+            # would build (b, L, V) logits -- ~125 GB in fp32 for 16 rows of 8.6K tokens at
+            # Qwen's vocabulary. Right padding needs no attention mask (causal attention never
+            # looks at the later pad), as in model.completion_logprobs.
+            hidden = self.model.get_decoder()(input_ids=batch["input_ids"],
+                                              use_cache=False).last_hidden_state  # (b, L, H)
+            rows = torch.arange(len(ids), device=hidden.device)  # (b,)
+            last = torch.tensor([len(i) - 1 for i in ids], device=hidden.device)  # (b,) from
+            # the lengths: the last real token's state predicts the answer's first token
+            logits = head_logits(self.model, hidden[rows, last])  # (b, V) fp32
+            logp = torch.log_softmax(logits, -1)  # (b, V)
             yes, no = logp[:, self.yes].logsumexp(-1), logp[:, self.no].logsumexp(-1)  # (b,)
             out += torch.sigmoid(yes - no).tolist()  # p(yes) / (p(yes) + p(no))
         return out
@@ -161,6 +169,18 @@ def _right_padded(ids: list[list[int]], pad_id, device) -> dict:
     for k, row in enumerate(ids):
         input_ids[k, :len(row)], mask[k, :len(row)] = torch.tensor(row), 1
     return {"input_ids": input_ids.to(device), "attention_mask": mask.to(device)}
+
+
+def frozen_models(reward_models: str, judges: str) -> tuple:
+    """(name, folder or hub id, head) of every --reward-model and --judge: the frozen models a run
+    keeps on its device beside the policy (gpu_memory.plan_memory counts them)."""
+    specs = [(s, "--reward-model", "rm", "reward") for s in _split(reward_models)] + \
+        [(s, "--judge", "judge", "lm") for s in _split(judges)]
+    out = []
+    for spec, flag, kind, head in specs:
+        given = spec.rpartition("=")[0] if "=" in spec else spec
+        out.append((f"{kind}:{Path(given).name or given}", resolve(given, flag), head))
+    return tuple(out)
 
 
 def _split(spec: str) -> list[str]:

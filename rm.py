@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from data import Template, check, load_table, parse_config
 from formats import check_pairs
 from model import DTYPES, autocast, load_model, right_pad, share_prompts
-from options import ModelOptions, OfflineOptions, RunOptions, TrainOptions, settle
+from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions
 from pairs import Pair, builtin_pairs, tokenize_pairs
 from rollout import HFRollout
 from session import close_run, offline_loop, open_run, resume_driver, start_log
@@ -46,9 +46,9 @@ from trainer import export_model, optimizer_step, resume_trainer
 from trainer import save_trainer, setup_trainer
 
 
-# (Last base first: model, optimisation, epochs, evaluation and checkpoints.)
+# (Last base first: model, optimisation, epochs, evaluation and checkpoints, pairs.)
 @dataclass
-class Config(RunOptions, OfflineOptions, TrainOptions, ModelOptions):
+class Config(PairOptions, RunOptions, OfflineOptions, TrainOptions, ModelOptions):
     """The shared options (options.py), and the reward model's:"""
     CONFIG_FILE: ClassVar[str] = "rm_config.json"
     HEAD: ClassVar[str] = "reward"  # trainer.setup_trainer loads a scalar head
@@ -56,54 +56,30 @@ class Config(RunOptions, OfflineOptions, TrainOptions, ModelOptions):
     lr: float = 2e-5
     warmup_steps: int = 2
     out: str = "out/rm"
-
-    # The reward model's data: pairs in TRL's preference format, or sampled from the model
-    data: str = "builtin"
-    """`builtin` (the model's own arith answers: a right one preferred to a wrong one), a
-    .jsonl/.json/.csv/.parquet file, or a hub dataset id"""
-    prompt_field: str = "prompt"
-    """the data's prompt column (a string or chat messages); without it, the prompt is implicit"""
-    chosen_field: str = "chosen"
-    """the data's preferred-response column"""
-    rejected_field: str = "rejected"
-    """the data's dispreferred-response column"""
-    margin_field: str = "margin"
-    """an optional column of margins: how much more the chosen must score (TRL's); 0 without it"""
-    split: str = ""
-    """hub datasets: the split (default: train)"""
     eval_pairs: int = 64
-    """pairs held out for the pair accuracy on data never trained on"""
-    template: Template = "answer-is"
-    """prompt template of the builtin pairs"""
-    chat: bool = True
-    """wrap string prompts in the model's chat template"""
     builtin_problems: int = 128
-    """builtin set: arith problems to sample answers for"""
-    builtin_samples: int = 4
-    """builtin set: answers sampled per problem (temperature 0.7)"""
+
+    # The reward model's pairs: a margin, and the builtin set's chosen answers
+    margin_field: str = "margin"
+    """an optional column of margins: how much more the chosen must score (TRL's); 0 without it;
+    without a prompt column, the prompt is implicit"""
     builtin_corrected: bool = True
     """builtin set: where the model never got a problem right, prefer its wrong answer with the
     number corrected (the two differ in correctness alone) to the wrong answer, not the reference
     answer (which differs in form too: a model learns the form, docs/reward-models.md)"""
-    max_length: int = 512
-    """prompt + response tokens; longer pairs lose prompt tokens first, then response tokens"""
-    max_prompt_length: int = 256
-    """prompt tokens kept (from the end) when a pair is too long"""
-    micro_batch_size: int = 8
-    """pairs per forward/backward (chosen and rejected go through one forward together)"""
 
     # The loss
     center_rewards_coefficient: float = 0.0
     """c of c (r_c + r_r)^2: pulls the scores towards 0 (TRL's; 0 turns it off)"""
 
     def __post_init__(self):  # impossible values stop here, before anything loads
-        settle(self, on_cpu={"gradient_checkpointing": False})
-        for name in ("micro_batch_size", "max_length", "max_prompt_length", "builtin_problems"):
-            check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
-        check(self.builtin_samples >= 2, "--builtin-samples must be at least 2 (a pair needs two "
-              "answers)")
-        check(self.eval_pairs >= 0 and self.center_rewards_coefficient >= 0, "--eval-pairs and "
-              "--center-rewards-coefficient must not be negative")
+        super().__post_init__()
+        check(self.center_rewards_coefficient >= 0, "--center-rewards-coefficient must not be "
+              "negative")
+
+    def workload(self):
+        """The pairs' (options.PairOptions), the builtin pairs' sampler freed before training."""
+        return super().workload()._replace(engine_freed=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +239,8 @@ def main(cfg: Config):
         load_table(cfg.data, cfg.split), cfg.data, cfg, need_prompt=False,
         margin_field=cfg.margin_field)
     print(f"dtype {cfg.dtype} ({cfg.dtype_reason})")
+    if cfg.memory_plan:
+        print(cfg.memory_plan)
     trainer = setup_trainer(cfg)  # (a resumed run's state comes after its pairs are made)
     tokenizer = trainer.tokenizer
     if rows is None:  # the starting model's own answers, sampled as dpo.py samples them

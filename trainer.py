@@ -545,8 +545,8 @@ def count_bad_steps(update: dict, bad_steps: int, step: int, lr: float) -> int:
 @torch.no_grad()
 def logprobs_after_update(trainer, batch, trained, stats: UpdateStats):
     """The rollout log's `new_logprob`: the log-probs of its detail rows that were trained, under
-    the weights the step's updates left (one no-grad pass over a few rows). Not under FSDP, whose
-    ranks would each need the same passes."""
+    the weights the step's updates left (no-grad passes over a few rows, in the update's
+    micro-batches). Not under FSDP, whose ranks would each need the same passes."""
     if batch.detail is None or trainer.sharded:
         return
     rows = (trained & (batch.detail >= 0)).nonzero().flatten()
@@ -556,17 +556,20 @@ def logprobs_after_update(trainer, batch, trained, stats: UpdateStats):
         # A group's samples often repeat one another once the policy is sure (the same answer,
         # token for token): each distinct row once, its log-probs copied to its repeats.
         lengths = batch.prompt_lens + batch.completion_lens
-        position: dict[tuple, int] = {}  # a distinct row's tokens -> its place in `distinct`
-        distinct, of_row = [], []  # (of_row: each row's place in `distinct`)
+        by_tokens: dict[tuple, list[int]] = {}  # a row's tokens -> the rows that hold them
         for i in rows.tolist():
-            key = tuple(batch.input_ids[i, :lengths[i]].tolist())
-            if key not in position:
-                position[key] = len(distinct)
-                distinct.append(i)
-            of_row.append(position[key])
-        lp = frozen_logprobs(trainer.compute, batch, [torch.tensor(distinct, device=rows.device)],
-                             trainer.cfg, trainer.device)[0]
-        stats.keep_tokens(batch, rows, new_logprob=lp[torch.tensor(of_row, device=lp.device)])
+            by_tokens.setdefault(tuple(batch.input_ids[i, :lengths[i]].tolist()), []).append(i)
+        copies_of = {same[0]: same for same in by_tokens.values()}  # a distinct row -> its copies
+        # Cut as the update's passes are: all rows in one pass could outgrow what the update
+        # fits on the device (~14 GB for one group of 16 x 24K tokens).
+        mbs = micro_batches(torch.tensor(list(copies_of), device=rows.device), lengths,
+                            trainer.cfg)
+        for idx, lp in zip(mbs, frozen_logprobs(trainer.compute, batch, mbs, trainer.cfg,
+                                                trainer.device)):  # lp (b, T): idx's rows
+            held = [r for i in idx.tolist() for r in copies_of[i]]  # every copy of idx's rows
+            place = [j for j, i in enumerate(idx.tolist()) for _ in copies_of[i]]  # (in lp)
+            stats.keep_tokens(batch, torch.tensor(held),
+                              new_logprob=lp[torch.tensor(place, device=lp.device)])  # (h, T)
         stats.raw["detail_seconds"] = time.perf_counter() - t0  # (what the log costs the step)
 
 

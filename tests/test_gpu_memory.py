@@ -54,7 +54,8 @@ def test_the_one_gpu_commands_get_settings_that_fit(qwen_1_5b):
     assert lora.gradient_checkpointing and lora.max_tokens_per_microbatch >= 1536
     assert lora.trainer_gb + lora.engine_gb <= 0.9 * 24
 
-    with pytest.raises(SystemExit, match="does not fit this GPU .32 GB. while generating"):
+    with pytest.raises(SystemExit, match=r"does not fit a 32 GB GPU \(28.8 GB usable\) while "
+                       r"generating: policy 25.9 \+ engine 7.0 = 32.9 GB, 4.1 GB over"):
         _plan(qwen_1_5b, 32)
     kept = _plan(qwen_1_5b, 80, gradient_checkpointing=True, max_tokens_per_microbatch=4096)
     assert kept.gradient_checkpointing and kept.max_tokens_per_microbatch == 4096  # flags win
@@ -84,7 +85,9 @@ def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
         parse_config(Config, ["--model", qwen_1_5b, "--rollout", "vllm", "--dry-run"])
     assert done.value.code == 0
     out = capsys.readouterr().out
-    assert "# memory plan (80 GB GPU, 90% usable): trainer 25.9 GB resident; vLLM engine" in out
+    assert "# memory plan for a 80 GB GPU (90% usable: 72.0 GB); resident throughout:" in out
+    assert "#   policy             25.9 GB  fp32 weights, gradients, AdamW moments, bf16 copy" in out
+    assert "#   vLLM engine         7.2 GB  generating (--gpu-memory-utilization 0.09)" in out
     assert "gradient_checkpointing = false" in out and "gpu_memory_utilization = 0.09" in out
 
 
@@ -171,7 +174,8 @@ def test_the_plan_counts_the_tensors_a_run_really_holds(lora_rank, tiny_model_di
     engine = HFRollout(trainer.compute if shares else trainer.model, trainer.tokenizer,
                        dtype=torch.bfloat16, shares_weights=shares)
     teacher = distill.load_teacher(tiny_model_dir, "cpu", torch.bfloat16)
-    plan = gpu_memory.plan_memory(cfg.workload()._replace(teacher=tiny_model_dir), 80 * GB)
+    plan = gpu_memory.plan_memory(cfg.workload()._replace(
+        frozen=(("teacher", tiny_model_dir, "lm"),)), 80 * GB)
     # (the bf16 copy's gradients went into the fp32 ones as the backward made them: none left)
     assert plan.trainer_gb * GB == pytest.approx(held["trainer"], rel=0.05)
     own = 0 if engine.shares_weights else _storage_bytes(engine.model.parameters())
@@ -207,3 +211,211 @@ def test_sft_on_a_gpu_gets_settings_that_fit(qwen_1_5b, monkeypatch):
     used = (plan.trainer_gb + plan.engine_kept_gb + plan.logits_gb
             + plan.activations_kb * plan.max_tokens_per_microbatch / 2**20)
     assert used <= 0.9 * 40 and plan.max_tokens_per_microbatch >= 1024  # (--max-length)
+
+
+# ---------------------------------------------------------------------------------------------
+# Any GPU planned from a laptop (--gpu-gb), for every algorithm.
+
+SHAPES = {  # (hidden, intermediate, layers, heads, KV heads, vocabulary, tied embeddings)
+    "135m": (576, 1536, 30, 9, 3, 49152, True),  # SmolLM2-135M
+    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),  # Qwen2.5-1.5B
+    "7b": (3584, 18944, 28, 28, 4, 152064, False),  # Qwen2.5-7B
+}
+ALGORITHMS = ("grpo", "ppo", "distill", "sft", "dpo", "rm")
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    """Config folders alone, at each shape: the plan builds the models on the meta device."""
+    from transformers import Qwen2Config
+    folders = {}
+    for name, (hidden, inter, layers, heads, kv, vocab, tied) in SHAPES.items():
+        folders[name] = str(tmp_path_factory.mktemp(f"shape-{name}"))
+        Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                    tie_word_embeddings=tied, max_position_embeddings=4096
+                    ).save_pretrained(folders[name])
+    return folders
+
+
+def _dry_run(algorithm, argv, capsys) -> tuple[int, str]:
+    """python ALGORITHM.py ARGV --dry-run, in this process: (exit code, what it printed)."""
+    import importlib
+    from data import parse_config
+    module = importlib.import_module(algorithm)
+    with pytest.raises(SystemExit) as done:
+        parse_config(module.Config, argv + ["--dry-run"])
+    code = done.value.code
+    out = capsys.readouterr().out
+    return (0, out) if code in (0, None) else (1, str(code))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_dry_run_plans_any_gpu_on_a_machine_without_one(algorithm, shapes, capsys):
+    """Issue 54: --dry-run --gpu-gb N prints, here on a CPU, the plan a bf16 GPU of N GiB gets --
+    or one line saying what does not fit and by how much -- for every algorithm at 24 and 80 GiB
+    on 135M-, 1.5B- and 7B-shaped configs. Full fine-tuning needs 18 bytes a parameter (ppo.py
+    twice: the critic), so the 1.5B fits 80 GiB but not 24, the 7B neither; the 135M fits both."""
+    for shape, gb in [(s, gb) for s in SHAPES for gb in (24, 80)]:
+        argv = ["--model", shapes[shape], "--gpu-gb", str(gb)]
+        if algorithm == "distill":
+            argv += ["--teacher", shapes[shape]]
+        if algorithm in ("dpo", "rm"):
+            argv += ["--data", "prefs.jsonl"]  # (not read by --dry-run)
+        code, out = _dry_run(algorithm, argv, capsys)
+        fits = shape == "135m" or (shape == "1.5b" and gb == 80)
+        assert code == (0 if fits else 1), (algorithm, shape, gb, out)
+        if fits:
+            assert f"# memory plan for a {gb} GB GPU (90% usable: {0.9 * gb:.1f} GB)" in out
+            assert "dtype = \"bf16\"" in out and "gpu_gb = " in out
+            peak = float(next(line for line in out.splitlines() if line.startswith(
+                "#   peak")).split()[2])
+            assert 0 < peak <= 0.9 * gb
+            trained = ["policy" if algorithm != "rm" else "reward model"] + \
+                (["critic"] if algorithm == "ppo" else []) + \
+                (["teacher"] if algorithm == "distill" else [])
+            for name in trained:
+                assert f"#   {name} " in out, (algorithm, name, out)
+        else:
+            assert out.startswith("error: ") and "\n" not in out.strip(), out
+            assert f"does not fit a {gb} GB GPU ({0.9 * gb:.1f} GB usable)" in out, out
+            assert "GB over" in out or "GB more than is left" in out, out
+
+
+def test_lora_1_5b_on_a_24_gb_card_from_a_laptop(shapes, capsys):
+    """The student's question before renting a card: Qwen2.5-1.5B with LoRA on 24 GB fits -- the
+    frozen fp32 base (4 bytes a parameter), vLLM's share and checkpointed micro-batches."""
+    code, out = _dry_run("grpo", ["--model", shapes["1.5b"], "--lora-rank", "16",
+                                  "--gpu-gb", "24"], capsys)
+    assert code == 0, out
+    assert "#   policy              5.8 GB  fp32 base under LoRA (the adapters train)" in out
+    assert "(checkpointed)" in out and 'rollout = "vllm"' in out
+
+
+def test_gpu_gb_without_dry_run_on_a_machine_without_a_gpu_stops_in_one_line(shapes):
+    from data import parse_config
+    with pytest.raises(SystemExit, match="--gpu-gb 24: this machine has no GPU, so the plan is "
+                                         "all it can give: add --dry-run"):
+        parse_config(Config, ["--model", shapes["135m"], "--gpu-gb", "24"])
+    with pytest.raises(SystemExit, match="--gpu-gb -1 must not be negative"):
+        parse_config(Config, ["--model", shapes["135m"], "--gpu-gb", "-1", "--dry-run"])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_plans_on_a_gpu(algorithm, qwen_1_5b, monkeypatch, capsys):
+    """On a (pretended) 80 GB GPU every algorithm's settle plans its memory: dpo.py and rm.py once
+    stopped with AttributeError (no workload()) before any model loaded."""
+    from model import DtypeChoice
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 * GB, 80 * GB))
+    monkeypatch.setattr(options, "choose_dtype", lambda requested, device, recorded: (
+        DtypeChoice("bf16", "a GPU with bf16")))
+    argv = ["--model", qwen_1_5b, "--rollout", "hf"] if algorithm in ("grpo", "ppo", "distill") \
+        else ["--model", qwen_1_5b]
+    code, out = _dry_run(algorithm, argv + (["--teacher", qwen_1_5b] if algorithm == "distill"
+                                            else []), capsys)
+    assert code == 0, out
+    assert "# memory plan for a 80 GB GPU" in out and "gradient_checkpointing = " in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Every model a run holds is in its plan: the plan's resident models against every tensor the
+# run really holds, for each algorithm.
+
+
+def _storages() -> dict:
+    """Every CPU tensor storage alive in this process, by address (each storage once: views and
+    a tied head share theirs)."""
+    import gc
+    out = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu" and obj.layout == \
+                torch.strided:
+            storage = obj.untyped_storage()
+            if storage.nbytes():
+                out[storage.data_ptr()] = storage
+    return out
+
+
+def _held_at_optimizer_steps(run) -> int:
+    """The most bytes of tensors the run holds just after any optimizer step -- when weights,
+    gradients and optimizer state all exist -- counting every tensor alive in the process that
+    was not alive before the run began (whoever holds it: a trainer, a frozen model, an engine)."""
+    before = _storages()  # (held here, so that none of these addresses is reused by the run)
+    held = [0]
+
+    def hook(optimizer, args, kwargs):
+        new = {p: s.nbytes() for p, s in _storages().items() if p not in before}
+        held[0] = max(held[0], sum(new.values()))
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    handle = register_optimizer_step_post_hook(hook)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return held[0]
+
+
+def _pairs(path) -> str:
+    import json
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": f"{i + 1}.",
+                                        "rejected": f"{i + 7}."}) + "\n" for i in range(12)))
+    return str(path)
+
+
+def _reward_model(tiny_model_dir, folder) -> str:
+    from model import load_model
+    model, tokenizer = load_model(tiny_model_dir, head="reward")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+RUNS = {  # each algorithm's one-step run of the tiny model, every model it can hold on the device
+    "grpo": lambda d, tmp: ["--beta", "0.01", "--reward-model", _reward_model(d, tmp / "rm"),
+                            "--judge", d, "--rollout", "hf", "--data", "arith",
+                            "--prompts-per-step", "2", "--num-generations", "2",
+                            "--max-new-tokens", "4", "--eval-every", "0"],
+    "ppo": lambda d, tmp: ["--kl-coef", "0.02", "--rollout", "hf", "--data", "arith",
+                           "--prompts-per-step", "2", "--num-generations", "2",
+                           "--max-new-tokens", "4", "--eval-every", "0"],
+    "distill": lambda d, tmp: ["--teacher", d, "--rollout", "hf", "--data", "arith",
+                               "--prompts-per-step", "2", "--num-generations", "2",
+                               "--max-new-tokens", "4", "--eval-every", "0"],
+    "sft": lambda d, tmp: ["--data", "multiply", "--demos", "4", "--batch-size", "4",
+                           "--eval-every", "1", "--eval-size", "1", "--max-turns", "1",
+                           "--max-new-tokens", "30", "--max-length", "512"],
+    "dpo": lambda d, tmp: ["--data", "builtin", "--builtin-problems", "6", "--builtin-samples",
+                           "2", "--batch-size", "2", "--eval-every", "0", "--eval-size", "1"],
+    "rm": lambda d, tmp: ["--data", "builtin", "--builtin-problems", "6", "--builtin-samples",
+                          "2", "--batch-size", "2", "--eval-every", "0"],
+}
+NAMES = {"grpo": ["policy", "KL reference", "rm:rm", "judge:"], "ppo": [
+    "policy", "KL reference", "critic"], "distill": ["policy", "teacher"], "sft": ["policy"],
+    "dpo": ["policy"], "rm": ["reward model"]}
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_the_plan_holds_every_model_a_run_holds(algorithm, tiny_model_dir, tmp_path):
+    """Issue 54: ppo.py's critic, reward models and judges, dpo.py's and rm.py's own models were
+    not in the plan. Each algorithm's plan (its resident models, and what its engine keeps while
+    training) against the bytes of every tensor its one-step CPU run holds after an optimizer
+    step, within 3 %. ppo.py steps the critic first and frees its gradients before the policy's
+    backward: the plan keeps room for them (4 bytes a parameter) at both steps."""
+    import importlib
+    from data import parse_config
+    module = importlib.import_module(algorithm)
+    argv = ["--model", tiny_model_dir, "--dtype", "fp32", "--steps", "1", "--lr", "1e-3",
+            "--out", str(tmp_path / "out")] + RUNS[algorithm](tiny_model_dir, tmp_path)
+    cfg = parse_config(module.Config, argv)
+    plan = gpu_memory.plan_memory(cfg.workload(), 80 * GB)
+    names = [r.name for r in plan.resident]
+    assert len(names) == len(NAMES[algorithm]) and all(
+        n.startswith(want) for n, want in zip(names, NAMES[algorithm])), names
+    held = _held_at_optimizer_steps(lambda: module.main(cfg))
+    planned = GB * (plan.trainer_gb + plan.frozen_gb + plan.engine_kept_gb)
+    if algorithm == "ppo":
+        planned -= 4 * gpu_memory.head_params(tiny_model_dir, "reward")  # (the critic's grads)
+    assert held == pytest.approx(planned, rel=0.03), (algorithm, held / 2**20, planned / 2**20,
+                                                      plan)

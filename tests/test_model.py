@@ -354,6 +354,46 @@ def test_small_attention_recomputes_in_its_backward_the_gradients_sdpa_gives(dty
         torch.testing.assert_close(mine.grad.double(), theirs.grad, **tol)
 
 
+def test_long_rows_on_cuda_hand_sdpa_one_kv_head_per_query_head(monkeypatch):
+    """Rows too long for SmallAttention go through SDPA with a mask. On CUDA, SDPA given grouped
+    KV heads (enable_gqa) with a mask has no fused kernel and falls back to its math kernel, which
+    keeps the fp32 scores for backward (~9.9 GB a layer at 8K tokens, 12 heads): there the KV
+    heads are repeated, and SDPA sees H heads and no enable_gqa -- with the output and gradients
+    of the CPU's call, which stays as it was. The device is pretended (sdpa_takes_gqa answers as
+    for CUDA); the decision itself needs no GPU to answer."""
+    import attention
+    assert attention.sdpa_takes_gqa(torch.device("cpu"))
+    assert not attention.sdpa_takes_gqa(torch.device("cuda"))
+    monkeypatch.setattr(attention, "SMALL_SCORES", 0)  # (every row is a long one)
+    calls = []  # (KV heads of k and v, enable_gqa) of each SDPA call
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append((k.shape[1], v.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    torch.manual_seed(0)
+    B, H, KV, n, m, D = 3, 6, 2, 5, 9, 8
+    q, k, v = (torch.randn(B, h, length, D) for h, length in ((H, n), (KV, m), (KV, m)))
+    mask = torch.rand(B, 1, n, m) < 0.6
+    mask[..., 0] = True  # every query sees a key
+    d_out = torch.randn(B, H, n, D)
+
+    def run():
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention.small_attention(*inputs, mask, 0.3, 0.0)  # (B, H, n, D)
+        out.backward(d_out)
+        return [out.detach()] + [t.grad for t in inputs]
+
+    on_cpu = run()
+    monkeypatch.setattr(attention, "sdpa_takes_gqa", lambda device: False)
+    as_on_cuda = run()
+    assert calls == [(KV, KV, True), (H, H, False)]
+    for got, want, name in zip(as_on_cuda, on_cpu, ("out", "dq", "dk", "dv")):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("arch", ["mistral-window", "qwen2-sliding-layer"])
 def test_a_model_with_sliding_layers_packs_rows_with_sdpas_mask(arch):
     """smolrl's attention runs a packed row by its layout only where every layer attends plainly

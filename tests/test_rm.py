@@ -193,6 +193,54 @@ def test_a_judges_reward_is_its_softmax_at_the_answer_by_hand(tiny_model_dir):
     assert reward == pytest.approx(float(yes / (yes + no)), rel=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma2-softcap"])
+def test_a_judge_reads_the_lm_head_at_each_rows_answer_only(arch, tiny_model_dir, tokenizer,
+                                                              tmp_path):
+    """The judge needs one position's logits a row: its LM head must see (b, H) states, never the
+    (b, L, V) logits of every position (~125 GB in fp32 for 16 rows of 8.6K tokens at Qwen's
+    vocabulary). Its rewards stay those of the full forward with the padding mask, at each row's
+    last real token -- for rows of different lengths, and for a head that soft-caps its logits
+    (Gemma-2)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    path = tiny_model_dir
+    if arch == "gemma2-softcap":
+        torch.manual_seed(0)
+        Gemma2ForCausalLM(Gemma2Config(  # (a cap this low changes its logits by ~0.3)
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+            final_logit_softcapping=0.5, pad_token_id=tokenizer.pad_token_id,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        ).save_pretrained(tmp_path)
+        tokenizer.save_pretrained(tmp_path)
+        path = str(tmp_path)
+    judge = Judge(path, "answer-is", torch.float32)
+    prompts = ["What is 2 + 3?", "What is 17 + 25?", "What is 1 + 1?", "What is 9 + 9?"]
+    completions = ["The answer is 5.", "Let me add them: 17 + 25 = 42, so the answer is 42.",
+                   "2", "The answer is 18, since nine and nine make eighteen."]
+    seen = []
+    hook = judge.model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: seen.append(tuple(args[0].shape)))
+    try:
+        rewards = judge(prompts, completions)
+    finally:
+        hook.remove()
+    assert seen == [(4, judge.model.config.hidden_size)]
+    tok = judge.tokenizer
+    ids = [tok(tok.apply_chat_template([{"role": "user", "content": judge.question.format(
+        prompt=f"{p}\nReply with one sentence: The answer is <number>.", completion=c)}],
+        tokenize=False, add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        for p, c in zip(prompts, completions)]
+    lengths = torch.tensor([len(i) for i in ids])  # (4,)
+    assert len(set(lengths.tolist())) == 4  # (every row padded differently)
+    input_ids = torch.tensor([i + [tok.pad_token_id] * (max(lengths) - len(i)) for i in ids])
+    mask = (torch.arange(input_ids.shape[1])[None] < lengths[:, None]).long()  # (4, L)
+    with torch.no_grad():
+        logits = judge.model(input_ids=input_ids, attention_mask=mask).logits.float()  # (4, L, V)
+    logp = torch.log_softmax(logits[torch.arange(4), lengths - 1], -1)  # (4, V)
+    yes, no = logp[:, judge.yes].logsumexp(-1), logp[:, judge.no].logsumexp(-1)  # (4,)
+    assert rewards == pytest.approx(torch.sigmoid(yes - no).tolist(), rel=1e-5, abs=1e-6)
+
+
 def _pairs_file(path, n=24):
     path.write_text("".join(json.dumps({
         "prompt": f"What is {i} + 1?", "chosen": f"The answer is {i + 1}.",

@@ -126,6 +126,50 @@ def test_new_logprob_computes_each_distinct_row_once_and_copies_it(tiny_model_di
                                                                             abs=1e-5)
 
 
+@pytest.mark.parametrize("budget", [{"max_tokens_per_microbatch": 12}, {"micro_batch_size": 2}])
+def test_new_logprob_runs_in_the_updates_micro_batches(tiny_model_dir, budget, monkeypatch):
+    """new_logprob's pass is cut as the update's are (trainer.micro_batches: by padded tokens or
+    by count), not one pass over every logged row (on a GPU ~14 GB at once for one group of
+    16 x 24K tokens): no forward holds more than the budget, each distinct row runs once, and
+    every row -- its repeats too, which may fall in any micro-batch -- gets the log-probs of one
+    pass over all of them."""
+    import trainer as trainer_module
+    from conftest import make_batch
+    from dataclasses import replace
+    from grpo import Config
+    from model import completion_logprobs
+    from rollout_log import detail_index
+    from trainer import UpdateStats, logprobs_after_update, setup_trainer
+    trainer = setup_trainer(Config(model=tiny_model_dir, data="arith", dtype="fp32", **budget))
+    # Lengths 5, 3, 5, 4, 7, 3: rows 2 and 5 repeat rows 0 and 1
+    prompts = [[5, 6, 7], [9, 10], [5, 6, 7], [5, 6, 7], [11, 12, 13, 14], [9, 10]]
+    completions = [[1, 2], [3], [1, 2], [4], [15, 16, 17], [3]]
+    batch = replace(make_batch(prompts, completions, [1.0, -1.0, 1.0, -1.0, 1.0, -1.0]),
+                    detail=detail_index(6, list(range(6))))
+    with torch.no_grad():
+        lp, _ = completion_logprobs(trainer.compute, batch.input_ids, batch.prompt_lens,
+                                    batch.completion_lens, temperature=trainer.cfg.temperature)
+    passes = []  # (rows, tokens) of each forward
+    real = trainer_module.completion_logprobs
+
+    def spy(model, input_ids, *args, **kwargs):
+        passes.append(tuple(input_ids.shape))
+        return real(model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "completion_logprobs", spy)
+    stats = UpdateStats(trainer, batch, torch.arange(6))
+    logprobs_after_update(trainer, batch, torch.ones(6, dtype=torch.bool), stats)
+    assert sum(rows for rows, _ in passes) == 4  # each distinct row once
+    if "micro_batch_size" in budget:
+        assert all(rows <= 2 for rows, _ in passes), passes
+    else:
+        assert all(rows * tokens <= 12 for rows, tokens in passes), passes
+    for i in range(6):
+        n = len(completions[i])
+        assert stats.raw["token_detail"][i]["new_logprob"] == pytest.approx(lp[i, :n].tolist(),
+                                                                            abs=1e-5)
+
+
 def test_a_bf16_run_logs_what_its_bf16_update_read(tiny_model_dir, tmp_path):
     """In bf16 (the trainer's bf16 copy) the log still holds the update's own numbers: at step 1
     the reference computes exactly as the policy does (trainer.computing_like), so their saved
