@@ -108,7 +108,8 @@ class MemoryPlan(NamedTuple):
                          f"{self.engine_kept_gb:.1f} GB kept asleep while training")
         elif self.engine_gb:
             lines.append(f"  {'HF engine':<16} {self.engine_gb:6.1f} GB  generating; "
-                         f"{self.engine_kept_gb:.1f} GB kept while training (its own weights)")
+                         f"{self.engine_kept_gb:.1f} GB kept while training"
+                         + (" (its own weights)" if self.engine_kept_gb else ""))
         lines.append(f"  {'training':<16} {self.training_gb() - self.engine_kept_gb:6.1f} GB  "
                      f"{self.activations_kb:.0f} KB/token of activations"
                      f"{' (checkpointed)' if self.gradient_checkpointing else ''} x "
@@ -279,7 +280,8 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
         if run.engine != "vllm" or gpu_memory_utilization is None:
             raise SystemExit(f"error: {what}")
         print(f"warning: by the memory plan's estimate, {what}")  # (the user's choice stands)
-    logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES
+    logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES if run.head == "lm" else 0  # (rm.py's
+    # model has a scalar head: no vocabulary)
     room = usable - trainer - frozen - kept - logits
     # The policy and ppo.py's critic train one after the other: the larger one's activations.
     full, checkpointed = (max(pair) for pair in zip(*(

@@ -6,6 +6,7 @@ Fast: no model loads. The commands are parsed in-process with --dry-run, which r
 """
 
 import contextlib
+import functools
 import importlib
 import io
 import re
@@ -155,8 +156,27 @@ README_COMMANDS = commands(ROOT / "README.md")
 DOCS_COMMANDS = [c for p in PAGES if p != ROOT / "README.md" for c in commands(p)]
 
 
+# --gpu-gb plans from the model's config.json, which a page's hub id would fetch: the same shape
+# written here stands in for it (no hub in the tests).
+HUB_SHAPES = {"Qwen/Qwen2.5-Math-1.5B": dict(  # its config.json's sizes
+    vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+    num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
+    max_position_embeddings=4096)}
+
+
+@functools.cache
+def hub_config(name: str) -> str:
+    import tempfile
+    from transformers import Qwen2Config
+    folder = tempfile.mkdtemp(prefix="hub-config-")
+    Qwen2Config(**HUB_SHAPES[name]).save_pretrained(folder)
+    return folder
+
+
 def check_command(argv: list[str], capsys):
     script, args = argv[0], argv[1:]
+    if "--gpu-gb" in args:
+        args = [hub_config(a) if a in HUB_SHAPES else a for a in args]
     if script in CONFIGS:  # parsed as the script parses it, then --dry-run stops it
         with pytest.raises(SystemExit) as exit_:
             parse_config(config(script), args + ["--dry-run"])
