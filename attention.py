@@ -14,7 +14,8 @@ So the completions are gathered into a batch of their own, each row the completi
 against its prompt's P keys followed by its own n keys, and run through one attention call:
 G n (P + n) pairs. (Prefix-shared or "cascade" attention: Hydragen, Juravsky et al. 2024;
 FlashInfer's.) Short rows run as matmuls whose backward recomputes the probabilities
-(SmallAttention), long ones through SDPA.
+(SmallAttention), long ones through SDPA. And one case SDPA cannot compute: scores soft-capped by
+tanh (Gemma 2's layers) are computed as the model defines them (softcapped_attention).
 
     python -c "import attention"      # registers "smolrl" with transformers' AttentionInterface
 
@@ -203,6 +204,31 @@ def decode_attention(query, key, value, attention_mask, scaling):
     return out.reshape(B, 1, H, D)
 
 
+def softcapped_attention(query, key, value, attention_mask, scaling, softcap: float,
+                         dropout: float, training: bool):
+    """Attention whose scores are soft-capped, s -> cap tanh(s / cap) (Gemma 2's layers), which
+    SDPA cannot do: handed to SDPA the cap was dropped (0.29 nats a token from the model's own
+    definition on a small Gemma 2). As the model's eager attention computes it, with the scores in
+    fp32 (SDPA's kernels accumulate so).
+
+    query (B, H, n, D), key and value (B, KV, m, D); attention_mask (B or 1, 1, n, m) bool (True:
+    attend) or additive, or None: causal, the n queries the last n of the m positions
+    -> (B, n, H, D)."""
+    B, H, n, D = query.shape
+    KV, m = key.shape[1], key.shape[2]
+    key, value = (x.repeat_interleave(H // KV, dim=1) for x in (key, value))  # (B, H, m, D)
+    scores = (query.float() @ key.float().transpose(-1, -2)) * scaling  # (B, H, n, m)
+    scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is None:
+        attention_mask = torch.ones(n, m, dtype=torch.bool, device=query.device).tril(m - n)
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask[..., :m], float("-inf"))
+    else:
+        scores = scores + attention_mask[..., :m].float()
+    probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout, training=training)
+    return (probs.to(value.dtype) @ value).transpose(1, 2)  # (B, n, H, D)
+
+
 def takes_layouts(config) -> bool:
     """Whether every layer of a model with this (text) config attends to all earlier tokens,
     plainly: no sliding window, no soft-capping, no layer of another type (Qwen2's and Gemma's
@@ -216,8 +242,8 @@ def takes_layouts(config) -> bool:
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
               scaling: float | None = None, prefix_layout: PrefixLayout | None = None, **kwargs):
     """The attention function transformers calls in each layer ("smolrl"): the two cases above,
-    and SDPA for everything else -- and for sliding windows, soft-capping and attention sinks,
-    which neither case handles."""
+    soft-capped scores (softcapped_attention), and SDPA for everything else -- and for sliding
+    windows (in the mask) and attention sinks, which neither case handles."""
     special = kwargs.get("sliding_window") or kwargs.get("softcap") \
         or getattr(module, "sinks", None) is not None
     scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -226,6 +252,9 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
             raise ValueError("a packed row's layout reached a layer with a sliding window, "
                              "soft-capping or sinks: it needs SDPA's mask")
         return prefix_shared_attention(query, key, value, prefix_layout, scaling, dropout), None
+    if kwargs.get("softcap"):
+        return softcapped_attention(query, key, value, attention_mask, scaling, kwargs["softcap"],
+                                    dropout, module.training), None
     if query.shape[2] == 1 and key.shape[2] > 1 and not special:
         return decode_attention(query, key, value, attention_mask, scaling), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,

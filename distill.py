@@ -45,12 +45,11 @@ from torch.utils.checkpoint import checkpoint
 from data import check, parse_config
 from model import DTYPES, autocast, check_head_logits, head_logits, length_mask
 from model import load_model, load_tokenizer, pick_device, resolve
-from evaluate import step_record
 from options import RLOptions
-from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
-from rl import log_rollouts, replayed, train_batch, with_detail
+from rl import after_update, finish_session, sampling_seed, score, start_rollout, start_session
+from rl import replayed, train_batch, with_detail
 from rollout import HFRollout
-from trainer import UpdateStats, any_rank_trains, count_bad_steps
+from trainer import UpdateStats, any_rank_trains
 from trainer import micro_batches, optimizer_step
 
 
@@ -281,17 +280,10 @@ def main(cfg: Config):
                                         run.tokenizer.pad_token_id), scored.rewards, cfg)
         update = run.train(batch)
         train_seconds = time.time() - t0
-        # Every sample and the teacher's per-token scores of it, to rollouts.jsonl.
-        log_rollouts(session, cfg, step, scored, batch, update.pop("token_detail"),
-                     per_sample_advantages=False)
-        bad_steps = count_bad_steps(update, bad_steps, step, cfg.lr)
-        # 3. The engine takes the new weights. 4. Metrics, evaluation, samples, checkpoint.
-        sync_seconds = run.sync_weights(step)
-        record = step_record(step, scored, update, train_seconds, sync_seconds,
-                             cfg.num_generations)
-        record.update(on_policy=int(on_policy), reward_errors=session.reward_fns.errors,
-                      step_seconds=time.time() - t_step)
-        end_step(session, cfg, step, record, scored, save=not bad_steps)
+        # 3. Every sample and the teacher's per-token scores of it to rollouts.jsonl; the engine
+        # takes the new weights. 4. Metrics, evaluation, samples, checkpoint.
+        bad_steps = after_update(session, cfg, step, scored, batch, update, train_seconds, t_step,
+                                 bad_steps, on_policy=int(on_policy))
     finish_session(session, title=f"distillation of {cfg.teacher} on {cfg.data}",
                    train_keys=("reward", "accuracy"), loss_keys=("reverse_kl",))
     return driver.history

@@ -41,14 +41,13 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from data import check, parse_config
-from evaluate import step_record
 from grpo import grpo_loss
 from model import autocast, length_mask, model_path, resolve, share_prompts
 from options import RLOptions
-from rl import end_step, finish_session, sampling_seed, score, start_rollout, start_session
-from rl import log_rollouts, replayed, train_batch, with_detail
+from rl import after_update, finish_session, sampling_seed, score, start_rollout, start_session
+from rl import replayed, train_batch, with_detail
 from rollout import policy_lag
-from trainer import UpdateStats, any_rank_trains, count_bad_steps
+from trainer import UpdateStats, any_rank_trains
 from trainer import engine_correction, logprobs_after_update
 from trainer import frozen_logprobs, micro_batches, optimizer_step, policy_logprobs
 from trainer import reference_logprobs, refresh_bf16_copy, setup_trainer
@@ -362,17 +361,10 @@ def main(cfg: Config):
         update = run.train(replace(batch, rewards=scored.rewards,
                                    train_policy=step > cfg.critic_warmup))
         train_seconds = time.time() - t0
-        # Every sample and what both losses computed of it (advantages per token), to the log.
-        log_rollouts(session, cfg, step, scored, batch, update.pop("token_detail"),
-                     per_sample_advantages=False)
-        bad_steps = count_bad_steps(update, bad_steps, step, cfg.lr)
-        # 5. The engines take the new weights. 6. Metrics, evaluation, samples, checkpoint.
-        sync_seconds = run.sync_weights(step)
-        record = step_record(step, scored, update, train_seconds, sync_seconds,
-                             cfg.num_generations)
-        record.update(reward_errors=session.reward_fns.errors, step_seconds=time.time() - t_step,
-                      policy_lag=policy_lag(scored.completions, step, 0))
-        end_step(session, cfg, step, record, scored, save=not bad_steps)
+        # 5. Every sample and what both losses computed of it (advantages per token) to the log;
+        # the engines take the new weights. 6. Metrics, evaluation, samples, checkpoint.
+        bad_steps = after_update(session, cfg, step, scored, batch, update, train_seconds, t_step,
+                                 bad_steps, policy_lag=policy_lag(scored.completions, step, 0))
     finish_session(session, title=f"PPO on {cfg.data} ({cfg.model})",
                    loss_keys=("loss", "value_loss"))
     return driver.history

@@ -23,7 +23,7 @@ import torch
 
 from data import TEMPLATES, ProblemStream, encode_prompts, load_problems, task_summary
 from env import Agent, Episode, load_environment, load_tools
-from evaluate import evaluate_held_out, show_samples
+from evaluate import evaluate_held_out, show_samples, step_record
 from model import DTYPES, length_mask, pack, right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from reward_models import check_learned_rewards, learned_rewards
@@ -31,7 +31,7 @@ from rollout import Completions, Ready, Sampling
 from rollout_log import RolloutLog, detail_index, detail_samples, saved_steps
 from session import RunFolder, close_run, open_run, resume_driver, start_log
 from checkpoint import save_checkpoint
-from trainer import setup_local, setup_ray
+from trainer import count_bad_steps, setup_local, setup_ray
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,6 +319,24 @@ def log_rollouts(session: Session, cfg, step: int, sampled: Scored, batch: Train
     advantages = batch.advantages if batch is not None and per_sample_advantages else None
     session.rollouts.train(step, sampled, cfg.num_generations, session.run.tokenizer, kept,
                            advantages, detail, tokens)
+
+
+def after_update(session: Session, cfg, step: int, scored: "Scored", batch: TrainBatch,
+                 update: dict, train_seconds: float, t_step: float, bad_steps: int,
+                 **extra) -> int:
+    """The rest of a step whose update is done -- ppo.py's and distill.py's (grpo.py, which drops
+    and refills groups, spells it out): every sample and what the update computed of it (per
+    token) to the rollout log, the guard against non-finite updates, the new weights to the
+    engines, the step's record with `extra`, then end_step. Returns the bad steps in a row."""
+    log_rollouts(session, cfg, step, scored, batch, update.pop("token_detail"),
+                 per_sample_advantages=False)
+    bad_steps = count_bad_steps(update, bad_steps, step, cfg.lr)
+    sync_seconds = session.run.sync_weights(step)
+    record = step_record(step, scored, update, train_seconds, sync_seconds, cfg.num_generations)
+    record.update(**extra, reward_errors=session.reward_fns.errors,
+                  step_seconds=time.time() - t_step)
+    end_step(session, cfg, step, record, scored, save=not bad_steps)
+    return bad_steps
 
 
 def replayed(session: Session, step: int) -> tuple[Scored, Scored, list[bool]]:

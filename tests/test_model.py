@@ -418,3 +418,47 @@ def test_a_model_with_sliding_layers_packs_rows_with_sdpas_mask(arch):
     model.smolrl_shares_prompts = False
     apart, _ = completion_logprobs(model, *batch)
     torch.testing.assert_close(together, apart, rtol=1e-5, atol=1e-5)
+
+
+def test_soft_capped_attention_is_the_models_own_definition():
+    """Issue 55: Gemma 2's layers soft-cap their attention scores (cap tanh(s / cap)); handed to
+    SDPA, which has no such option, the cap was dropped. smolrl's attention computes them as the
+    model's eager attention does: a whole forward, a decoding step from a cache, and log-probs
+    with shared prompts (SDPA's mask: a sliding window) and their gradients equal eager's -- and
+    SDPA's differ, so the cap matters at this size."""
+    import copy
+
+    from attention import use_smolrl_attention
+    from conftest import assert_close_to_scale
+    torch.manual_seed(0)
+    small = {k: v for k, v in SMALL.items() if k != "max_position_embeddings"}
+    eager = Gemma2ForCausalLM(Gemma2Config(**small, head_dim=32, attn_logit_softcapping=0.5,
+                                           sliding_window=6, query_pre_attn_scalar=32,
+                                           max_position_embeddings=128)).eval()
+    for layer in eager.model.layers:  # scores of a few units, where tanh bends (random init
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):  # makes them ~0.01)
+            torch.nn.init.normal_(proj.weight, std=0.3)
+    eager.set_attn_implementation("eager")
+    ours, sdpa = copy.deepcopy(eager), copy.deepcopy(eager)
+    sdpa.set_attn_implementation("sdpa")
+    ours.set_attn_implementation("sdpa")
+    assert use_smolrl_attention(ours)
+    ids = torch.randint(3, 300, (2, 11))
+    with torch.no_grad():
+        want = eager(input_ids=ids).logits  # (2, 11, V)
+        torch.testing.assert_close(ours(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+        assert (sdpa(input_ids=ids).logits - want).abs().max() > 1e-2  # (the cap matters)
+        first = ours(input_ids=ids[:, :10], use_cache=True)
+        step = ours(input_ids=ids[:, 10:], past_key_values=first.past_key_values).logits
+    torch.testing.assert_close(step[:, -1], want[:, -1], rtol=1e-5, atol=1e-5)
+    check_head_logits(ours)
+    assert ours.smolrl_shares_prompts
+    a = [5, 6, 7, 8, 9, 10, 11]
+    batch = pack([a, a, a], [[20, 21], [22, 23, 24], [25]], pad_id=0)
+    got, _ = completion_logprobs(ours, *batch)
+    expected, _ = completion_logprobs(eager, *batch)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    expected.sum().backward()
+    for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
+        assert_close_to_scale(p.grad, q.grad, what=name)
