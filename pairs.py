@@ -13,7 +13,7 @@ from reward import Grader, extract_answer
 from rollout import Sampling
 
 
-ANSWER_TOKENS = 32  # an arith answer's tokens at most: the builtin pairs' and dpo.py's held-out task
+ANSWER_TOKENS = 32  # an arith answer's tokens at most (the builtin pairs, dpo.py's held-out task)
 
 
 @dataclass

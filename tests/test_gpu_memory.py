@@ -86,7 +86,8 @@ def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "# memory plan for a 80 GB GPU (90% usable: 72.0 GB); resident throughout:" in out
-    assert "#   policy             25.9 GB  fp32 weights, gradients, AdamW moments, bf16 copy" in out
+    assert "#   policy             25.9 GB  fp32 weights, gradients, AdamW moments, bf16 copy" \
+        in out
     assert "#   vLLM engine         7.2 GB  generating (--gpu-memory-utilization 0.09)" in out
     assert "gradient_checkpointing = false" in out and "gpu_memory_utilization = 0.09" in out
 
