@@ -1,6 +1,8 @@
 """benchmarks/gpu_check.py, CPU-sized: every part runs each algorithm's main as on the lent GPU,
-and a part cut short still shows what it reached (issue 41)."""
+with the packages that machine lacks unimportable here too, and a part cut short still shows what
+it reached (issues 41 and 54)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,20 +13,49 @@ import gpu_check  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_every_part_runs_cpu_sized_and_reports_its_figures():
+def test_every_part_runs_cpu_sized_without_the_lent_machines_missing_packages(tmp_path):
+    # A sitecustomize first on PYTHONPATH, which every child inherits (gpu_check.stream): importing
+    # these fails, and importlib.util.find_spec finds none, as where they are not installed.
+    (tmp_path / "sitecustomize.py").write_text(
+        f"import sys\nsys.modules.update(dict.fromkeys({gpu_check.ABSENT!r}))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path),
+                                                        os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--tiny"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
+                         env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = run.stdout
-    assert f"{len(gpu_check.PARTS)} of {len(gpu_check.PARTS)} parts finished" in out
+    assert f"[prepare] absent here, as on the lent machine: {', '.join(gpu_check.ABSENT)}\n" in out
+    n = len(gpu_check.PARTS)
+    assert f"time budget: prepare {gpu_check.CPU_LIMIT} + grpo" in out
+    assert f"{n} of {n} parts finished" in out
+    rows = {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in (
+        line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| "))}
     for part in gpu_check.PARTS:
-        row = next(line for line in out.splitlines() if line.startswith(f"| {part} |"))
-        seconds, peak, _, tokens_per_s, tflops, _ = row.split("|")[2:-1]
-        assert float(seconds) > 0 and float(peak) > 0 and float(tokens_per_s) > 0, row
-        assert float(tflops) > 0, row
+        seconds, peak, _, tokens_per_s, tflops, _, longest, shared = rows[part]
+        assert float(seconds) > 0 and float(peak) > 0 and float(tokens_per_s) > 0, rows[part]
+        assert float(tflops) > 0, rows[part]
+    # the long part's training forwards all ran each group's prompt once, prompt + completion long
+    *_, longest, shared = rows["grpo-8k"]
+    taken, forwards = map(int, shared.split("/"))
+    assert taken == forwards >= 1 and int(longest) > gpu_check.LONG_PROMPT[True], rows["grpo-8k"]
+    assert "[grpo-8k] prompt sharing: " in out
     # the runs' own lines come through as they come, under their part's name
     assert "[grpo] step    1 |" in out and "[sft-lora] step 0 | eval_accuracy" in out
     assert "[distill-7b] step    1 | teacher samples" in out and "[dpo] step 2 |" in out
+    assert "[ppo] step    1 |" in out and "value loss" in out and "[rm] step 2 |" in out
+
+
+def test_the_limits_add_up_to_less_than_eight_minutes_on_the_gpu():
+    total = gpu_check.PREPARE_LIMIT + sum(gpu_check.LIMITS.values())
+    assert total <= 480 - 10  # (10 s for the parent's own start and its table)
+    line = gpu_check.budget(list(gpu_check.PARTS), gpu_check.LIMITS, gpu_check.PREPARE_LIMIT)
+    assert line == "time budget: " + " + ".join(
+        [f"prepare {gpu_check.PREPARE_LIMIT}"] + [f"{p} {s}" for p, s in gpu_check.LIMITS.items()]
+    ) + f" = {total} s at most"
+    for part, seconds in gpu_check.LIMITS.items():  # (as the module docstring says them)
+        assert f"\n    {part:<16}{seconds:<4}" in gpu_check.__doc__, part
+    assert f"preparation's {gpu_check.PREPARE_LIMIT} s" in gpu_check.__doc__
+    assert f"add up to {total} s" in gpu_check.__doc__
 
 
 def test_a_part_cut_short_still_shows_what_it_reached(capsys):
