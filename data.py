@@ -419,11 +419,9 @@ def load_table(source: str, split: str = "") -> list[dict]:
         if not path.exists():
             raise InputError(f"{source}: no such file")
         if path.suffix == ".parquet":
-            import pyarrow.parquet as pq
-            rows = pq.read_table(path).to_pylist()
+            rows = _parquet_rows(path, source)
         elif path.suffix == ".csv":
-            with open(path, newline="") as f:
-                rows = list(csv.DictReader(f))  # row i of the error messages is data row i
+            rows = _csv_rows(path, source)
         elif path.suffix == ".json" and path.read_text().lstrip().startswith("["):
             try:
                 rows = json.loads(path.read_text())
@@ -442,6 +440,34 @@ def load_table(source: str, split: str = "") -> list[dict]:
             raise InputError(f"{source}: no rows")
         return rows
     return _load_hub(source, split)
+
+
+def _parquet_rows(path: Path, source: str) -> list[dict]:
+    import pyarrow
+    import pyarrow.parquet as pq
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pyarrow.ArrowException, OSError) as e:
+        why = (str(e).splitlines() or [""])[0].rpartition("': ")[2][:200]  # (not the path again)
+        raise InputError(f"{source}: not a Parquet file that pyarrow can read ({why})") from None
+
+
+def _csv_rows(path: Path, source: str) -> list[dict]:
+    """A CSV file's rows; one line naming the row where csv cannot read one (a field longer than
+    csv's limit -- often an unclosed quote that swallowed the rest of the file -- or a NUL byte)."""
+    rows = []
+    with open(path, newline="") as f:
+        try:
+            for row in csv.DictReader(f):
+                rows.append(row)  # row i of the error messages is data row i
+        except csv.Error as e:
+            where = f"{source}: row {len(rows) + 1}"
+            if "field larger than field limit" in str(e):
+                raise InputError(f"{where}: a field is longer than csv's limit of "
+                                 f"{csv.field_size_limit():,} characters (an unclosed quote? a "
+                                 f"long text belongs in a .jsonl file)") from None
+            raise InputError(f"{where}: not valid CSV ({e})") from None
+    return rows
 
 
 def load_rows(source: str, limit: int | None = None, prompt_field: str = "",

@@ -236,7 +236,7 @@ def check_teacher(cfg):
     from transformers import AutoConfig
     path = resolve(cfg.teacher, "--teacher")
     try:
-        AutoConfig.from_pretrained(path)
+        AutoConfig.from_pretrained(path, trust_remote_code=False)
         theirs = load_tokenizer(path)
     except Exception as e:
         why = (str(e).splitlines() or [""])[0][:200]

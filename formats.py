@@ -11,6 +11,7 @@ What the rows mean -- which tokens are trained, how a pair is tokenized -- is th
 """
 
 import json
+import math
 from dataclasses import dataclass
 
 from data import InputError
@@ -161,22 +162,38 @@ def check_pairs(rows, source, cfg, need_prompt: bool = True, margin_field: str =
         fields = (("prompt", cfg.prompt_field),) if explicit else ()
         for key, field in fields + (("chosen", cfg.chosen_field), ("rejected", cfg.rejected_field)):
             value = row.get(field) if isinstance(row, dict) else None
-            if not value or (isinstance(value, str) and not value.strip()):
+            if value is None or value in ("", []) or (isinstance(value, str) and not value.strip()):
                 raise InputError(f"{source}: row {i} has no '{field}' field (or it is empty)")
+            if not isinstance(value, (str, list)):  # (a number, an object: no text to render)
+                raise InputError(f"{source}: row {i}: '{field}' is neither a string nor a list of "
+                                 f"{{'role', 'content'}} messages")
             if isinstance(value, list) and not all(
-                    isinstance(m, dict) and m.get("role") and isinstance(m.get("content"), str)
-                    for m in value):
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]
+                    and isinstance(m.get("content"), str) for m in value):
                 raise InputError(f"{source}: row {i}: '{field}' is a list but not of "
                                  f"{{'role', 'content'}} messages")
             pair[key] = value
         if not explicit:
             pair.update(_implicit_prompt(pair["chosen"], pair["rejected"], f"{source}: row {i}",
                                          need_prompt, cfg.prompt_field))
-        margin = row.get(margin_field, 0.0) if margin_field else 0.0
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)):
-            raise InputError(f"{source}: row {i}: '{margin_field}' is not a number")
-        out.append({**pair, "margin": float(margin)})
+        out.append({**pair, "margin": _margin(row, margin_field, f"{source}: row {i}")})
     return out
+
+
+def _margin(row: dict, field: str, where: str) -> float:
+    """A row's margin: a finite number (a numeric string too: a CSV's cells are text); 0 without
+    the column. NaN or inf would make every loss it enters NaN or inf."""
+    value = row.get(field, 0.0) if field else 0.0
+    try:
+        margin = float(value) if isinstance(value, (int, float, str)) and \
+            not isinstance(value, bool) else None
+    except ValueError:
+        margin = None
+    if margin is None:
+        raise InputError(f"{where}: '{field}' is not a number")
+    if not math.isfinite(margin):
+        raise InputError(f"{where}: '{field}' is not a finite number ({value})")
+    return margin
 
 
 def _implicit_prompt(chosen, rejected, where: str, need_prompt: bool, prompt_field: str) -> dict:

@@ -20,6 +20,7 @@ import itertools
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -27,7 +28,7 @@ import time
 import types
 import urllib.parse
 from typing import NamedTuple
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -60,11 +61,13 @@ def default_model_path() -> str:
                          f"    {INSTALL_HINT}")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     print(f"converting {GGUF_FILE} to an HF-format folder in {target} (once, ~20 s)")
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=GGUF_FILE,
+                                                      trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE,
+                                              trust_remote_code=False)
     # A GGUF-loaded model cannot be save_pretrained directly: rebuild it from its config.
-    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_config(config)
+    config = AutoConfig.from_pretrained(gguf_dir, gguf_file=GGUF_FILE, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     model.load_state_dict(gguf_model.state_dict())
     # Write to a temporary folder and rename, so an interrupted conversion never leaves half a model.
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -86,26 +89,55 @@ def model_path(cfg) -> str:
 def resolve(name: str, what: str = "--model") -> str:
     """A folder, or a hub id that can be loaded now; otherwise stop with one line that says why
     (naming the flag, `what`). A run's output folder (grpo.py's or dpo.py's --out) stands for the
-    model it trained, in its `model` subfolder."""
+    model it trained, in its `model` subfolder. A folder whose config.json names an architecture
+    transformers does not know stops here too (known_architecture)."""
     path = default_model_path() if name == DEFAULT_MODEL else name
     trained = Path(path) / "model"
     if not (Path(path) / "config.json").exists() and (trained / "config.json").exists():
-        return str(trained)
+        return known_architecture(str(trained), what, name)
     if Path(path).exists():
-        return path
+        return known_architecture(path, what, name)
     if not ("/" in path and not path.startswith((".", "/"))):
         raise SystemExit(f"error: {what} {name!r} is neither a local folder nor a hub id "
                          f"(owner/name); the offline default is {DEFAULT_MODEL!r}")
     if not hub_reachable():  # transformers would retry for about a minute, then print 30 lines
         from huggingface_hub import snapshot_download
         try:
-            return snapshot_download(name, local_files_only=True)  # downloaded before: use that
+            found = snapshot_download(name, local_files_only=True)  # downloaded before: use that
         except Exception:
             raise SystemExit(f"error: {what} {name}: the Hugging Face hub cannot be reached and "
                              f"the model is not in the local cache; pass a local folder with the "
                              f"model ({what} path/to/folder), or run where the hub is reachable"
                              ) from None
+        return known_architecture(found, what, name)
     return path
+
+
+def known_architecture(folder: str, what: str, name: str) -> str:
+    """`folder`, if its config.json (where it has one) names a model_type transformers knows.
+    smolrl never runs code from a model folder: every model, config and tokenizer loads with
+    trust_remote_code=False. For an unknown model_type with an `auto_map` (the folder's own
+    Python), transformers would otherwise ask on the terminal whether to run it -- and with False
+    it stops with a traceback; here it is one line naming the flag, before anything loads."""
+    config_file = Path(folder) / "config.json"
+    if not config_file.is_file():
+        return folder
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SystemExit(f"error: {what} {name}: {config_file} cannot be read as JSON "
+                         f"({type(e).__name__})") from None
+    from transformers import CONFIG_MAPPING, __version__
+    config = config if isinstance(config, dict) else {"model_type": config}
+    kind, own_code = config.get("model_type"), config.get("auto_map")
+    # (no model_type at all: transformers guesses one from the folder's name, unless auto_map)
+    if not (isinstance(kind, str) and kind in CONFIG_MAPPING or kind is None and not own_code):
+        code = (", and points at the folder's own code (auto_map), which smolrl never runs"
+                if own_code else "")  # (transformers would ask on the terminal to run it)
+        raise SystemExit(f"error: {what} {name}: its config.json names model_type {kind!r}, "
+                         f"unknown to transformers {__version__}{code}; use a model whose "
+                         f"architecture transformers implements")
+    return folder
 
 
 @functools.cache
@@ -123,7 +155,7 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 def load_tokenizer(name: str):
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(resolve(name))
+    tokenizer = AutoTokenizer.from_pretrained(resolve(name), trust_remote_code=False)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # masks come from lengths, so pad == eos is fine
     return tokenizer
@@ -135,13 +167,20 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float3
     in `dtype`: fp32 for what trains (the master weights), the compute dtype for what is frozen
     (a teacher, an engine's start), read straight onto the device, never through a copy in fp32.
     head "lm": the causal LM; "reward": an AutoModelForSequenceClassification with one label --
-    a reward model's, or a causal LM's decoder with a new scalar head (rm.py)."""
+    a reward model's, or a causal LM's decoder with a new scalar head (rm.py, ppo.py's critic:
+    said in one line, instead of transformers' report of the head's weights as MISSING)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     tokenizer = load_tokenizer(name)
+    path = resolve(name)
     kind, extra = (AutoModelForCausalLM, {}) if head == "lm" else (
         AutoModelForSequenceClassification, {"num_labels": 1})
-    model = kind.from_pretrained(resolve(name), dtype=dtype,
-                                 device_map=None if device == "cpu" else device, **extra)
+    new_head = (missing_head(path) or []) if head == "reward" else []
+    if new_head:
+        print(f"{name}: a new scalar head ({', '.join(new_head)}) on its decoder, initialised at "
+              f"random: not in its weights, so this run trains it from scratch")
+    with _expected_keys(path, new_head):
+        model = kind.from_pretrained(path, dtype=dtype, trust_remote_code=False,
+                                     device_map=None if device == "cpu" else device, **extra)
     if head == "reward" and model.config.pad_token_id is None:  # (the head finds the last
         model.config.pad_token_id = tokenizer.pad_token_id  # token by it, as TRL's does)
     use_smolrl_attention(model)  # (attention.py; SDPA where a model cannot take it)
@@ -153,8 +192,100 @@ def load_model(name: str, device: str = "cpu", dtype: torch.dtype = torch.float3
 def source_dtype(name: str) -> torch.dtype:
     """The dtype a model comes in (its config's; bf16 for Qwen): what its trained copy is saved in."""
     from transformers import AutoConfig
-    dtype = AutoConfig.from_pretrained(resolve(name)).dtype
+    dtype = AutoConfig.from_pretrained(resolve(name), trust_remote_code=False).dtype
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype or torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# A reward model's scalar head, read from the weight files' keys before anything loads: a
+# --reward-model or --critic-from without a trained one would get a random head from transformers
+# and score noise for the whole run.
+
+
+def check_reward_head(name: str, flag: str, hint: str = "train one with rm.py") -> str:
+    """The folder or hub id of a model that must bring a trained scalar head (--reward-model,
+    ppo.py's --critic-from); one line naming the flag where its weights hold none."""
+    path = resolve(name, flag)
+    try:
+        missing = missing_head(path)
+    except Exception as e:  # (a damaged weight file, a config transformers cannot read)
+        why = (str(e).splitlines() or [""])[0][:200]
+        raise SystemExit(f"error: {flag} {name}: its weights cannot be read "
+                         f"({type(e).__name__}: {why})") from None
+    if missing:
+        raise SystemExit(f"error: {flag} {name}: its weights hold no trained scalar head "
+                         f"({', '.join(missing)}): transformers would add a random one and the run "
+                         f"would score noise; {hint}")
+    return path
+
+
+def missing_head(path: str) -> list[str] | None:
+    """The scalar head's weights (of its AutoModelForSequenceClassification with one label:
+    `score.weight` on a causal LM's decoder) that the weight files at `path` lack: [] where they
+    hold a trained head; None where their keys cannot be read without loading them (.bin files, a
+    hub id out of reach). The head's names come from the architecture built on the meta device
+    (no memory, no tensor read), the files' from their safetensors headers or index json."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    keys = weight_keys(path)
+    if keys is None:
+        return None
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False, num_labels=1)
+    with torch.device("meta"):
+        skeleton = AutoModelForSequenceClassification.from_config(config, trust_remote_code=False)
+    decoder = skeleton.base_model_prefix + "."
+    return [n for n, _ in skeleton.named_parameters() if not n.startswith(decoder)
+            and n not in keys]
+
+
+def weight_keys(path: str) -> set[str] | None:
+    """The tensor names in a model's safetensors weights: the index's map, or each file's header
+    (a hub id's through the hub's metadata API). None where there are none to read."""
+    folder = Path(path)
+    if not folder.is_dir():
+        try:
+            from huggingface_hub import get_safetensors_metadata
+            return set(get_safetensors_metadata(path).weight_map)
+        except Exception:  # (no network, no safetensors on the hub: transformers decides)
+            return None
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
+    files = sorted(folder.glob("model*.safetensors"))
+    if not files:
+        return None
+    from safetensors import safe_open
+    keys = set()
+    for file in files:
+        with safe_open(file, "pt") as f:
+            keys |= set(f.keys())
+    return keys
+
+
+@contextmanager
+def _expected_keys(path: str, new_head: list[str]):
+    """transformers quiet about what a new scalar head means (as TRL's RewardTrainer keeps it):
+    the head's weights missing from the files, and a causal LM's own head there unused."""
+    if not new_head:
+        yield
+        return
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+    cls = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING[type(AutoConfig.from_pretrained(
+        path, trust_remote_code=False))]
+    names = ("_keys_to_ignore_on_load_missing", "_keys_to_ignore_on_load_unexpected")
+    saved = {k: cls.__dict__[k] for k in names if k in cls.__dict__}
+    cls._keys_to_ignore_on_load_missing = [*(cls._keys_to_ignore_on_load_missing or []),
+                                           *(f"^{re.escape(k)}$" for k in new_head)]
+    cls._keys_to_ignore_on_load_unexpected = [*(cls._keys_to_ignore_on_load_unexpected or []),
+                                              r"^lm_head\."]
+    try:
+        yield
+    finally:
+        for k in names:
+            if k in saved:
+                setattr(cls, k, saved[k])
+            else:
+                delattr(cls, k)
 
 
 def pick_device() -> str:
@@ -594,7 +725,8 @@ def _fp32_probe(config):
     if isinstance(getattr(text, "layer_types", None), list):  # (one entry per layer)
         text.layer_types = text.layer_types[:1]
     torch.manual_seed(0)
-    probe = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    probe = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             trust_remote_code=False).eval()
     if text._attn_implementation == ATTENTION:  # (the verdict is on the attention it runs)
         use_smolrl_attention(probe)
     return probe

@@ -3,7 +3,8 @@ by formats.check_pairs) or sampled from the model itself on the arith task (`bui
 model's own right answer, else the reference answer, preferred to its own wrong one).
 
 A Pair is (prompt, chosen, rejected) token ids, each response as it follows the prompt in the chat
-format -- what DPO scores token by token, and a reward model reads whole (`sequence`).
+format: what DPO scores token by token. A reward model reads each conversation whole, as text
+through its chat template (rm.reward_pairs): a builtin pair carries its texts for it (`row`).
 """
 
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ class Pair:
     chosen: list[int]
     rejected: list[int]
     margin: float = 0.0  # how much more the chosen must score (TRL's margin column; rm.py)
+    row: dict | None = None  # a builtin pair as a row of TRL's preference format, its responses
+    # as decoded text: what a reward model renders of it, as it renders a policy's completion
 
 
 def _chat_ids(tokenizer, messages, add_generation_prompt=False) -> list[int]:
@@ -117,19 +120,25 @@ def builtin_pairs(rollout, tokenizer, cfg, correct_own: bool = False):
             continue  # nothing to prefer against
         fixed = corrected(comps.text[wrong[0]], answers[wrong[0]], problem["answer"]) \
             if correct_own and not comps.truncated[wrong[0]] else None
+        asked = [{"role": "user", "content": TEMPLATES[cfg.template][0].format(
+            problem=problem["problem"])}]
+        rejected = comps.text[wrong[0]]
         if right:
             chosen = comps.completion_ids[right[0]]
+            text = comps.text[right[0]]
             own_chosen += 1
         elif fixed is not None:  # (both as text: they differ in the number's tokens only)
             pairs.append(Pair(prompt_ids[i], _text_response(tokenizer, fixed),
-                              _text_response(tokenizer, comps.text[wrong[0]])))
+                              _text_response(tokenizer, rejected),
+                              row={"prompt": asked, "chosen": fixed, "rejected": rejected}))
             own_fixed += 1
             continue
         else:
-            reference = (f"The answer is {problem['answer']}." if fmt == "answer-is"
-                         else f"\\boxed{{{problem['answer']}}}")
-            chosen = _text_response(tokenizer, reference)
-        pairs.append(Pair(prompt_ids[i], chosen, comps.completion_ids[wrong[0]]))
+            text = (f"The answer is {problem['answer']}." if fmt == "answer-is"
+                    else f"\\boxed{{{problem['answer']}}}")
+            chosen = _text_response(tokenizer, text)
+        pairs.append(Pair(prompt_ids[i], chosen, comps.completion_ids[wrong[0]],
+                          row={"prompt": asked, "chosen": text, "rejected": rejected}))
     print(f"builtin pairs: {len(pairs)} from {len(problems)} problems x {n} samples; chosen is the "
           f"model's own answer in {own_chosen}, its wrong one corrected in {own_fixed}, the "
           f"reference answer in {len(pairs) - own_chosen - own_fixed}")

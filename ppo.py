@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from data import check, parse_config
 from grpo import grpo_loss
-from model import autocast, length_mask, model_path, resolve, share_prompts
+from model import autocast, check_reward_head, length_mask, model_path, resolve, share_prompts
 from options import RLOptions
 from rl import after_update, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import replayed, train_batch, with_detail
@@ -340,8 +340,9 @@ def explained_variance(returns: list, values: list, masks: list, group) -> float
 
 
 def main(cfg: Config):
-    if cfg.critic_from:  # a path that is no model stops in one line, before any model loads
-        resolve(cfg.critic_from, "--critic-from")
+    if cfg.critic_from:  # no model there, or no trained head: one line, before any model loads
+        check_reward_head(cfg.critic_from, "--critic-from", hint="start it from a reward model "
+                          "(rm.py's --out), or leave --critic-from out (a new head on the policy)")
     session = start_session(cfg, train_on_rollout)
     run, driver, problems = session.run, session.driver, session.problems
     N, bad_steps = cfg.prompts_per_step, 0

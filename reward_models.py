@@ -10,9 +10,12 @@
 
 Both read the conversation as the policy had it -- the prompt (a string prompt through the run's
 template, as the policy saw it) and the decoded completion -- re-tokenized by their own tokenizer
-and chat template, as TRL does; they are frozen, in the run's dtype, and score in batches. A
-reward model reads its score at the last token, which is never the pad token (trailing pad ids
-are dropped, as rm.py trains it): transformers' own forward gives the same number.
+and chat template, as TRL does; they are frozen, in the run's dtype, and score in batches.
+
+A reward model reads what rm.py trained it on, through the same two functions: `reward_model_ids`
+renders a conversation (the whole of it, its last turn closed, as TRL renders it on both sides)
+and `scores` reads the score at each sequence's last token, found from its length -- never from
+the pad id (a hub model's config.pad_token_id need not be its tokenizer's pad id).
 """
 
 import json
@@ -21,7 +24,8 @@ from pathlib import Path
 import torch
 
 from data import TEMPLATES
-from model import head_logits, load_model, pick_device, resolve
+from model import autocast, check_reward_head, head_logits, load_model, pick_device, resolve
+from model import right_pad, share_prompts
 
 BATCH = 16  # sequences a learned reward scores together
 JUDGE_PROMPT = ("Here is a question and an answer to it.\n\nQuestion: {prompt}\n\n"
@@ -42,8 +46,8 @@ def learned_rewards(reward_models: str, judges: str, judge_prompt: str, template
 
 def check_learned_rewards(reward_models: str, judges: str, judge_prompt: str):
     """Before any model loads: every --reward-model is a sequence-classification model with one
-    label, every --judge a causal LM, --judge-prompt a file with {prompt} and {completion}; one
-    line naming the flag and the path otherwise."""
+    label and a trained head in its weights, every --judge a causal LM, --judge-prompt a file with
+    {prompt} and {completion}; one line naming the flag and the path otherwise."""
     for spec in _split(reward_models):
         path = spec.rpartition("=")[0] if "=" in spec else spec
         config = _config(path, "--reward-model")
@@ -53,6 +57,7 @@ def check_learned_rewards(reward_models: str, judges: str, judge_prompt: str):
             raise SystemExit(f"error: --reward-model {path}: not a reward model (a sequence-"
                              f"classification model with one label; its config says "
                              f"{', '.join(kinds) or 'no architecture'}): train one with rm.py")
+        check_reward_head(path, "--reward-model")  # (its head's weights there, not a random one)
     for spec in _split(judges):
         path = spec.rpartition("=")[0] if "=" in spec else spec
         kinds = _config(path, "--judge").get("architectures") or []
@@ -69,24 +74,24 @@ def check_learned_rewards(reward_models: str, judges: str, judge_prompt: str):
 
 
 class RewardModel:
-    """A reward model's score of prompt + completion, as it was trained (rm.py, TRL)."""
+    """A reward model's score of prompt + completion, read as it was trained (rm.py, TRL): the
+    conversation through reward_model_ids, the score through scores."""
 
     def __init__(self, path: str, template: str, dtype, _judge_prompt=""):
-        self.name = f"rm:{Path(resolve(path)).name if Path(path).exists() else path}"
+        found = check_reward_head(path, "--reward-model")  # (a random head would score noise)
+        self.name = f"rm:{Path(found).name if Path(path).exists() else path}"
         self.model, self.tokenizer = load_model(path, pick_device(), dtype, head="reward")
         self.model.requires_grad_(False).eval()
         self.template = template
 
     @torch.no_grad()
     def __call__(self, prompts, completions, **_) -> list[float]:
-        texts = [_render(self.tokenizer, conversation(p, c, self.template), False)
-                 for p, c in zip(prompts, completions)]
+        ids = [reward_model_ids(self.tokenizer, conversation(p, c, self.template))
+               for p, c in zip(prompts, completions)]
         out = []
-        for s in range(0, len(texts), BATCH):
-            ids = [_without_trailing_pad(self.tokenizer(t, add_special_tokens=False)["input_ids"],
-                                         self.tokenizer.pad_token_id) for t in texts[s:s + BATCH]]
-            batch = _right_padded(ids, self.tokenizer.pad_token_id, self.model.device)
-            out += self.model(**batch).logits[:, 0].float().tolist()
+        for s in range(0, len(ids), BATCH):
+            out += scores(self.model, ids[s:s + BATCH], self.model.device,
+                          self.tokenizer.pad_token_id, bf16=False).tolist()
         return out
 
 
@@ -145,6 +150,72 @@ def conversation(prompt, completion, template: str) -> list[dict]:
     return messages + [{"role": "assistant", "content": completion}]
 
 
+def reward_model_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """What a reward model reads of a conversation, in training (rm.py) and in scoring
+    (RewardModel): the whole conversation rendered by its tokenizer's chat template (the texts one
+    after another without one), tokenized as the template wrote it -- no special tokens added --
+    with its trailing pad ids dropped.
+
+    Whole, its last turn closed by the template whether the response stopped or was cut: that is
+    how TRL reads a conversation on both sides -- RewardTrainer trains on
+    apply_chat_template(prompt + chosen), GRPOTrainer scores apply_chat_template(prompt +
+    completion) -- and how a policy's completion cut at --max-new-tokens is scored. So a response
+    cut at --max-length, or a builtin answer cut at the 32 tokens it was sampled to, is trained in
+    that form too: were it trained without its end of turn, the model could learn "no end of
+    turn" as the mark of a rejected answer, a form it never sees when it scores. Trailing pad ids
+    are dropped because transformers' own forward reads the last token that is not the pad
+    (SmolLM2's pad is its end-of-turn token): it then reads the token `scores` reads."""
+    text = _render(tokenizer, messages, False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    while len(ids) > 1 and ids[-1] == tokenizer.pad_token_id:
+        ids = ids[:-1]
+    return ids
+
+
+def scores(model, sequences: list[list[int]], device, pad_id: int, bf16: bool,
+           shared_lens: list[int] | None = None):
+    """(B,) the reward model's score of each sequence: the decoder's state at its last token (found
+    from its length, not from the pad: a model's config.pad_token_id may not be its tokenizer's),
+    through the scalar head -- rm.py's training and RewardModel's scoring alike. bf16: the run
+    computes in bf16 (autocast where the weights are fp32: LoRA's base). shared_lens: (B,) how
+    many first tokens each sequence has in common with another of the batch (a pair's prompt, and
+    the start its two responses share): those then run once (model.share_prompts), where the
+    model is verified to allow it; without them, or where it is not, every sequence runs in its
+    own padded row."""
+    base = model.get_base_model() if hasattr(model, "peft_config") else model
+    if not hasattr(base, "score"):  # an encoder (DeBERTa): its classifier reads its own pooled
+        batch = _right_padded(sequences, pad_id, device)  # state, the padding masked
+        return model(**batch).logits[:, 0].float()
+    decoder = getattr(base, base.base_model_prefix)
+    B = len(sequences)
+    lengths = torch.tensor([len(s) for s in sequences])  # (B,)
+    # share_prompts hands back the state that *predicts* each completion token, never the last
+    # token's own; so each sequence gets one dummy token (the pad) after it, and the state that
+    # predicts the dummy is the last real token's. Causal attention: it changes no state before it.
+    ids = right_pad([s + [pad_id] for s in sequences], pad_id)  # (B, L + 1)
+    shared = None
+    if shared_lens is not None:
+        # (at least one token, so the first completion token has a state to predict it)
+        prompt_lens = torch.tensor([min(max(n, 1), len(s))
+                                    for n, s in zip(shared_lens, sequences)])  # (B,)
+        shared = share_prompts(base, ids, prompt_lens, lengths + 1 - prompt_lens)
+    with autocast(device, bf16 and next(model.parameters()).dtype == torch.float32):
+        if shared is None:
+            # Right padding needs no attention mask: causal attention never looks at the later pad,
+            # positions 0..L-1 are already right, and SDPA keeps its fast causal kernel (a padding
+            # mask makes transformers build an (L, L) mask per row). No KV cache to build.
+            hidden = decoder(input_ids=ids[:, :-1].to(device),  # (the rows without the dummy)
+                             use_cache=False).last_hidden_state  # (B, L, H)
+            last = hidden[torch.arange(B, device=device), lengths.to(device) - 1]  # (B, H)
+        else:  # each distinct prefix once, then each sequence's own rest and its dummy
+            hidden = shared.hidden(decoder)
+            # hidden: (R, L', H), one row per distinct prefix
+            dummy = (lengths - prompt_lens).to(device)  # (B,) its index in the "completion"
+            state = shared.state[torch.arange(B, device=device), dummy]  # (B,) predicts it
+            last = hidden[shared.row, state]  # (B, H)
+        return base.score(last).squeeze(-1).float()  # (B,)
+
+
 def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
     if tokenizer.chat_template:
         return tokenizer.apply_chat_template(messages, tokenize=False,
@@ -154,12 +225,6 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool) -> str:
 
 def _text(messages: list[dict]) -> str:
     return "\n".join(str(m.get("content") or "") for m in messages)
-
-
-def _without_trailing_pad(ids: list[int], pad_id) -> list[int]:
-    while len(ids) > 1 and ids[-1] == pad_id:
-        ids = ids[:-1]
-    return ids
 
 
 def _right_padded(ids: list[list[int]], pad_id, device) -> dict:
@@ -191,5 +256,5 @@ def _config(path: str, flag: str) -> dict:
     folder = Path(resolve(path, flag))
     if not (folder / "config.json").exists():  # (a hub id: resolve found it in the cache)
         from transformers import AutoConfig
-        return AutoConfig.from_pretrained(str(folder)).to_dict()
+        return AutoConfig.from_pretrained(str(folder), trust_remote_code=False).to_dict()
     return json.loads((folder / "config.json").read_text())

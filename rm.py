@@ -20,10 +20,12 @@ their difference alone never does. Pair accuracy is how often r_c > r_r.
     python grpo.py --reward-model out/rm     # then GRPO optimises it (docs/reward-models.md)
 
 Data: TRL's preference format (formats.py), explicit prompt or implicit, plain or conversational,
-a file or a hub dataset; a sequence is the conversation as the model's chat template renders it,
-whole (what grpo.py's --reward-model renders to score a completion, as TRL does). <out>/model/ is
-an HF AutoModelForSequenceClassification folder (num_labels 1, its tokenizer and chat template
-beside it) that transformers and TRL load as it is. What this file leaves out: rankings of more
+a file or a hub dataset. A sequence is the conversation as the model's chat template renders it,
+whole, its last turn closed even where the response was cut: rendered and scored by the very
+functions grpo.py's --reward-model reads a completion with (reward_models.reward_model_ids and
+reward_models.scores), so that the model scores what it learned on. <out>/model/ is an HF
+AutoModelForSequenceClassification folder (num_labels 1, its tokenizer and chat template beside
+it) that transformers and TRL load as it is. What this file leaves out: rankings of more
 than two responses, ensembles, and a value per token (ppo.py's critic).
 """
 
@@ -34,12 +36,14 @@ from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
+from jinja2 import TemplateError
 
-from data import Template, check, load_table, parse_config
+from data import InputError, Template, check, load_table, parse_config
 from formats import check_pairs
-from model import DTYPES, autocast, load_model, right_pad, share_prompts
+from model import DTYPES, load_model, load_tokenizer, model_path
 from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions
-from pairs import Pair, builtin_pairs, tokenize_pairs
+from pairs import Pair, builtin_pairs
+from reward_models import reward_model_ids, scores
 from rollout import HFRollout
 from session import close_run, offline_loop, open_run, resume_driver, start_log
 from trainer import export_model, optimizer_step, resume_trainer
@@ -105,86 +109,101 @@ def reward_loss(chosen, rejected, margin=None, center_coefficient: float = 0.0):
 
 
 # ---------------------------------------------------------------------------------------------
-# Scores: one forward over a micro-batch's chosen and rejected sequences, each pair's common
-# prefix (its prompt at least) run once.
+# Pairs as the reward model reads them, and their scores: one forward over a micro-batch's chosen
+# and rejected sequences (reward_models.scores, the scorer --reward-model scores with), each pair's
+# common prefix (its prompt at least) run once.
 
 
-def sequence(pair_prompt: list[int], response: list[int], suffix: list[int], pad_id) -> list[int]:
-    """A pair's response as the reward model reads it: after its prompt, and, where it ends its
-    turn, followed by what the chat template writes after a turn (`suffix`: ChatML's newline) --
-    so that the sequence is the conversation as rendered whole. The score is read at its last
-    token, which is never the pad token (transformers' head finds the last token by it)."""
-    ids = pair_prompt + response + (suffix if suffix and response[-1:] != suffix[-1:] else [])
-    while len(ids) > 1 and ids[-1] == pad_id:
-        ids = ids[:-1]
-    return ids
+def reward_pairs(tokenizer, rows: list[dict], source: str, cfg: Config) -> list[Pair]:
+    """Each row's chosen and rejected conversations (check_pairs' rows, or the builtin pairs'
+    `.row`) as the reward model reads them: reward_models.reward_model_ids, whole, every turn
+    closed -- the form it will be scored in. A Pair's prompt is what the two sequences share up to
+    the prompt's end. A pair longer than --max-length loses prompt tokens from the start, down to
+    --max-prompt-length, then a response still too long is cut at a token of its content and its
+    turn closed again by the template: the form a policy's completion cut at --max-new-tokens is
+    scored in. A pair whose prompt leaves no room for a response is skipped, and counted."""
+    pairs, skipped = [], 0
+    for i, row in enumerate(rows, start=1):
+        try:
+            pair = _rendered_pair(tokenizer, row, cfg)
+        except TemplateError as e:  # (e.g. a template that wants user and assistant to alternate)
+            raise InputError(f"{source}: row {i}: the chat template cannot render it "
+                             f"({e})") from None
+        skipped += pair is None
+        pairs += [pair] if pair is not None else []
+    if skipped:
+        print(f"{source}: skipped {skipped} of {len(rows)} pairs whose prompt leaves no room for a "
+              f"response in --max-length {cfg.max_length}")
+    if not pairs:
+        raise InputError(f"{source}: no usable pairs (all {skipped} prompts leave no room for a "
+                         f"response in --max-length {cfg.max_length})")
+    return pairs
 
 
-def turn_suffix(tokenizer) -> list[int]:
-    """The tokens the chat template puts after an assistant turn's end-of-turn token."""
-    if not tokenizer.chat_template:
-        return []
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"},
-                                          {"role": "assistant", "content": "y"}], tokenize=False)
-    after = text[text.rindex(tokenizer.eos_token) + len(tokenizer.eos_token):]
-    return tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+def _rendered_pair(tokenizer, row: dict, cfg: Config) -> Pair | None:
+    prompt = row["prompt"] if isinstance(row["prompt"], list) else \
+        [{"role": "user", "content": row["prompt"]}] if row["prompt"] else []  # ("": implicit)
+    prompt_len = len(reward_model_ids(tokenizer, prompt)) if prompt else 0
+    if prompt_len >= cfg.max_length:
+        return None
+    turns = [row[k] if isinstance(row[k], list) else [{"role": "assistant", "content": row[k]}]
+             for k in ("chosen", "rejected")]
+    both, cut = [reward_model_ids(tokenizer, prompt + t) for t in turns], 0
+    if max(map(len, both)) > cfg.max_length:
+        cut = max(0, prompt_len - cfg.max_prompt_length)  # prompt tokens dropped from the start
+        both = [_fitted(tokenizer, prompt, t, cfg.max_length + cut) for t in turns]
+        if None in both:
+            return None
+        both = [ids[cut:] for ids in both]
+    chosen, rejected = both
+    n = min(prompt_len - cut, _common(chosen, rejected))
+    return Pair(chosen[:n], chosen[n:], rejected[n:], row.get("margin", 0.0))
 
 
-def scores(model, sequences: list[list[int]], device: str, pad_id: int, bf16: bool,
-           shared_lens: list[int] | None = None):
-    """(B,) the reward model's score of each sequence: the decoder's state at its last token (found
-    from its length, not from the pad), through the scalar head. bf16: the run computes in bf16
-    (autocast where the weights are fp32: LoRA's base). shared_lens: (B,) how many first tokens
-    each sequence has in common with another of the batch (a pair's prompt, and the start its two
-    responses share): those then run once (model.share_prompts), where the model is verified to
-    allow it; without them, or where it is not, every sequence runs in its own padded row."""
-    base = model.get_base_model() if hasattr(model, "peft_config") else model
-    decoder = getattr(base, base.base_model_prefix)
-    B = len(sequences)
-    lengths = torch.tensor([len(s) for s in sequences])  # (B,)
-    # share_prompts hands back the state that *predicts* each completion token, never the last
-    # token's own; so each sequence gets one dummy token (the pad) after it, and the state that
-    # predicts the dummy is the last real token's. Causal attention: it changes no state before it.
-    ids = right_pad([s + [pad_id] for s in sequences], pad_id)  # (B, L + 1)
-    shared = None
-    if shared_lens is not None:
-        # (at least one token, so the first completion token has a state to predict it)
-        prompt_lens = torch.tensor([min(max(n, 1), len(s))
-                                    for n, s in zip(shared_lens, sequences)])  # (B,)
-        shared = share_prompts(base, ids, prompt_lens, lengths + 1 - prompt_lens)
-    with autocast(device, bf16 and next(model.parameters()).dtype == torch.float32):
-        if shared is None:
-            # Right padding needs no attention mask: causal attention never looks at the later pad,
-            # positions 0..L-1 are already right, and SDPA keeps its fast causal kernel (a padding
-            # mask makes transformers build an (L, L) mask per row). No KV cache to build.
-            hidden = decoder(input_ids=ids[:, :-1].to(device),  # (the rows without the dummy)
-                             use_cache=False).last_hidden_state  # (B, L, H)
-            last = hidden[torch.arange(B, device=device), lengths.to(device) - 1]  # (B, H)
-        else:  # each distinct prefix once, then each sequence's own rest and its dummy
-            hidden = shared.hidden(decoder)
-            # hidden: (R, L', H), one row per distinct prefix
-            dummy = (lengths - prompt_lens).to(device)  # (B,) its index in the "completion"
-            state = shared.state[torch.arange(B, device=device), dummy]  # (B,) predicts it
-            last = hidden[shared.row, state]  # (B, H)
-        return base.score(last).squeeze(-1).float()  # (B,)
+def _fitted(tokenizer, prompt: list[dict], turns: list[dict], limit: int) -> list[int] | None:
+    """reward_model_ids of prompt + turns in at most `limit` tokens: the first turn that does not
+    fit cut at a token of its content (the template closes it again), the turns after it dropped;
+    None where not even an empty first turn fits."""
+    whole = reward_model_ids(tokenizer, prompt + turns)
+    if len(whole) <= limit:
+        return whole
+    j = next(j for j in range(len(turns))
+             if len(reward_model_ids(tokenizer, prompt + turns[:j + 1])) > limit)
+    content = tokenizer(turns[j]["content"], add_special_tokens=False)["input_ids"]
+
+    def kept(k: int) -> list[int]:  # the turn's first k tokens of content, closed
+        return reward_model_ids(tokenizer, prompt + turns[:j] + [
+            {**turns[j], "content": tokenizer.decode(content[:k])}])
+
+    if len(kept(0)) > limit:  # (not even the turn's frame fits: the turns before it, if any)
+        return reward_model_ids(tokenizer, prompt + turns[:j]) if j else None
+    lo, hi = 0, len(content)  # kept(lo) fits, kept(hi) does not: bisect
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if len(kept(mid)) <= limit else (lo, mid)
+    return kept(lo)
 
 
-def pair_sequences(pairs: list[Pair], suffix: list[int], pad_id: int):
+def _common(a: list[int], b: list[int]) -> int:
+    """How many first tokens a and b have in common."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def pair_sequences(pairs: list[Pair]):
     """A micro-batch's 2B sequences (its chosen, then its rejected) and how many first tokens each
     has in common with the other of its pair: the prompt, and often the start of both responses
     (pairs that differ in their last sentence), which scores then runs once."""
-    chosen = [sequence(p.prompt, p.chosen, suffix, pad_id) for p in pairs]
-    rejected = [sequence(p.prompt, p.rejected, suffix, pad_id) for p in pairs]
-    common = [next((i for i, (a, b) in enumerate(zip(c, r)) if a != b), min(len(c), len(r)))
-              for c, r in zip(chosen, rejected)]
+    chosen = [p.prompt + p.chosen for p in pairs]
+    rejected = [p.prompt + p.rejected for p in pairs]
+    common = [_common(c, r) for c, r in zip(chosen, rejected)]
     return chosen + rejected, common + common
 
 
 def batch_loss(model, pairs: list[Pair], cfg: Config, device: str, pad_id: int,
-               suffix: list[int], num_pairs: int):
+               num_pairs: int):
     """A micro-batch's loss, scaled so that micro-batches of a batch of num_pairs add up to the
     batch's mean; and its metrics, summed over its pairs."""
-    seqs, shared_lens = pair_sequences(pairs, suffix, pad_id)
+    seqs, shared_lens = pair_sequences(pairs)
     both = scores(model, seqs, device, pad_id, cfg.dtype == "bf16", shared_lens)  # (2B,)
     chosen, rejected = both[:len(pairs)], both[len(pairs):]  # (B,), (B,)
     margin = torch.tensor([p.margin for p in pairs], device=device)  # (B,)
@@ -192,28 +211,28 @@ def batch_loss(model, pairs: list[Pair], cfg: Config, device: str, pad_id: int,
     return losses.sum() / num_pairs, {"loss": float(losses.detach().sum()), **metrics}
 
 
-def train_step(trainer, pairs: list[Pair], cfg: Config, suffix: list[int]) -> dict:
+def train_step(trainer, pairs: list[Pair], cfg: Config) -> dict:
     """One optimizer step on a batch of pairs (trainer.py's: clipping, the non-finite guard)."""
     t0 = time.time()
     trainer.compute.train()
     sums, pad = {}, trainer.tokenizer.pad_token_id
     for s in range(0, len(pairs), cfg.micro_batch_size):
         loss, m = batch_loss(trainer.compute, pairs[s:s + cfg.micro_batch_size], cfg,
-                             trainer.device, pad, suffix, len(pairs))
+                             trainer.device, pad, len(pairs))
         loss.backward()
         sums = {k: sums.get(k, 0.0) + v for k, v in m.items()}
     grad_norm = optimizer_step(trainer, sums["loss"])
     seconds = time.time() - t0
     # Every token of the 2B sequences scored (as TRL's num_tokens counts them), whether a pair's
     # shared prefix ran once or twice
-    tokens = sum(map(len, pair_sequences(pairs, suffix, pad)[0]))
+    tokens = sum(map(len, pair_sequences(pairs)[0]))
     return {**{k: v / len(pairs) for k, v in sums.items()},
             "grad_norm": float("nan") if grad_norm is None else grad_norm,
             "lr": trainer.scheduler.get_last_lr()[0], "step_seconds": seconds,
             "tokens": tokens, "tokens_per_s": tokens / seconds}
 
 
-def held_out_evaluation(trainer, pairs: list[Pair], cfg: Config, suffix: list[int]):
+def held_out_evaluation(trainer, pairs: list[Pair], cfg: Config):
     """The held-out pairs' accuracy, margin, scores and loss, as a function of no arguments."""
     def evaluate_now() -> dict:
         t0, sums = time.time(), {}
@@ -221,7 +240,7 @@ def held_out_evaluation(trainer, pairs: list[Pair], cfg: Config, suffix: list[in
         with torch.no_grad():
             for s in range(0, len(pairs), cfg.micro_batch_size):
                 _, m = batch_loss(trainer.compute, pairs[s:s + cfg.micro_batch_size], cfg,
-                                  trainer.device, trainer.tokenizer.pad_token_id, suffix, 1)
+                                  trainer.device, trainer.tokenizer.pad_token_id, 1)
                 sums = {k: sums.get(k, 0.0) + v for k, v in m.items()}
         return {**{f"eval_{k}": v / max(len(pairs), 1) for k, v in sums.items()},
                 "eval_seconds": time.time() - t0}
@@ -234,33 +253,33 @@ def held_out_evaluation(trainer, pairs: list[Pair], cfg: Config, suffix: list[in
 
 def main(cfg: Config):
     folder = open_run(cfg)
-    # Every row is checked before the model loads: a bad file fails in a second, not a minute.
-    rows = None if cfg.data == "builtin" else check_pairs(
-        load_table(cfg.data, cfg.split), cfg.data, cfg, need_prompt=False,
-        margin_field=cfg.margin_field)
+    # Every row is checked, and rendered, before the model loads: a bad file fails in a second.
+    pairs = None if cfg.data == "builtin" else reward_pairs(
+        load_tokenizer(model_path(cfg)), check_pairs(load_table(cfg.data, cfg.split), cfg.data,
+                                                     cfg, need_prompt=False,
+                                                     margin_field=cfg.margin_field), cfg.data, cfg)
     print(f"dtype {cfg.dtype} ({cfg.dtype_reason})")
     if cfg.memory_plan:
         print(cfg.memory_plan)
     trainer = setup_trainer(cfg)  # (a resumed run's state comes after its pairs are made)
     tokenizer = trainer.tokenizer
-    if rows is None:  # the starting model's own answers, sampled as dpo.py samples them
+    if pairs is None:  # the starting model's own answers, sampled as dpo.py samples them
         sampler = HFRollout(load_model(cfg.model, trainer.device, DTYPES[cfg.dtype])[0],
                             tokenizer, device=trainer.device, dtype=DTYPES[cfg.dtype],
                             shares_weights=True)
-        pairs = builtin_pairs(sampler, tokenizer, cfg, cfg.builtin_corrected)
+        rows = [p.row for p in builtin_pairs(sampler, tokenizer, cfg, cfg.builtin_corrected)]
         del sampler
-    else:
-        pairs = tokenize_pairs(tokenizer, rows, cfg.data, cfg)[0]
+        pairs = reward_pairs(tokenizer, rows, "builtin pairs", cfg)
     random.Random(cfg.seed).shuffle(pairs)
     n_eval = min(cfg.eval_pairs, len(pairs) // 5)
-    held_out, train, suffix = pairs[:n_eval], pairs[n_eval:], turn_suffix(tokenizer)
+    held_out, train = pairs[:n_eval], pairs[n_eval:]
     if folder.resume_dir:
         resume_trainer(trainer, folder.resume_dir)
     resume_driver(folder)
     start_log(folder, cfg, line=format_rm_step)
     offline_loop(folder, cfg, len(train), f"{len(train)} training pairs, {n_eval} held-out pairs",
-                 train_step=lambda idx: train_step(trainer, [train[i] for i in idx], cfg, suffix),
-                 evaluate=held_out_evaluation(trainer, held_out, cfg, suffix),
+                 train_step=lambda idx: train_step(trainer, [train[i] for i in idx], cfg),
+                 evaluate=held_out_evaluation(trainer, held_out, cfg),
                  save=lambda checkpoint: save_trainer(trainer, checkpoint))
     close_run(folder, lambda model_dir: export_model(trainer, model_dir),
               title=f"reward model on {cfg.data} ({cfg.model})", train_keys=("accuracy",),

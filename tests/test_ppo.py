@@ -227,3 +227,26 @@ def test_a_critic_from_nothing_stops_in_one_line_before_any_model_loads(tiny_mod
                   out=str(tmp_path / "out"))
     with pytest.raises(SystemExit, match=r"^error: --critic-from .*no-such-model"):
         ppo.main(cfg)
+
+
+def test_a_critic_from_a_model_without_a_trained_head_stops_in_one_line(tiny_model_dir, tmp_path,
+                                                                        monkeypatch):
+    """Issue 55 item 17: --critic-from a causal LM, or a reward model whose weights lost their
+    head, would start the critic from a random head and train on its noise: one line, read from
+    the weight files' keys, before any model loads."""
+    import trainer as trainer_module
+    from model import load_model
+    from safetensors.torch import load_file, save_file
+    headless = tmp_path / "headless"
+    model, tokenizer = load_model(tiny_model_dir, head="reward")
+    model.save_pretrained(headless)
+    tokenizer.save_pretrained(headless)
+    weights = load_file(headless / "model.safetensors")
+    del weights["score.weight"]
+    save_file(weights, headless / "model.safetensors", metadata={"format": "pt"})
+    monkeypatch.setattr(trainer_module, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    for folder in (tiny_model_dir, str(headless)):
+        cfg = replace(_cfg(tiny_model_dir), critic_from=folder, out=str(tmp_path / "out"))
+        with pytest.raises(SystemExit, match=r"^error: --critic-from .*: its weights hold no "
+                                             r"trained scalar head \(score.weight\)[^\n]*$"):
+            ppo.main(cfg)

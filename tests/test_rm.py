@@ -3,7 +3,10 @@ token with left and right padding, a saved reward model loaded by transformers s
 data and a path that is no reward model stopped in one line before training, a reward model with
 a tokenizer of its own re-tokenizing the decoded text, a judge's yes-probability by hand, and a
 tiny run: exact resume, LoRA, the HF folder it writes, and GRPO optimising it; a pair's common
-prefix run once, with the scores and gradients of its rows."""
+prefix run once, with the scores and gradients of its rows. Issue 55: rm.py's tokens are
+--reward-model's (stopped, cut and multi-turn responses), batched scores are one-at-a-time scores
+whatever the config's pad id, any chat template's turn ends, bad rows and files in one line before
+the model loads, a new head said in one line and a reward model without a trained one refused."""
 
 import json
 import math
@@ -12,10 +15,11 @@ import pytest
 import torch
 
 import rm
+import reward_models
 from conftest import assert_close_to_scale, read_metrics
 from data import parse_config
 from formats import check_pairs
-from reward_models import Judge, RewardModel, check_learned_rewards, conversation
+from reward_models import Judge, RewardModel, check_learned_rewards, conversation, reward_model_ids
 
 
 def _logsig(x):
@@ -65,7 +69,11 @@ def test_the_score_is_the_last_tokens_with_left_and_right_padding(reward_model_d
             mask = mask if side == "right" else mask.flip(1)
             theirs = model(input_ids=ids, attention_mask=mask.long()).logits[:, 0]
             assert torch.allclose(ours, theirs, atol=1e-5), (side, ours, theirs)
-    assert rm.sequence([1, 2], [3, pad], [], pad) == [1, 2, 3]  # never ends on the pad
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert reward_model_ids(tokenizer, [{"role": "assistant", "content": "3<|im_end|>"}]) == \
+        tokenizer("3", add_special_tokens=False)["input_ids"]  # never ends on the pad
 
 
 def test_a_pairs_common_prefix_runs_once_with_the_scores_and_gradients_of_its_rows(
@@ -86,11 +94,11 @@ def test_a_pairs_common_prefix_runs_once_with_the_scores_and_gradients_of_its_ro
              Pair(short, [52, 53, 54, 55], [52, 53, 56]),  # their first two tokens in common
              Pair(one, [57], [57, 58, 59]),  # the chosen is where the rejected starts
              Pair(long, [60, 61], [62])]  # the first pair's prompt
-    seqs, shared_lens = rm.pair_sequences(pairs, [], pad)
+    seqs, shared_lens = rm.pair_sequences(pairs)
     assert shared_lens == [20, 9, 2, 20] * 2
-    verdicts, share = [], rm.share_prompts
-    monkeypatch.setattr(rm, "share_prompts", lambda *args: verdicts.append(share(*args)) or
-                        verdicts[-1])
+    verdicts, share = [], reward_models.share_prompts
+    monkeypatch.setattr(reward_models, "share_prompts", lambda *args: verdicts.append(share(*args))
+                        or verdicts[-1])
     weights = torch.randn(len(seqs))
 
     def run(lens):
@@ -335,3 +343,220 @@ def test_builtin_pairs_correct_the_models_own_wrong_answer_where_it_never_got_it
         assert chosen[0] == texts[0] and chosen[2] == f"The answer is {answers[2]}."
         assert chosen[1] == (f"I add them: the answer is {answers[1]}." if correct_own else
                              f"The answer is {answers[1]}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 55: a reward model reads in training what it reads in scoring; bad rows and folders.
+
+
+def _whole(tokenizer, messages):
+    """TRL's form of a conversation for a reward model: the whole of it through the chat template
+    (RewardTrainer's apply_chat_template(prompt + chosen), GRPOTrainer's of prompt + completion),
+    tokenized as the template wrote it."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _read_by(monkeypatch):
+    """What a RewardModel scores: the sequences handed to its scorer, one list per call."""
+    read, score = [], reward_models.scores
+    monkeypatch.setattr(reward_models, "scores", lambda model, sequences, *a, **k:
+                        read.append([list(s) for s in sequences]) or score(model, sequences, *a, **k))
+    return read
+
+
+def test_a_reward_model_is_trained_on_the_tokens_it_scores(reward_model_dir, tokenizer,
+                                                            monkeypatch):
+    """Item 1: rm.py's sequences and RewardModel's are one rendering -- the whole conversation
+    through the chat template, its last turn closed (TRL's form, on both sides) -- for a stopped
+    response, one cut at --max-length, a multi-turn one, and a builtin answer cut at the 32 tokens
+    it was sampled to (pairs.ANSWER_TOKENS)."""
+    from types import SimpleNamespace
+
+    from data import TEMPLATES
+    from pairs import builtin_pairs
+    cfg = rm.Config(dtype="fp32", max_length=64, max_prompt_length=40)
+    user = [{"role": "user", "content": "What is 2 + 2?"}]
+    long = " ".join(f"Step {i}: I add one." for i in range(40))
+    turns = [{"role": "assistant", "content": "I add them with the calculator."},
+             {"role": "tool", "content": "4"}, {"role": "assistant", "content": "It is 4."}]
+    rows = check_pairs([
+        {"prompt": user, "chosen": "The answer is 4.", "rejected": "The answer is 5."},  # stopped
+        {"prompt": user, "chosen": "4", "rejected": long},  # cut at --max-length
+        {"prompt": user, "chosen": turns, "rejected": [{"role": "assistant", "content": "5"}]},
+    ], "p.jsonl", cfg)
+    seqs, _ = rm.pair_sequences(rm.reward_pairs(tokenizer, rows, "p.jsonl", cfg))
+    chosen, rejected = seqs[:3], seqs[3:]
+    cut = tokenizer.decode(rejected[1])
+    assert cut.endswith("<|im_end|>\n") and len(rejected[1]) <= 64  # the cut turn, closed
+    cut = cut.rpartition("<|im_start|>assistant\n")[2].removesuffix("<|im_end|>\n")
+    assert long.startswith(cut) and len(cut) > 20
+    # The builtin pairs: a right answer (stopped) against a wrong one cut at 32 tokens.
+    problem = "What is 17 + 25?"
+    wrong = tokenizer(" ".join(["I think about it and"] * 10), add_special_tokens=False)["input_ids"]
+    texts = ["The answer is 42.", tokenizer.decode(wrong[:32], skip_special_tokens=True)]
+
+    class Rollout:
+        def generate(self, prompt_ids, n, sampling):
+            assert sampling.max_new_tokens == 32
+            ids = [tokenizer(texts[0], add_special_tokens=False)["input_ids"] +
+                   [tokenizer.eos_token_id], wrong[:32]]
+            return SimpleNamespace(text=texts, completion_ids=ids, truncated=[False, True])
+
+    monkeypatch.setattr("pairs.arith_stream", lambda seed: iter([{"problem": problem,
+                                                                   "answer": "42"}]))
+    builtin = SimpleNamespace(seed=0, builtin_problems=1, builtin_samples=2, template="answer-is",
+                              chat=True)
+    [pair] = builtin_pairs(Rollout(), tokenizer, builtin)
+    built, _ = rm.pair_sequences(rm.reward_pairs(tokenizer, [pair.row], "builtin",
+                                                 rm.Config(dtype="fp32")))
+    # What RewardModel reads of the same conversations, as grpo.py hands them over.
+    source = RewardModel(reward_model_dir, "answer-is", torch.float32)
+    read = _read_by(monkeypatch)
+    source([user, user, user, user, user, user], ["The answer is 4.", "The answer is 5.", "4", cut,
+                                                   turns, [{"role": "assistant", "content": "5"}]])
+    source([problem, problem], texts)
+    asked = [{"role": "user", "content": TEMPLATES["answer-is"][0].format(problem=problem)}]
+    whole = [_whole(tokenizer, user + [{"role": "assistant", "content": c}]) for c in
+             ("The answer is 4.", "The answer is 5.", "4", cut)] + \
+        [_whole(tokenizer, user + turns), _whole(tokenizer, user + [turns[0] | {"content": "5"}])] \
+        + [_whole(tokenizer, asked + [{"role": "assistant", "content": t}]) for t in texts]
+    trained = [chosen[0], rejected[0], chosen[1], rejected[1], chosen[2], rejected[2], *built]
+    for what, t, r, w in zip(["stopped", "stopped", "stopped", "cut at --max-length",
+                              "multi-turn", "one turn", "builtin right", "builtin cut at 32"],
+                             trained, read[0] + read[1], whole):
+        assert t == r == w, (what, tokenizer.decode(t), tokenizer.decode(r))
+
+
+def test_a_reward_models_batched_scores_are_its_scores_one_at_a_time(reward_model_dir, tmp_path):
+    """Item 2: a hub reward model whose config.pad_token_id is not its tokenizer's pad id (a
+    tokenizer with no pad token of its own): each completion is scored at its last real token,
+    found from its length -- batched, one at a time and by transformers' own forward alone."""
+    import shutil
+    from transformers import AutoModelForSequenceClassification
+    folder = tmp_path / "rm"
+    shutil.copytree(reward_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["pad_token_id"] = 0  # (its tokenizer pads with 2)
+    (folder / "config.json").write_text(json.dumps(config))
+    source = RewardModel(str(folder), "answer-is", torch.float32)
+    assert source.model.config.pad_token_id != source.tokenizer.pad_token_id
+    prompts = ["What is 2 + 3?"] * 3
+    completions = ["5", "The answer is 5.", "Let me add them: 2 + 3 = 5, so the answer is 5."]
+    together = source(prompts, completions)
+    alone = [source([p], [c])[0] for p, c in zip(prompts, completions)]
+    assert together == pytest.approx(alone, abs=1e-5)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    for p, c, score in zip(prompts, completions, alone):
+        ids = _whole(source.tokenizer, conversation(p, c, "answer-is"))
+        with torch.no_grad():
+            assert score == pytest.approx(float(model(torch.tensor([ids])).logits[0, 0]), abs=1e-5)
+    assert max(alone) - min(alone) > 1e-3  # (scores that differ: a wrong position would show)
+
+
+GEMMA_LIKE = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+              "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>assistant\n"
+              "{% endif %}")
+
+
+def test_a_chat_template_whose_turns_do_not_end_with_eos_trains(tiny_model_dir, tmp_path,
+                                                                 monkeypatch):
+    """Item 3: Gemma's turns end with <end_of_turn>, its eos is <eos>: rm.py trains on the
+    conversations as that template writes them (it stopped with `substring not found`)."""
+    import shutil
+    from transformers import AutoTokenizer
+    folder = tmp_path / "gemma-like"
+    shutil.copytree(tiny_model_dir, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = GEMMA_LIKE
+    tokenizer.save_pretrained(folder)
+    seen, score = [], rm.scores
+    monkeypatch.setattr(rm, "scores", lambda model, sequences, *a, **k:
+                        seen.extend(map(list, sequences)) or score(model, sequences, *a, **k))
+    data = _pairs_file(tmp_path / "p.jsonl", n=6)
+    history = rm.main(parse_config(rm.Config, [
+        "--model", str(folder), "--data", data, "--batch-size", "5", "--steps", "1",
+        "--eval-every", "0", "--dtype", "fp32", "--out", str(tmp_path / "o")]))
+    assert history[-1]["step"] == 1 and math.isfinite(history[-1]["loss"])
+    rows = [json.loads(line) for line in open(data)]
+    expected = {tuple(tokenizer(tokenizer.apply_chat_template(
+        [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r[k]}],
+        tokenize=False), add_special_tokens=False)["input_ids"]) for r in rows
+        for k in ("chosen", "rejected")}
+    assert seen and {tuple(s) for s in seen} <= expected
+    assert all(tokenizer.decode(s).endswith("<end_of_turn>\n") for s in seen)
+
+
+def _write(path, content):
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif isinstance(content, str):
+        path.write_text(content)
+    else:
+        path.write_text("".join(json.dumps(row) + "\n" for row in content))
+    return str(path)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("p.jsonl", [{"prompt": "q", "chosen": 4, "rejected": "b"}],
+     "row 1: 'chosen' is neither a string nor a list of {'role', 'content'} messages"),
+    ("p.jsonl", [{"prompt": "q", "chosen": {"text": "a"}, "rejected": "b"}],
+     "row 1: 'chosen' is neither a string nor a list of {'role', 'content'} messages"),
+    ("p.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"},
+                 {"prompt": 7, "chosen": "a", "rejected": "b"}],
+     "row 2: 'prompt' is neither a string nor a list of {'role', 'content'} messages"),
+    ("p.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b", "margin": 1.0},
+                 {"prompt": "q", "chosen": "a", "rejected": "b", "margin": float("nan")}],
+     "row 2: 'margin' is not a finite number"),
+    ("p.csv", "prompt,chosen,rejected\nq,a,b\nq," + "x" * 140_000 + ",b\n",
+     "row 2: a field is longer than csv's limit of 131,072 characters (an unclosed "
+     "quote? a long text belongs in a .jsonl file)"),
+    ("p.parquet", "prompt,chosen,rejected\nq,a,b\n", "not a Parquet file"),
+])
+def test_a_bad_row_or_file_stops_in_one_line_before_the_model_loads(name, content, message,
+                                                                     tiny_model_dir, tmp_path,
+                                                                     monkeypatch):
+    """Item 13: every row's prompt, chosen and rejected a string or chat messages, a margin a
+    finite number, a file that its reader can read: one line naming the file, the row and the
+    field, before any model loads."""
+    monkeypatch.setattr(rm, "setup_trainer", lambda *a, **k: pytest.fail("the model was loaded"))
+    path = _write(tmp_path / name, content)
+    with pytest.raises(SystemExit) as stop:
+        rm.main(parse_config(rm.Config, ["--model", tiny_model_dir, "--data", path,
+                                         "--dtype", "fp32", "--out", str(tmp_path / "o")]))
+    assert str(stop.value.code).startswith(f"error: {path}: {message}")
+    assert "\n" not in str(stop.value.code)
+
+
+def _without_head(reward_model_dir, folder):
+    """A copy of a reward model whose weights lost their scalar head (its config still says it
+    is a sequence-classification model)."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(reward_model_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    del weights["score.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_a_new_head_is_one_line_and_a_reward_model_without_a_trained_head_is_refused(
+        tiny_model_dir, reward_model_dir, tmp_path, capfd, monkeypatch):
+    """Item 17: rm.py's new head is said in one line, without transformers' LOAD REPORT; a
+    --reward-model whose weights hold no trained head stops in one line before it loads (it
+    would score with a random head)."""
+    import model as model_module
+    from model import load_model
+    load_model(tiny_model_dir, head="reward")
+    out, err = capfd.readouterr()
+    assert "a new scalar head" in out and "LOAD REPORT" not in err and "MISSING" not in err
+    load_model(reward_model_dir, head="reward")  # a trained head: nothing to say
+    out, err = capfd.readouterr()
+    assert "new scalar head" not in out and "LOAD REPORT" not in err
+    headless = _without_head(reward_model_dir, tmp_path / "headless")
+    monkeypatch.setattr(model_module, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    for stop in (lambda: check_learned_rewards(headless, "", ""),
+                 lambda: RewardModel(headless, "answer-is", torch.float32)):
+        with pytest.raises(SystemExit, match=r"^error: --reward-model .*headless: its weights hold "
+                                             r"no trained scalar head \(score.weight\)[^\n]*$"):
+            stop()
