@@ -15,10 +15,12 @@ import argparse
 import html
 import json
 import math
+import os
+import re
 import sys
 from pathlib import Path
 
-from rollout_log import FILE as ROLLOUTS, read_rollouts
+from rollout_log import FILE as ROLLOUTS, DamagedLog, json_lines, records
 
 # The grid's panels after the first (the algorithm's own: its reward or loss and held-out
 # figures): a title and the metrics drawn in it, where the run logged them.
@@ -34,8 +36,39 @@ COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#1
 
 
 def points(history: list[dict], key: str) -> list[tuple[float, float]]:
-    return [(r["step"], r[key]) for r in history if isinstance(r.get(key), (int, float))
-            and not isinstance(r.get(key), bool) and math.isfinite(r[key])]
+    """(step, value) wherever both are finite numbers (NaN, inf and anything else are left out
+    of the pictures: the metrics and rollouts keep them)."""
+    found = []
+    for r in history:
+        x, y = r.get("step"), r.get(key)
+        if type(x) in (int, float) and type(y) in (int, float):  # (type: True is no number here)
+            try:
+                x, y = float(x), float(y)
+            except OverflowError:  # (an integer past the largest float)
+                continue
+            if x - x == 0 and y - y == 0:  # (finite: inf - inf and NaN - NaN are NaN)
+                found.append((x, y))
+    return found
+
+
+def y_range(ys, margin: float = 0.0) -> tuple[float, float]:
+    """Limits that hold every value (finite ones) and lie apart, whatever they are: a constant
+    -- also one where a step of 0.5 is below its rounding, 5e37 -- gets a band around it; a range
+    wider than the largest float stays finite. margin: the share of the range added each side."""
+    lo, hi = min(ys), max(ys)
+    half = hi / 2 - lo / 2  # (hi - lo itself may overflow)
+    if half <= max(abs(lo), abs(hi)) * 1e-12 or half < 5e-13:
+        pad = max(abs(lo), abs(hi)) * 0.05 or 0.5
+    else:
+        pad = half * (2 * margin)
+    return max(lo - pad, -sys.float_info.max), min(hi + pad, sys.float_info.max)
+
+
+def printable(text: str) -> str:
+    """text with each lone surrogate -- os.fsdecode's stand-in for a byte of a name that is not
+    UTF-8 -- as U+FFFD, the mark of a character that could not be read: a page and a PNG's
+    title are UTF-8 (they failed on it)."""
+    return re.sub("[\ud800-\udfff]", "\ufffd", text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -47,7 +80,8 @@ def plot_curves(history: list[dict], path, title: str = "",
                 stage_bounds=(), loss_keys=()) -> None:
     """The run's curves in one PNG: first train_keys per step and the held-out eval_keys (a
     dashed line where each stage of a staged run ends; loss_keys, no fraction of 1, on a second
-    axis on the right), then a panel for each group of PANELS the run logged."""
+    axis on the right), then a panel for each group of PANELS the run logged. Every axis spans
+    what it draws (the first 0-1 where all of it is a fraction)."""
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
@@ -60,32 +94,36 @@ def plot_curves(history: list[dict], path, title: str = "",
     fig, axes = plt.subplots(rows, cols, figsize=(7 if cols == 1 else 11, 4 if rows == 1
                                                   else 2.9 * rows), squeeze=False)
     ax = axes[0][0]
+    unit, series = _scaled(history, (*train_keys, *eval_keys))
     for key in train_keys:
-        if points(history, key):
-            ax.plot(*zip(*points(history, key)), label=f"train {key}", alpha=0.6)
+        if key in series:
+            ax.plot(*series[key], label=printable(f"train {key}"), alpha=0.6)
     for key, color in zip(eval_keys, ("black", "tab:red", "tab:green")):
-        if points(history, key):
-            ax.plot(*zip(*points(history, key)), "o-", color=color,
-                    label=f"held-out {key.removeprefix('eval_')}")
+        if key in series:
+            ax.plot(*series[key], "o-", color=color,
+                    label=printable(f"held-out {key.removeprefix('eval_')}"))
     for bound in stage_bounds:
         ax.axvline(bound, color="gray", linestyle="--", linewidth=1)
-    ax.set_ylim(-0.02, 1.02)
+    _fit(ax, series, unit, fraction=True)
     handles = ax.get_legend_handles_labels()
     if loss_keys:
         right = ax.twinx()
-        for key, style in zip(loss_keys, ("-", "s--")):
-            if points(history, key):
-                right.plot(*zip(*points(history, key)), style, color="tab:purple", alpha=0.7,
-                           label=key)
         right.set_ylabel("loss (nats per token)")
-        right.set_ylim(bottom=0)
+        unit, series = _scaled(history, loss_keys)
+        for key, style in zip(loss_keys, ("-", "s--")):
+            if key in series:
+                right.plot(*series[key], style, color="tab:purple", alpha=0.7,
+                           label=printable(key))
+        _fit(right, series, unit, from_zero=True)
         handles = [a + b for a, b in zip(handles, right.get_legend_handles_labels())]
     ax.legend(*handles, fontsize=8)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(printable(title), fontsize=9)
     for i, (name, keys) in enumerate(panels, 1):
         ax = axes[i // cols][i % cols]
+        unit, series = _scaled(history, keys)
         for key, color in zip(keys, COLOURS):
-            ax.plot(*zip(*points(history, key)), ".-", color=color, label=key, alpha=0.8)
+            ax.plot(*series[key], ".-", color=color, label=printable(key), alpha=0.8)
+        _fit(ax, series, unit)
         ax.set_title(name, fontsize=9)
         ax.legend(fontsize=7)
     for i in range(1 + len(panels), rows * cols):
@@ -99,26 +137,52 @@ def plot_curves(history: list[dict], path, title: str = "",
     plt.close(fig)
 
 
+def _scaled(history: list[dict], keys) -> tuple[float, dict]:
+    """The unit an axis draws `keys` in, and each logged key's (steps, values / unit): 1, or
+    1e300 where a value is past it (matplotlib's ticks overflow near the largest float)."""
+    series = {k: p for k in keys if (p := points(history, k))}
+    unit = 1e300 if any(abs(y) > 1e300 for p in series.values() for _, y in p) else 1.0
+    return unit, {k: ([x for x, _ in p], [y / unit for _, y in p]) for k, p in series.items()}
+
+
+def _fit(ax, series: dict, unit: float, fraction: bool = False, from_zero: bool = False):
+    """An axis' y limits from what it draws: 0-1 for a `fraction` axis whose values all lie in
+    it; from 0 for a `from_zero` one whose values never go below; else the values' range."""
+    ys = [y for _, values in series.values() for y in values]
+    if not ys:
+        return
+    if fraction and unit == 1 and 0 <= min(ys) and max(ys) <= 1:
+        ax.set_ylim(-0.02, 1.02)
+    else:
+        lo, hi = y_range(ys, margin=0.05)
+        ax.set_ylim(0 if from_zero and min(ys) >= 0 else lo, hi)
+    if unit != 1:
+        ax.set_ylabel(f"{ax.get_ylabel()} (x {unit:g})".strip())
+
+
 # ---------------------------------------------------------------------------------------------
 # report.html: the curves, as SVG.
 
 
-def svg_chart(history: list[dict], keys, title: str, width=330, height=190) -> str:
-    """One panel: a line per key (escaped names), the y range from the data, min and max
-    labelled."""
-    series = [(k, points(history, k)) for k in keys]
-    series = [(k, p) for k, p in series if p]
+def svg_chart(history: list[dict], keys, title: str) -> str:
+    """One panel: a line per key (escaped names), the y range from the data (y_range: any
+    finite values draw), min and max labelled."""
+    return svg_lines([(k, points(history, k)) for k in keys], title)
+
+
+def svg_lines(series: list[tuple[str, list]], title: str, width=330, height=190) -> str:
+    """svg_chart's panel from each key's points."""
+    series = [(k, thinned(p)) for k, p in series if p]
     if not series:
         return ""
     xs = [x for _, p in series for x, _ in p]
-    ys = [y for _, p in series for _, y in p]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    if y1 - y0 < 1e-12:
-        y0, y1 = y0 - 0.5, y1 + 0.5
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = y_range([y for _, p in series for _, y in p])
     x1 = x1 if x1 > x0 else x0 + 1
     left, top, right, bottom = 42, 22, width - 8, height - 40
+    half = y1 / 2 - y0 / 2  # (halves: y1 - y0 may overflow)
     sx = lambda x: left + (x - x0) / (x1 - x0) * (right - left)  # noqa: E731
-    sy = lambda y: bottom - (y - y0) / (y1 - y0) * (bottom - top)  # noqa: E731
+    sy = lambda y: bottom - (y / 2 - y0 / 2) / half * (bottom - top)  # noqa: E731
     parts = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" '
              f'aria-label="{html.escape(title)}">',
              f'<text x="{left}" y="14" class="title">{html.escape(title)}</text>',
@@ -143,19 +207,33 @@ def svg_chart(history: list[dict], keys, title: str, width=330, height=190) -> s
     return "".join(parts) + "</svg>"
 
 
+def thinned(p: list[tuple[float, float]], most: int = 600) -> list[tuple[float, float]]:
+    """At most `most` points, what a chart ~300 pixels wide can show: of each run of steps, its
+    lowest and its highest point (a spike stays), in step order."""
+    if len(p) <= most:
+        return p
+    size = -(-len(p) // (most // 2))
+    out = []
+    for i in range(0, len(p), size):
+        run = p[i:i + size]
+        out += sorted({min(run, key=lambda q: q[1]), max(run, key=lambda q: q[1])})
+    return out
+
+
 def curves_html(history: list[dict]) -> str:
-    first = ("reward", "accuracy", "eval_accuracy") if points(history, "reward") else \
+    """The panels of curves.png, and a chart of any metric the run logged, to choose from."""
+    names = {k for r in history for k in r if k != "step"}  # (one pass: a history is long)
+    columns = {k: p for k in sorted(names) if (p := points(history, k))}
+    first = ("reward", "accuracy", "eval_accuracy") if "reward" in columns else \
         tuple(k for k in ("loss", "eval_loss", "accuracy", "eval_accuracy", "eval_pair_accuracy")
-              if points(history, k))
-    grid = [svg_chart(history, first, "reward and accuracy" if "reward" in first else
-                      "loss and held-out")]
-    grid += [svg_chart(history, keys, name) for name, keys in PANELS
-             if any(k not in first for k in keys)]
-    every = sorted({k for r in history for k in r if k != "step" and points(history, k)})
+              if k in columns)
+    panels = [("reward and accuracy" if "reward" in first else "loss and held-out", first)]
+    panels += [(name, keys) for name, keys in PANELS if any(k not in first for k in keys)]
+    grid = [svg_lines([(k, columns.get(k, [])) for k in keys], name) for name, keys in panels]
     options = "".join(f'<option value="{i}">{html.escape(k)}</option>'
-                      for i, k in enumerate(every))
-    charts = "".join(f'<div class="one" data-i="{i}" hidden>{svg_chart(history, (k,), k)}</div>'
-                     for i, k in enumerate(every))
+                      for i, k in enumerate(columns))
+    charts = "".join(f'<div class="one" data-i="{i}" hidden>{svg_lines([(k, p)], k)}</div>'
+                     for i, (k, p) in enumerate(columns.items()))
     return (f'<div class="grid">{"".join(c for c in grid if c)}</div>'
             f'<p><label>any metric the run logged: <select id="metric">{options}</select></label>'
             f'</p><div id="metric-charts">{charts}</div>')
@@ -168,7 +246,8 @@ def curves_html(history: list[dict]) -> str:
 def prompt_text(row: dict) -> str:
     prompt = row.get("problem") or row.get("prompt") or ""
     if isinstance(prompt, list):  # chat messages
-        return "\n".join(f"{m.get('role')}: {m.get('content')}" for m in prompt)
+        return "\n".join(f"{m.get('role')}: {m.get('content')}" if isinstance(m, dict) else str(m)
+                         for m in prompt)
     return str(prompt)
 
 
@@ -196,38 +275,156 @@ def token_series(r: dict) -> dict:
     return out
 
 
-def steps_data(train: list[dict]) -> list[dict]:
-    """What the step browser shows: per step, its groups, each sample's figures and text (its
-    tokens and their colourings where the log kept them)."""
-    steps: dict[int, dict] = {}
-    for r in train:
-        step = steps.setdefault(r["step"], {"step": r["step"], "groups": {}})
-        group = step["groups"].setdefault(r["group"], {"prompt": prompt_text(r["row"]),
-                                                       "answer": r["row"].get("answer"),
-                                                       "samples": []})
-        sample = {"reward": r["reward"], "advantage": r.get("advantage"), "kept": r["kept"],
-                  "rewards": r["rewards"], "correct": r.get("correct"),
-                  "length": len(r["completion_ids"]), "truncated": r["truncated"],
-                  "text": r["completion"]}
-        if "tokens" in r:
-            sample["pieces"] = r["tokens"]["pieces"]
-            sample["mask"] = r.get("mask")
-            sample["series"] = token_series(r)
-            group["template"] = r["tokens"].get("prompt")
-        group["samples"].append(sample)
-    out = []
-    for s in sorted(steps):
-        groups = []
-        for index, g in steps[s]["groups"].items():
-            g["index"] = index
-            g["samples"].sort(key=lambda x: -x["reward"])
-            groups.append(g)
-        # The groups shown token by token first, then those with a reward spread (they trained),
-        # then the rest (all samples alike: advantage 0).
-        groups.sort(key=lambda g: (not any("pieces" in x for x in g["samples"]),
-                                   len({x["reward"] for x in g["samples"]}) == 1, g["index"]))
-        out.append({"step": s, "groups": groups})
-    return out
+# How much of the samples a page keeps: under ~50 MB, a page opens in seconds and its data is one
+# string JSON.parse takes (a GPU run of 512 samples a step passes V8's longest string, ~512 MB,
+# within a few hundred steps: the step browser showed none). rollouts.jsonl keeps everything.
+DATA_BUDGET = 40_000_000  # characters of sample data (ASCII: JSON escapes the rest)
+STEP_BUDGET = DATA_BUDGET // 4  # one step's most: past it, its texts are shortened
+
+
+def sample_view(r: dict) -> tuple[dict, dict]:
+    """What the step browser shows of a train record: its group's prompt, and the sample's
+    figures and text (its tokens and their colourings where the log kept them)."""
+    group = {"prompt": prompt_text(r["row"]), "answer": r["row"].get("answer")}
+    sample = {"reward": r["reward"], "advantage": r.get("advantage"), "kept": r["kept"],
+              "rewards": r["rewards"], "correct": r.get("correct"),
+              "length": len(r["completion_ids"]), "truncated": r["truncated"],
+              "text": r["completion"]}
+    if "tokens" in r:
+        sample["pieces"] = r["tokens"].get("pieces", [])
+        sample["mask"] = r.get("mask")
+        sample["series"] = token_series(r)
+        group["template"] = r["tokens"].get("prompt")
+    return group, sample
+
+
+def page_json(x) -> str:
+    """x as the page holds it: JSON, its non-finite numbers as strings (for_json), and "<", ">"
+    and "&" escaped -- inside <script> only "</" could end the element early."""
+    text = json.dumps(for_json(x), separators=(",", ":"))
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
+def for_json(x):
+    """x with its non-finite numbers as the strings "NaN", "Infinity" and "-Infinity": json.dumps
+    writes them bare, which JSON.parse rejects (one NaN anywhere blanked the step browser)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if x != x else "Infinity" if x > 0 else "-Infinity"
+    if isinstance(x, dict):
+        return {k: for_json(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [for_json(v) for v in x]
+    return x
+
+
+def step_entry(step: int, views: list[tuple[int, dict, dict]], bare: bool = False,
+               limit: int = 0) -> dict:
+    """One step of the browser from its samples' (group, group view, sample view); `bare`:
+    without their tokens and colourings, each text cut to `limit` characters (0: whole)."""
+    groups: dict[int, dict] = {}
+    for index, group, sample in views:
+        g = groups.setdefault(index, {**group, "index": index, "samples": []})
+        g["template"] = g.get("template") or group.get("template")
+        g["samples"].append(sample)
+    for g in groups.values():
+        g["samples"].sort(key=lambda x: -x["reward"])
+        if bare:
+            g["prompt"], g["template"] = cut(g["prompt"], limit), cut(g.get("template"), limit)
+            g["samples"] = [{k: v for k, v in x.items() if k not in ("pieces", "series", "mask")}
+                            | {"text": cut(x["text"], limit)} for x in g["samples"]]
+    # The groups shown token by token first, then those with a reward spread (they trained),
+    # then the rest (all samples alike: advantage 0).
+    order = sorted(groups.values(), key=lambda g: (not any("pieces" in x for x in g["samples"]),
+                                                   len({x["reward"] for x in g["samples"]}) == 1,
+                                                   g["index"]))
+    return {"step": step, "groups": order}
+
+
+def cut(text: str | None, limit: int) -> str | None:
+    """text with its middle left out past `limit` characters (0: none), and a mark where."""
+    if text is None or not limit or len(text) <= limit:
+        return text
+    head = limit * 2 // 3
+    return (f"{text[:head]} [... {len(text) - limit:,} characters left out here: rollouts.jsonl "
+            f"has the whole text ...] {text[len(text) - (limit - head):]}")
+
+
+def steps_kept(sizes: dict[int, int], budget: int) -> list[int]:
+    """The steps whose samples a page keeps: all that fit in `budget`; past it, the last, the
+    first, then steps ever more finely spread between, while they fit."""
+    steps = sorted(sizes)
+    if sum(sizes.values()) <= budget:
+        return steps
+    kept, used, n, k = set(), 0, len(steps), 2
+    order = [n - 1, 0]
+    while k < 4 * n:  # the middle, the quarters, the eighths...: every index by k >= 2n
+        order += [round(j * (n - 1) / k) for j in range(1, k, 2)]
+        k *= 2
+    for i in order:
+        if steps[i] not in kept and used + sizes[steps[i]] <= budget:
+            kept.add(steps[i])
+            used += sizes[steps[i]]
+    return sorted(kept)
+
+
+def read_samples(path, said=print) -> tuple[list[dict], list[dict], str]:
+    """The step browser's steps from a rollouts.jsonl, read twice, a record at a time (a GPU
+    run's log is gigabytes): once to size each step, once to keep those that fit (steps_kept);
+    the held-out records of the first and the last evaluation; a line that says what the page
+    left out ("" when nothing)."""
+    sizes, groups, first, last = {}, {}, [], []
+    for _, _, r in records(path, said=said):
+        if r["kind"] == "eval":
+            if not first or r["step"] < first[0]["step"]:
+                first = [r]
+            elif r["step"] == first[0]["step"]:
+                first.append(r)
+            if not last or r["step"] > last[0]["step"]:
+                last = [r]
+            elif r["step"] == last[0]["step"]:
+                last.append(r)
+            continue
+        group, sample = sample_view(r)
+        shown = groups.setdefault(r["step"], {})  # group -> its template counted yet
+        size = len(page_json(sample)) + 1
+        if r["group"] not in shown:
+            size += len(page_json({**group, "template": None})) + 30
+        if group.get("template") and not shown.get(r["group"]):
+            size += len(page_json(group["template"]))
+        shown[r["group"]] = shown.get(r["group"]) or bool(group.get("template"))
+        sizes[r["step"]] = sizes.get(r["step"], 0) + size
+    shortened = {s for s, size in sizes.items() if size > STEP_BUDGET}
+    kept = steps_kept({s: min(size, STEP_BUDGET) for s, size in sizes.items()}, DATA_BUDGET)
+    views: dict[int, list] = {s: [] for s in kept}
+    if kept:
+        for _, _, r in records(path, said=lambda _: None):
+            if r["kind"] == "train" and r["step"] in views:
+                views[r["step"]].append((r["group"], *sample_view(r)))
+    steps = []
+    for s in kept:
+        if s not in shortened:
+            steps.append(step_entry(s, views.pop(s)))
+            continue
+        # Too large: without its token colours, then its texts cut ever shorter (measured as
+        # the page holds them: a character may take six there, "\u003c").
+        entry = step_entry(s, views[s], bare=True)
+        limit = STEP_BUDGET // (len(views[s]) + 2 * len(groups[s]))  # (texts, prompts, templates)
+        while len(page_json(entry)) > STEP_BUDGET and limit >= 200:
+            entry = step_entry(s, views[s], bare=True, limit=limit)
+            limit = limit * 2 // 3
+        steps.append(entry)
+        del views[s]
+    lines = []
+    if len(kept) < len(sizes):
+        lines.append(f"This page keeps the samples of {len(kept)} of its {len(sizes)} steps -- "
+                    f"the first, the last and steps spread evenly between -- to stay under "
+                    f"{DATA_BUDGET / 1e6:g} MB; the curves cover every step, and rollouts.jsonl "
+                    f"holds every sample.")
+    if shortened & set(kept):
+        lines.append(f"Steps whose samples pass {STEP_BUDGET / 1e6:g} MB show no token colours, "
+                     f"and where that is not enough, each text shortened where marked.")
+    evals = first + (last if last and last[0]["step"] != first[0]["step"] else [])
+    return steps, evals, " ".join(lines)
 
 
 def held_out_html(evals: list[dict]) -> str:
@@ -265,36 +462,54 @@ def table_html(d: dict) -> str:
 
 def write_report(out) -> Path:
     """<out>/report.html from the run folder alone: metrics.jsonl, rollouts.jsonl (where the run
-    has one), its *_config.json and machine.json."""
+    has one), its *_config.json and machine.json. A cut last line (a killed write) of either log
+    is left out, and said; other damage stops here in one line."""
     out = Path(out)
     metrics = out / "metrics.jsonl"
     if not metrics.is_file():
         raise SystemExit(f"error: {out}: no metrics.jsonl there (a run's --out folder)")
-    history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    records = read_rollouts(out) if (out / ROLLOUTS).is_file() else []
-    config = next((json.loads(p.read_text()) for p in sorted(out.glob("*_config.json"))), {})
-    machine = json.loads((out / "machine.json").read_text()) \
-        if (out / "machine.json").is_file() else {}
-    steps = steps_data([r for r in records if r["kind"] == "train"])
-    data = json.dumps({"steps": steps}, separators=(",", ":"))
-    # Inside <script> only "</" could end the element early: JSON escapes keep it data.
-    data = data.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    notes = []
+    try:
+        history = [r for _, _, r in json_lines(metrics, notes.append)]
+        steps, evals, kept = read_samples(out / ROLLOUTS, notes.append) \
+            if (out / ROLLOUTS).is_file() else ([], [], "")
+    except DamagedLog as e:
+        raise SystemExit(f"error: {e}") from None
+    for note in notes:
+        print(printable(note))
+    config = next((read_object(p) for p in sorted(out.glob("*_config.json"))), {})
+    machine = read_object(out / "machine.json")
+    data = page_json({"steps": steps})
     title = f"{out.name}: {config.get('model', '')} on {config.get('data', '')}"
-    last = next((r for r in reversed(history) if "eval_accuracy" in r), None)
+    accuracy = points(history, "eval_accuracy")
     summary = f"{len(history)} records in metrics.jsonl"
-    if last is not None and "eval_accuracy" in history[0]:
-        summary += (f"; held-out accuracy {history[0]['eval_accuracy']:.1%} at step "
-                    f"{history[0]['step']}, {last['eval_accuracy']:.1%} at step {last['step']}")
+    if len(accuracy) > 1:
+        summary += (f"; held-out accuracy {accuracy[0][1]:.1%} at step {accuracy[0][0]:g}, "
+                    f"{accuracy[-1][1]:.1%} at step {accuracy[-1][0]:g}")
+    summary = " ".join([summary + ".", *(n + "." for n in notes)])
     browser = ('<p>No rollouts in this folder (rollouts.jsonl is written by grpo.py, ppo.py and '
-               'distill.py).</p>') if not steps else STEP_BROWSER
+               'distill.py).</p>') if not steps else \
+        (f'<p id="kept" class="kept">{html.escape(kept)}</p>' if kept else '') + STEP_BROWSER
     page = PAGE.format(title=html.escape(title), summary=html.escape(summary), style=STYLE,
                        curves=curves_html(history), browser=browser,
-                       heldout=held_out_html([r for r in records if r["kind"] == "eval"]),
-                       config=table_html(config), machine=table_html(machine), data=data,
-                       script=SCRIPT)
-    path = out / "report.html"
-    path.write_text(page)
+                       heldout=held_out_html(evals), config=table_html(config),
+                       machine=table_html(machine), data=data, script=SCRIPT)
+    path, tmp = out / "report.html", out / ".report.html.tmp"
+    tmp.unlink(missing_ok=True)
+    with open(tmp, "x", encoding="utf-8") as f:  # (a new file: no link there is followed)
+        f.write(printable(page))
+    os.replace(tmp, path)  # (a link at report.html is replaced, never written through)
     return path
+
+
+def read_object(path: Path) -> dict:
+    """A JSON object from a file the report shows (a config, machine.json); {} where it is
+    missing or is no JSON object."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 STEP_BROWSER = """
@@ -355,6 +570,7 @@ margin:0 0 6px;font-size:12px;max-height:9em;overflow:auto}
 outline:1px dashed #aaa}
 .tok.pos{background:rgb(255,150,150)}.tok.neg{background:rgb(150,150,255)}
 .prompt-key{background:#f3f3f3;color:#666;padding:0 3px}
+.kept{background:#fff8e0;border:1px solid #e8d9a8;border-radius:4px;padding:6px}
 .scroll{overflow-x:auto}table{border-collapse:collapse;font-size:12px}
 td,th{border:1px solid #e0e0e0;padding:3px 6px;vertical-align:top;text-align:left}
 tr.changed td{background:#fff8e0}#heldout-table td{white-space:pre-wrap;word-break:break-word;
@@ -386,19 +602,22 @@ SCRIPT = r"""
     return e;
   }
   function colour(v, scale, kind) {
-    if (v === null || v === undefined || !scale) { return ''; }
+    if (typeof v !== 'number' || !scale) { return ''; }  // (null, or "NaN" and the like)
     var a = Math.min(Math.abs(v) / scale, 1);
     var fade = Math.round(255 * (1 - 0.75 * a));
     if (kind === 'entropy') { return 'rgb(255, 255, ' + fade + ')'; }
     return v > 0 ? 'rgb(255, ' + fade + ', ' + fade + ')' :
       v < 0 ? 'rgb(' + fade + ', ' + fade + ', 255)' : '';
   }
-  function fmt(x) { return (x === null || x === undefined) ? '–' : Number(x).toFixed(3); }
+  function fmt(x) {
+    return (x === null || x === undefined) ? '–' :
+      typeof x === 'number' ? x.toFixed(3) : String(x);  // ("NaN", "Infinity": as such)
+  }
   function render() {
     var step = data.steps[Number(stepSel.value)], kind = colourSel.value, scale = 0;
     step.groups.forEach(function (g) { g.samples.forEach(function (s) {
       ((s.series || {})[kind] || []).forEach(function (v) {
-        if (v !== null) { scale = Math.max(scale, Math.abs(v)); }
+        if (typeof v === 'number') { scale = Math.max(scale, Math.abs(v)); }
       });
     }); });
     document.getElementById('scale').textContent = scale ?
@@ -462,7 +681,7 @@ def main(argv=None):
     parser.add_argument("run", help="a run's output folder (--out of any smolrl component)")
     args = parser.parse_args(argv)
     path = write_report(args.run)
-    print(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB); open it in a browser")
+    print(printable(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB); open it in a browser"))
 
 
 if __name__ == "__main__":

@@ -24,11 +24,12 @@ import torch
 from data import TEMPLATES, ProblemStream, encode_prompts, load_problems, task_summary
 from env import Agent, Episode, load_environment, load_tools
 from evaluate import evaluate_held_out, show_samples, step_record
-from model import DTYPES, length_mask, pack, right_pad
+from model import DTYPES, length_mask, model_path, pack, right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from reward_models import check_learned_rewards, learned_rewards
 from rollout import Completions, Ready, Sampling
-from rollout_log import RolloutLog, detail_index, detail_samples, saved_steps
+from rollout_log import FILE as ROLLOUTS, RolloutLog, check_log, detail_index, detail_samples
+from rollout_log import saved_steps
 from session import RunFolder, close_run, open_run, resume_driver, start_log
 from checkpoint import save_checkpoint
 from trainer import count_bad_steps, setup_local, setup_ray
@@ -64,6 +65,9 @@ def start_session(cfg, train_step, line=None) -> Session:
     if cfg.memory_plan:
         print(cfg.memory_plan)
     folder = open_run(cfg)
+    if folder.resume_dir and (folder.out / ROLLOUTS).exists():  # (kept up to the checkpoint)
+        check_log(folder.out / ROLLOUTS, "; mend that line, or move the file away to resume "
+                                         "without its samples")
     replay = replay_steps(cfg)
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
@@ -89,13 +93,20 @@ def start_session(cfg, train_step, line=None) -> Session:
 
 
 def replay_steps(cfg) -> dict | None:
-    """--replay: the saved samples of every step the run will take, checked now (rollout_log)."""
+    """--replay: the saved samples of every step the run will take, checked now (rollout_log),
+    their token ids against the vocabulary in the model's config (no weights loaded)."""
     if not cfg.replay:
         return None
     if Path(cfg.replay).resolve() == Path(cfg.out).resolve():
         raise SystemExit(f"error: --replay {cfg.replay} is this run's own --out, whose "
                          f"rollouts.jsonl the run starts anew; pass another --out")
-    return saved_steps(cfg.replay, cfg.num_generations, cfg.steps)
+    try:
+        from transformers import AutoConfig
+        vocab = AutoConfig.from_pretrained(model_path(cfg), trust_remote_code=False) \
+            .get_text_config().vocab_size
+    except (Exception, SystemExit):  # no config to read: the model's own load says why, later
+        vocab = None
+    return saved_steps(cfg.replay, cfg.num_generations, cfg.steps, vocab)
 
 
 def evaluate(session: Session, cfg, step: int) -> dict:

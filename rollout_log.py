@@ -3,12 +3,16 @@
 Every run of the RL loop (grpo.py, ppo.py, distill.py) appends to <out>/rollouts.jsonl, one JSON
 object per sample, as each step ends; held-out evaluations add their samples to the same file.
 One file of JSON lines because a killed run keeps every step it finished, a resumed run cuts it
-back to its checkpoint's step, it needs no library to write, and it opens in one line:
+back to its checkpoint's step (in a new file renamed over it: a full disk loses nothing), it needs
+no library to write, and it opens in one line:
 
     pandas.read_json("out/rollouts.jsonl", lines=True)
     datasets.load_dataset("json", data_files="out/rollouts.jsonl")
 
 Format version 1 (the field `v`). Every record has `v`, `kind` ("train" or "eval") and `step`.
+Whoever reads a log back (a resume, --replay, report.py) checks every record (`records`): damage
+stops it in one line naming the file, the line and the field, before any model loads; a last line
+cut short by a killed write is left out, and said.
 
 kind "train" -- one per sample a step drew, in the order the step drew them:
     index, group, sample    its place: sample `sample` of group `group` (index = group * G + sample)
@@ -46,7 +50,9 @@ one detailed group a step adds ~10 / N of that (N prompts a step).
 """
 
 import json
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -86,9 +92,26 @@ class RolloutLog:
 
     def __init__(self, out: Path, resumed_at: int):
         self.path, self.seconds = Path(out) / FILE, 0.0  # (seconds: writing, since last asked)
-        kept = [r for r in read_rollouts(self.path) if r["step"] <= resumed_at] \
-            if resumed_at and self.path.exists() else []
-        self._write(kept, "w")
+        if resumed_at and self.path.exists():
+            self._keep(resumed_at)
+        else:
+            self._write([], "w")
+
+    def _keep(self, step: int):
+        """The records of steps up to `step`, byte for byte, in a new file renamed over the old
+        one: a write that fails half way (a full disk) leaves the old log whole."""
+        tmp = self.path.with_name(f".{FILE}.resume")
+        try:
+            tmp.unlink(missing_ok=True)
+            with open(tmp, "x") as f:  # ("x": a new file; a link planted there is not followed)
+                f.writelines(line for _, line, r in records(self.path) if r["step"] <= step)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise SystemExit(f"error: cannot write {tmp} ({e.strerror}): {self.path} is as it "
+                             f"was; make room and resume again") from None
 
     def _write(self, records: list[dict], mode: str = "a"):
         with open(self.path, mode) as f:
@@ -146,43 +169,194 @@ class RolloutLog:
         self.seconds += time.perf_counter() - t0
 
 
-def read_rollouts(path, kind: str | None = None) -> list[dict]:
-    """The records of a rollouts.jsonl (a run folder or the file), of one kind or all; a record
-    of another format version stops here, in one line."""
-    path = Path(path)
-    path = path / FILE if path.is_dir() else path
-    records = []
+# ---------------------------------------------------------------------------------------------
+# Reading a log: each record checked once, its damage named in one line.
+
+
+class DamagedLog(Exception):
+    """A line of a JSON-lines file that cannot be read as what it should hold: "PATH, line N[,
+    field F]: what is wrong"."""
+
+
+def json_lines(path, said=print) -> Iterator[tuple[int, str, dict]]:
+    """(line number, line, object) of each line of a JSON-lines file. A last line cut short (no
+    newline, not JSON: a killed write, a full disk) is a crash remnant, no damage: left out, and
+    said(that); any other line that is not a JSON object stops here (DamagedLog)."""
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            r = json.loads(line)
-            if r.get("v") != FORMAT:
-                raise SystemExit(f"error: {path}, line {n}: rollouts of format {r.get('v')}, "
-                                 f"this smolrl reads format {FORMAT}")
-            if kind is None or r["kind"] == kind:
-                records.append(r)
-    return records
+            try:
+                r = json.loads(line)
+            except ValueError as e:
+                if not line.endswith("\n"):
+                    said(f"{path}, line {n}: cut short (a killed write): left out")
+                    return
+                raise DamagedLog(f"{path}, line {n}: not JSON ({e.msg}, column {e.colno})") \
+                    from None
+            if not isinstance(r, dict):
+                raise DamagedLog(f"{path}, line {n}: not a JSON object")
+            yield n, line if line.endswith("\n") else line + "\n", r
 
 
-def saved_steps(folder: str, group_size: int, steps: int) -> dict[int, list[dict]]:
-    """--replay's rollouts: every training step's samples from a run folder, checked against the
-    run that replays them (its steps, its group size) before any model loads."""
+def records(path, vocab: int | None = None, said=print) -> Iterator[tuple[int, str, dict]]:
+    """(line number, line, record) of each record of a rollouts.jsonl, checked (_problem; token
+    ids against a vocabulary of `vocab` ids, where given)."""
+    for n, line, r in json_lines(path, said):
+        if r.get("v") != FORMAT:
+            raise DamagedLog(f"{path}, line {n}: rollouts of format {r.get('v')}, this smolrl "
+                             f"reads format {FORMAT}")
+        problem = _problem(r, vocab)
+        if problem:
+            raise DamagedLog(f"{path}, line {n}, field {problem}")
+        yield n, line, r
+
+
+def check_log(path, hint: str = ""):
+    """A whole rollouts.jsonl checked before a run takes it up, its damage in one line (and
+    `hint`: what to do); a cut last line is said where it is left out."""
+    try:
+        for _ in records(path, said=lambda _: None):
+            pass
+    except DamagedLog as e:
+        raise SystemExit(f"error: {e}{hint}") from None
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _whole(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _numbers(xs, n: int, nulls: bool = True) -> str:
+    """What is wrong with a per-token list (of numbers, or nulls where `nulls`, one per completion
+    token)."""
+    allowed = {int, float, type(None)} if nulls else {int, float}
+    if not isinstance(xs, list) or not set(map(type, xs)) <= allowed:
+        return "not a list of numbers"
+    return f"{len(xs)} values for {n} completion tokens" if len(xs) != n else ""
+
+
+# What each field of a record must hold: a check, and what it says when the value fails it.
+TRAIN = {"index": (_whole, "not a whole number"), "group": (_whole, "not a whole number"),
+         "sample": (_whole, "not a whole number"), "policy_version": (_whole, "not a whole number"),
+         "kept": (lambda x: isinstance(x, bool), "not true or false"),
+         "truncated": (lambda x: isinstance(x, bool), "not true or false"),
+         "row": (lambda x: isinstance(x, dict), "not an object"),
+         "completion": (lambda x: isinstance(x, str), "not a string"),
+         "reward": (_number, "not a number"),
+         "rewards": (lambda x: isinstance(x, dict) and all(v is None or _number(v)
+                                                           for v in x.values()),
+                     "not an object of numbers"),
+         "correct": (lambda x: x is None or isinstance(x, (int, float)), "not a number or null"),
+         "advantage": (lambda x: x is None or _number(x), "not a number or null")}
+EVAL = {"id": (lambda x: isinstance(x, (str, int)) and not isinstance(x, bool),
+               "not a string or a whole number"),
+        "sample": (_whole, "not a whole number"),
+        "completion": (lambda x: isinstance(x, str), "not a string"),
+        "correct": (lambda x: isinstance(x, (int, float)), "not a number")}
+EPISODE = ("prompt", "messages", "turns", "tool_calls", "tool_errors", "tool_seconds", "done")
+
+
+def _problem(r: dict, vocab: int | None) -> str:
+    """What is wrong with a record, as "F: what" (F its field); "" where nothing is: what the
+    report, a resume and --replay read from it is there, of its type, token ids in the
+    vocabulary, per-token lists as long as the completion."""
+    if r.get("kind") not in ("train", "eval"):
+        return f"kind: {r.get('kind')!r} is neither \"train\" nor \"eval\""
+    if not _whole(r.get("step")):
+        return "step: not a whole number"
+    for name, (ok, what) in (TRAIN if r["kind"] == "train" else EVAL).items():
+        if name not in r:
+            if r["kind"] == "train" or name != "sample":  # (an eval's sample: from 0, optional)
+                return f"{name}: missing"
+        elif not ok(r[name]):
+            return f"{name}: {what}"
+    if r["kind"] == "eval":
+        return ""
+    for name in ("prompt_ids", "completion_ids"):
+        ids = r.get(name)
+        if not isinstance(ids, list) or not set(map(type, ids)) <= {int}:
+            return f"{name}: missing" if ids is None else f"{name}: not a list of token ids"
+        if name == "prompt_ids" and not ids:
+            return f"{name}: empty (a completion follows a prompt of one token at least)"
+        if ids and min(ids) < 0:
+            return f"{name}: token id {min(ids)} is below 0"
+        if ids and vocab and max(ids) >= vocab:
+            return (f"{name}: token id {max(ids)} is past the vocabulary of the model that reads "
+                    f"it ({vocab} ids)")
+    n = len(r["completion_ids"])
+    if "mask" in r and (_numbers(r["mask"], n) or not set(r["mask"]) <= {0, 1}):
+        return f"mask: {_numbers(r['mask'], n) or 'not 0s and 1s'}"
+    if "engine_logprobs" in r and _numbers(r["engine_logprobs"], n, nulls=False):
+        return f"engine_logprobs: {_numbers(r['engine_logprobs'], n, nulls=False)}"
+    if "episode" in r:
+        if not isinstance(r["episode"], dict):
+            return "episode: not an object"
+        missing = [k for k in EPISODE if k not in r["episode"]]
+        if missing:
+            return f"episode: no {missing[0]!r}"
+    if "tokens" in r:
+        t = r["tokens"]
+        if not isinstance(t, dict) or not isinstance(t.get("pieces", []), list) \
+                or not all(isinstance(p, str) for p in t.get("pieces", [])):
+            return "tokens: not an object with a list of pieces"
+        if "pieces" in t and len(t["pieces"]) != n:
+            return f"tokens: {len(t['pieces'])} pieces for {n} completion tokens"
+        for name, xs in t.items():
+            if name not in ("pieces", "prompt") and _numbers(xs, n):
+                return f"tokens.{name}: {_numbers(xs, n)}"
+    return ""
+
+
+def saved_steps(folder: str, group_size: int, steps: int,
+                vocab: int | None = None) -> dict[int, list[dict]]:
+    """--replay's rollouts: every training step's samples from a run folder, every record
+    checked (token ids against a vocabulary of `vocab` ids) and the steps against the run that
+    replays them (its steps, its group size) before any model loads."""
     path = Path(folder) / FILE
     if not path.is_file():
         raise SystemExit(f"error: --replay {folder}: no {FILE} there (a run folder of grpo.py, "
                          f"ppo.py or distill.py)")
     by_step: dict[int, list[dict]] = {}
-    for r in read_rollouts(path, "train"):
-        by_step.setdefault(r["step"], []).append(r)
+    lines: dict[int, list[int]] = {}
+    try:
+        for n, _, r in records(path, vocab):
+            if r["kind"] == "train":
+                by_step.setdefault(r["step"], []).append(r)
+                lines.setdefault(r["step"], []).append(n)
+    except DamagedLog as e:
+        raise SystemExit(f"error: --replay {folder}: {e}") from None
     missing = [s for s in range(1, steps + 1) if s not in by_step]
     if missing:
         raise SystemExit(f"error: --replay {folder}: {FILE} has no samples of step {missing[0]} "
                          f"(it holds steps {min(by_step, default=0)}-{max(by_step, default=0)}); "
                          f"pass --steps {max(by_step, default=0)} or fewer")
-    for s, records in by_step.items():
-        if any(r["sample"] >= group_size for r in records) or \
-                sum(r["kept"] for r in records) % group_size:
+    for s, saved in by_step.items():
+        if any(r["sample"] >= group_size for r in saved) or len(saved) % group_size or \
+                sum(r["kept"] for r in saved) % group_size:
             raise SystemExit(f"error: --replay {folder}: step {s}'s groups are not of "
                              f"--num-generations {group_size}; replay with the run's own")
+        unlike = _unlike(saved)
+        if unlike is not None:
+            i, name = unlike
+            raise SystemExit(f"error: --replay {folder}: {path}, line {lines[s][i]}, field "
+                             f"{name}: unlike the first sample of step {s} (line {lines[s][0]})")
     return by_step
+
+
+def _unlike(saved: list[dict]) -> tuple[int, str] | None:
+    """(index, field) of the first sample of a step that a replay cannot take with the step's
+    first: the optional fields there or not, a correctness or not, other reward sources."""
+    first = saved[0]
+    for i, r in enumerate(saved):
+        for name in ("mask", "engine_logprobs", "episode"):
+            if (name in r) != (name in first):
+                return i, name
+        if (r["correct"] is None) != (first["correct"] is None):
+            return i, "correct"
+        if r["rewards"].keys() != first["rewards"].keys():
+            return i, "rewards"
+    return None

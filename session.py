@@ -14,7 +14,10 @@ keeps it), and --steps, TRL's max_steps, overrides --epochs.
 """
 
 import json
+import os
 import random
+import stat
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from checkpoint import DriverState, claim_checkpoints, find_checkpoint, load_dri
 from checkpoint import save_checkpoint
 from evaluate import RunLog
 from hardware import machine
-from report import plot_curves, write_report
+from report import plot_curves, printable, write_report
 
 
 @dataclass
@@ -37,18 +40,80 @@ class RunFolder:
     log: RunLog | None = None  # (start_log: once the models have loaded)
 
 
+# What a run writes in --out, besides checkpoints/ (checkpoint.py): a fresh run moves a finished
+# run's to <out>/superseded/<time>/ (supersede), and refuses anything but a file or nothing where
+# its own files go (check_out).
+RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "report.html", "curves.png", "machine.json")
+RUN_FOLDERS = ("model", "checkpoints", "tensorboard", "wandb")
+
+
 def open_run(cfg) -> RunFolder:
     """Seeds, --out, and the checkpoint a resumed run continues from (never another run's:
     checkpoint.claim_checkpoints). Nothing is loaded yet."""
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
+    check_out(out, cfg.CONFIG_FILE)
     out.mkdir(parents=True, exist_ok=True)
     resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
     branched = claim_checkpoints(out, resume_dir)
     if branched:
         print(branched)
     return RunFolder(out, resume_dir)
+
+
+def check_out(out: Path, config_file: str):
+    """--out, before anything is loaded or written: a name the libraries can save under, a
+    folder (or nothing yet), and where the run writes its files, a file or nothing -- a link is
+    never followed (a fresh run would empty its target), a FIFO never opened (the run would
+    block). One line each; nothing is changed."""
+    try:
+        os.path.abspath(out).encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(e.object[e.start]) - 0xDC00  # (os.fsdecode's stand-in for an undecodable byte)
+        raise SystemExit(f"error: --out {printable(str(out))}: not a UTF-8 name (the byte "
+                         f"0x{byte:02x}), under which the tokenizer library cannot save a model; "
+                         f"choose another --out") from None
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --out {out} is a file, not a folder; choose another --out")
+    wanted = [(out / name, "a file") for name in (*RUN_FILES, config_file)]
+    for path, want in wanted + [(out / "superseded", "a folder")]:
+        kind = _kind(path)
+        if kind and kind != want:
+            raise SystemExit(f"error: {path} is {kind}, not {want}: a run writes its own files "
+                             f"in --out and follows nothing there; remove it or choose another "
+                             f"--out (nothing was changed)")
+
+
+def _kind(path: Path) -> str:
+    """What is at path, without following a link ("": nothing)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return ""
+    return ("a file" if stat.S_ISREG(mode) else "a folder" if stat.S_ISDIR(mode) else
+            "a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
+def supersede(out: Path) -> str:
+    """A fresh run's first write: the files and folders a run before it left in --out (its log,
+    metrics, report, curves, config, model: checkpoint.claim_checkpoints has made sure no live
+    checkpoint is among them) moved whole to <out>/superseded/<time>/; the line that says
+    where ("" when there were none)."""
+    found = sorted(p for p in out.iterdir() if p.name in RUN_FILES + RUN_FOLDERS
+                   or p.name.endswith("_config.json"))
+    if not found:
+        return ""
+    aside = out / "superseded" / time.strftime("%Y%m%d-%H%M%S")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "+")
+    aside.mkdir(parents=True)
+    for p in found:
+        os.replace(p, aside / p.name)
+    return (f"{out} held an earlier run: its {', '.join(p.name for p in found)} are moved whole "
+            f"to {aside} (delete it when you no longer need it; --resume continues a run "
+            f"instead)")
 
 
 def resume_driver(folder: RunFolder):
@@ -62,7 +127,11 @@ def resume_driver(folder: RunFolder):
 
 def start_log(folder: RunFolder, cfg, line=None):
     """The metrics log (metrics.jsonl and the trackers, a resumed run's history first) and the
-    config, written to <out>/<cfg.CONFIG_FILE>."""
+    config, written to <out>/<cfg.CONFIG_FILE>; a fresh run first moves an earlier run's files
+    aside (supersede)."""
+    moved = "" if folder.resume_dir else supersede(folder.out)
+    if moved:
+        print(moved)
     folder.log = RunLog(folder.out, folder.driver.history, cfg.report_to, asdict(cfg), line)
     (folder.out / cfg.CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2))
     (folder.out / "machine.json").write_text(json.dumps(machine(), indent=2))  # (for the report)
@@ -70,13 +139,29 @@ def start_log(folder: RunFolder, cfg, line=None):
 
 def close_run(folder: RunFolder, export, title: str, **plot):
     """After the last step: the model alone (optimizer state lives in checkpoints only) in
-    <out>/model by export(folder), the curves, and the report page (report.py)."""
+    <out>/model by export(folder), the curves, and the report page (report.py). A picture that
+    cannot be drawn is a warning: the run's model and logs are saved whatever its figures."""
     folder.log.close()
     export(str(folder.out / "model"))
-    plot_curves(folder.driver.history, folder.out / "curves.png", title=title, **plot)
-    write_report(folder.out)
-    print(f"saved the model in {folder.out}/model/, metrics.jsonl, curves.png and report.html "
-          f"(open it in a browser) in {folder.out}/")
+    saved = ["metrics.jsonl"]
+    if _drawn(folder.out / "curves.png", lambda: plot_curves(
+            folder.driver.history, folder.out / "curves.png", title=title, **plot)):
+        saved.append("curves.png")
+    if _drawn(folder.out / "report.html", lambda: write_report(folder.out)):
+        saved.append("report.html (open it in a browser)")
+    print(f"saved the model in {folder.out}/model/, {', '.join(saved)} in {folder.out}/")
+
+
+def _drawn(path: Path, draw) -> bool:
+    """draw(), or one warning line where it fails: whether `path` was drawn."""
+    try:
+        draw()
+        return True
+    except (Exception, SystemExit) as e:  # (SystemExit: report.py's one line on a damaged log)
+        said = " ".join(str(e).split())
+        print(f"warning: {path} could not be drawn ({type(e).__name__}: {said}); the run is "
+              f"saved, and `python report.py {path.parent}` tries the page again")
+        return False
 
 
 # ---------------------------------------------------------------------------------------------

@@ -242,3 +242,52 @@ def test_resuming_an_earlier_step_branches_and_keeps_every_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
     assert find_checkpoint(tmp_path, "auto") == str(tmp_path / "checkpoints" / "step_3")
     assert claim_checkpoints(tmp_path, str(tmp_path / "checkpoints" / "step_3")) == ""
+
+
+def test_a_fresh_run_moves_a_finished_run_aside_and_says_where(tiny_model_dir, tmp_path):
+    """`python grpo.py` twice (no checkpoints: the default): the first run's log, metrics,
+    report, curves, config and model are moved whole to <out>/superseded/<time>/, and the second
+    run says where (its rollouts.jsonl was emptied without a word). A resumed run moves
+    nothing."""
+    out = tmp_path / "run"
+    run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "1"])
+    first = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert {Path("rollouts.jsonl"), Path("metrics.jsonl"), Path("report.html"),
+            Path("model/config.json")} <= set(first)
+    result = run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "2"])
+    [aside] = (out / "superseded").iterdir()
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == first
+    assert f"moved whole to {aside}" in result.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert len((out / "rollouts.jsonl").read_text().splitlines()) == 16
+    run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "1", "--save-every", "1"])
+    assert len(list((out / "superseded").iterdir())) == 2
+    result = run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "2", "--resume", "auto"])
+    assert "moved" not in result.stdout and len(list((out / "superseded").iterdir())) == 2
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "distill", "sft", "dpo", "rm"])
+def test_every_algorithm_moves_an_earlier_run_aside_at_its_first_write(algorithm, tmp_path,
+                                                                       capsys):
+    """Every algorithm opens and starts its run folder with session.open_run and start_log: a
+    fresh run finds another's files (its own kind's or not) and moves them whole, once its models
+    have loaded (a run refused before that changes nothing), and a resumed run keeps them."""
+    import importlib
+    from session import open_run, resume_driver, start_log
+    cfg = importlib.import_module(algorithm).Config(
+        out=str(tmp_path), **({"teacher": "a/teacher"} if algorithm == "distill" else {}))
+    earlier = {"metrics.jsonl": '{"step": 1}\n', "rollouts.jsonl": "{}\n", "report.html": "<p>",
+               "curves.png": "png", "machine.json": "{}", "sft_config.json": "{}",
+               "model/config.json": "{}", "notes.txt": "the user's own"}
+    for name, text in earlier.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    folder = open_run(cfg)
+    assert not (tmp_path / "superseded").exists()
+    resume_driver(folder)
+    start_log(folder, cfg)
+    [aside] = (tmp_path / "superseded").iterdir()
+    assert f"moved whole to {aside}" in capsys.readouterr().out
+    for name, text in earlier.items():
+        assert ((tmp_path if name == "notes.txt" else aside) / name).read_text() == text
+    assert (tmp_path / cfg.CONFIG_FILE).exists() and (tmp_path / "metrics.jsonl").read_text() == ""

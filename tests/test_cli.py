@@ -1,5 +1,6 @@
 """The command lines as a new user meets them: --help, a typo, an impossible value, no network."""
 
+import json
 import runpy
 import subprocess
 import sys
@@ -162,3 +163,97 @@ def test_a_turn_too_short_for_a_tool_call_stops_before_the_model_loads(tmp_path,
     with pytest.raises(SystemExit, match=r"--max-new-tokens 16 .* tool 'guess' \("):
         grpo.main(parse_config(Config, ["--data", "guess", "--max-new-tokens", "16",
                                         "--out", str(tmp_path / "o")]))
+
+
+def test_names_that_are_not_utf8(tiny_model_dir, tmp_path):
+    """A --data file whose name is not UTF-8 (a byte \\xff) trains and ends with its curves and
+    its page (it crashed in curves.png's title and the page, after training); an --out whose
+    name is not UTF-8 -- where the tokenizer library cannot save the model, at the end of the
+    run or in a checkpoint -- is refused in one line before anything loads."""
+    data = bytes(tmp_path) + b"/pr\xffblems.jsonl"
+    with open(data, "w") as f:
+        f.writelines('{"problem": "What is %d + 1?", "answer": "%d"}\n' % (i, i + 1)
+                     for i in range(8))
+    args = ["--model", tiny_model_dir, "--prompts-per-step", "2", "--num-generations", "2",
+            "--max-new-tokens", "4", "--eval-every", "0", "--steps", "1"]
+    result = subprocess.run([sys.executable, "grpo.py", *args, "--data", data, "--out",
+                             str(tmp_path / "out")], cwd=ROOT, capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr.decode(errors="replace")[-3000:]
+    assert "pr\ufffdblems.jsonl" in (tmp_path / "out/report.html").read_text(encoding="utf-8")
+    assert (tmp_path / "out/curves.png").exists()
+    out = bytes(tmp_path) + b"/out\xff"
+    result = subprocess.run([sys.executable, "grpo.py", *args, "--data", "arith", "--out", out],
+                            cwd=ROOT, capture_output=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr.decode(errors="replace").strip().splitlines() == [
+        f"error: --out {tmp_path}/out\ufffd: not a UTF-8 name (the byte 0xff), under which the "
+        f"tokenizer library cannot save a model; choose another --out"]
+    assert not Path(out.decode(errors="surrogateescape")).exists()
+
+
+def _asks_to_run_its_code(folder, tiny_model_dir, marker):
+    """A model folder as a stranger might share it: config.json names a model_type transformers
+    does not know and points (auto_map) at the folder's own code, which would write `marker`."""
+    import shutil
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="smolrl-evil", architectures=["EvilForSequenceClassification"],
+                  id2label={"0": "LABEL_0"}, auto_map={
+                      "AutoConfig": "evil.EvilConfig", "AutoModel": "evil.EvilModel",
+                      "AutoModelForCausalLM": "evil.EvilModel",
+                      "AutoModelForSequenceClassification": "evil.EvilModel"})
+    (folder / "config.json").write_text(json.dumps(config))
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config["auto_map"] = {"AutoTokenizer": ["evil.EvilTokenizer", None]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return str(folder)
+
+
+def test_no_loader_runs_a_model_folders_own_code(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 55 item 14: --model, --reward-model, --judge, --teacher and --critic-from load with
+    trust_remote_code=False; a folder whose config asks to run its own code stops in one line,
+    no loader asks on the terminal (a user answering yes is simulated), and the code never runs."""
+    import io
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import torch
+
+    import distill
+    import model
+    import ppo
+    from reward_models import Judge, RewardModel, check_learned_rewards
+    marker = tmp_path / "ran"
+    folder = _asks_to_run_its_code(tmp_path / "evil", tiny_model_dir, marker)
+    asked = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "y")
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    loaders = {
+        "--model's tokenizer": lambda: model.load_tokenizer(folder),
+        "--model": lambda: model.load_model(folder),
+        "--model, a scalar head": lambda: model.load_model(folder, head="reward"),
+        "--model's dtype": lambda: model.source_dtype(folder),
+        "--reward-model, checked": lambda: check_learned_rewards(folder, "", ""),
+        "--reward-model": lambda: RewardModel(folder, "answer-is", torch.float32),
+        "--judge, checked": lambda: check_learned_rewards("", folder, ""),
+        "--judge": lambda: Judge(folder, "answer-is", torch.float32),
+        "--teacher, checked": lambda: distill.check_teacher(SimpleNamespace(
+            teacher=folder, model=tiny_model_dir)),
+        "--teacher": lambda: distill.load_teacher(folder, "cpu", torch.float32),
+        "--critic-from": lambda: ppo.main(replace(ppo.Config(
+            data="arith", model=tiny_model_dir, dtype="fp32"), critic_from=folder,
+            out=str(tmp_path / "ppo"))),
+    }
+    for what, load in loaders.items():
+        with pytest.raises(SystemExit) as stop:
+            load()
+        line = str(stop.value.code)
+        assert line.startswith("error: ") and "\n" not in line and "smolrl-evil" in line, (what, line)
+        assert not asked and not marker.exists(), what
+    result = subprocess.run([sys.executable, "grpo.py", "--model", folder, "--data", "arith",
+                             "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=300, stdin=subprocess.DEVNULL)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: --model {folder}: ")
+    assert "Do you wish to run" not in result.stdout + result.stderr and not marker.exists()

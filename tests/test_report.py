@@ -2,6 +2,7 @@
 Chromium, Debian's, through selenium); and curves.png's grid."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -107,3 +108,324 @@ def test_the_page_in_a_real_browser(run_folder, browser, tmp_path):
     assert width <= 400
     browser.save_screenshot(str(tmp_path / "phone.png"))
     assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Any run, any value (issue 55: 7, 8, 12, 15, 16, 18).
+
+
+def _sample(step: int, index: int, group_size: int = 4, text: str = "ok", **fields) -> dict:
+    """One train record of rollouts.jsonl, as rollout_log.RolloutLog.train writes it."""
+    return {"v": 1, "kind": "train", "step": step, "index": index, "group": index // group_size,
+            "sample": index % group_size, "kept": True,
+            "row": {"problem": f"What is {index} + 1?", "answer": str(index + 1)},
+            "prompt_ids": [1, 2, 3], "completion_ids": [4, 5], "completion": text,
+            "truncated": False, "policy_version": step - 1, "reward": float(index % 2),
+            "rewards": {"correctness": float(index % 2)}, "correct": float(index % 2),
+            "advantage": 0.5 if index % 2 else -0.5, **fields}
+
+
+def _folder(path, history: list[dict], records: list[dict] = (), name: str = "run"):
+    out = path / name
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    (out / "rollouts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return out
+
+
+def _page_data(out) -> dict:
+    """The step browser's data, as JSON.parse in the page reads it: strictly (no NaN)."""
+    page = (out / "report.html").read_text()
+    start = page.index('<script type="application/json" id="data">')
+    data = page[page.index(">", start) + 1:page.index("</script>", start)]
+
+    def refuse(constant):
+        raise AssertionError(f"{constant} in the page's JSON: JSON.parse rejects it")
+    return json.loads(data, parse_constant=refuse)
+
+
+def test_a_long_run_of_many_metrics_reports_in_linear_time(tmp_path):
+    """10,000 steps x 40 metrics: a few seconds (the names were gathered by scanning the whole
+    history once per record and key: 26 CPU s at 1,000 steps, ~40 min at 10,000)."""
+    import signal
+    import time
+    from report import write_report
+    keys = [f"metric_{i}" for i in range(39)]
+    out = _folder(tmp_path, [{"step": s, "reward": s / 1e4, **{k: s * 0.1 + i for i, k in
+                                                             enumerate(keys)}}
+                             for s in range(1, 10_001)])
+
+    def too_slow(*_):
+        raise TimeoutError("write_report took over 30 s on 10,000 steps x 40 metrics")
+    old = signal.signal(signal.SIGALRM, too_slow)
+    signal.alarm(30)
+    try:
+        t0 = time.perf_counter()
+        write_report(out)
+        seconds = time.perf_counter() - t0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert seconds < 10, seconds
+    assert (out / "report.html").stat().st_size < 5e6
+
+
+NON_FINITE = (float("nan"), float("inf"), float("-inf"))
+
+
+def test_non_finite_numbers_reach_the_page_as_json_it_can_read(tmp_path):
+    """A NaN reward, an infinite advantage, a -inf log-prob: the page's data is JSON that
+    JSON.parse reads (json.dumps wrote NaN, which blanked the whole step browser), and they show
+    as what they are."""
+    from report import write_report
+    records = [_sample(1, i) for i in range(8)]
+    records[0]["reward"], records[1]["advantage"] = float("nan"), float("inf")
+    records[2]["rewards"]["correctness"] = float("-inf")
+    records[3]["tokens"] = {"pieces": ["4", "5"], "prompt": "p", "logprob": [-float("inf"), -1.0],
+                            "new_logprob": [float("nan"), -0.5], "entropy": [float("inf"), 0.1]}
+    out = _folder(tmp_path, [{"step": 1, "reward": float("nan"), "loss": float("inf")}], records)
+    write_report(out)
+    data = _page_data(out)
+    samples = [s for g in data["steps"][0]["groups"] for s in g["samples"]]
+    assert len(samples) == 8
+    values = json.dumps(samples)
+    assert '"NaN"' in values and '"Infinity"' in values and '"-Infinity"' in values
+
+
+@pytest.fixture(scope="module")
+def big_run(tmp_path_factory):
+    """60 steps of GPU-sized batches (512 samples a step, 2,000 characters each: ~64 MB of text),
+    one group a step kept token by token, and a NaN in the last step."""
+    out = tmp_path_factory.mktemp("big") / "run"
+    out.mkdir()
+    text = ("The answer is 4, because " * 80)[:2000]
+    pieces = ["tok"] * 2
+    with open(out / "rollouts.jsonl", "w") as f:
+        for step in range(1, 61):
+            for i in range(512):
+                r = _sample(step, i, group_size=16, text=text)
+                if i < 16:
+                    r["tokens"] = {"pieces": pieces, "prompt": "p", "logprob": [-1.0, -2.0]}
+                if step == 60 and i == 0:
+                    r["reward"] = float("nan")
+                f.write(json.dumps(r) + "\n")
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward": s / 60}) + "\n"
+                                               for s in range(1, 61)))
+    from report import write_report
+    write_report(out)
+    return out
+
+
+def test_the_page_of_a_large_run_is_bounded_and_says_what_it_keeps(big_run):
+    """≤ 50 MB whatever the run's size (one string JSON.parse can take), its first and last
+    steps kept whole, and the page saying, visibly, which steps it shows and where the rest is."""
+    page = (big_run / "report.html").read_text()
+    assert (big_run / "report.html").stat().st_size <= 50e6
+    steps = [s["step"] for s in _page_data(big_run)["steps"]]
+    assert steps[0] == 1 and steps[-1] == 60 and 2 < len(steps) < 60
+    assert f"{len(steps)} of its 60 steps" in page and "rollouts.jsonl" in page
+
+
+def test_a_step_past_its_share_is_shortened_and_says_so(tmp_path, monkeypatch):
+    """A step whose texts alone pass the page's share of one step (here 50 KB of 200 KB: on
+    a GPU, 512 samples of 24K tokens) shows each text cut where marked, measured as the page
+    holds it -- "<" takes 6 characters there --, without token colours; steps are never
+    dropped for it."""
+    import report
+    monkeypatch.setattr(report, "DATA_BUDGET", 200_000)
+    monkeypatch.setattr(report, "STEP_BUDGET", 50_000)
+    records = [_sample(s, i, text="<" * 20_000) for s in (1, 2, 3) for i in range(8)]
+    records[0]["tokens"] = {"pieces": ["<", "<"], "prompt": "p", "logprob": [-1.0, -2.0]}
+    out = _folder(tmp_path, [{"step": 1, "reward": 0.5}], records)
+    report.write_report(out)
+    steps = _page_data(out)["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for step in steps:
+        assert len(json.dumps(step).replace("<", "<" * 6)) <= 50_000
+        for sample in (x for g in step["groups"] for x in g["samples"]):
+            assert "characters left out here" in sample["text"] and "pieces" not in sample
+    assert "each text shortened where marked" in (out / "report.html").read_text()
+
+
+def test_a_cut_last_line_still_makes_the_page(tmp_path, capsys):
+    """A killed write leaves a cut last line in rollouts.jsonl or metrics.jsonl: the page is
+    written without it and says so (it ended in a JSONDecodeError traceback); a damaged line
+    elsewhere stops report.py with one line naming the file, the line and what is wrong."""
+    import report
+    records = [_sample(s, i) for s in (1, 2) for i in range(4)]
+    out = _folder(tmp_path, [{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.7}], records)
+    with open(out / "rollouts.jsonl", "a") as f:
+        f.write(json.dumps(_sample(3, 0))[:50])
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "rew')
+    report.main([str(out)])
+    said = capsys.readouterr().out
+    assert "rollouts.jsonl, line 9: cut short" in said and "metrics.jsonl, line 3: cut short" \
+        in said
+    assert [s["step"] for s in _page_data(out)["steps"]] == [1, 2]
+    lines = (out / "rollouts.jsonl").read_text().splitlines()
+    lines[2] = '{"v": 1, "kind": "train", "step": 1, "reward'
+    (out / "rollouts.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(out / 'rollouts.jsonl'))}, "
+                                         rf"line 3: not JSON"):
+        report.main([str(out)])
+
+
+def test_report_py_replaces_a_link_at_report_html_and_never_writes_through_it(tmp_path):
+    """`python report.py FOLDER` where report.html is a symbolic link (to a user's file): the
+    page is written beside it and renamed over the link; the file it pointed to is untouched."""
+    from report import write_report
+    out = _folder(tmp_path, [{"step": 1, "reward": 0.5}], [_sample(1, i) for i in range(4)])
+    (tmp_path / "notes.html").write_text("a user's file")
+    (out / "report.html").symlink_to(tmp_path / "notes.html")
+    write_report(out)
+    assert (tmp_path / "notes.html").read_text() == "a user's file"
+    assert not (out / "report.html").is_symlink() and _page_data(out)["steps"]
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "report.html",
+                                                     "rollouts.jsonl"]
+
+
+def test_a_folder_or_data_name_that_is_not_utf8_makes_the_page_and_the_curves(tmp_path):
+    """A name os.fsdecode gives surrogates for (a byte \\xff): the page and curves.png are
+    written, the name shown with U+FFFD where its bytes are not text (it was UnicodeEncodeError
+    in the page, TypeError in matplotlib's title)."""
+    import os
+    from report import plot_curves, write_report
+    history = [{"step": 1, "reward": 0.5, "loss": 0.1}, {"step": 2, "reward": 0.7, "loss": 0.0}]
+    out = _folder(tmp_path, history, [_sample(1, i) for i in range(4)],
+                  name=os.fsdecode(b"run\xff"))
+    data = os.fsdecode(b"/data/pr\xffblems.jsonl")
+    (out / "grpo_config.json").write_text(json.dumps({"model": "m", "data": data}))
+    plot_curves(history, out / "curves.png", title=f"GRPO on {data}")
+    page = write_report(out).read_text(encoding="utf-8")
+    assert "run\ufffd" in page and "pr\ufffdblems.jsonl" in page
+    assert (out / "curves.png").stat().st_size > 0
+
+
+# Series a metric can hold: huge, constant, huge and constant, at the float limits, non-finite.
+SERIES = {"huge": [0.0, 1e38] * 5, "constant": [0.25] * 10, "huge constant": [5e37] * 10,
+          "float limits": [-1.7e308, 1.7e308] * 5, "non-finite": [1.0, *NON_FINITE, 2.0] * 2,
+          "one point": [3.0], "none finite": list(NON_FINITE)}
+
+
+@pytest.mark.parametrize("name", SERIES)
+def test_svg_chart_draws_any_value_a_metric_can_hold(name):
+    """Every point drawn inside the chart's frame, no NaN or inf in the SVG (it was
+    ZeroDivisionError at 5e37 constant: 5e37 - 0.5 == 5e37)."""
+    from report import svg_chart
+    history = [{"step": s, "reward": v} for s, v in enumerate(SERIES[name], 1)]
+    svg = svg_chart(history, ("reward",), "reward")
+    assert "nan" not in svg.lower() and "inf" not in svg.lower()
+    for line in re.findall(r'points="([^"]*)"', svg):
+        for point in line.split():
+            x, y = map(float, point.split(","))
+            assert 42 <= x <= 322 and 22 <= y <= 150, (name, point)
+
+
+def _figure_of(plot, monkeypatch):
+    """The matplotlib figure plot() saves."""
+    from matplotlib.figure import Figure
+    saved, real = [], Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        saved.append(fig)
+        return real(fig, *args, **kwargs)
+    monkeypatch.setattr(Figure, "savefig", keep)
+    plot()
+    return saved[0]
+
+
+def _shows_its_data(fig):
+    """Every finite point of every line inside its axes' y limits; the limits finite."""
+    import numpy as np
+    for ax in fig.axes:
+        low, high = ax.get_ylim()
+        assert np.isfinite([low, high]).all(), (ax.get_title(), low, high)
+        for line in ax.get_lines():
+            y = np.asarray(line.get_ydata(), dtype=float)
+            y = y[np.isfinite(y)]
+            if len(y):
+                assert low <= y.min() and y.max() <= high, (ax.get_title(), line.get_label(),
+                                                            (low, high), (y.min(), y.max()))
+
+
+def test_every_curves_panel_shows_what_it_plots(tmp_path, monkeypatch):
+    """A learned reward rising 3.2 -> 5.4 beside a held-out accuracy in [0, 1], a loss below 0 on
+    the right axis: each on the chart (the first panel was fixed at 0-1, the loss axis at 0 up);
+    a run whose figures are all fractions keeps the first panel's 0-1."""
+    from report import plot_curves
+    history = [{"step": s, "reward": 3.2 + 0.22 * s, "eval_accuracy": 0.4 - 0.02 * s,
+                "loss": -0.5 + 0.1 * s, "kl": 0.01 * s, "completion_len": 20.0 + s}
+               for s in range(11)]
+    fig = _figure_of(lambda: plot_curves(history, tmp_path / "a.png", loss_keys=("loss",)),
+                     monkeypatch)
+    _shows_its_data(fig)
+    fractions = [{"step": s, "reward": s / 10, "accuracy": s / 20} for s in range(11)]
+    fig = _figure_of(lambda: plot_curves(fractions, tmp_path / "b.png"), monkeypatch)
+    assert fig.axes[0].get_ylim() == pytest.approx((-0.02, 1.02))
+
+
+@pytest.mark.parametrize("name", SERIES)
+def test_curves_png_draws_any_value_a_metric_can_hold(name, tmp_path, monkeypatch):
+    from report import plot_curves
+    history = [{"step": s, "reward": v, "loss": v, "entropy_trained": v}
+               for s, v in enumerate(SERIES[name], 1)]
+    fig = _figure_of(lambda: plot_curves(history, tmp_path / "c.png", loss_keys=("loss",)),
+                     monkeypatch)
+    _shows_its_data(fig)
+    assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_a_run_whose_picture_cannot_be_drawn_still_ends_well(tiny_model_dir, tmp_path,
+                                                              monkeypatch):
+    """`python grpo.py` with a reward of 1e38 for every other completion (a user's function):
+    it trains, saves its model, writes its page and exits 0 (it ended in ZeroDivisionError, exit
+    code 1, no report.html); and a report that fails whatever the reason is one warning line,
+    never the run's exit."""
+    import os
+    import subprocess
+    import sys
+    import session
+    from conftest import ROOT
+    (tmp_path / "huge_rewards.py").write_text(
+        "def huge(prompts, completions, **_):\n"
+        "    return [1e38 * (i % 2) for i in range(len(completions))]\n")
+    args = small_run_args(tiny_model_dir, tmp_path / "a") + ["--steps", "2"]
+    args[args.index("--reward") + 1] = "huge_rewards:huge"
+    result = subprocess.run([sys.executable, "grpo.py", *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert (tmp_path / "a/report.html").exists() and (tmp_path / "a/model/config.json").exists()
+
+    def broken(*_, **__):
+        raise ValueError("cannot draw this")
+    monkeypatch.setattr(session, "write_report", broken)
+    result = run_grpo(small_run_args(tiny_model_dir, tmp_path / "b") + ["--steps", "1"])
+    warnings = [line for line in result.stdout.splitlines() if "warning" in line]
+    assert warnings == [f"warning: {tmp_path / 'b/report.html'} could not be drawn (ValueError: "
+                        f"cannot draw this); the run is saved, and `python report.py "
+                        f"{tmp_path / 'b'}` tries the page again"]
+    assert (tmp_path / "b/model/config.json").exists() and (tmp_path / "b/curves.png").exists()
+
+
+def test_non_finite_numbers_and_a_large_run_in_a_real_browser(big_run, browser, tmp_path):
+    """The steps the page keeps are all in the step browser (a large run's page showed 0 steps,
+    and so did one NaN anywhere), with what it says it keeps; a NaN reward shows as NaN."""
+    from selenium.webdriver.common.by import By
+    from report import write_report
+    records = [_sample(1, i) for i in range(4)]
+    records[0]["reward"], records[1]["advantage"] = float("nan"), float("inf")
+    records[2]["tokens"] = {"pieces": ["4", "5"], "prompt": "p", "logprob": [-float("inf"), -1.0],
+                            "new_logprob": [float("nan"), -0.5]}
+    small = _folder(tmp_path, [{"step": 1, "reward": float("nan")}], records)
+    write_report(small)
+    for out, steps in ((small, 1), (big_run, len(_page_data(big_run)["steps"]))):
+        browser.get((out / "report.html").as_uri())
+        assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+        options = browser.find_elements(By.CSS_SELECTOR, "#step option")
+        assert len(options) == steps and browser.find_elements(By.CSS_SELECTOR, "#groups .sample")
+    assert f"{steps} of its 60 steps" in browser.find_element(By.ID, "samples").text
+    browser.get((small / "report.html").as_uri())
+    heads = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#groups .sample .head")]
+    assert any("reward NaN" in h for h in heads) and any("advantage Infinity" in h for h in heads)

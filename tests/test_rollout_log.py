@@ -211,3 +211,200 @@ def test_the_format_round_trips_what_replay_needs(tmp_path, tokenizer):
     assert trained.completions.text == ["a", "b"] and sampled.correct == scored.correct
     advantages = [r["advantage"] for r in _train(tmp_path)]
     assert advantages == [pytest.approx(0.7), pytest.approx(-0.7), None, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# The log as a run folder holds it: kept whole, never followed, checked before a model loads
+# (issue 55: 9, 10, 12).
+
+
+def _no_model(monkeypatch):
+    import rl
+    monkeypatch.setattr(rl, "setup_local", lambda *a: pytest.fail("the model was loaded"))
+
+
+class _DiskFull:
+    """A file whose writes fail once `room` characters are written: a full disk."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, text):
+        if len(text) > self.room:
+            self.f.write(text[:self.room])
+            self.f.flush()
+            raise OSError(28, "No space left on device")
+        self.room -= len(text)
+        return self.f.write(text)
+
+    def writelines(self, lines):
+        for line in lines:
+            self.write(line)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def test_a_resume_that_cannot_write_its_log_leaves_the_old_one_whole(tmp_path, monkeypatch):
+    """Resumed at step 2, the log is cut back to steps 1-2 in a new file renamed over the old
+    one: a disk that fills half way through leaves every byte of the old log (it was truncated,
+    then written: the kept steps were lost)."""
+    import builtins
+    import rollout_log
+    from rollout_log import RolloutLog
+    log = tmp_path / "rollouts.jsonl"
+    log.write_text("".join(json.dumps({"v": 1, "kind": "eval", "step": s, "id": i,
+                                       "completion": "x" * 100, "correct": 1.0}) + "\n"
+                           for s in (1, 2, 3) for i in range(5)))
+    before = log.read_bytes()
+    real_open = builtins.open
+    monkeypatch.setattr(rollout_log, "open", lambda *a, **k: _DiskFull(real_open(*a, **k), 500)
+                        if set("wxa") & set((a[1:2] or (k.get("mode", "r"),))[0])
+                        else real_open(*a, **k), raising=False)
+    with pytest.raises((OSError, SystemExit), match="No space left on device"):
+        RolloutLog(tmp_path, resumed_at=2)
+    assert log.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["rollouts.jsonl"]  # no half-written file
+    monkeypatch.undo()
+    RolloutLog(tmp_path, resumed_at=2)
+    assert log.read_bytes() == b"".join(before.splitlines(keepends=True)[:10])
+
+
+@pytest.mark.parametrize("name", ["rollouts.jsonl", "metrics.jsonl", "report.html",
+                                  "curves.png", "grpo_config.json"])
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_a_link_or_a_fifo_in_place_of_a_run_file_is_refused(tmp_path, monkeypatch, name, kind):
+    """A run writes its own files in --out and follows nothing there: a symlink (a fresh run
+    emptied its target) or a FIFO (the run blocked forever) is refused in one line before any
+    model loads, and left as it was."""
+    import os
+    import grpo
+    from data import parse_config
+    _no_model(monkeypatch)
+    out, target = tmp_path / "out", tmp_path / "precious.txt"
+    out.mkdir()
+    target.write_text("a user's file")
+    if kind == "symlink":
+        (out / name).symlink_to(target)
+    else:
+        os.mkfifo(out / name)
+    what = "a symbolic link" if kind == "symlink" else "a FIFO"
+    with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(out / name))} is {what}, not "
+                                         rf"a file: .* \(nothing was changed\)$"):
+        grpo.main(parse_config(grpo.Config, ["--data", "arith", "--out", str(out)]))
+    assert target.read_text() == "a user's file"
+    assert (out / name).is_symlink() if kind == "symlink" else (out / name).is_fifo()
+
+
+@pytest.fixture(scope="module")
+def two_steps(tiny_model_dir, tmp_path_factory):
+    """A 2-step run's folder, to replay (copied before a test damages its log)."""
+    out = tmp_path_factory.mktemp("two") / "run"
+    run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "2"])
+    return out
+
+
+def _damaged(two_steps, tmp_path, damage) -> tuple:
+    """A copy of two_steps' log with damage(lines) done to its lines."""
+    import shutil
+    folder = tmp_path / "damaged"
+    shutil.copytree(two_steps, folder)
+    log = folder / "rollouts.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    damage(lines)
+    log.write_text("".join(lines))
+    return folder, log
+
+
+def _edit(n: int, **changes):
+    def damage(lines):
+        r = json.loads(lines[n - 1])
+        r.update({k: v for k, v in changes.items() if v is not ...})
+        for k in [k for k, v in changes.items() if v is ...]:
+            del r[k]
+        lines[n - 1] = json.dumps(r) + "\n"
+    return damage
+
+
+def _put(n: int, text: str):
+    def damage(lines):
+        lines[n - 1] = text
+    return damage
+
+
+@pytest.mark.parametrize("damage, where", [
+    (_put(3, "[1, 2, 3]\n"), "line 3: not a JSON object"),
+    (_put(4, '{"v": 1, "kind": "train", "st\n'), "line 4: not JSON"),
+    (_edit(2, completion_ids=...), "line 2, field completion_ids: missing"),
+    (_edit(12, completion_ids=[5, 49152]), "line 12, field completion_ids: token id 49152 is "
+                                            "past the vocabulary"),
+    (_edit(5, prompt_ids=[1, -3]), "line 5, field prompt_ids: token id -3"),
+    (_edit(6, reward="high"), "line 6, field reward: not a number"),
+    (_edit(7, kept="yes"), "line 7, field kept: not true or false"),
+    (_edit(9, step="two"), "line 9, field step: not a whole number"),
+    (_edit(10, row=[1]), "line 10, field row: not an object"),
+    (_edit(11, mask=[1] * 7), "line 11, field mask: 7 values for"),
+    (_edit(13, kind="training"), "line 13, field kind: 'training'"),
+], ids=["array", "cut", "no-ids", "vocabulary", "negative", "reward", "kept", "step", "row",
+        "mask", "kind"])
+def test_a_damaged_log_stops_replay_in_one_line_before_any_model_loads(
+        tiny_model_dir, two_steps, tmp_path, monkeypatch, damage, where):
+    """Every record a replay reads is checked once, before any model loads, and the first
+    damage is named in one line -- the file, the line, the field (a token id past the
+    vocabulary trained step 1 and crashed at step 2; a missing field, a line that is not an
+    object: a crash mid-run)."""
+    import grpo
+    from data import parse_config
+    _no_model(monkeypatch)
+    folder, log = _damaged(two_steps, tmp_path, damage)
+    args = small_run_args(tiny_model_dir, tmp_path / "replay") + ["--steps", "2", "--replay",
+                                                                   str(folder)]
+    with pytest.raises(SystemExit, match=rf"^error: --replay {re.escape(str(folder))}: "
+                                         rf"{re.escape(str(log))}, {re.escape(where)}"):
+        grpo.main(parse_config(grpo.Config, args))
+
+
+def test_replay_and_resume_drop_a_cut_last_line_and_say_so(tiny_model_dir, two_steps,
+                                                           tmp_path, capsys):
+    """A killed write leaves a cut last line: --replay of the steps before it and --resume
+    drop it as a crash remnant and say so (they ended in JSONDecodeError, --resume after the
+    model had loaded)."""
+    folder, log = _damaged(two_steps, tmp_path, lambda lines: lines.append(lines[-1][:40]))
+    result = run_grpo(small_run_args(tiny_model_dir, tmp_path / "replay") + [
+        "--steps", "2", "--replay", str(folder)])
+    assert f"{log}, line 17: cut short (a killed write): left out" in result.stdout
+    out = tmp_path / "resumed"
+    run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "3", "--save-every", "2"])
+    whole = (out / "rollouts.jsonl").read_text()
+    with open(out / "rollouts.jsonl", "a") as f:
+        f.write('{"v": 1, "kind": "train", "step": 4, "ind')
+    result = run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "3", "--resume", "auto"])
+    assert f"{out / 'rollouts.jsonl'}, line 25: cut short (a killed write): left out" \
+        in result.stdout
+    assert (out / "rollouts.jsonl").read_text() == whole
+
+
+def test_a_damaged_log_stops_a_resume_in_one_line_before_any_model_loads(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """A damaged line that is not the last one is no crash remnant: a resume stops at once,
+    naming it, and says how to go on without the log."""
+    import grpo
+    from data import parse_config
+    out = tmp_path / "run"
+    run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "2", "--save-every", "2"])
+    lines = (out / "rollouts.jsonl").read_text().splitlines(keepends=True)
+    lines[3] = lines[3][:30] + "\n"
+    (out / "rollouts.jsonl").write_text("".join(lines))
+    _no_model(monkeypatch)
+    log = out / "rollouts.jsonl"
+    with pytest.raises(SystemExit, match=rf"^error: {re.escape(str(log))}, line 4: not JSON .*"
+                                         rf"move the file away to resume without its samples$"):
+        grpo.main(parse_config(grpo.Config, small_run_args(tiny_model_dir, out) + [
+            "--steps", "3", "--resume", "auto"]))
+    assert (out / "rollouts.jsonl").read_text() == "".join(lines)
