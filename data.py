@@ -505,14 +505,27 @@ def dataset_name(source: str) -> str:
     return Path(source).stem if Path(source).suffix else source.split("/")[-1]
 
 
-def row_stream(rows: list[dict], seed: int):
-    """Infinite stream over `rows`: a fresh seeded shuffle every epoch."""
-    rng = random.Random(seed)
-    while True:
-        order = list(range(len(rows)))
-        rng.shuffle(order)
-        for i in order:
-            yield rows[i]
+class RowStream:
+    """Infinite stream over `rows`: a fresh seeded shuffle every epoch. `rows` stays readable (the
+    prompts' lengths are checked against the GPU memory plan: rl.check_prompt_room)."""
+
+    def __init__(self, rows: list[dict], seed: int):
+        self.rows, self._rows = rows, self._shuffled(rows, seed)
+
+    @staticmethod
+    def _shuffled(rows, seed):
+        rng = random.Random(seed)
+        while True:
+            order = list(range(len(rows)))
+            rng.shuffle(order)
+            for i in order:
+                yield rows[i]
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        return next(self._rows)
 
 
 def load_problems(cfg):
@@ -531,7 +544,7 @@ def load_problems(cfg):
         if not cfg.eval_data and cfg.eval_every and "answer" in first:
             n_eval = min(cfg.eval_size, len(rows) // 10)
             rows, eval_rows = rows[:len(rows) - n_eval], rows[len(rows) - n_eval:]
-        train_rows = row_stream(rows, cfg.seed)
+        train_rows = RowStream(rows, cfg.seed)
     if cfg.eval_data:  # (a hub id's default split: gsm8k's is test)
         own = cfg.task == "custom"  # a custom eval set is read with the training data's columns
         eval_rows = load_rows(cfg.eval_data, limit=cfg.eval_size, need_answers=True,

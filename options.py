@@ -212,6 +212,9 @@ class RLLoopOptions:
     """completions per prompt: the group size G"""
     max_new_tokens: int | None = None
     """response length limit; responses that hit it are truncated (default: the task's)"""
+    max_prompt_tokens: int = PROMPT_TOKENS
+    """the longest prompt (tokens, chat template included) the GPU memory plan makes room for; on
+    a GPU a longer one stops the run in one line before any model loads"""
     temperature: float | None = None
     """sampling temperature for training rollouts; the log-probs use it too (default: the task's)"""
     top_p: float = 1.0
@@ -349,11 +352,11 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
         """What this run puts on one GPU, for gpu_memory.plan_memory."""
         samples = self.prompts_per_step * self.num_generations
         new_tokens = self.max_episode_tokens if self.tools or self.env else self.max_new_tokens
+        longest = self.max_prompt_tokens + new_tokens
         return Workload(model_path(self), self.lora_rank, self.dtype == "bf16",
                         self.reference() and not self.lora_rank,
                         self.num_trainers if self.fsdp else 1, self.rollout,
-                        self.colocate or not self.on_ray(), samples * (PROMPT_TOKENS + new_tokens),
-                        samples, PROMPT_TOKENS + new_tokens,
+                        self.colocate or not self.on_ray(), samples * longest, samples, longest,
                         frozen=frozen_models(self.reward_model, self.judge),
                         engine_shares_weights=self.engine_shares_weights())
 
@@ -361,9 +364,9 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
 # ---------------------------------------------------------------------------------------------
 # The checks and the hardware, for every algorithm's Config.
 
-AT_LEAST_ONE = ("batch_size", "prompts_per_step", "max_new_tokens", "updates_per_rollout",
-                "micro_batch_size", "num_trainers", "num_engines", "max_turns",
-                "max_episode_tokens", "epochs", "max_length", "max_prompt_length",
+AT_LEAST_ONE = ("batch_size", "prompts_per_step", "max_new_tokens", "max_prompt_tokens",
+                "updates_per_rollout", "micro_batch_size", "num_trainers", "num_engines",
+                "max_turns", "max_episode_tokens", "epochs", "max_length", "max_prompt_length",
                 "builtin_problems")
 NOT_NEGATIVE = ("lr", "warmup_steps", "weight_decay", "eval_every", "save_every", "keep_last",
                 "lora_rank", "lora_alpha", "steps", "max_tokens_per_microbatch",

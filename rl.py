@@ -70,6 +70,9 @@ def start_session(cfg, train_step, line=None) -> Session:
                                          "without its samples")
     replay = replay_steps(cfg)
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
+    if cfg.memory_plan:  # (a file's rows; a generated task's prompts are short and alike)
+        check_prompt_room(cfg, {"training": getattr(train_rows, "rows", []),
+                                "held-out": eval_rows})
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
     # episodes (--tools, --env): the model acts, tools and the environment answer
     agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
@@ -90,6 +93,23 @@ def start_session(cfg, train_step, line=None) -> Session:
     if cfg.eval_every and eval_rows and folder.driver.step == 0:
         folder.log({"step": 0, **evaluate(session, cfg, 0)})
     return session
+
+
+def check_prompt_room(cfg, problems: dict[str, list[dict]]):
+    """On a GPU the memory plan made room for prompts of --max-prompt-tokens (the KV cache of a
+    step's batch, the longest sequence a micro-batch holds): a longer prompt stops the run here,
+    in one line, before any model loads (the tokenizer alone measures them)."""
+    from model import load_tokenizer
+    tokenizer = load_tokenizer(model_path(cfg))
+    for which, rows in problems.items():
+        lengths = [len(ids) for ids in encode_prompts(tokenizer, rows, cfg.template, cfg.chat)]
+        longest = max(lengths, default=0)
+        if longest > cfg.max_prompt_tokens:
+            raise SystemExit(f"error: {cfg.data}: {which} problem {lengths.index(longest) + 1} is "
+                             f"a prompt of {longest:,} tokens (chat template included), longer "
+                             f"than the {cfg.max_prompt_tokens:,} the GPU memory plan made room "
+                             f"for; pass --max-prompt-tokens {longest} (--dry-run shows the "
+                             f"plan) or shorter prompts")
 
 
 def replay_steps(cfg) -> dict | None:

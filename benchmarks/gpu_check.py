@@ -123,7 +123,7 @@ def part_args(part: str, tiny: bool, work: Path, gpu: bool = False) -> tuple[str
         "grpo-lora-24gb": ("grpo", grpo + ["--lora-rank", size(16, 4)]
                            + (["--gpu-gb", "24"] if gpu else [])),
         "grpo-8k": ("grpo", rl(400, 4, str(work / "long.jsonl"), cpu_sized=(16, 2, 4))
-                    + ["--beta", "0.001"]),
+                    + ["--beta", "0.001", "--max-prompt-tokens", str(LONG_PROMPT[tiny] + 64)]),
         "ppo": ("ppo", rl(256) + ["--kl-coef", "0.02"]),
         "distill-7b": ("distill", rl(256) + ["--teacher", teacher, "--lmbda", "0"]),
         "sft-lora": ("sft", offline + [

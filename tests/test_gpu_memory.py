@@ -420,3 +420,29 @@ def test_the_plan_holds_every_model_a_run_holds(algorithm, tiny_model_dir, tmp_p
         planned -= 4 * gpu_memory.head_params(tiny_model_dir, "reward")  # (the critic's grads)
     assert held == pytest.approx(planned, rel=0.03), (algorithm, held / 2**20, planned / 2**20,
                                                       plan)
+
+
+def test_a_prompt_longer_than_the_plan_made_room_for_stops_before_any_model_loads(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """The plan assumes prompts of --max-prompt-tokens (it runs before the data is read): on a GPU
+    a longer one stops the run in one line, measured by the tokenizer alone -- its KV cache and
+    micro-batches were planned smaller. With the flag raised, the plan grows to hold it."""
+    import json
+
+    import grpo
+    import rl
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"problem": "1 + " * 300 + "1", "answer": "301"}) + "\n" +
+                    json.dumps({"problem": "1 + 1", "answer": "2"}) + "\n")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(rl, "setup_local", no_model)
+    common = dict(model=tiny_model_dir, data=str(data), rollout="hf", dtype="fp32", gpu_gb=80,
+                  eval_every=0, out=str(tmp_path / "out"))
+    with pytest.raises(SystemExit, match=r"training problem 1 is a prompt of \d{3} tokens \(chat "
+                                         r"template included\), longer than the 512 the GPU "
+                                         r"memory plan made room for; pass --max-prompt-tokens"):
+        grpo.main(Config(**common))
+    short, long = (Config(**common, max_prompt_tokens=n).memory_plan for n in (512, 1024))
+    assert long.engine_gb > short.engine_gb
