@@ -17,6 +17,7 @@ grpo.py calls `evaluate_rows` for its periodic held-out evaluation: one implemen
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -174,7 +175,17 @@ class RunLog:
     def __init__(self, out: Path, history: list[dict], report_to: str = "", config=None,
                  line=None):
         self.out, self.history, self.line = out, history, line or format_step
-        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+        # Beside it, then renamed over it: a write that fails half way (a full disk) leaves the
+        # old file whole, and a link there is replaced, never written through.
+        tmp = out / ".metrics.jsonl.tmp"
+        tmp.unlink(missing_ok=True)
+        try:
+            with open(tmp, "x") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in history))
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, out / "metrics.jsonl")
         self.tensorboard = self.wandb = None
         names = [n for n in report_to.split(",") if n]
         try:

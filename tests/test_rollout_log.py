@@ -276,6 +276,29 @@ def test_a_resume_that_cannot_write_its_log_leaves_the_old_one_whole(tmp_path, m
     assert log.read_bytes() == b"".join(before.splitlines(keepends=True)[:10])
 
 
+def test_a_resume_that_cannot_write_its_metrics_leaves_the_old_ones_whole(tmp_path,
+                                                                          monkeypatch):
+    """metrics.jsonl, rewritten from the checkpoint's history on a resume, likewise: in a new
+    file renamed over the old one (it was truncated, then written)."""
+    import builtins
+    import evaluate
+    metrics = tmp_path / "metrics.jsonl"
+    history = [{"step": s, "reward": 0.5, "note": "x" * 100} for s in range(6)]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in history))
+    before = metrics.read_bytes()
+    real_open = builtins.open
+    monkeypatch.setattr(evaluate, "open", lambda *a, **k: _DiskFull(real_open(*a, **k), 300)
+                        if set("wxa") & set((a[1:2] or (k.get("mode", "r"),))[0])
+                        else real_open(*a, **k), raising=False)
+    with pytest.raises(OSError, match="No space left on device"):
+        evaluate.RunLog(tmp_path, history[:3])
+    assert metrics.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no half-written file
+    monkeypatch.undo()
+    evaluate.RunLog(tmp_path, history[:3])
+    assert metrics.read_bytes() == b"".join(before.splitlines(keepends=True)[:3])
+
+
 @pytest.mark.parametrize("name", ["rollouts.jsonl", "metrics.jsonl", "report.html",
                                   "curves.png", "grpo_config.json"])
 @pytest.mark.parametrize("kind", ["symlink", "fifo"])
