@@ -75,6 +75,14 @@ class Config(RLOptions):
     """GSPO upper clip range of the sequence ratio"""
     is_cap: float = 0.0
     """vLLM: truncated importance-sampling correction, weight min(pi_trainer/pi_engine, cap); 0=off"""
+    surrogate: Literal["clip", "cispo", "sapo"] = "clip"
+    """the policy term per token: clip (PPO's clipped ratio), cispo (MiniMax-M1: a clipped,
+    stop-gradient weight on every token's log-prob, --eps-low/--eps-high its bounds), sapo (a
+    soft sigmoid gate in place of the clip, --sapo-tau-pos/--sapo-tau-neg its temperatures)"""
+    sapo_tau_pos: float = 1.0
+    """SAPO: the gate's temperature for tokens of a positive advantage"""
+    sapo_tau_neg: float = 1.05
+    """SAPO: the gate's temperature for tokens of a negative advantage (steeper: damps faster)"""
 
     # DAPO's sampling and reward shaping, and off-policy sampling
     dynamic_sampling: bool = False
@@ -93,8 +101,14 @@ class Config(RLOptions):
         super().__post_init__()
         for name in ("max_fill_rounds", "overlong_buffer", "beta", "is_cap"):
             check(getattr(self, name) >= 0, f"--{name.replace('_', '-')} must not be negative")
-        check(0 <= self.eps_low < 1 and self.eps_high >= 0, f"--eps-low {self.eps_low} "
-              f"--eps-high {self.eps_high}: need 0 <= eps-low < 1 and eps-high >= 0")
+        check(0 <= self.eps_low < 1 + (self.surrogate == "cispo") and self.eps_high >= 0,
+              f"--eps-low {self.eps_low} --eps-high {self.eps_high}: need 0 <= eps-low < 1 (2 "
+              f"with --surrogate cispo: 1 leaves its weight no floor) and eps-high >= 0")
+        check(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0, "--sapo-tau-pos and "
+              "--sapo-tau-neg must be positive")
+        check(self.surrogate == "clip" or self.ratio_level == "token", f"--surrogate "
+              f"{self.surrogate} weighs each token by its own ratio: --ratio-level sequence (GSPO) "
+              f"clips a sequence's")
         check(0 <= self.seq_eps_low < 1 and self.seq_eps_high >= 0, "--seq-eps-low must be in "
               "[0, 1) and --seq-eps-high at least 0")
         budget = "max_episode_tokens" if self.tools or self.env else "max_new_tokens"
@@ -155,7 +169,7 @@ def group_advantages(rewards, group_size, *, scale="group", leave_one_out=False,
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low=0.2,
               eps_high=0.2, beta=0.0, loss_agg="token-mean", num_tokens=None, token_weights=None,
-              ratio_level="token"):
+              ratio_level="token", surrogate="clip", tau_pos=1.0, tau_neg=1.05):
     """Clipped-surrogate GRPO loss with an optional k3 KL penalty.
 
     logprobs, old_logprobs, ref_logprobs, mask: (B, T); advantages: (B,) -- one per sequence, as
@@ -163,6 +177,8 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
         r_t      = exp(logprobs - old_logprobs)
         L_t      = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) + beta * k3_t
         k3_t     = exp(ref - lp) - (ref - lp) - 1     (>= 0, unbiased for KL(pi || ref))
+    surrogate picks the policy term in place of the clipped one: "cispo" (cispo_term) and "sapo"
+    (sapo_term), which keep every token's gradient where the clip drops some.
     loss_agg and num_tokens (the denominator for the *global* batch, so that micro-batches sum to
     the full-batch loss; None = this batch's own):
         "token-mean"   sum of L_t over valid tokens / number of valid tokens      (DAPO, NeMo-RL)
@@ -190,8 +206,14 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
     elif ratio_level != "token":
         raise ValueError(f"ratio_level must be token or sequence, not {ratio_level!r}")
     ratio = torch.exp(log_ratio)  # (B, T)
-    surrogate = torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
-    per_token = -surrogate  # (B, T)
+    if surrogate == "clip":
+        per_token = -torch.min(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # (B, T)
+    elif surrogate == "cispo":
+        per_token = cispo_term(ratio, logprobs, A, eps_low, eps_high)  # (B, T)
+    elif surrogate == "sapo":
+        per_token = sapo_term(ratio, A, tau_pos, tau_neg)  # (B, T)
+    else:
+        raise ValueError(f"surrogate must be clip, cispo or sapo, not {surrogate!r}")
     if token_weights is not None:
         per_token = per_token * token_weights  # (B, T)
     kl = None
@@ -214,12 +236,42 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low
         n = mask.sum().clamp(min=1)
         clipped_low = (ratio < 1 - eps_low) & (A < 0)  # gradient cut: ratio already pushed down
         clipped_high = (ratio > 1 + eps_high) & (A > 0)  # gradient cut: ratio already pushed up
+        if surrogate != "clip":  # (no gradient is cut: cispo clips the weight, sapo clips nothing)
+            clipped_low = (ratio < 1 - eps_low) & (surrogate == "cispo")
+            clipped_high = (ratio > 1 + eps_high) & (surrogate == "cispo")
         metrics = {"clip_low": float((clipped_low * mask).sum() / n),
                    "clip_high": float((clipped_high * mask).sum() / n),
                    "ratio": float((ratio * mask).sum() / n)}
         if kl is not None:
             metrics["kl"] = float((kl * mask).sum() / n)
     return loss, metrics
+
+
+def cispo_term(ratio, logprobs, A, eps_low: float, eps_high: float):
+    """CISPO's policy term (MiniMax-M1, Chen et al. 2025): the importance weight is clipped and
+    detached, and multiplies the token's log-prob -- so every token keeps a gradient, scaled,
+    where the clipped ratio drops the gradient of a token past its bound (the rare, decisive
+    tokens of a reasoning chain, as the paper argues):
+
+        L_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A log pi(y_t)
+
+    ratio, logprobs: (B, T); A: (B, 1) or (B, T). MiniMax-M1 set no floor (eps_low 1) and tuned
+    eps_high only. Its gradient is -clip(r_t) A grad log pi: at r = 1, the clipped loss's."""
+    weight = ratio.clamp(1 - eps_low, 1 + eps_high).detach()  # (B, T)
+    return -weight * A * logprobs  # (B, T)
+
+
+def sapo_term(ratio, A, tau_pos: float, tau_neg: float):
+    """SAPO's policy term (Gao et al. 2025, Soft Adaptive Policy Optimization): a smooth gate in
+    place of the hard clip, steeper (tau_neg > tau_pos) for negative advantages:
+
+        L_t = -(4 / tau) sigmoid(tau (r_t - 1)) A        tau = tau_pos if A > 0 else tau_neg
+
+    ratio: (B, T); A: (B, 1) or (B, T). Its gradient is -4 s (1 - s) r_t A grad log pi with
+    s = sigmoid(tau (r_t - 1)): the ratio's own gradient at r = 1, fading smoothly as r moves
+    away -- an off-policy token is damped, never cut."""
+    tau = torch.where(A > 0, tau_pos, tau_neg).expand_as(ratio)  # (B, T)
+    return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * A  # (B, T)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +365,8 @@ def train_on_rollout(trainer: Trainer, batch) -> dict:
                                       eps_high=cfg.seq_eps_high if seq_level else cfg.eps_high,
                                       beta=cfg.beta, loss_agg=cfg.loss_agg,
                                       num_tokens=batch.denom, token_weights=weights,
-                                      ratio_level=cfg.ratio_level)
+                                      ratio_level=cfg.ratio_level, surrogate=cfg.surrogate,
+                                      tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg)
             if k >= real:  # an FSDP padding pass: it only keeps the ranks in step
                 (loss * 0.0).backward()
                 continue

@@ -176,6 +176,9 @@ def test_grpo_loss_refuses_an_unknown_aggregation():
     with pytest.raises(ValueError):
         grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), None, torch.zeros(1),
                   torch.ones(1, 1), loss_agg="sum")
+    with pytest.raises(ValueError, match="surrogate must be clip, cispo or sapo"):
+        grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), None, torch.zeros(1),
+                  torch.ones(1, 1), surrogate="x")
 
 
 def test_token_weights_scale_the_surrogate_not_the_kl():
@@ -311,3 +314,79 @@ def test_token_budget_micro_batches_respect_the_budget():
         assert len(mb) * int(seq_lens[mb].max()) <= 12  # padded size within the budget
         assert seq_lens[mb].tolist() == sorted(seq_lens[mb].tolist(), reverse=True)
     assert [mb.tolist() for mb in mbs] == [[2, 0], [4, 3, 1], [5]]  # longest first, packed greedily
+
+
+def _cispo_sapo_batch():
+    """Ratios inside and outside [0.8, 1.2], both signs of advantage; the second row 2 tokens."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -1.2], [-1.5, -0.3, 0.0, 0.0]])
+    lp = old + torch.tensor([[0.5, -0.05, -0.6, 0.1], [0.3, -0.4, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.5, -0.8])
+    return lp, old, mask, adv
+
+
+def test_cispo_is_the_papers_equation_and_keeps_every_tokens_gradient():
+    """CISPO (MiniMax-M1, eq. 4): L = -(1/N) sum_t sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A
+    log pi(y_t), token-mean. Its gradient for log pi(y_t) is -clip(r_t) A / N at every token -- a
+    token past the clip keeps its gradient, scaled to the bound, where the clipped loss's is 0."""
+    lp, old, mask, adv = _cispo_sapo_batch()
+    lp = lp.clone().requires_grad_()
+    eps_low, eps_high = 0.2, 0.28
+    n = int(mask.sum())
+    loss, m = grpo_loss(lp, old, None, adv, mask, eps_low=eps_low, eps_high=eps_high,
+                        surrogate="cispo")
+    expected, grads = 0.0, torch.zeros_like(lp)
+    for b in range(2):
+        for t in range(4):
+            if mask[b, t]:
+                w = min(max(math.exp(float(lp[b, t] - old[b, t])), 1 - eps_low), 1 + eps_high)
+                expected += -w * float(adv[b]) * float(lp[b, t]) / n
+                grads[b, t] = -w * float(adv[b]) / n
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, grads)
+    assert lp.grad[0, 0] != 0  # r = e^0.5 past 1 + eps_high with A > 0: clip would give 0
+    clipped, _ = grpo_loss(lp, old, None, adv, mask, eps_low=eps_low, eps_high=eps_high)
+    lp.grad = None
+    clipped.backward()
+    assert lp.grad[0, 0] == 0
+    assert m["clip_high"] == pytest.approx(2 / n) and m["clip_low"] == pytest.approx(2 / n)
+
+
+def test_sapo_is_the_papers_soft_gate_with_a_temperature_per_sign():
+    """SAPO (Gao et al. 2025): L = -(1/N) sum_t (4 / tau) sigmoid(tau (r_t - 1)) A, tau = tau_pos
+    where A > 0, else tau_neg. Its gradient for log pi(y_t) is -4 s (1 - s) r_t A / N: at
+    r = 1 the plain policy gradient -A / N; past the clip damped, never 0."""
+    lp, old, mask, adv = _cispo_sapo_batch()
+    lp = lp.clone().requires_grad_()
+    tau_pos, tau_neg = 1.0, 2.5
+    n = int(mask.sum())
+    loss, _ = grpo_loss(lp, old, None, adv, mask, surrogate="sapo", tau_pos=tau_pos,
+                        tau_neg=tau_neg)
+    expected, grads = 0.0, torch.zeros_like(lp)
+    for b in range(2):
+        tau = tau_pos if adv[b] > 0 else tau_neg
+        for t in range(4):
+            if mask[b, t]:
+                r = math.exp(float(lp[b, t] - old[b, t]))
+                s = 1 / (1 + math.exp(-tau * (r - 1)))
+                expected += -(4 / tau) * s * float(adv[b]) / n
+                grads[b, t] = -4 * s * (1 - s) * r * float(adv[b]) / n
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    torch.testing.assert_close(lp.grad, grads)
+    on_policy = old.clone().requires_grad_()
+    loss, _ = grpo_loss(on_policy, old, None, adv, mask, surrogate="sapo", tau_pos=tau_pos,
+                        tau_neg=tau_neg)
+    loss.backward()
+    torch.testing.assert_close(on_policy.grad, -(adv[:, None] * mask) / n)
+
+
+def test_surrogate_options_are_checked():
+    assert Config(surrogate="cispo", eps_low=1.0).eps_low == 1.0  # (MiniMax-M1: no floor)
+    with pytest.raises(SystemExit, match="need 0 <= eps-low < 1"):
+        Config(eps_low=1.0)
+    with pytest.raises(SystemExit, match="--sapo-tau-pos and --sapo-tau-neg must be positive"):
+        Config(surrogate="sapo", sapo_tau_neg=0.0)
+    with pytest.raises(SystemExit, match="--surrogate sapo weighs each token by its own ratio"):
+        Config(surrogate="sapo", ratio_level="sequence")
