@@ -14,9 +14,9 @@ tokenizer is the same whichever class reads it.
     <|im_start|>    opens a turn (ChatML)
     <|im_end|>      closes a turn: eos, and pad (pad == eos: smolrl's masks come from lengths)
 
-CHAT_TEMPLATE is ChatML written here. It shows tools to the model itself (as Qwen2.5's own
-template does), so env.ToolChat renders episodes with it instead of falling back on
-env.TOOL_TEMPLATE; calls are <tool_call> JSON, which env.TOOL_RESPONSE_TEMPLATE parses. Byte-level:
+Its chat template is env.TOOL_TEMPLATE, smolrl's own ChatML with tools (what env.ToolChat renders
+episodes with for a model whose template cannot show tools): calls are <tool_call> JSON, which
+env.TOOL_RESPONSE_TEMPLATE parses. Byte-level:
 every id a model samples decodes to some text, and ids past the tokenizer's 512 entries (the
 random models keep Qwen's 151,936-entry vocabulary) decode to nothing.
 """
@@ -24,36 +24,13 @@ random models keep Qwen's 151,936-entry vocabulary) decode to nothing.
 import json
 import random
 
+from env import TOOL_TEMPLATE as CHAT_TEMPLATE
+
 BOS, TURN, EOS = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VOCAB_SIZE = 512
 # Words with an optional leading character, digits one at a time, punctuation runs, whitespace
 PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-
-CHAT_TEMPLATE = """\
-{%- set ns = namespace(first=0) -%}
-{%- if messages and messages[0].role == 'system' %}{% set ns.first = 1 %}{% endif -%}
-{%- if ns.first or tools -%}
-<|im_start|>system
-{% if ns.first %}{{ messages[0].content }}{% if tools %}{{ '\n\n' }}{% endif %}{% endif %}
-{%- if tools %}You may call these tools (JSON schemas):
-{% for tool in tools %}{{ tool | tojson }}
-{% endfor %}To call one, write <tool_call>, a line {"name": ..., "arguments": {...}}, and \
-</tool_call>. Its result comes back as a message from `tool`.
-{%- endif %}<|im_end|>
-{% endif -%}
-{%- for message in messages[ns.first:] -%}
-<|im_start|>{{ message.role }}
-{% if message.content %}{{ message.content }}{% endif %}
-{%- for call in message.tool_calls or [] %}
-<tool_call>
-{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}
-"""
 
 
 def corpus(seed: int = 0) -> list[str]:
