@@ -34,8 +34,11 @@ PRETOKENIZE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
 
 
 def corpus(seed: int = 0) -> list[str]:
-    """Lines like those the parts render (data.py's tasks and templates, the pairs, the long sums,
-    tool calls and their results), for the BPE trainer."""
+    """Lines like those the parts render (data.py's tasks and templates through the chat template,
+    its system turn included; the pairs, the long sums, tool calls and their results), for the BPE
+    trainer."""
+    from jinja2 import Template
+    chat = Template(CHAT_TEMPLATE)
     rng = random.Random(seed)
     words = ("the of and to in is it that was for on are with as be at by this what add up "
              "these numbers sum answer reply one sentence number use calculator problem say "
@@ -48,7 +51,8 @@ def corpus(seed: int = 0) -> list[str]:
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         expression = f"{a} * {b}"
         call = {"name": "calculator", "arguments": {"expression": expression}}
-        lines += [f"What is {a} + {b}? The answer is {a + b}.",
+        lines += [chat.render(messages=[{"role": "user", "content": f"What is {a} + {b}?"}],
+                              add_generation_prompt=True) + f"The answer is {a + b}.{EOS}",
                   f"What is {expression}? Use the calculator.",
                   f"<tool_call>\n{json.dumps(call)}\n</tool_call>\n{a * b}",
                   "Add up these numbers: " + " + ".join(str(rng.randint(1, 99)) for _ in range(8)),
