@@ -119,15 +119,22 @@ def claim_checkpoints(out: Path, resume_dir: str = "") -> str:
              and p.resolve() != Path(resume_dir).resolve()]
     if not later:
         return ""
-    aside = out / "checkpoints" / "superseded" / time.strftime("%Y%m%d-%H%M%S")
-    while aside.exists():
-        aside = aside.with_name(aside.name + "+")
-    aside.mkdir(parents=True)
-    for p in later:
-        os.replace(p, aside / p.name)
+    aside = move_aside(later, out / "checkpoints" / "superseded")
     return (f"resuming from {Path(resume_dir).name}: this run's later checkpoints "
             f"({', '.join(p.name for p in later)}) are another branch of it now, moved whole to "
             f"{aside} (--resume auto will not pick them; --resume {aside}/{later[-1].name} would)")
+
+
+def move_aside(paths: list[Path], superseded: Path) -> Path:
+    """paths moved whole (renamed: nothing copied, nothing deleted) into a new folder of
+    `superseded` named for the time; that folder."""
+    aside = superseded / time.strftime("%Y%m%d-%H%M%S")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "+")
+    aside.mkdir(parents=True)
+    for p in paths:
+        os.replace(p, aside / p.name)
+    return aside
 
 
 def recorded_dtype(out, resume: str, config_file: str) -> str:

@@ -17,7 +17,6 @@ import json
 import os
 import random
 import stat
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from checkpoint import DriverState, claim_checkpoints, find_checkpoint, load_driver_state
-from checkpoint import save_checkpoint
+from checkpoint import move_aside, save_checkpoint
 from evaluate import RunLog
 from hardware import machine
 from report import plot_curves, printable, write_report
@@ -105,12 +104,7 @@ def supersede(out: Path) -> str:
                    or p.name.endswith("_config.json"))
     if not found:
         return ""
-    aside = out / "superseded" / time.strftime("%Y%m%d-%H%M%S")
-    while aside.exists():
-        aside = aside.with_name(aside.name + "+")
-    aside.mkdir(parents=True)
-    for p in found:
-        os.replace(p, aside / p.name)
+    aside = move_aside(found, out / "superseded")
     return (f"{out} held an earlier run: its {', '.join(p.name for p in found)} are moved whole "
             f"to {aside} (delete it when you no longer need it; --resume continues a run "
             f"instead)")
