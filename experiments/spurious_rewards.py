@@ -1,0 +1,56 @@
+"""Spurious rewards (Shao et al. 2025, "Spurious Rewards: Rethinking Training Signals in RLVR"):
+a reward that says nothing of correctness, as a control for the real one.
+
+The claim (for Qwen2.5-Math): RL with a random or format-only reward still raises accuracy, since
+it only brings out what the model already does well. Its authors found it for Qwen2.5-Math, not
+for other families: a control worth running on any model before crediting the reward.
+
+    python experiments/spurious_rewards.py       # 3 arms x 3 seeds x 16 steps, the default model
+    python experiments/spurious_rewards.py --tiny
+
+Arms: the correctness reward; a random one (0 or 1 from a hash of the completion: the same text
+always gets the same reward, with no relation to the answer); format only ("The answer is N",
+whatever N). Measured: held-out greedy accuracy at the start and the end (128 arith problems),
+and the training accuracy.
+"""
+
+import sys
+import zlib
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import arguments, mean_spread, metric, run_arms, write_finding  # noqa: E402
+
+ARMS = {"correctness": ["--reward", "correctness"],
+        "random": ["--reward", "experiments.spurious_rewards:random_reward"],
+        "format only": ["--reward", "format"]}
+COMMON = ["--data", "arith", "--lr", "2e-5"]
+
+
+def random_reward(prompts, completions, **_):
+    """0 or 1 by a hash of the completion's text: blind to the answer, the same for the same
+    text (reproducible across processes, unlike Python's salted hash)."""
+    return [float(zlib.crc32(str(c).encode()) % 2) for c in completions]
+
+
+def main():
+    args = arguments(__doc__, seeds=3, steps=16)
+    runs = run_arms("spurious_rewards", ARMS, args,
+                    common=COMMON + ["--eval-every", str(args.steps)])
+    panels = {title: {arm: [metric(f, key) for f in seeds.values()] for arm, seeds in runs.items()}
+              for title, key in (("held-out accuracy (greedy)", "eval_accuracy"),
+                                 ("training accuracy", "accuracy"))}
+    gains = {arm: [s[-1][1] - s[0][1] for s in seeds if len(s) > 1]
+             for arm, seeds in panels["held-out accuracy (greedy)"].items()}
+    gain = {arm: mean_spread(g) for arm, g in gains.items()}
+    write_finding("spurious_rewards", panels, args,
+                  claim="a random or format-only reward raises accuracy too (Qwen2.5-Math)",
+                  paper="Shao et al. 2025, Spurious Rewards",
+                  measured={arm: {"held_out_gain": m, "spread": s} for arm, (m, s) in
+                            gain.items()},
+                  effect_by_seed=gains["random"],
+                  effect_name="held-out accuracy gained by the random reward (points of 1)")
+
+
+if __name__ == "__main__":
+    main()
