@@ -4,7 +4,7 @@ The claim: PPO's symmetric clip (eps 0.2) caps how far an unlikely token's proba
 one update, so exploration dies -- the policy's entropy collapses; raising the upper bound alone
 (eps_high 0.28, "clip-higher") keeps the entropy up.
 
-    python experiments/clip_higher.py            # 2 arms x 3 seeds x 16 steps, the default model
+    python experiments/clip_higher.py            # 2 arms x 3 seeds x 12 steps, the default model
     python experiments/clip_higher.py --tiny     # seconds, on the tests' tiny model
 
 The clip only acts when the policy moves between sampling and the update: with one update per
@@ -28,7 +28,7 @@ COMMON = ["--data", "arith", "--updates-per-rollout", "4", "--lr", "5e-5",
 
 
 def main():
-    args = arguments(__doc__, seeds=3, steps=16)
+    args = arguments(__doc__, seeds=3, steps=12)
     runs = run_arms("clip_higher", ARMS, args, common=COMMON)
     panels = {title: {arm: [metric(f, key) for f in seeds.values()] for arm, seeds in runs.items()}
               for title, key in (("entropy of the trained tokens", "entropy_trained"),

@@ -5,7 +5,7 @@ and --tiny, the same experiment on the tests' tiny model in seconds.
 
 A finding's file is a short story over these:
 
-    args = arguments(__doc__, seeds=3, steps=16)               # --tiny, --seeds, --steps, ...
+    args = arguments(__doc__, seeds=3, steps=12)               # --tiny, --seeds, --steps, ...
     ARMS = {"token-mean": ["--loss-agg", "token-mean"], "seq-mean": ["--loss-agg", "seq-mean"]}
     runs = run_arms("length_bias", ARMS, args)                 # {arm: {seed: run folder}}
     lengths = {arm: [metric(f, "completion_len") for f in seeds.values()]
@@ -26,6 +26,7 @@ import os
 import re
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TQDM_DISABLE", "1")  # (a line a run, not progress bars)
 
 FINDINGS = ROOT / "docs" / "findings"  # the pictures and numbers docs/findings.md shows
+# A finding's runs sample 4 prompts x 8 a step (the default run: 8 x 8), so that 3 seeds of each
+# arm fit a 2-core CPU's hour; --prompts-per-step 8 runs them at the default run's size.
+PROMPTS_PER_STEP = 4
 # The tiny runs' sizes: a few seconds each (the suite runs every finding so, tests/test_experiments)
 TINY = ["--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "6",
         "--eval-size", "4", "--log-samples-every", "0"]
@@ -45,6 +49,10 @@ def arguments(doc: str, seeds: int, steps: int) -> argparse.Namespace:
                         "seed: that it runs and writes its files, not its effect")
     parser.add_argument("--seeds", type=int, default=seeds, help=f"seeds per arm ({seeds})")
     parser.add_argument("--steps", type=int, default=steps, help=f"steps per run ({steps})")
+    parser.add_argument("--prompts-per-step", type=int, default=PROMPTS_PER_STEP,
+                        help=f"prompts a step, each sampled --num-generations 8 times "
+                             f"({PROMPTS_PER_STEP}: half the default run's, to fit a finding's "
+                             f"arms x seeds into a 2-core CPU's hour)")
     parser.add_argument("--fresh", action="store_true", help="rerun finished runs too")
     parser.add_argument("--out", default="", help="where the picture and numbers go (default: "
                         "docs/findings; --tiny: <runs>/tiny)")
@@ -93,18 +101,28 @@ def run_arms(name: str, arms: dict[str, list[str]], args, script: str = "grpo",
             slug = re.sub(r"[^a-z0-9.]+", "-", arm.lower()).strip("-")
             out = args.runs / ("tiny-" + name if args.tiny else name) / f"{slug}-s{seed}"
             runs[arm][seed] = out
-            if (out / "model" / "config.json").exists() and not args.fresh:
-                print(f"{name}: {arm}, seed {seed}: done before ({out})")
-                continue
             line = [*common, *argv, "--seed", str(seed), "--steps", str(args.steps),
-                    "--out", str(out)]
+                    "--prompts-per-step", str(args.prompts_per_step), "--out", str(out)]
             if args.tiny:
                 line = [*line, "--model", tiny_model(args.runs), *TINY]
+            cfg = parse_config(module.Config, line)
+            if finished(out, cfg) and not args.fresh:
+                print(f"{name}: {arm}, seed {seed}: done before ({out})")
+                continue
             t0, printed = time.time(), io.StringIO()
             with contextlib.redirect_stdout(printed):
-                module.main(parse_config(module.Config, line))
+                module.main(cfg)
             print(f"{name}: {arm}, seed {seed}: {time.time() - t0:.0f} s ({out})", flush=True)
     return runs
+
+
+def finished(out: Path, cfg) -> bool:
+    """Whether `out` holds a finished run of exactly this config (a run of other steps or sizes
+    is run again: the run itself moves the old one aside)."""
+    saved = out / cfg.CONFIG_FILE
+    if not (out / "model" / "config.json").exists() or not saved.exists():
+        return False
+    return json.loads(saved.read_text()) == json.loads(json.dumps(asdict(cfg), default=str))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ how far a penalty towards the starting policy holds the policy back.
 The claim: a KL penalty keeps the policy near its start (a smaller KL) at the price of a slower
 rise in reward; recent recipes drop it (beta 0) for verifiable rewards.
 
-    python experiments/kl_penalty.py             # 3 arms x 3 seeds x 16 steps, the default model
+    python experiments/kl_penalty.py             # 3 arms x 3 seeds x 12 steps, the default model
     python experiments/kl_penalty.py --tiny      # seconds, on the tests' tiny model
 
 Arms: beta 0, 0.04 (DeepSeekMath's), 0.1. Every arm keeps a reference so that its KL to the start
@@ -26,7 +26,7 @@ COMMON = ["--data", "arith", "--lr", "3e-5", "--eval-every", "0"]
 
 
 def main():
-    args = arguments(__doc__, seeds=3, steps=16)
+    args = arguments(__doc__, seeds=3, steps=12)
     runs = run_arms("kl_penalty", ARMS, args, common=COMMON)
     panels = {title: {arm: [metric(f, key) for f in seeds.values()] for arm, seeds in runs.items()}
               for title, key in (("KL to the start (k3)", "kl"), ("accuracy", "accuracy"))}

@@ -6,13 +6,13 @@ wrong answer is pushed down less per token than a short one -- and wrong answers
 training goes on; summing tokens over a fixed denominator (Dr. GRPO's seq-sum-norm, with no std
 scaling of the advantage) removes the bias, and DAPO's token-mean mostly does.
 
-    python experiments/length_bias.py            # 3 arms x 3 seeds x 16 steps, the default model
+    python experiments/length_bias.py            # 3 arms x 3 seeds x 12 steps, the default model
     python experiments/length_bias.py --tiny     # seconds, on the tests' tiny model
 
 The arms differ in the loss's aggregation alone (and Dr. GRPO's advantage scale); the task is
 arith with a 48-token budget, so that a wrong answer has room to grow (24 tokens is the task's
 default: too short to tell), at the task's T = 0.7 (at the paper's T = 1.0 the 135M model is right
-in under 3 % of its samples at first: most groups all wrong, no gradient). 16 steps. Measured: the
+in under 3 % of its samples at first: most groups all wrong, no gradient). 12 steps of 4 prompts x 8. Measured: the
 mean length of the completions graded wrong, step by step, from rollouts.jsonl; and the accuracy,
 so that a longer answer is never mistaken for a better one.
 """
@@ -31,7 +31,7 @@ COMMON = ["--data", "arith", "--max-new-tokens", "48", "--lr", "2e-5", "--eval-e
 
 
 def main():
-    args = arguments(__doc__, seeds=3, steps=16)
+    args = arguments(__doc__, seeds=3, steps=12)
     runs = run_arms("length_bias", ARMS, args, common=COMMON)
     wrong, accuracy = {}, {}
     for arm, seeds in runs.items():

@@ -6,7 +6,7 @@ accepts. smolrl's answer-is reward reads the number after the last "answer is", 
 number of the text -- so a completion cut off mid-sum ("47 + 38 = 85 and") is scored right without
 ever stating its answer. Trained on that reward, does the policy learn to skip the sentence?
 
-    python experiments/lenient_verifier.py       # 2 arms x 3 seeds x 16 steps, the default model
+    python experiments/lenient_verifier.py       # 2 arms x 3 seeds x 12 steps, the default model
     python experiments/lenient_verifier.py --tiny
 
 Arms: the lenient correctness reward (smolrl's default) against a strict one (right only with the
@@ -46,7 +46,7 @@ def right(r: dict) -> bool:
 
 
 def main():
-    args = arguments(__doc__, seeds=3, steps=16)
+    args = arguments(__doc__, seeds=3, steps=12)
     runs = run_arms("lenient_verifier", ARMS, args, common=COMMON)
     logs = {arm: [samples(f) for f in seeds.values()] for arm, seeds in runs.items()}
     panels = {"right only by the fallback (no sentence)": {

@@ -4,15 +4,15 @@ Models with One Training Example", 1-shot RLVR).
 The claim: RL on a single problem, sampled again and again, raises held-out accuracy about as much
 as RL on the whole training set (MATH500 36 -> 74 % for Qwen2.5-Math-1.5B from one example).
 
-    python experiments/one_example.py            # 2 arms x 3 seeds x 16 steps, the default model
+    python experiments/one_example.py            # 2 arms x 3 seeds x 12 steps, the default model
     python experiments/one_example.py --tiny
 
-Arms: the arith stream (a fresh problem every prompt) against one arith problem, the same 8
-prompts of it each step (8 x 8 samples). The example is picked as the paper picks it, by the
+Arms: the arith stream (a fresh problem every prompt) against one arith problem, the same 4
+prompts of it each step (4 x 8 samples, as the stream's 4 a step). The example is picked as the paper picks it, by the
 spread of its accuracy: of the stream's first 32 problems, sampled 8 times each at T = 0.7 by the
 starting model, the one whose share right is nearest one half (an example always right, or always
 wrong, gives no gradient). Measured: greedy accuracy on the 128 held-out arith problems at steps
-0, 5, 10 and 15 (a third of the steps apart) and at the end.
+0, 4, 8 and 12 (a third of the steps apart).
 """
 
 import json
@@ -40,7 +40,7 @@ def pick_example(args) -> dict:
 
 
 def main():
-    args = arguments(__doc__, seeds=3, steps=16)
+    args = arguments(__doc__, seeds=3, steps=12)
     example = pick_example(args)
     one = args.runs / f"{'tiny-' if args.tiny else ''}one_example.jsonl"
     one.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ already reach more often; it does not reach new ones.
     python experiments/sharpening.py             # 3 trained seeds, pass@1..32, the default model
     python experiments/sharpening.py --tiny
 
-GRPO trains the default model on arith for 16 steps (3 seeds, --lr 2e-5); then the base model and
+GRPO trains the default model on arith for 12 steps (3 seeds, --lr 2e-5); then the base model and
 each trained one sample 32 answers to each of 64 held-out problems at T = 0.7, and pass@k (the
 unbiased estimator, evaluate.pass_at_k) is read for k = 1, 2, 4, ..., 32. Measured: the curves,
 and where (if anywhere) the base model's pass@k meets the trained one's.
@@ -32,7 +32,7 @@ def pass_curve(counts: list[int], n: int) -> list[tuple[int, float]]:
 
 
 def main():
-    args = arguments(__doc__, seeds=3, steps=16)
+    args = arguments(__doc__, seeds=3, steps=12)
     from data import arith_heldout
     from model import DEFAULT_MODEL
     runs = run_arms("sharpening", {"GRPO": ["--data", "arith", "--lr", "2e-5",

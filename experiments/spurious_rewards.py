@@ -5,7 +5,7 @@ The claim (for Qwen2.5-Math): RL with a random or format-only reward still raise
 it only brings out what the model already does well. Its authors found it for Qwen2.5-Math, not
 for other families: a control worth running on any model before crediting the reward.
 
-    python experiments/spurious_rewards.py       # 3 arms x 3 seeds x 16 steps, the default model
+    python experiments/spurious_rewards.py       # 3 arms x 3 seeds x 12 steps, the default model
     python experiments/spurious_rewards.py --tiny
 
 Arms: the correctness reward; a random one (0 or 1 from a hash of the completion: the same text
@@ -34,7 +34,7 @@ def random_reward(prompts, completions, **_):
 
 
 def main():
-    args = arguments(__doc__, seeds=3, steps=16)
+    args = arguments(__doc__, seeds=3, steps=12)
     runs = run_arms("spurious_rewards", ARMS, args,
                     common=COMMON + ["--eval-every", str(args.steps)])
     panels = {title: {arm: [metric(f, key) for f in seeds.values()] for arm, seeds in runs.items()}

@@ -6,7 +6,7 @@ reasoning chain turns on; CISPO clips the importance weight instead and keeps ev
 gradient (MiniMax-M1: DAPO's accuracy in half the steps); SAPO's soft gate damps off-policy tokens
 without cutting them, and trains more stably than a hard clip.
 
-    python experiments/surrogates.py             # 3 arms x 3 seeds x 16 steps, the default model
+    python experiments/surrogates.py             # 3 arms x 3 seeds x 12 steps, the default model
     python experiments/surrogates.py --tiny
 
 The terms differ only off-policy, so each rollout batch is trained on 4 times (--updates-per-rollout
@@ -30,7 +30,7 @@ COMMON = ["--data", "arith", "--updates-per-rollout", "4", "--lr", "5e-5",
 
 
 def main():
-    args = arguments(__doc__, seeds=3, steps=16)
+    args = arguments(__doc__, seeds=3, steps=12)
     runs = run_arms("surrogates", ARMS, args, common=COMMON)
     panels = {title: {arm: [metric(f, key) for f in seeds.values()] for arm, seeds in runs.items()}
               for title, key in (("accuracy", "accuracy"),

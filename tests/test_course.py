@@ -35,6 +35,18 @@ BUGS = {
                       "return 1.0 - (1 - c / n) ** k"),
     "log-prob positions off by one": ("completion_logprobs", "model.py",
                                       "hidden = hidden[rows, pos - 1]", "hidden = hidden[rows, pos]"),
+    "GAE steps through a tool's result": ("gae", "ppo.py",
+                                          "next_value = torch.where(step, values[:, t], next_value)",
+                                          "next_value = values[:, t]"),
+    "the value clip keeps the optimistic term": ("value_loss", "ppo.py",
+                                                 "per_token = 0.5 * torch.max(unclipped, clipped)",
+                                                 "per_token = 0.5 * torch.min(unclipped, clipped)"),
+    "the reward margin's sign flipped": ("reward_loss", "rm.py",
+                                         "losses = -F.logsigmoid(gap - (0.0 if margin",
+                                         "losses = -F.logsigmoid(gap + (0.0 if margin"),
+    "reverse KL computed as forward": ("token_divergence", "distill.py",
+                                       "return (s.exp() * (s - t)).sum(-1)",
+                                       "return (t.exp() * (t - s)).sum(-1)"),
 }
 
 

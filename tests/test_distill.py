@@ -35,6 +35,20 @@ def test_the_divergence_per_token_by_hand(beta):
     torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("beta", [1.0, 0.0, 0.5])
+def test_the_divergence_is_finite_where_both_probabilities_underflow(beta):
+    """A token both models give log-prob -200 (exp underflows to 0 in fp32, as far-off tokens of a
+    real vocabulary do) adds nothing -- not 0 * inf = nan: the mixture m is formed in log space."""
+    s = torch.tensor([[math.log(0.7), math.log(0.3), -200.0]])
+    t = torch.tensor([[math.log(0.5), math.log(0.5), -200.0]])
+    p, q = [0.7, 0.3], [0.5, 0.5]
+    m = [beta * b + (1 - beta) * a for a, b in zip(p, q)]
+    expected = _kl(p, q) if beta == 1 else _kl(q, p) if beta == 0 else \
+        beta * _kl(q, m) + (1 - beta) * _kl(p, m)
+    torch.testing.assert_close(distill.token_divergence(s, t, beta), torch.tensor([expected]),
+                               rtol=1e-5, atol=1e-7)
+
+
 def test_only_the_student_gets_a_gradient():
     s = torch.tensor(P).log().requires_grad_()
     t = torch.tensor(Q).log().requires_grad_()

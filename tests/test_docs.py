@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT / "docs"))
 import make_options  # noqa: E402  (docs/make_options.py)
 from data import parse_config  # noqa: E402
 
-PAGES = sorted([ROOT / "README.md", ROOT / "course" / "README.md", *(ROOT / "docs").glob("*.md")])
+PAGES = sorted([ROOT / "README.md", ROOT / "course" / "README.md", *(ROOT / "docs").glob("*.md"),
+                *(ROOT / "course" / "labs").glob("*.md")])
 CONFIGS = {"grpo.py": ("grpo", "Config"), "sft.py": ("sft", "Config"),
            "dpo.py": ("dpo", "Config"), "rm.py": ("rm", "Config"), "ppo.py": ("ppo", "Config"),
            "evaluate.py": ("evaluate", "EvalConfig"), "distill.py": ("distill", "Config")}
@@ -187,6 +188,8 @@ def check_command(argv: list[str], capsys):
     assert path.is_file(), f"python {script}: no such file"
     source = path.read_text()
     known = source
+    if "from common import" in source:  # an experiment takes experiments/common.py's flags
+        known += (path.parent / "common.py").read_text()
     if "parse_config(Config" in source:  # e.g. benchmarks/grpo_step.py takes grpo.py's flags too
         known += " ".join(help_flags("grpo.py"))
     for word in args:

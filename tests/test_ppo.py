@@ -53,6 +53,25 @@ def test_gae_equals_a_plain_loop_over_each_rows_model_tokens(seed):
     assert (advantages[~mask] == 0).all() and (returns[~mask] == 0).all()  # tool tokens: exactly 0
 
 
+def test_gae_by_hand_with_gamma_below_one_and_a_tool_result_between_the_models_tokens():
+    """Worked on paper: row 0 has the model's tokens at 0, 2 and 3, a tool's result at 1 and a pad
+    at 4 (their values are never read), the reward on its last model token; row 1 is one token."""
+    mask = torch.tensor([[True, False, True, True, False], [True, False, False, False, False]])
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0, 0.0], [-1.0, 0.0, 0.0, 0.0, 0.0]])
+    values = torch.tensor([[0.5, 9.0, 0.6, 0.8, 7.0], [0.25, 9.0, 9.0, 9.0, 9.0]])
+    advantages, returns = ppo.gae(rewards, values, mask, gamma=0.9, lam=0.8)  # gamma lam = 0.72
+    # row 0, backwards over the model's tokens:
+    #   t = 3, the last (nothing after it): delta = 1 + 0.9 * 0 - 0.8 = 0.2,   A = 0.2
+    #   t = 2, next 3:  delta = 0 + 0.9 * 0.8 - 0.6 = 0.12,  A = 0.12 + 0.72 * 0.2   = 0.264
+    #   t = 0, next 2 (1 is the tool's, no step): delta = 0 + 0.9 * 0.6 - 0.5 = 0.04,
+    #                                                         A = 0.04 + 0.72 * 0.264 = 0.23008
+    # row 1: delta = -1 + 0 - 0.25 = -1.25 = A.    G = A + V on the model's tokens, 0 elsewhere.
+    assert advantages.tolist()[0] == pytest.approx([0.23008, 0.0, 0.264, 0.2, 0.0], abs=1e-6)
+    assert returns.tolist()[0] == pytest.approx([0.73008, 0.0, 0.864, 1.0, 0.0], abs=1e-6)
+    assert advantages.tolist()[1] == pytest.approx([-1.25, 0.0, 0.0, 0.0, 0.0], abs=1e-6)
+    assert returns.tolist()[1] == pytest.approx([-1.0, 0.0, 0.0, 0.0, 0.0], abs=1e-6)
+
+
 def test_per_token_rewards_put_the_reward_on_the_last_model_token_and_the_kl_on_each():
     mask = torch.tensor([[True, True, False, True, False], [True, False, False, False, False]])
     lp, ref = torch.full((2, 5), -1.0), torch.full((2, 5), -1.5)
@@ -83,6 +102,31 @@ def test_the_value_loss_and_its_clip_by_hand():
                              torch.tensor([[True]]), clip=0.5, num_tokens=1)
     # unclipped 0.04; clipped V = 1.5: 0.25 -> the clipped term counts
     assert float(loss) == pytest.approx(0.125) and m["value_clip_frac"] == 1.0
+
+
+def test_the_value_clip_holds_v_near_v_old_on_both_sides_and_cuts_the_gradient_by_hand():
+    """clip(V, V_old - 0.5, V_old + 0.5) on either side of V_old; the max keeps the larger
+    (pessimistic) term, and where the clipped one counts the clamp is flat: no gradient. The
+    denominator is num_tokens (the global batch's: 8 here, 4 tokens in this micro-batch)."""
+    values = torch.tensor([[2.2, -0.2, 0.3, 3.0, 5.0]], requires_grad=True)
+    old = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0]])
+    returns = torch.tensor([[2.0, 0.0, 1.0, 2.0, 0.0]])
+    mask = torch.tensor([[True, True, True, True, False]])
+    loss, m = ppo.value_loss(values, old, returns, mask, clip=0.5, num_tokens=8)
+    # 0: V 1.2 above V_old: clipped V 1.5, (1.5 - 2)^2 = 0.25 > (2.2 - 2)^2 = 0.04 -> clipped
+    # 1: V 1.2 below V_old: clipped V 0.5, (0.5 - 0)^2 = 0.25 > (-0.2 - 0)^2 = 0.04 -> clipped
+    # 2: V within 0.5 of V_old: both (0.3 - 1)^2 = 0.49
+    # 3: V 2 above: clipped V 1.5, (1.5 - 2)^2 = 0.25 < (3 - 2)^2 = 1 -> the unclipped counts
+    # 4: not in the mask
+    assert float(loss) == pytest.approx(0.5 * (0.25 + 0.25 + 0.49 + 1.0) / 8)
+    assert m["value_loss"] == pytest.approx(0.5 * (0.25 + 0.25 + 0.49 + 1.0))
+    assert m["value_clip_frac"] == 2.0
+    loss.backward()
+    # d/dV of 1/2 (V - G)^2 / 8 = (V - G) / 8 where V itself is in the counted term, else 0
+    assert values.grad.tolist()[0] == pytest.approx([0.0, 0.0, (0.3 - 1) / 8, (3 - 2) / 8, 0.0])
+    loss, m = ppo.value_loss(values, old, returns, mask, clip=0.0, num_tokens=8)  # 0: no clip
+    assert float(loss) == pytest.approx(0.5 * (0.04 + 0.04 + 0.49 + 1.0) / 8)
+    assert m["value_clip_frac"] == 0.0
 
 
 def _cfg(model_dir, **kw):

@@ -39,6 +39,21 @@ def test_the_bradley_terry_loss_by_hand():
     assert plain.tolist() == pytest.approx([-_logsig(1), -_logsig(-1.5), -_logsig(0)], rel=1e-6)
 
 
+def test_the_bradley_terry_gradient_by_hand():
+    """dL/dr_c = -sigmoid(-(r_c - r_r - m)) + 2c (r_c + r_r), dL/dr_r = sigmoid(-(r_c - r_r - m))
+    + 2c (r_c + r_r): the chosen score is pushed up and the rejected one down, hardest where the
+    pair is ranked wrong; the centring term pulls both towards 0."""
+    chosen = torch.tensor([2.0, -1.0, 0.5], requires_grad=True)
+    rejected = torch.tensor([1.0, 0.5, 0.5], requires_grad=True)
+    losses, _ = rm.reward_loss(chosen, rejected, torch.tensor([0.0, 0.0, 1.0]),
+                               center_coefficient=0.1)
+    losses.sum().backward()
+    push = [1 / (1 + math.exp(x)) for x in (2 - 1 - 0, -1 - 0.5 - 0, 0.5 - 0.5 - 1)]
+    pull = [2 * 0.1 * s for s in (2 + 1, -1 + 0.5, 0.5 + 0.5)]
+    assert chosen.grad.tolist() == pytest.approx([-p + c for p, c in zip(push, pull)], rel=1e-5)
+    assert rejected.grad.tolist() == pytest.approx([p + c for p, c in zip(push, pull)], rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def reward_model_dir(tiny_model_dir, tmp_path_factory):
     """The tiny causal LM as a fresh reward model (its decoder, a new scalar head), saved."""
