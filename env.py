@@ -366,7 +366,7 @@ class Agent:
         tokens, the graded answer as text), and the episodes themselves."""
         episodes, seconds, version, logprobs = self.start(rows, n), 0.0, None, False
         prompt_tokens = cached_tokens = 0
-        decode_bound = 0.0
+        compute_floor = memory_floor = 0.0
         for turn in range(self.max_turns):
             running = [e for e in episodes if not e.done]
             if not running:
@@ -386,7 +386,8 @@ class Agent:
             seconds += out.seconds
             prompt_tokens, cached_tokens = prompt_tokens + out.prompt_tokens, \
                 cached_tokens + out.cached_tokens
-            decode_bound += out.decode_bound
+            compute_floor, memory_floor = compute_floor + out.compute_floor, \
+                memory_floor + out.memory_floor
             version = out.policy_version if version is None else min(version, out.policy_version)
             logprobs = out.engine_logprobs is not None
             for i, (e, room) in enumerate(zip(running, rooms)):
@@ -402,7 +403,7 @@ class Agent:
                             [e.truncated for e in episodes], [e.answer for e in episodes],
                             [e.logprobs for e in episodes] if logprobs else None, version or 0,
                             seconds, [e.mask for e in episodes], prompt_tokens, cached_tokens,
-                            decode_bound)
+                            compute_floor, memory_floor)
         return comps, episodes
 
 

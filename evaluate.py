@@ -117,7 +117,7 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
     """Generate n samples per row -- or with an agent (env.Agent, --tools / --env) play n
     episodes of each -- and grade them. Returns (summary row, per-sample records)."""
     fmt = TEMPLATES[template][1]
-    samples, decode_bound = [], 0.0
+    samples, floor = [], [0.0, 0.0]  # the calls' compute and memory floors (hardware.py)
     bar = tqdm(total=len(rows) * n, desc=f"eval {dataset}", unit="sample", disable=not progress,
                leave=False)
     for s in range(0, len(rows), batch_prompts):
@@ -127,7 +127,7 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
             out, episodes = agent.run(rollout, chunk, n, sampling)
         else:
             out = rollout.generate(encode_prompts(tokenizer, chunk, template, chat), n, sampling)
-        decode_bound += out.decode_bound
+        floor = [floor[0] + out.compute_floor, floor[1] + out.memory_floor]
         extracted = [extract_answer(t, fmt) for t in out.text]
         if "answer" in chunk[0]:
             correct = grader.grade(extracted, [r["answer"] for r in chunk for _ in range(n)])
@@ -145,8 +145,7 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
                                hasattr(episodes[i].env, "get_reward") else {})})
         bar.update(len(out))
     bar.close()
-    # (the seconds its decoding takes at the memory-bandwidth bound: hardware.py)
-    return {**summarize(samples, n, grader), "decode_bound": decode_bound}, samples
+    return {**summarize(samples, n, grader), "floors": floor}, samples
 
 
 def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> tuple[dict, list[dict]]:
@@ -161,7 +160,18 @@ def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> tuple[dict,
             **{f"eval_{key}": summary[key] for key in ("turns", "tool_calls", "tool_call_rate",
                                                         "tool_error_rate", "reward")
                if key in summary},
-            "eval_seconds": seconds, "eval_bw_frac": summary["decode_bound"] / seconds}, samples
+            "eval_seconds": seconds, **roofline("eval", *summary["floors"], seconds)}, samples
+
+
+def roofline(phase: str, compute_floor: float, memory_floor: float, seconds: float) -> dict:
+    """A phase's seconds against its roofline (hardware.py): <phase>_compute_frac and
+    <phase>_memory_frac, each floor over the seconds taken, and <phase>_roofline_frac, the larger:
+    the bound that binds, and how close the phase came to it."""
+    if seconds <= 0:
+        return {}
+    compute, memory = compute_floor / seconds, memory_floor / seconds
+    return {f"{phase}_roofline_frac": max(compute, memory), f"{phase}_compute_frac": compute,
+            f"{phase}_memory_frac": memory}
 
 
 TRACKERS = ("tensorboard", "wandb")
@@ -253,8 +263,9 @@ def step_record(step: int, sampled, update: dict, train_seconds: float, sync_sec
         # not the rollout log's extra pass, which is no part of the update (detail_seconds)
         "mfu": (update.get("model_flops", 0.0) / update_seconds / update["peak_flops"]
                 if update_seconds > 0 and update.get("peak_flops") else 0.0),
-        # decoding's memory-bandwidth floor over the engine's seconds (hardware.py)
-        "gen_bw_frac": comps.decode_bound / sampled.gen_seconds if sampled.gen_seconds else 0.0,
+        # the engine's seconds against its roofline: compute (model FLOPs over the peak) and
+        # memory (weights and keys and values read over the bandwidth), hardware.py
+        **roofline("gen", comps.compute_floor, comps.memory_floor, sampled.gen_seconds),
         # prompt tokens whose keys and values came from a cache: a group's shared prompt, an
         # episode's earlier turns
         "prompt_cache_hit": comps.cached_tokens / comps.prompt_tokens if comps.prompt_tokens
@@ -294,7 +305,9 @@ def format_step(r: dict) -> str:
                  f"V {r['value_mean']:.3f} G {r['return_mean']:.3f}")
     line += (f" | gen {r['gen_seconds']:.1f}s train {r['train_seconds']:.1f}s "
              f"({r['gen_tokens_per_s']:.0f} tok/s gen"
-             + (f" at {r['gen_bw_frac']:.0%} of bandwidth" if r.get("gen_bw_frac") else "")
+             + (f" at {r['gen_roofline_frac']:.0%} of its roofline, "
+                f"{'compute' if r['gen_compute_frac'] >= r['gen_memory_frac'] else 'memory'}-bound"
+                if r.get("gen_roofline_frac") else "")
              + (f", mfu {r['mfu']:.1%})" if r.get("mfu") else ")"))
     if "eval_accuracy" in r:
         line += f" | held-out {r['eval_accuracy']:.3f}"
@@ -398,7 +411,7 @@ def main(argv=None):
                                          chat=cfg.chat, sampling=sampling, n=cfg.n, grader=grader,
                                          dataset=name, batch_prompts=cfg.batch_prompts,
                                          agent=agent)
-        summary.pop("decode_bound")  # (the table holds what was measured about the model)
+        summary.pop("floors")  # (the table holds what was measured about the model)
         results["datasets"][name] = summary
         all_samples += samples
     grader.close()

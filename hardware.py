@@ -15,16 +15,23 @@ from its vendor's datasheet. Their ratio is the model-FLOPs utilisation (MFU):
 A KL reference or a teacher adds one forward of its own. Recomputed activations (gradient
 checkpointing) are not model FLOPs: they lower the MFU, as they should.
 
-Decoding is bound by memory, not FLOPs: each step reads every weight once and each sampled token
-reads its context's keys and values once. Its floor is those bytes over the memory bandwidth
-(a GPU's datasheet, a CPU's measured copy rate); gen_bw_frac is that floor over the seconds the
-engine took:
+Generation and evaluation are held to their roofline: a phase takes at least its model FLOPs
+over the peak and at least the bytes it must read over the memory bandwidth, whichever is longer
+(the bound that binds). A decoding step reads every weight once, and each sampled token its
+context's keys and values; a token's forward is 2 N FLOPs and 4 L d per key it attends to (a
+prompt's prefill: the same per prompt token, each attending to those before it):
 
-    gen_bw_frac = (steps x weight bytes + context tokens read x KV bytes a token) / bandwidth
-                  / generation seconds
+    gen_compute_frac  = model FLOPs / peak / generation seconds
+    gen_memory_frac   = (steps x weight bytes + context tokens read x KV bytes a token)
+                        / bandwidth / generation seconds
+    gen_roofline_frac = the larger of the two: how close the engine came to its bound
+
+The peak and the bandwidth are a GPU's datasheet figures, or a CPU's measured rates (a matmul, a
+copy). A start that shares the cores with another job measures them low; no fraction of them may
+pass 1, so they are the best seen in the process: measured again whenever a phase did better than
+them, and raised at least to what it did.
 """
 
-import functools
 import time
 from typing import NamedTuple
 
@@ -95,16 +102,36 @@ def gpu_peak_flops(dtype: torch.dtype, device: int = 0) -> tuple[float, str]:
 class DecodeCost(NamedTuple):
     weight_bytes: int  # read once per decoding step: the matmul weights, in the engine's dtype
     kv_bytes_per_token: int  # one context token's keys and values, every layer
+    flops_per_token: int  # 2 N: a token's forward through the matmul weights
+    flops_per_key: int  # 4 L d: a token's scores and weighted values against one key, every layer
 
 
 def decode_cost(model, dtype: torch.dtype) -> DecodeCost:
-    """What a decoding step of `model` in `dtype` must read (see the module docstring)."""
+    """What generating with `model` in `dtype` must read and compute (the module docstring)."""
     text = model.config.get_text_config()
     size = torch.empty((), dtype=dtype).element_size()
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return DecodeCost(model_cost(model).matmul_params * size,
-                      2 * text.num_hidden_layers * kv_heads * head_dim * size)
+    cost = model_cost(model)
+    return DecodeCost(cost.matmul_params * size,
+                      2 * text.num_hidden_layers * kv_heads * head_dim * size,
+                      2 * cost.matmul_params, 4 * cost.layers * cost.width)
+
+
+def generation_flops(cost: DecodeCost, prefills: list[tuple[int, int]],
+                     samples: list[tuple[int, int]]) -> float:
+    """The model FLOPs of a generate call: each distinct prompt's prefill, (held, new): `held`
+    tokens came from a cache, `new` ran, each attending to itself and those before it; and each
+    sample's decoding, (P, n): n tokens after a P-token prompt, of which the first n - 1 are fed
+    back, token t attending to P + t keys. Padding and the forwards of samples already stopped are
+    work the engine chose, not work the job needs: not counted."""
+    tokens = keys = 0
+    for held, new in prefills:
+        tokens, keys = tokens + new, keys + new * held + new * (new + 1) // 2
+    for P, n in samples:
+        if n > 1:
+            tokens, keys = tokens + n - 1, keys + (n - 1) * P + n * (n - 1) // 2
+    return tokens * cost.flops_per_token + keys * cost.flops_per_key
 
 
 def decode_bytes(cost: DecodeCost, steps: int, context_tokens: int) -> float:
@@ -113,10 +140,29 @@ def decode_bytes(cost: DecodeCost, steps: int, context_tokens: int) -> float:
     return steps * cost.weight_bytes + context_tokens * cost.kv_bytes_per_token
 
 
-@functools.cache
-def memory_bandwidth(device_type: str) -> tuple[float, str]:
-    """(bytes/s, where the figure comes from) of this process's device memory, once per process:
-    a GPU's datasheet, else a 256 MB copy timed on all of torch's threads (bytes read + written)."""
+# The best rates seen in this process, per (device type, dtype): see the module docstring.
+_BEST: dict[tuple, tuple[float, str]] = {}
+
+
+def _best(key: tuple, measure, achieved: float) -> tuple[float, str]:
+    """The rate kept for `key`: measured at the first call; when a phase achieved more than it,
+    measured again, and at least what the phase achieved."""
+    if key not in _BEST:
+        _BEST[key] = measure()
+    if achieved > _BEST[key][0]:
+        again, where = measure()
+        _BEST[key] = (max(again, achieved), f"{where} (again: a phase did better than the first)")
+    return _BEST[key]
+
+
+def memory_bandwidth(device_type: str, achieved: float = 0.0) -> tuple[float, str]:
+    """(bytes/s, where the figure comes from) of this process's device memory: a GPU's datasheet,
+    else a 256 MB copy timed on all of torch's threads (bytes read + written); never below
+    `achieved`, a phase's bytes a second (_best)."""
+    return _best(("bandwidth", device_type), lambda: _measure_bandwidth(device_type), achieved)
+
+
+def _measure_bandwidth(device_type: str) -> tuple[float, str]:
     if device_type == "cuda":
         name = torch.cuda.get_device_name()
         for key, gbs in GPU_BANDWIDTH_GBS.items():
@@ -137,6 +183,21 @@ def memory_bandwidth(device_type: str) -> tuple[float, str]:
     return 2 * a.nbytes / best, f"{torch.get_num_threads()}-thread copy, measured"
 
 
+class Floors(NamedTuple):
+    compute: float  # seconds at the peak: model FLOPs / peak
+    memory: float  # seconds at the bandwidth: bytes / bandwidth
+
+
+def floors(flops: float, nbytes: float, seconds: float, device_type: str,
+           dtype: torch.dtype) -> Floors:
+    """The two floors of a phase that did `flops` and read `nbytes` in `seconds` on this
+    process's device in `dtype`; the peak and the bandwidth are raised to what it achieved."""
+    speed = lambda amount: amount / seconds if seconds > 0 else 0.0  # noqa: E731
+    peak = peak_flops(device_type, dtype, achieved=speed(flops))[0]
+    bandwidth = memory_bandwidth(device_type, achieved=speed(nbytes))[0]
+    return Floors(flops / peak, nbytes / bandwidth)
+
+
 def processed_tokens(input_ids, prompt_lens, completion_lens, rows, shares_prompts: bool) -> int:
     """The tokens a forward over `rows` of a packed batch runs: each row's prompt and completion,
     and with prompt sharing (model.share_prompts) a prompt the row before it also has only once."""
@@ -150,11 +211,14 @@ def processed_tokens(input_ids, prompt_lens, completion_lens, rows, shares_promp
     return total
 
 
-@functools.cache
-def peak_flops(device_type: str, dtype: torch.dtype) -> tuple[float, str]:
-    """(FLOP/s, where the figure comes from) of this process's device in `dtype`, once per
-    process: a GPU's datasheet (gpu_peak_flops), or on a CPU the rate of a large matmul on all of
-    torch's threads, measured -- the best a training step's matmuls could do here."""
+def peak_flops(device_type: str, dtype: torch.dtype, achieved: float = 0.0) -> tuple[float, str]:
+    """(FLOP/s, where the figure comes from) of this process's device in `dtype`: a GPU's datasheet
+    (gpu_peak_flops), or on a CPU the rate of a large matmul on all of torch's threads, measured --
+    the best a step's matmuls could do here; never below `achieved`, a phase's FLOP/s (_best)."""
+    return _best(("peak", device_type, dtype), lambda: _measure_peak(device_type, dtype), achieved)
+
+
+def _measure_peak(device_type: str, dtype: torch.dtype) -> tuple[float, str]:
     if device_type == "cuda":
         return gpu_peak_flops(dtype)
     a, b = torch.randn(512, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)

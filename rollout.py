@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from attention import use_smolrl_attention
-from hardware import DecodeCost, decode_bytes, decode_cost, memory_bandwidth
+from hardware import DecodeCost, Floors, decode_bytes, decode_cost, floors, generation_flops
 from model import empty_copy, full_weights, named_tensors, stop_token_ids
 
 
@@ -56,8 +56,10 @@ class Completions:
     # token, False for the environment's; None: every completion token is the model's
     prompt_tokens: int = 0  # prompt tokens the engine was given (each distinct prompt once) ...
     cached_tokens: int = 0  # ... and how many of them it took from a cache, not a forward
-    decode_bound: float = 0.0  # the seconds its decoding takes at the memory-bandwidth bound
-    # (hardware.py): over `seconds`, how close the engine came to the machine's limit
+    # The seconds the call would take at the machine's peak FLOP/s and at its memory bandwidth
+    # (hardware.py's roofline): over `seconds`, how close the engine came to its bound
+    compute_floor: float = 0.0
+    memory_floor: float = 0.0
 
     def __len__(self):
         return len(self.completion_ids)
@@ -67,7 +69,7 @@ class Completions:
         return Completions(pick(self.prompt_ids), pick(self.completion_ids), pick(self.truncated),
                            pick(self.text), pick(self.engine_logprobs), self.policy_version,
                            self.seconds, pick(self.mask), self.prompt_tokens, self.cached_tokens,
-                           self.decode_bound)
+                           self.compute_floor, self.memory_floor)
 
     @staticmethod
     def concat(parts: list["Completions"]) -> "Completions":
@@ -79,7 +81,8 @@ class Completions:
                            max(p.seconds for p in parts),  # (engines generate side by side)
                            join("mask"), sum(p.prompt_tokens for p in parts),
                            sum(p.cached_tokens for p in parts),
-                           max(p.decode_bound for p in parts))  # (as `seconds`)
+                           max(p.compute_floor for p in parts),  # (as `seconds`)
+                           max(p.memory_floor for p in parts))
 
 
 class Ready:
@@ -193,6 +196,7 @@ class Decoded(NamedTuple):
     tokens: list[list[int]]  # max_new_tokens per sample (past its stop token: padding)
     logprobs: list[list[float]]  # of each token, under the distribution it was drawn from
     reused: int  # prompt tokens taken from a cache, not run through the model
+    prefills: list[tuple[int, int]]  # each prompt's (tokens from a cache, tokens run)
     steps: int  # decoding forwards (one token per live sample each)
     context: int  # keys and values those forwards' tokens attended to, all samples together
 
@@ -258,7 +262,7 @@ class HFRollout:
             self.update_weights(full_weights(model))
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
-        self.decode_cost = decode_cost(self.model, dtype)  # bytes a decoding step reads
+        self.decode_cost, self.dtype = decode_cost(self.model, dtype), dtype  # (hardware.py)
         use_smolrl_attention(self.model)  # (its decoding steps: attention.decode_attention)
         # Prompts share their common prefix's forward (_decode), and episodes continue from kept
         # keys and values, where check_head_logits has verified that masks and positions define a
@@ -312,11 +316,12 @@ class HFRollout:
         if sampling.seed is not None:
             torch.manual_seed(sampling.seed)
         kept, self.kept = self.kept, {}  # what the last call kept serves this one only
-        completions, truncated, logprobs, cached, read = [], [], [], 0, 0.0
+        completions, truncated, logprobs, cached, read, prefills = [], [], [], 0, 0.0, []
         for batch, copies in group_batches(prompt_ids, n, self.batch_size):
             out = self._decode(batch, copies, sampling, kept)
             cached += out.reused
             read += decode_bytes(self.decode_cost, out.steps, out.context)
+            prefills += out.prefills
             for row, row_lps in zip(out.tokens, out.logprobs):
                 tokens, cut = cut_at_stop(row, self.stop_ids, sampling.max_new_tokens)
                 completions.append(tokens)
@@ -325,10 +330,14 @@ class HFRollout:
         prompts = [p for p in prompt_ids for _ in range(n)]  # prompt-major
         text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
         sampled = self.logprobs and sampling.temperature > 0  # (greedy evaluation needs none)
+        seconds = time.perf_counter() - t0
+        flops = generation_flops(self.decode_cost, prefills,
+                                 [(len(p), len(c)) for p, c in zip(prompts, completions)])
+        floor = floors(flops, read, seconds, torch.device(self.device).type, self.dtype)
         return Completions(prompts, completions, truncated, text, logprobs if sampled else None,
-                           self.version, time.perf_counter() - t0,
-                           prompt_tokens=sum(map(len, prompt_ids)), cached_tokens=cached,
-                           decode_bound=read / memory_bandwidth(torch.device(self.device).type)[0])
+                           self.version, seconds, prompt_tokens=sum(map(len, prompt_ids)),
+                           cached_tokens=cached, compute_floor=floor.compute,
+                           memory_floor=floor.memory)
 
     def _decode(self, prompts: list[list[int]], copies: int, sampling: Sampling,
                 kept: dict) -> Decoded:
@@ -392,7 +401,8 @@ class HFRollout:
         if keep:
             self._keep(cache, attn, torch.arange(len(live), device=self.device), live,
                        full_prompts, copies, tokens, t)
-        return Decoded(tokens.tolist(), logprobs.tolist(), reused, steps, context)
+        return Decoded(tokens.tolist(), logprobs.tolist(), reused,
+                       [(h, len(p)) for h, p in zip(held, prompts)], steps, context)
 
     def _start_cache(self, prompts: list[list[int]], kept: dict):
         """(a cache to start the prompts from or None, how many of each prompt's first tokens it
@@ -669,8 +679,11 @@ class VLLMRollout:
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params,
                                     use_tqdm=False)
         prompts, completions, truncated, logprobs, cached, context = [], [], [], [], 0, 0
+        prefills = []
         for p, request in zip(prompt_ids, outputs):
             cached += request.num_cached_tokens or 0  # prompt tokens found in the prefix cache
+            prefills.append((request.num_cached_tokens or 0,
+                             len(p) - (request.num_cached_tokens or 0)))
             for sample in request.outputs:  # n samples, in order: prompt-major like HFRollout
                 tokens = list(sample.token_ids)
                 lps = [d[t].logprob for t, d in zip(tokens, sample.logprobs)]
@@ -682,19 +695,23 @@ class VLLMRollout:
                 truncated.append(cut)
                 logprobs.append(lps[:len(tokens)])
         text = self.tokenizer.batch_decode(completions, skip_special_tokens=True)
+        seconds = time.perf_counter() - t0
+        floor = self._floors(prefills, prompts, completions, context, seconds)
         return Completions(prompts, completions, truncated, text, logprobs, self.version,
-                           time.perf_counter() - t0, prompt_tokens=sum(map(len, prompt_ids)),
-                           cached_tokens=cached, decode_bound=self._decode_bound(completions,
-                                                                                 context))
+                           seconds, prompt_tokens=sum(map(len, prompt_ids)),
+                           cached_tokens=cached, compute_floor=floor.compute,
+                           memory_floor=floor.memory)
 
-    def _decode_bound(self, completions: list[list[int]], context: int) -> float:
-        """The memory-bandwidth floor of a call's decoding (hardware.py), its steps counted as a
-        continuous batch takes them: one per token of the longest completion after its first."""
+    def _floors(self, prefills, prompts, completions, context: int, seconds: float) -> Floors:
+        """The call's roofline floors (hardware.py), its decoding steps counted as a continuous
+        batch takes them: one per token of the longest completion after its first."""
         if self.decode_cost is None or not completions:
-            return 0.0
+            return Floors(0.0, 0.0)
         steps = max(len(c) for c in completions) - 1
-        device = "cuda" if self.on_gpu else "cpu"
-        return decode_bytes(self.decode_cost, steps, context) / memory_bandwidth(device)[0]
+        flops = generation_flops(self.decode_cost, prefills,
+                                 [(len(p), len(c)) for p, c in zip(prompts, completions)])
+        return floors(flops, decode_bytes(self.decode_cost, steps, context), seconds,
+                      "cuda" if self.on_gpu else "cpu", self.dtype)
 
 
 def engine_mismatch(trainer_lp, engine_lp, mask) -> dict:

@@ -450,9 +450,12 @@ def update_flops(trainer, batch, keep) -> float:
     ppo.py's critic, distill.py's teacher, an old-policy pass (--updates-per-rollout > 1)."""
     if not len(keep) or trainer.cost is None:
         return 0.0
-    tokens = processed_tokens(batch.input_ids, batch.prompt_lens, batch.completion_lens, keep,
-                              getattr(trainer.compute, "smolrl_shares_prompts", False))
-    length = float((batch.prompt_lens + batch.completion_lens)[keep].float().mean())
+    # Per micro-batch, as the update runs them: a group split between two runs its prompt twice.
+    lengths = batch.prompt_lens + batch.completion_lens
+    shares = getattr(trainer.compute, "smolrl_shares_prompts", False)
+    tokens = sum(processed_tokens(batch.input_ids, batch.prompt_lens, batch.completion_lens, idx,
+                                  shares) for idx in micro_batches(keep, lengths, trainer.cfg))
+    length = float(lengths[keep].float().mean())
     return tokens * train_flops_per_token(trainer.cost, length,
                                           lora=is_lora(trainer.model),
                                           extra_forwards=int(trainer.reference))
@@ -470,9 +473,10 @@ class UpdateStats:
                     "seqs": len(batch.completion_lens),
                     "trained_tokens": int((batch.prompt_lens + batch.completion_lens)[keep].sum()),
                     "lr": trainer.scheduler.get_last_lr()[0],
-                    "model_flops": update_flops(trainer, batch, keep),  # (an update's)
-                    "peak_flops": peak_flops(torch.device(trainer.device).type,
-                                             next(trainer.compute.parameters()).dtype)[0]}
+                    "model_flops": update_flops(trainer, batch, keep)}  # (an update's)
+        # the peak is read when the update is over, raised to what the update achieved if more
+        # (hardware.peak_flops: a busy start measures it low)
+        self.dtype, self.started = next(trainer.compute.parameters()).dtype, time.perf_counter()
         self.mismatch = self.raw["mismatch"]
         self.update_loss, self._sums, self._tokens = 0.0, {}, 0  # of the update in progress
 
@@ -513,6 +517,10 @@ class UpdateStats:
 
     def result(self) -> dict:
         self.raw["model_flops"] *= self.raw["applied_updates"]
+        seconds = time.perf_counter() - self.started - self.raw.get("detail_seconds", 0.0)
+        self.raw["peak_flops"] = peak_flops(
+            torch.device(self.device).type, self.dtype,
+            achieved=self.raw["model_flops"] / seconds if seconds > 0 else 0.0)[0]
         applied = max(self.raw.pop("applied_updates"), 1)
         self.raw["loss"] /= applied
         self.raw["grad_norm"] /= applied

@@ -15,7 +15,7 @@ earlier commit from a `git worktree` made for the run and removed after it -- un
 so both start from the same weights and the same games. Printed per tree: the median over the
 timed steps (all but the first when S > 1: the first pays for start-up caches) of the step's
 generation and update seconds, the tokens the update trained per second, the prompt tokens served
-from a cache and gen_bw_frac / mfu where the tree logs them, and the process's peak resident
+from a cache and gen_roofline_frac / mfu where the tree logs them, and the process's peak resident
 memory (the kernel's high-water mark, start-up and the step-0-free loop included) and the highest
 seen in each phase (rollout, update, the rest). The last line is the speed-up of a whole step
 (generation + scoring + update + sync).
@@ -100,7 +100,7 @@ def summary(result: dict) -> dict:
     return {"step_s": statistics.median(step(r) for r in timed), "gen_s": median("gen_seconds"),
             "train_s": median("train_seconds"), "train_tok_s": median("train_tokens_per_s"),
             "turns": median("turns"), "cache_hit": median("prompt_cache_hit"),
-            "gen_bw_frac": median("gen_bw_frac"), "mfu": median("mfu"),
+            "gen_roofline_frac": median("gen_roofline_frac"), "mfu": median("mfu"),
             "peak_gb": result["peak_gb"], "wall_s": result["wall"],
             **{f"{phase}_gb": gb for phase, gb in result["phases"].items()}}
 
@@ -141,7 +141,7 @@ def main():
         phases = ", ".join(f"{p} {r.get(p + '_gb', 0):.2f}" for p in ("rollout", "update", "rest"))
         print(f"{name:>22} {r['step_s']:8.1f} {r['gen_s']:7.1f} {r['train_s']:8.1f} "
               f"{r['train_tok_s']:11.0f} {r['turns']:6.2f} {r['cache_hit']:7.1%} "
-              f"{r['gen_bw_frac']:6.1%} {r['mfu']:6.1%} {r['peak_gb']:8.2f}  {phases}")
+              f"{r['gen_roofline_frac']:6.1%} {r['mfu']:6.1%} {r['peak_gb']:8.2f}  {phases}")
     if len(results) == 2:
         before, after = results.values()
         print(f"\nstep speed-up: {before['step_s'] / after['step_s']:.2f}x "

@@ -8,13 +8,15 @@
 Per phase, the median seconds a step (an evaluation for `evaluation`), the seconds the phase would
 take at the machine's limit, and their ratio (hardware.py):
 
-    generation   the decoding's bytes (weights once a step, each token's context of keys and
-                 values) over the memory bandwidth                          gen_bw_frac
+    generation   the longer of two floors: its model FLOPs (each prompt's prefill, each fed-back
+                 token's forward and attention) over the matmul peak, and its bytes (weights
+                 once a step, each token's context of keys and values) over the memory
+                 bandwidth                                                  gen_roofline_frac
     update       the model FLOPs of the policy's forward and backward and the KL reference's
                  forward (beta > 0) over the matmul peak                    mfu
     sync         the weights read in fp32 and written in the engine's dtype over the bandwidth
                  (none where the HF engine decodes from the trainer's own tensors)
-    evaluation   as generation, for the greedy held-out pass                eval_bw_frac
+    evaluation   as generation, for the greedy held-out pass                eval_roofline_frac
     rewards      grading on the CPU: no bound is claimed
 
 The bandwidth and peak are a GPU's datasheet figures, or on a CPU measured once by the run (a
@@ -49,14 +51,13 @@ def table(folder: Path) -> list[tuple]:
     model, _ = load_model(config["model"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = DTYPES[config["dtype"]] if config["dtype"] in DTYPES else torch.float32
-    bandwidth, where = memory_bandwidth(device)
+    bandwidth = memory_bandwidth(device)[0]
     params = sum(p.numel() for p in model.parameters())
     sync_bytes = params * (4 + torch.empty((), dtype=dtype).element_size())
     peak = med(steps, "peak_flops")
     update_bound = med(steps, "model_flops") / peak if peak else None
     reference = " and the KL reference's forward" if config.get("beta", 0) > 0 else ""
-    out = [("generation", gen, gen * med(steps, "gen_bw_frac"),
-            f"weights + KV bytes over {bandwidth / 1e9:.0f} GB/s ({where})"),
+    out = [("generation", gen, gen * med(steps, "gen_roofline_frac"), binding(steps, "gen")),
            ("update", train, update_bound,
             f"policy forward + backward{reference} over {peak / 1e9:.0f} GFLOP/s matmul peak"),
            ("sync", sync, sync_bytes / bandwidth, f"{params / 1e6:.0f}M weights read and written")
@@ -64,9 +65,17 @@ def table(folder: Path) -> list[tuple]:
            ("rewards", med(steps, "reward_seconds"), None, "grading (no bound claimed)")]
     if evals:
         ev = med(evals, "eval_seconds")
-        out.insert(3, ("evaluation", ev, ev * med(evals, "eval_bw_frac") or None,
-                       "as generation, greedy held-out"))
+        out.insert(3, ("evaluation", ev, ev * med(evals, "eval_roofline_frac") or None,
+                       binding(evals, "eval") + ", greedy held-out"))
     return out
+
+
+def binding(rows: list[dict], phase: str) -> str:
+    """Which of a phase's two floors binds (the larger, in the median record), in words."""
+    compute = statistics.median(r.get(f"{phase}_compute_frac", 0.0) for r in rows)
+    memory = statistics.median(r.get(f"{phase}_memory_frac", 0.0) for r in rows)
+    return ("compute-bound: model FLOPs over the matmul peak" if compute >= memory else
+            "memory-bound: weights + KV bytes over the bandwidth")
 
 
 def main():

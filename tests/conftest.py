@@ -16,8 +16,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-TIMING = ("seconds", "tokens_per_s", "memory", "peak_flops", "mfu", "bw_frac")  # metrics that
-# differ between identical runs (peak_flops: the machine's matmul rate, measured)
+# Metrics that differ between identical runs (peak_flops: the machine's matmul rate, measured;
+# the roofline fractions: floors over seconds)
+TIMING = ("seconds", "tokens_per_s", "memory", "peak_flops", "mfu", "roofline_frac",
+          "compute_frac", "memory_frac")
 
 
 # What `--dtype auto` means in the tests: fp32 on every CPU kind, so that a test comparing two runs

@@ -5,6 +5,8 @@ cache in training forwards."""
 import math
 from types import SimpleNamespace
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -279,30 +281,83 @@ def test_the_update_s_model_flops_are_a_hand_count_of_the_tiny_llama(tiny_model_
     shares = trainer.compute.smolrl_shares_prompts
     assert update_flops(trainer, batch, keep) == pytest.approx(
         (14 if shares else 21) * per_token, rel=1e-9)
+    # Micro-batches of 3 rows split the second group: its prompt runs in each (the count once
+    # took it once for the whole update)
+    trainer.cfg.micro_batch_size, trainer.cfg.max_tokens_per_microbatch = 3, None
+    assert update_flops(trainer, batch, keep) == pytest.approx(
+        (4 + 3 + 5 + 3 + 2 if shares else 21) * per_token, rel=1e-9)
 
 
-def test_decoding_s_bandwidth_floor_is_a_hand_count_of_the_tiny_llama(tiny_model, monkeypatch):
-    """hardware.py's decoding floor for the tiny Llama: a step reads the N matmul weights (as in
-    the FLOPs test: the tied head once), a context token's keys and values are 2 (K, V) x 2
-    layers x 1 KV head x 64 dims; fp32, 4 bytes each. The HF engine counts its steps and the
-    context they read by hand: 2 samples of a 4-token prompt, 3 tokens each and no stop token --
-    two decoding forwards after the prefill (tokens 1 and 2 are fed), reading 5 then 6 keys a
-    sample. At 1 byte/s the bound is the bytes themselves."""
+def test_generations_roofline_floors_are_a_hand_count_of_the_tiny_llama(tiny_model, monkeypatch):
+    """hardware.py's floors for the tiny Llama. Bytes: a decoding step reads the N matmul weights
+    (as in the FLOPs test: the tied head once), a context token's keys and values are 2 (K, V) x
+    2 layers x 1 KV head x 64 dims; fp32, 4 bytes each. FLOPs: 2 N a token's forward, 4 L d =
+    4 x 2 x 128 a key it attends to. The HF engine samples 2 x 3 tokens of a 4-token prompt, no
+    stop token: the prompt's prefill runs once (4 tokens, attending to 1 + 2 + 3 + 4 = 10 keys),
+    then two decoding forwards (tokens 1 and 2 fed back, each sample reading 5 then 6 keys). At 1
+    FLOP/s and 1 byte/s the floors are the counts themselves."""
     import rollout
-    from hardware import decode_bytes, decode_cost
+    from hardware import Floors, decode_bytes, decode_cost
     from rollout import HFRollout, Sampling
     model, tokenizer = tiny_model
     V = model.config.vocab_size
     N = V * 128 + 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) + 5 * 128
     cost = decode_cost(model, torch.float32)
-    assert cost == (4 * N, 2 * 2 * 1 * 64 * 4)
-    assert decode_cost(model, torch.bfloat16) == (2 * N, 2 * 2 * 1 * 64 * 2)
+    assert cost == (4 * N, 2 * 2 * 1 * 64 * 4, 2 * N, 4 * 2 * 128)
+    assert decode_cost(model, torch.bfloat16) == (2 * N, 2 * 2 * 1 * 64 * 2, 2 * N, 4 * 2 * 128)
     engine = HFRollout(model, tokenizer, dtype=torch.float32)
     engine.stop_ids = set()
-    monkeypatch.setattr(rollout, "memory_bandwidth", lambda device: (1.0, "by hand"))
+    monkeypatch.setattr(rollout, "floors", lambda flops, nbytes, *_: Floors(flops, nbytes))
     out = engine.generate([[5, 6, 7, 8]], 2, Sampling(3, 1.0, seed=0))
     assert [len(c) for c in out.completion_ids] == [3, 3]
-    assert out.decode_bound == decode_bytes(cost, 2, 2 * 5 + 2 * 6) == 2 * 4 * N + 22 * 1024
+    assert out.memory_floor == decode_bytes(cost, 2, 2 * 5 + 2 * 6) == 2 * 4 * N + 22 * 1024
+    tokens, keys = 4 + 2 * 2, 10 + 2 * (5 + 6)
+    assert out.compute_floor == tokens * 2 * N + keys * 4 * 2 * 128
+    # A second call finds the prompt's keys and values kept from the first: only its last token
+    # runs (held 3, new 1: 4 keys), and the floors count what ran.
+    engine.generate([[5, 6, 7, 8]], 2, Sampling(3, 1.0, seed=0, keep_cache=True))
+    again = engine.generate([[5, 6, 7, 8, *out.completion_ids[0]]], 1, Sampling(2, 1.0, seed=0))
+    if again.cached_tokens:  # (the engine kept this prompt's keys and values)
+        held = again.cached_tokens
+        new = 7 - held
+        assert again.compute_floor == (new + 1) * 2 * N + (new * held + new * (new + 1) // 2
+                                                           + 7 + 1) * 4 * 2 * 128
+
+
+def test_no_fraction_of_the_machines_limit_passes_one_after_a_busy_start(tiny_model_dir,
+                                                                           tmp_path, monkeypatch):
+    """A start that shares the cores with another job measures the peak FLOP/s and the bandwidth
+    low (here: 1/1000 of the real ones, as a stand-in for a busy start); the run's fractions must
+    still be at most 1 -- issue 57 saw mfu 135 % --, each limit measured again and raised to what
+    a phase achieved."""
+    import grpo
+    import hardware
+    from data import parse_config
+    real = {"peak": hardware._measure_peak, "bandwidth": hardware._measure_bandwidth}
+    calls = {"peak": 0, "bandwidth": 0}
+
+    def busy_first(kind):
+        def measure(*args):
+            calls[kind] += 1
+            rate, where = real[kind](*args)
+            return (rate / 1000 if calls[kind] == 1 else rate), where
+        return measure
+    monkeypatch.setattr(hardware, "_measure_peak", busy_first("peak"))
+    monkeypatch.setattr(hardware, "_measure_bandwidth", busy_first("bandwidth"))
+    monkeypatch.setattr(hardware, "_BEST", {})
+    out = tmp_path / "run"
+    grpo.main(parse_config(grpo.Config, [
+        "--model", tiny_model_dir, "--data", "arith", "--steps", "2", "--prompts-per-step", "2",
+        "--num-generations", "4", "--max-new-tokens", "8", "--eval-every", "2",
+        "--reward", "tests.rewards:parity_reward", "--temperature", "1.0",
+        "--eval-size", "4", "--dtype", "fp32", "--out", str(out)]))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    fractions = [(k, r[k]) for r in rows for k in r if k == "mfu" or k.endswith("_frac")
+                 and k.split("_")[0] in ("gen", "eval")]
+    assert {k for k, _ in fractions} >= {"mfu", "gen_roofline_frac", "gen_compute_frac",
+                                         "gen_memory_frac", "eval_roofline_frac"}
+    assert all(0 < v <= 1 for _, v in fractions), fractions
+    assert calls["peak"] >= 2 and calls["bandwidth"] >= 2  # measured again once beaten
 
 
 def test_smolrl_attention_gives_the_logits_sdpa_gives():
