@@ -106,8 +106,10 @@ def run_arms(name: str, arms: dict[str, list[str]], args, script: str = "grpo",
             if args.tiny:
                 line = [*line, "--model", tiny_model(args.runs), *TINY]
             cfg = parse_config(module.Config, line)
-            if finished(out, cfg) and not args.fresh:
-                print(f"{name}: {arm}, seed {seed}: done before ({out})")
+            done = None if args.fresh else finished_run(args.runs, cfg)
+            if done:
+                runs[arm][seed] = done
+                print(f"{name}: {arm}, seed {seed}: done before ({done})")
                 continue
             t0, printed = time.time(), io.StringIO()
             with contextlib.redirect_stdout(printed):
@@ -116,13 +118,18 @@ def run_arms(name: str, arms: dict[str, list[str]], args, script: str = "grpo",
     return runs
 
 
-def finished(out: Path, cfg) -> bool:
-    """Whether `out` holds a finished run of exactly this config (a run of other steps or sizes
-    is run again: the run itself moves the old one aside)."""
-    saved = out / cfg.CONFIG_FILE
-    if not (out / "model" / "config.json").exists() or not saved.exists():
-        return False
-    return json.loads(saved.read_text()) == json.loads(json.dumps(asdict(cfg), default=str))
+def finished_run(runs: Path, cfg) -> Path | None:
+    """A finished run of this very config (its --out aside) under `runs`, any finding's: an arm
+    two findings share (clip_higher's eps_high 0.2 is surrogates' clip) runs once; a run of other
+    steps or sizes is run again (the run itself moves the old one aside)."""
+    def same(config: dict) -> dict:
+        return {k: v for k, v in json.loads(json.dumps(config, default=str)).items() if k != "out"}
+    want = same(asdict(cfg))
+    for saved in sorted(runs.glob(f"*/*/{cfg.CONFIG_FILE}")):
+        if (saved.parent / "model" / "config.json").exists() and \
+                same(json.loads(saved.read_text())) == want:
+            return saved.parent
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,10 +4,12 @@ how far a penalty towards the starting policy holds the policy back.
 The claim: a KL penalty keeps the policy near its start (a smaller KL) at the price of a slower
 rise in reward; recent recipes drop it (beta 0) for verifiable rewards.
 
-    python experiments/kl_penalty.py             # 3 arms x 3 seeds x 12 steps, the default model
+    python experiments/kl_penalty.py             # 2 arms x 3 seeds x 12 steps, the default model
     python experiments/kl_penalty.py --tiny      # seconds, on the tests' tiny model
 
-Arms: beta 0, 0.04 (DeepSeekMath's), 0.1. Every arm keeps a reference so that its KL to the start
+Arms: beta 0 and 0.1 -- the larger pull of the two used in the literature (DeepSeekMath's 0.04
+is the other), the one with the better chance to show in 12 steps; a third arm at 0.04 did not
+fit a 2-core CPU's hour beside the other findings. Every arm keeps a reference so that its KL to the start
 is measured (beta 0 computes it and multiplies it by 0 -- smolrl skips the reference at beta 0,
 so the no-penalty arm here uses beta 1e-6, whose pull is nil). Measured: the k3 KL to the start,
 and the accuracy.
@@ -20,8 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import arguments, by_seed, final, mean_spread, metric, run_arms  # noqa: E402
 from common import write_finding  # noqa: E402
 
-ARMS = {"beta 0": ["--beta", "1e-6"], "beta 0.04": ["--beta", "0.04"],
-        "beta 0.1": ["--beta", "0.1"]}
+ARMS = {"beta 0": ["--beta", "1e-6"], "beta 0.1": ["--beta", "0.1"]}
 COMMON = ["--data", "arith", "--lr", "3e-5", "--eval-every", "0"]
 
 

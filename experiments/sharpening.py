@@ -9,7 +9,7 @@ already reach more often; it does not reach new ones.
     python experiments/sharpening.py --tiny
 
 GRPO trains the default model on arith for 12 steps (3 seeds, --lr 2e-5); then the base model and
-each trained one sample 32 answers to each of 64 held-out problems at T = 0.7, and pass@k (the
+each trained one sample 32 answers to each of 32 held-out problems at T = 0.7, and pass@k (the
 unbiased estimator, evaluate.pass_at_k) is read for k = 1, 2, 4, ..., 32. Measured: the curves,
 and where (if anywhere) the base model's pass@k meets the trained one's.
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import arguments, correct_counts, mean_spread, run_arms, tiny_model  # noqa: E402
 from common import write_finding  # noqa: E402
 
-SAMPLES = 32
+SAMPLES, PROBLEMS = 32, 32  # samples of each held-out problem, problems
 
 
 def pass_curve(counts: list[int], n: int) -> list[tuple[int, float]]:
@@ -35,10 +35,11 @@ def main():
     args = arguments(__doc__, seeds=3, steps=12)
     from data import arith_heldout
     from model import DEFAULT_MODEL
-    runs = run_arms("sharpening", {"GRPO": ["--data", "arith", "--lr", "2e-5",
-                                            "--eval-every", "0"]}, args)
+    # (lenient_verifier.py's lenient arm, the same config: its runs serve here too)
+    runs = run_arms("sharpening", {"GRPO": ["--data", "arith", "--lr", "2e-5", "--eval-every",
+                                            "0", "--reward", "correctness"]}, args)
     n = 4 if args.tiny else SAMPLES
-    problems = arith_heldout(8 if args.tiny else 64)
+    problems = arith_heldout(8 if args.tiny else PROBLEMS)
     start = tiny_model(args.runs) if args.tiny else DEFAULT_MODEL
     base = pass_curve(correct_counts(start, problems, n, 0.7), n)
     trained = [pass_curve(correct_counts(str(folder / "model"), problems, n, 0.7), n)
