@@ -27,7 +27,8 @@ from data import TEMPLATES
 from model import autocast, check_reward_head, head_logits, load_model, pick_device, resolve
 from model import right_pad, share_prompts
 
-BATCH = 16  # sequences a learned reward scores together
+BATCH = 16  # sequences a judge asks about together
+TOKENS = 8192  # a learned reward's forward: its sequences' tokens together, at the most
 JUDGE_PROMPT = ("Here is a question and an answer to it.\n\nQuestion: {prompt}\n\n"
                 "Answer: {completion}\n\nIs the answer correct? Reply with yes or no.")
 
@@ -88,11 +89,45 @@ class RewardModel:
     def __call__(self, prompts, completions, **_) -> list[float]:
         ids = [reward_model_ids(self.tokenizer, conversation(p, c, self.template))
                for p, c in zip(prompts, completions)]
+        # As the policy's forward runs a group: its prompt once, then each sample's own tokens
+        shared = group_prefix_lens(ids, [repr(p) for p in prompts])
         out = []
-        for s in range(0, len(ids), BATCH):
-            out += scores(self.model, ids[s:s + BATCH], self.model.device,
-                          self.tokenizer.pad_token_id, bf16=False).tolist()
+        for part in token_batches([len(i) for i in ids], TOKENS):
+            out += scores(self.model, [ids[i] for i in part], self.model.device,
+                          self.tokenizer.pad_token_id, bf16=False,
+                          shared_lens=[shared[i] for i in part]).tolist()
         return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens a and b have in common."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def group_prefix_lens(ids: list[list[int]], keys: list[str]) -> list[int]:
+    """How many first tokens each sequence has in common with every other of its key (the samples
+    of one prompt: a GRPO group), which scores then runs once; 0 for a sequence alone."""
+    rows: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        rows.setdefault(key, []).append(i)
+    out = [0] * len(ids)
+    for group in rows.values():
+        n = min(common_prefix(ids[group[0]], ids[i]) for i in group[1:]) if len(group) > 1 else 0
+        for i in group:
+            out[i] = n
+    return out
+
+
+def token_batches(lengths: list[int], budget: int) -> list[range]:
+    """Consecutive runs of sequences (a group's samples stay together where they fit) whose
+    lengths sum to at most `budget` -- one sequence at the least."""
+    out, start, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > start and total + n > budget:
+            out.append(range(start, i))
+            start, total = i, 0
+        total += n
+    return out + ([range(start, len(lengths))] if lengths else [])
 
 
 class Judge:

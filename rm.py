@@ -38,12 +38,12 @@ import torch
 import torch.nn.functional as F
 from jinja2 import TemplateError
 
-from data import InputError, Template, check, load_table, parse_config
+from data import InputError, check, load_table, parse_config
 from formats import check_pairs
 from model import DTYPES, load_model, load_tokenizer, model_path
 from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions
 from pairs import Pair, builtin_pairs
-from reward_models import reward_model_ids, scores
+from reward_models import common_prefix, reward_model_ids, scores
 from rollout import HFRollout
 from session import close_run, offline_loop, open_run, resume_driver, start_log
 from trainer import export_model, optimizer_step, resume_trainer
@@ -156,7 +156,7 @@ def _rendered_pair(tokenizer, row: dict, cfg: Config) -> Pair | None:
             return None
         both = [ids[cut:] for ids in both]
     chosen, rejected = both
-    n = min(prompt_len - cut, _common(chosen, rejected))
+    n = min(prompt_len - cut, common_prefix(chosen, rejected))
     return Pair(chosen[:n], chosen[n:], rejected[n:], row.get("margin", 0.0))
 
 
@@ -184,18 +184,13 @@ def _fitted(tokenizer, prompt: list[dict], turns: list[dict], limit: int) -> lis
     return kept(lo)
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    """How many first tokens a and b have in common."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def pair_sequences(pairs: list[Pair]):
     """A micro-batch's 2B sequences (its chosen, then its rejected) and how many first tokens each
     has in common with the other of its pair: the prompt, and often the start of both responses
     (pairs that differ in their last sentence), which scores then runs once."""
     chosen = [p.prompt + p.chosen for p in pairs]
     rejected = [p.prompt + p.rejected for p in pairs]
-    common = [_common(c, r) for c, r in zip(chosen, rejected)]
+    common = [common_prefix(c, r) for c, r in zip(chosen, rejected)]
     return chosen + rejected, common + common
 
 
