@@ -181,6 +181,15 @@ def correct_counts(model: str, rows: list[dict], n: int, temperature: float,
     return [counts[r["id"]] for r in rows]
 
 
+def held_out(model: str, tiny: bool) -> float:
+    """Greedy accuracy of a model (a folder, or a run's model/) on arith's held-out problems
+    (128; --tiny: 8), as grpo.py's evaluation grades them: after a run, so that arms whose runs
+    evaluate nothing share their runs with other findings."""
+    from data import arith_heldout
+    rows = arith_heldout(8 if tiny else 128)
+    return sum(correct_counts(model, rows, 1, 0.0)) / len(rows)
+
+
 # ---------------------------------------------------------------------------------------------
 # The picture and the numbers.
 

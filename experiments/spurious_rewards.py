@@ -10,8 +10,9 @@ for other families: a control worth running on any model before crediting the re
 
 Arms: the correctness reward; a random one (0 or 1 from a hash of the completion: the same text
 always gets the same reward, with no relation to the answer); format only ("The answer is N",
-whatever N). Measured: held-out greedy accuracy at the start and the end (128 arith problems),
-and the training accuracy.
+whatever N). Measured: held-out greedy accuracy at the start and the end (128 arith problems,
+graded after the runs: the correctness arm is lenient_verifier.py's lenient arm, run once for
+both), and the training accuracy.
 """
 
 import sys
@@ -19,12 +20,13 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import arguments, mean_spread, metric, run_arms, write_finding  # noqa: E402
+from common import arguments, held_out, mean_spread, metric, run_arms, tiny_model  # noqa: E402
+from common import write_finding  # noqa: E402
 
 ARMS = {"correctness": ["--reward", "correctness"],
         "random": ["--reward", "experiments.spurious_rewards:random_reward"],
         "format only": ["--reward", "format"]}
-COMMON = ["--data", "arith", "--lr", "2e-5"]
+COMMON = ["--data", "arith", "--lr", "2e-5", "--eval-every", "0"]
 
 
 def random_reward(prompts, completions, **_):
@@ -35,13 +37,16 @@ def random_reward(prompts, completions, **_):
 
 def main():
     args = arguments(__doc__, seeds=3, steps=12)
-    runs = run_arms("spurious_rewards", ARMS, args,
-                    common=COMMON + ["--eval-every", str(args.steps)])
-    panels = {title: {arm: [metric(f, key) for f in seeds.values()] for arm, seeds in runs.items()}
-              for title, key in (("held-out accuracy (greedy)", "eval_accuracy"),
-                                 ("training accuracy", "accuracy"))}
-    gains = {arm: [s[-1][1] - s[0][1] for s in seeds if len(s) > 1]
-             for arm, seeds in panels["held-out accuracy (greedy)"].items()}
+    runs = run_arms("spurious_rewards", ARMS, args, common=COMMON)
+    from model import DEFAULT_MODEL
+    start = held_out(tiny_model(args.runs) if args.tiny else DEFAULT_MODEL, args.tiny)
+    ends = {arm: [held_out(str(f / "model"), args.tiny) for f in seeds.values()]
+            for arm, seeds in runs.items()}
+    panels = {"held-out accuracy (greedy, start and end)": {
+                  arm: [[(0, start), (args.steps, end)] for end in ends[arm]] for arm in runs},
+              "training accuracy": {arm: [metric(f, "accuracy") for f in seeds.values()]
+                                    for arm, seeds in runs.items()}}
+    gains = {arm: [end - start for end in ends[arm]] for arm in runs}
     gain = {arm: mean_spread(g) for arm, g in gains.items()}
     write_finding("spurious_rewards", panels, args,
                   claim="a random or format-only reward raises accuracy too (Qwen2.5-Math)",
