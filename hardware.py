@@ -145,13 +145,17 @@ _BEST: dict[tuple, tuple[float, str]] = {}
 
 
 def _best(key: tuple, measure, achieved: float) -> tuple[float, str]:
-    """The rate kept for `key`: measured at the first call; when a phase achieved more than it,
-    measured again, and at least what the phase achieved."""
+    """The rate kept for `key`: measured at the first call; the first time a phase achieves more,
+    measured again (the start was busy); from then on at least what any phase achieved (a
+    measurement costs seconds where bf16 is emulated: not one a step)."""
     if key not in _BEST:
         _BEST[key] = measure()
-    if achieved > _BEST[key][0]:
-        again, where = measure()
-        _BEST[key] = (max(again, achieved), f"{where} (again: a phase did better than the first)")
+    rate, where = _BEST[key]
+    if achieved > rate:
+        if "again" not in where:
+            rate, where = measure()
+            where += " (again: a phase did better than the first)"
+        _BEST[key] = (max(rate, achieved), where)
     return _BEST[key]
 
 
