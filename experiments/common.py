@@ -190,6 +190,19 @@ def held_out(model: str, tiny: bool) -> float:
     return sum(correct_counts(model, rows, 1, 0.0)) / len(rows)
 
 
+def held_out_gains(runs: dict[str, dict[int, Path]], args, title: str) -> tuple[dict, dict]:
+    """Each arm's runs graded on the held-out set at the start and the end: the picture's panels
+    (that, and the training accuracy over steps) and each arm's gains, one a seed."""
+    from model import DEFAULT_MODEL
+    start = held_out(tiny_model(args.runs) if args.tiny else DEFAULT_MODEL, args.tiny)
+    ends = {arm: [held_out(str(f / "model"), args.tiny) for f in seeds.values()]
+            for arm, seeds in runs.items()}
+    panels = {title: {arm: [[(0, start), (args.steps, end)] for end in ends[arm]] for arm in runs},
+              "training accuracy": {arm: [metric(f, "accuracy") for f in seeds.values()]
+                                    for arm, seeds in runs.items()}}
+    return panels, {arm: [end - start for end in ends[arm]] for arm in runs}
+
+
 # ---------------------------------------------------------------------------------------------
 # The picture and the numbers.
 

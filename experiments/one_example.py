@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import arguments, by_seed, correct_counts, mean_spread, metric, run_arms  # noqa: E402
-from common import held_out, tiny_model, write_finding  # noqa: E402
+from common import arguments, by_seed, correct_counts, mean_spread, run_arms  # noqa: E402
+from common import held_out_gains, tiny_model, write_finding  # noqa: E402
 
 def pick_example(args) -> dict:
     """The stream's problem whose share right, in 8 samples at T = 0.7 by the starting model, is
@@ -51,15 +51,7 @@ def main():
             "one example": ["--data", str(one), "--task", "arith"]}
     runs = run_arms("one_example", arms, args,
                     common=["--lr", "2e-5", "--eval-every", "0", "--reward", "correctness"])
-    from model import DEFAULT_MODEL
-    start = held_out(tiny_model(args.runs) if args.tiny else DEFAULT_MODEL, args.tiny)
-    ends = {arm: [held_out(str(f / "model"), args.tiny) for f in seeds.values()]
-            for arm, seeds in runs.items()}
-    panels = {"held-out accuracy (greedy, 128 problems; start and end)": {
-                  arm: [[(0, start), (args.steps, end)] for end in ends[arm]] for arm in runs},
-              "training accuracy": {arm: [metric(f, "accuracy") for f in seeds.values()]
-                                    for arm, seeds in runs.items()}}
-    gains = {arm: [end - start for end in ends[arm]] for arm in runs}
+    panels, gains = held_out_gains(runs, args, "held-out accuracy (greedy, 128 problems; start and end)")
     gain = {arm: mean_spread(g) for arm, g in gains.items()}
     write_finding("one_example", panels, args,
                   claim="RL on one example raises held-out accuracy about as much as on all",

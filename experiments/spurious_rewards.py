@@ -20,7 +20,7 @@ import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import arguments, held_out, mean_spread, metric, run_arms, tiny_model  # noqa: E402
+from common import arguments, held_out_gains, mean_spread, run_arms  # noqa: E402
 from common import write_finding  # noqa: E402
 
 ARMS = {"correctness": ["--reward", "correctness"],
@@ -38,15 +38,7 @@ def random_reward(prompts, completions, **_):
 def main():
     args = arguments(__doc__, seeds=3, steps=12)
     runs = run_arms("spurious_rewards", ARMS, args, common=COMMON)
-    from model import DEFAULT_MODEL
-    start = held_out(tiny_model(args.runs) if args.tiny else DEFAULT_MODEL, args.tiny)
-    ends = {arm: [held_out(str(f / "model"), args.tiny) for f in seeds.values()]
-            for arm, seeds in runs.items()}
-    panels = {"held-out accuracy (greedy, start and end)": {
-                  arm: [[(0, start), (args.steps, end)] for end in ends[arm]] for arm in runs},
-              "training accuracy": {arm: [metric(f, "accuracy") for f in seeds.values()]
-                                    for arm, seeds in runs.items()}}
-    gains = {arm: [end - start for end in ends[arm]] for arm in runs}
+    panels, gains = held_out_gains(runs, args, "held-out accuracy (greedy, start and end)")
     gain = {arm: mean_spread(g) for arm, g in gains.items()}
     write_finding("spurious_rewards", panels, args,
                   claim="a random or format-only reward raises accuracy too (Qwen2.5-Math)",
