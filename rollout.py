@@ -24,6 +24,7 @@ from os.path import commonprefix
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from attention import use_smolrl_attention
@@ -130,17 +131,41 @@ def sample_next(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     if sampling.temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)  # (B, V)
-    if not torch.isfinite(probs).all():
-        raise ValueError("sampling: the logits hold NaN or are all -inf in some row")
     if sampling.top_p < 1:  # the smallest set of likeliest tokens holding top_p of the mass
         sorted_probs, order = probs.sort(-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs  # (B, V)
         probs = probs.scatter(-1, order, sorted_probs * (mass_before < sampling.top_p))
-    # fp64: past 0.5 an fp32 running sum no longer grows by probabilities below ~3e-8, and those
-    # tokens could never be drawn.
-    cdf = probs.cumsum(-1, dtype=torch.float64)  # (B, V)
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=torch.float64) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(1)  # first index whose CDF exceeds u
+    # fp64 totals: past 0.5 an fp32 running sum no longer grows by probabilities below ~3e-8,
+    # and those tokens could never be drawn.
+    totals = probs.sum(-1, dtype=torch.float64)  # (B,)
+    if not torch.isfinite(totals).all():  # (a NaN anywhere makes its row's total NaN)
+        raise ValueError("sampling: the logits hold NaN or are all -inf in some row")
+    u = torch.rand(len(probs), 1, device=probs.device, dtype=torch.float64) * totals[:, None]
+    return inverse_cdf(probs, u.squeeze(1))
+
+
+CDF_BLOCK = 256  # vocabulary entries a block of inverse_cdf's coarse running sum
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token whose running sum of (B, V) probabilities exceeds u (B,), fp64 -> (B,).
+
+    In two passes, as a vocabulary of 49,152 makes it pay: the running sum of blocks' totals finds
+    each row's block, then the running sum inside that block alone finds the token. A running sum
+    over the whole row is sequential in each row and took ~a sixth of a decoding step (64 rows,
+    fp32, a 2-core EPYC); block totals are a vectorised reduction. The sums are added in another
+    order than one running sum: the draw differs only where u falls within ~1e-16 of a boundary."""
+    B, V = probs.shape
+    blocks = F.pad(probs, (0, -V % CDF_BLOCK)).view(B, -1, CDF_BLOCK)  # (B, nb, b), zeros padded
+    coarse = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (B, nb)
+    k = torch.searchsorted(coarse, u[:, None], right=True).clamp(max=coarse.shape[1] - 1)
+    before = torch.where(k > 0, coarse.gather(1, (k - 1).clamp(min=0)), 0.0)  # (B, 1)
+    block = blocks[torch.arange(B, device=probs.device), k.squeeze(1)]  # (B, b)
+    fine = block.cumsum(-1, dtype=torch.float64) + before  # (B, b)
+    j = torch.searchsorted(fine, u[:, None], right=True).squeeze(1)
+    # u past the block's own sum by a rounding: its last token that can be drawn
+    last = CDF_BLOCK - 1 - (block > 0).flip(-1).to(torch.uint8).argmax(-1)
+    return k.squeeze(1) * CDF_BLOCK + torch.where(j < CDF_BLOCK, j, last)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from model import completion_logprobs, length_mask, pack
-from rollout import HFRollout, Sampling, cut_at_stop, group_batches, sample_next
+from rollout import (CDF_BLOCK, HFRollout, Sampling, cut_at_stop, group_batches, inverse_cdf,
+                     sample_next)
 
 
 def test_cut_at_stop_keeps_the_stop_token():
@@ -146,6 +147,30 @@ def test_sample_next_draws_from_the_tempered_distribution():
     expected = torch.softmax(logits / 0.7, -1)
     assert freq[3] == 0
     torch.testing.assert_close(freq, expected, atol=4e-3, rtol=0)  # ~4 standard errors
+
+
+def test_the_blocked_inverse_cdf_draws_what_one_running_sum_draws():
+    """inverse_cdf against the plain rule -- the first token whose fp64 running sum exceeds u --
+    on a vocabulary that is not a whole number of blocks, with zero-probability tokens (a whole
+    zero block, and the row's tail), u at 0, at block edges and just under the total."""
+    torch.manual_seed(0)
+    B, V = 64, 3 * CDF_BLOCK + 37
+    probs = torch.softmax(torch.randn(B, V) * 3, -1)
+    probs[:, CDF_BLOCK:2 * CDF_BLOCK] = 0  # a block that can never be drawn
+    probs[:, -20:] = 0
+    probs[:, 5] = 0
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1]
+    u = torch.rand(B, dtype=torch.float64) * total
+    u[0], u[1] = 0.0, total[1] * (1 - 2**-52)
+    u[2] = cdf[2, CDF_BLOCK - 1]  # exactly a block's end: the next token that can be drawn
+    expected = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1)
+    tokens = inverse_cdf(probs, u)
+    assert tokens.tolist() == expected.tolist()
+    assert (probs.gather(1, tokens[:, None]) > 0).all()
+    for bad in ([0.0, float("nan")], [float("-inf"), float("-inf")]):  # one clear line
+        with pytest.raises(ValueError, match="NaN or are all -inf"):
+            sample_next(torch.tensor([[1.0, 2.0], bad]), Sampling(temperature=1.0))
 
 
 def test_sample_next_top_p_keeps_the_smallest_nucleus():
