@@ -12,8 +12,11 @@ computes every query against every key of the row, (P + G n)^2 pairs, and its ma
 slower than its causal one. Its keys are few and known: the prompt's and the completion's own.
 So the completions are gathered into a batch of their own, each row the completion's n queries
 against its prompt's P keys followed by its own n keys, and run through one attention call:
-G n (P + n) pairs. (Prefix-shared or "cascade" attention: Hydragen, Juravsky et al. 2024;
-FlashInfer's.) Short rows run as matmuls whose backward recomputes the probabilities
+G n (P + n) pairs; the prompts likewise, each causal over its own P tokens. (Prefix-shared or
+"cascade" attention: Hydragen, Juravsky et al. 2024; FlashInfer's.) Since no position attends
+by its place in a row, every group of a micro-batch goes into one row, end to end: the layers'
+matmuls see no padding (rows of one group each, as long as the longest group, were ~20 % padding
+in the default run's update). Short rows run as matmuls whose backward recomputes the probabilities
 (SmallAttention), long ones through SDPA. And one case SDPA cannot compute: scores soft-capped by
 tanh (Gemma 2's layers) are computed as the model defines them (softcapped_attention).
 
@@ -36,50 +39,44 @@ NAME = "smolrl"
 
 
 class PrefixLayout(NamedTuple):
-    """Where a packed batch's completions sit (model.share_prompts builds it): R rows of L tokens,
-    each a prompt (at most P tokens, from position 0) followed by completions; S completions of
-    at most n tokens in all. Indices are flat, row * L + position."""
-    prompt_len: int  # P: the longest prompt
+    """Where a packed batch's prompts and completions sit (model.share_prompts builds it): R
+    prompts of at most P tokens and S completions of at most n tokens, at flat positions
+    (row * L + position; share_prompts packs them all into one row, without padding)."""
+    prompts: torch.Tensor  # (R, P) each prompt's tokens (past its end: its first again)
+    prompt_mask: torch.Tensor  # (R, 1, P, P) bool: causal, within the prompt
     queries: torch.Tensor  # (S, n) each completion's tokens (padding repeats its first)
     keys: torch.Tensor  # (S, P + n) the keys it sees: its prompt's, then its own
     mask: torch.Tensor  # (S, 1, n, P + n) bool: the real prompt keys, its own earlier tokens
-    source: torch.Tensor  # (R L,) each position's output in cat(prompt outputs, completion
-    #                       outputs, one zero row): prompts' from the first, completions' from the
-    #                       second, padding's the zero row
+    source: torch.Tensor  # (positions,) each position's output in cat(prompt outputs,
+    #                       completion outputs, one zero row); padding's the zero row
 
 
-def prefix_layout(segment: torch.Tensor, prompt_lens: list[int], device) -> PrefixLayout:
-    """The layout of packed rows from `segment` (R, L): 0 for a prompt token, i for the i-th
-    completion of its row, -1 for padding (as share_prompts marks them); prompt_lens (R,). Built
-    on the host, handed over on `device`."""
-    R, L = segment.shape
-    P = max(prompt_lens)
-    queries, prompts, lengths = [], [], []
-    for r in range(R):
-        for i in range(1, int(segment[r].max()) + 1):
-            where = (segment[r] == i).nonzero().flatten() + r * L  # (n_i,) flat positions
-            if len(where):
-                queries.append(where)
-                prompts.append(r)
-                lengths.append(len(where))
-    n = max(lengths)
-    S = len(queries)
-    own = torch.stack([torch.cat([q, q[:1].expand(n - len(q))]) for q in queries])  # (S, n)
-    prompt = torch.tensor(prompts)[:, None] * L + torch.arange(P)  # (S, P)
-    P_of = torch.tensor([prompt_lens[r] for r in prompts])  # (S,)
-    i = torch.arange(n)
-    sees_prompt = torch.arange(P)[None, None, :] < P_of[:, None, None]  # (S, 1, P)
-    sees_own = (i[None, None, :] <= i[None, :, None]) \
-        & (i[None, None, :] < torch.tensor(lengths)[:, None, None])  # (S, n, n)
-    mask = torch.cat([sees_prompt.expand(S, n, P), sees_own], dim=-1)[:, None]  # (S, 1, n, P+n)
-    source = torch.full((R * L,), R * P + S * n)  # the zero row
-    flat = torch.arange(R * L)
-    in_prompt = (segment.flatten() == 0)
-    source[in_prompt] = (flat // L * P + flat % L)[in_prompt]
-    for s, q in enumerate(queries):
-        source[q] = R * P + s * n + torch.arange(len(q))
-    return PrefixLayout(P, own.to(device), torch.cat([prompt, own], dim=1).to(device),
-                        mask.to(device), source.to(device))
+def prefix_layout(prompt_at: list[tuple[int, int]], completion_at: list[tuple[int, int, int]],
+                  positions: int, device) -> PrefixLayout:
+    """The layout of `positions` packed positions that hold prompt r at prompt_at[r] = (start,
+    length) and completion s at completion_at[s] = (its prompt, start, length). Built on the
+    host, handed over on `device`."""
+    R, S = len(prompt_at), len(completion_at)
+    P, n = max(m for _, m in prompt_at), max(m for _, _, m in completion_at)
+    i, j = torch.arange(P), torch.arange(n)
+    start, P_of = (torch.tensor(x) for x in zip(*prompt_at))  # (R,) each
+    of, c_start, n_of = (torch.tensor(x) for x in zip(*completion_at))  # (S,) each
+    prompts = start[:, None] + torch.where(i < P_of[:, None], i, 0)  # (R, P)
+    own = c_start[:, None] + torch.where(j < n_of[:, None], j, 0)  # (S, n)
+    prompt_mask = (i[None, None, :] <= i[None, :, None]) \
+        & (i[None, None, :] < P_of[:, None, None])  # (R, P, P)
+    sees_prompt = (i[None, None, :] < P_of[of][:, None, None]).expand(S, n, P)
+    sees_own = (j[None, None, :] <= j[None, :, None]) \
+        & (j[None, None, :] < n_of[:, None, None])  # (S, n, n)
+    mask = torch.cat([sees_prompt, sees_own], dim=-1)[:, None]  # (S, 1, n, P + n)
+    source = torch.full((positions,), R * P + S * n)  # the zero row
+    for r, (s0, m) in enumerate(prompt_at):
+        source[s0:s0 + m] = r * P + torch.arange(m)
+    for s, (_, s0, m) in enumerate(completion_at):
+        source[s0:s0 + m] = R * P + s * n + torch.arange(m)
+    return PrefixLayout(prompts.to(device), prompt_mask[:, None].to(device), own.to(device),
+                        torch.cat([prompts[of], own], dim=1).to(device), mask.to(device),
+                        source.to(device))
 
 
 def prefix_shared_attention(query, key, value, layout: PrefixLayout, scaling, dropout: float):
@@ -87,21 +84,19 @@ def prefix_shared_attention(query, key, value, layout: PrefixLayout, scaling, dr
 
     query (R, H, L, D), key and value (R, KV, L, D) -> (R, L, H, D)."""
     R, H, L, D = query.shape
-    P = layout.prompt_len
-    # The prompts, causal among their own first P tokens (a shorter prompt's later positions hold
-    # completion tokens: their outputs here are not used)
-    causal = torch.ones(1, 1, P, P, dtype=torch.bool, device=query.device).tril()
-    head = small_attention(query[:, :, :P], key[:, :, :P], value[:, :, :P], causal, scaling,
-                           dropout)  # (R, H, P, D)
     # Gathered by index_select, whose backward sums the gradients of a key that several
     # completions read with index_add_ (x[index]'s backward, index_put_, took ~4x as long on a CPU)
     gather = lambda x, index: x.index_select(0, index.flatten()).view(  # noqa: E731
         *index.shape, *x.shape[1:])
     flat = lambda x: x.transpose(1, 2).reshape(R * L, x.shape[1], D)  # noqa: E731 (R L, heads, D)
-    q = gather(flat(query), layout.queries).transpose(1, 2)  # (S, H, n, D)
-    k = gather(flat(key), layout.keys).transpose(1, 2)  # (S, KV, P + n, D)
-    v = gather(flat(value), layout.keys).transpose(1, 2)
-    tail = small_attention(q, k, v, layout.mask, scaling, dropout)  # (S, H, n, D)
+    query, key, value = flat(query), flat(key), flat(value)
+    # The prompts, causal among their own tokens: (prompts, H, P, D)
+    head = small_attention(*(gather(x, layout.prompts).transpose(1, 2) for x in (query, key, value)),
+                           layout.prompt_mask, scaling, dropout)
+    # Each completion against its prompt's keys and its own: (S, H, n, D)
+    tail = small_attention(gather(query, layout.queries).transpose(1, 2),
+                           gather(key, layout.keys).transpose(1, 2),
+                           gather(value, layout.keys).transpose(1, 2), layout.mask, scaling, dropout)
     outputs = torch.cat([head.transpose(1, 2).reshape(-1, H, D),
                          tail.transpose(1, 2).reshape(-1, H, D), head.new_zeros(1, H, D)])
     return gather(outputs, layout.source).view(R, L, H, D)

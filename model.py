@@ -602,7 +602,8 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
 
 
 class SharedPrompts(NamedTuple):
-    input_ids: torch.Tensor  # (R, L') one row per distinct prompt: it, then its completions
+    input_ids: torch.Tensor  # (R, L') each distinct prompt once, then its completions: under
+    # smolrl's attention all in one row (R = 1), under SDPA's mask a row a prompt
     positions: torch.Tensor  # (R, L') each completion's positions continue from its prompt's end
     mask: torch.Tensor  # (R, 1, L', L') bool: who attends to whom (SDPA's way); beside a layout,
     # (R, L') ones: nothing to say, and it keeps transformers from building an (L', L') mask of
@@ -654,31 +655,43 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
         members.setdefault(tuple(input_ids[b, :prompt_lens[b]].tolist()), []).append(b)
     lengths = [len(p) + sum(int(completion_lens[b]) for b in bs) for p, bs in members.items()]
     window = getattr(config, "sliding_window", None)
-    R, L = len(members), max(lengths)
+    longest = max(lengths)
     unshared = B * int((prompt_lens + completion_lens).max())  # tokens of the rows as they are
-    longest = L if by_layout else min(MAX_SHARED_LEN, window or MAX_SHARED_LEN)
-    if R * L > 0.8 * unshared or L > longest:
+    if len(members) * longest > 0.8 * unshared or \
+            (not by_layout and longest > min(MAX_SHARED_LEN, window or MAX_SHARED_LEN)):
         return None  # (few prompts repeat, or completions dwarf prompts: nothing to gain)
+    # Under smolrl's attention every group goes into one row, end to end: it finds each token's
+    # keys by index (attention.PrefixLayout), so the layers' matmuls run no padding. Under SDPA's
+    # mask, a row a group, as long as the longest.
+    R, L = (1, sum(lengths)) if by_layout else (len(members), longest)
     device = model.device
     ids = torch.zeros(R, L, dtype=input_ids.dtype)
     positions = torch.zeros(R, L, dtype=torch.long)
-    segment = torch.full((R, L), -1)  # 0: the prompt, i: the i-th completion, -1: padding
+    segment = torch.full((R, L), -1)  # 0: a prompt, i: the i-th completion after it, -1: padding
     row, state = torch.zeros(B, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
-    for r, (prompt, bs) in enumerate(members.items()):
-        P = len(prompt)
-        ids[r, :P], positions[r, :P], segment[r, :P] = torch.tensor(prompt), torch.arange(P), 0
-        start = P
+    prompt_at, completion_at = [], []  # (flat start, length); (its prompt, flat start, length)
+    start = 0  # where the group starts in its row
+    for g, (prompt, bs) in enumerate(members.items()):
+        r, P = (0 if by_layout else g), len(prompt)
+        span = slice(start, start + P)
+        ids[r, span], positions[r, span], segment[r, span] = torch.tensor(prompt), \
+            torch.arange(P), 0
+        prompt_at.append((r * L + start, P))
+        at = start + P
         for i, b in enumerate(bs, start=1):
             n = int(completion_lens[b])
-            ids[r, start:start + n] = input_ids[b, P:P + n]
-            positions[r, start:start + n] = torch.arange(P, P + n)
-            segment[r, start:start + n] = i
+            ids[r, at:at + n] = input_ids[b, P:P + n]
+            positions[r, at:at + n] = torch.arange(P, P + n)
+            segment[r, at:at + n] = i
             row[b] = r
-            state[b, :n] = torch.arange(start - 1, start + n - 1)
-            state[b, :min(n, 1)] = P - 1  # the first token is predicted by the prompt's last state
-            start += n
+            state[b, :n] = torch.arange(at - 1, at + n - 1)
+            state[b, :min(n, 1)] = start + P - 1  # the first token: the prompt's last state
+            if n:
+                completion_at.append((g, r * L + at, n))
+            at += n
+        start = at if by_layout else 0
     if by_layout:  # each completion against its prompt and itself (attention.py)
-        layout = prefix_layout(segment, [len(p) for p in members], device)
+        layout = prefix_layout(prompt_at, completion_at, R * L, device)
         return SharedPrompts(ids.to(device), positions.to(device),
                              torch.ones(R, L, dtype=torch.long, device=device), layout,
                              row.to(device), state.to(device))

@@ -156,7 +156,10 @@ def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(dtype, att
     check_head_logits(model)  # verifies that sharing changes nothing for this architecture
     assert model.smolrl_shares_prompts
     shared = model_module.share_prompts(model, input_ids, pl, cl)
-    assert shared is not None and shared.input_ids.shape[0] == 3  # three distinct prompts
+    # three distinct prompts: under SDPA's mask a row each (the longest 12 tokens: a's 4 + its
+    # completions' 8), under smolrl's attention one row of every token once, no padding
+    rows = (3, 12) if attention == "sdpa" else (1, 4 + 8 + 2 + 4 + 3 + 2)
+    assert shared is not None and tuple(shared.input_ids.shape) == rows
     assert (shared.layout is None) == (shared.mask.dim() == 4) == (attention == "sdpa")
     weights = torch.randn(6, 5)
 
