@@ -233,3 +233,17 @@ def test_no_date_relative_wording(page):
     text = page.read_text().lower()
     found = [w for w in DATE_RELATIVE if re.search(rf"\b{re.escape(w)}\b", text)]
     assert found == [], f"{name(page)} says {found}: give the date (and commit) instead"
+
+
+def test_the_memory_table_measures_commands_the_readme_prints(capsys):
+    """benchmarks/peak_memory.py's commands are the README's, as printed, and each of its argument
+    lists is one its script takes (the memory table must measure what users run)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("peak_memory",
+                                                  ROOT / "benchmarks" / "peak_memory.py")
+    peak_memory = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peak_memory)
+    readme = (ROOT / "README.md").read_text()
+    for name, printed, argv in peak_memory.COMMANDS:
+        assert printed in readme, f"{name}: the README does not print {printed!r}"
+        check_command([a.format(out="out") for a in argv], capsys)

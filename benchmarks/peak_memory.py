@@ -1,0 +1,130 @@
+"""Peak resident memory of the CPU commands the README prints for the default model: one table,
+against the budgets a 16 GB laptop leaves (6 GB a command; 8 GB for ppo.py, which trains two).
+
+    python benchmarks/peak_memory.py                  # every command, each cut to --steps 3
+    python benchmarks/peak_memory.py --steps 16       # the commands as printed (much longer)
+    python benchmarks/peak_memory.py --only sft,dpo   # the rows whose name starts so
+
+Each command runs in its own process, in order (sft before the GRPO run that starts from it, rm
+before the one it scores, grpo before distill and evaluate), into a temporary folder. Two figures
+a command: the driver's own peak (the kernel's high-water mark, exact) and the peak of its whole
+process tree -- Ray's workers and engines, the grader's pool -- summed, sampled every 0.2 s (a
+short spike between samples can be missed). The sum is of proportional set sizes (PSS): a page n
+processes share counts 1/n in each, so libraries and Ray's shared-memory object store count once,
+as they occupy the machine. Memory peaks
+by the first update (the optimizer's state is made at step 1) and in the held-out evaluation, so
+three steps with an evaluation at the start and the end show what the printed runs reach; a
+longer run adds only the rollout log's rows.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGET_GB, TWO_MODELS_GB = 6.0, 8.0
+
+# (name, the command as the README prints it, its arguments here: {out} is the temporary folder)
+COMMANDS = [
+    ("grpo", "python grpo.py", ["grpo.py", "--out", "{out}/grpo"]),
+    ("grpo-eval256", "python grpo.py --steps 30 --eval-every 10 --eval-size 256",
+     ["grpo.py", "--eval-size", "256", "--out", "{out}/grpo-256"]),
+    ("grpo-ray", "python grpo.py --num-trainers 2 --num-engines 1 --colocate",
+     ["grpo.py", "--num-trainers", "2", "--num-engines", "1", "--colocate",
+      "--out", "{out}/grpo-ray"]),
+    ("grpo-multiply", "python grpo.py --data multiply",
+     ["grpo.py", "--data", "multiply", "--out", "{out}/multiply"]),
+    ("grpo-guess", "python grpo.py --data guess",
+     ["grpo.py", "--data", "guess", "--out", "{out}/guess"]),
+    ("sft", "python sft.py", ["sft.py", "--out", "{out}/sft"]),
+    ("grpo-from-sft", "python grpo.py --data multiply --init-from out/sft",
+     ["grpo.py", "--data", "multiply", "--init-from", "{out}/sft", "--out", "{out}/from-sft"]),
+    ("dpo", "python dpo.py", ["dpo.py", "--out", "{out}/dpo"]),
+    ("distill", "python distill.py --teacher out/grpo/model",
+     ["distill.py", "--teacher", "{out}/grpo/model", "--out", "{out}/distill"]),
+    ("rm", "python rm.py", ["rm.py", "--out", "{out}/rm"]),
+    ("grpo-reward-model", 'python grpo.py --reward "" --reward-model out/rm',
+     ["grpo.py", "--reward", "", "--reward-model", "{out}/rm", "--out", "{out}/grpo-rm"]),
+    ("ppo", "python ppo.py", ["ppo.py", "--out", "{out}/ppo"]),
+    ("evaluate", "python evaluate.py --model out/grpo",
+     ["evaluate.py", "--model", "{out}/grpo", "--out", "{out}/eval"]),
+]
+TRAINS = {"grpo.py", "sft.py", "dpo.py", "distill.py", "rm.py", "ppo.py"}  # (take --steps)
+
+
+def tree_pss(process: psutil.Process) -> int:
+    """Resident bytes of a process and every process under it, now, shared pages split."""
+    total = 0
+    for p in [process] + process.children(recursive=True):
+        try:
+            total += p.memory_full_info().pss
+        except psutil.Error:  # (ended between the listing and the reading)
+            pass
+    return total
+
+
+def measure(argv: list[str]) -> tuple[float, float, float, int]:
+    """(the driver's peak GB, its process tree's sampled peak GB, seconds, exit status)."""
+    t0 = time.time()
+    child = subprocess.Popen([sys.executable] + argv, cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    process, peak, done = psutil.Process(child.pid), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            try:
+                peak[0] = max(peak[0], tree_pss(process))
+            except psutil.Error:
+                pass
+            done.wait(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    stderr = child.stderr.read()
+    _, status, usage = os.wait4(child.pid, 0)  # the child's own rusage: ru_maxrss in KiB
+    child.returncode = os.waitstatus_to_exitcode(status)
+    done.set()
+    sampler.join()
+    if child.returncode:
+        print(stderr[-2000:], file=sys.stderr)
+    return usage.ru_maxrss / 2**20, peak[0] / 2**30, time.time() - t0, child.returncode
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps of each training "
+                        "command (evaluated at the start and the end)")
+    parser.add_argument("--only", default="", help="comma-separated name prefixes")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from model import machine
+    print(f"machine: {machine()}; each training command cut to --steps {args.steps}")
+    rows = ["| command | driver peak GB | process tree peak GB (PSS, sampled) | budget | seconds |",
+            "|---|---:|---:|---:|---:|"]
+    keep = [p for p in args.only.split(",") if p]
+    with tempfile.TemporaryDirectory(prefix="peak-memory-") as out:
+        for name, printed, argv in COMMANDS:
+            if keep and not any(name.startswith(p) for p in keep):
+                continue
+            argv = [a.format(out=out) for a in argv]
+            if argv[0] in TRAINS:
+                argv += ["--steps", str(args.steps), "--eval-every", str(args.steps)]
+            driver, tree, seconds, status = measure(argv)
+            budget = TWO_MODELS_GB if name == "ppo" else BUDGET_GB
+            flag = "" if max(driver, tree) <= budget else " **over**"
+            failed = f" (exit {status})" if status else ""
+            rows.append(f"| `{printed}`{failed} | {driver:.2f} | {tree:.2f} | {budget:.0f}{flag} "
+                        f"| {seconds:.0f} |")
+            print(rows[-1], flush=True)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
