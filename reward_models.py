@@ -244,7 +244,7 @@ def scores(model, sequences: list[list[int]], device, pad_id: int, bf16: bool,
             last = hidden[torch.arange(B, device=device), lengths.to(device) - 1]  # (B, H)
         else:  # each distinct prefix once, then each sequence's own rest and its dummy
             hidden = shared.hidden(decoder)
-            # hidden: (R, L', H), one row per distinct prefix
+            # hidden: (R, L', H), each distinct prefix once, then the sequences' rests
             dummy = (lengths - prompt_lens).to(device)  # (B,) its index in the "completion"
             state = shared.state[torch.arange(B, device=device), dummy]  # (B,) predicts it
             last = hidden[shared.row, state]  # (B, H)

@@ -157,8 +157,12 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     order than one running sum: the draw differs only where u falls within ~1e-16 of a boundary."""
     B, V = probs.shape
     blocks = F.pad(probs, (0, -V % CDF_BLOCK)).view(B, -1, CDF_BLOCK)  # (B, nb, b), zeros padded
-    coarse = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (B, nb)
-    k = torch.searchsorted(coarse, u[:, None], right=True).clamp(max=coarse.shape[1] - 1)
+    sums = blocks.sum(-1, dtype=torch.float64)  # (B, nb)
+    coarse = sums.cumsum(-1)
+    # u at or past the row's last sum by a rounding (the caller's total added in another order):
+    # the last block that can be drawn from
+    last_block = sums.shape[1] - 1 - (sums > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
+    k = torch.minimum(torch.searchsorted(coarse, u[:, None], right=True), last_block)  # (B, 1)
     before = torch.where(k > 0, coarse.gather(1, (k - 1).clamp(min=0)), 0.0)  # (B, 1)
     block = blocks[torch.arange(B, device=probs.device), k.squeeze(1)]  # (B, b)
     fine = block.cumsum(-1, dtype=torch.float64) + before  # (B, b)

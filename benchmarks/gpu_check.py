@@ -279,10 +279,10 @@ def observe_sharing() -> dict:
                 seen["forwards"] += 1
                 seen["shared"] += shared is not None
                 seen["longest"] = max(seen["longest"], max(lens))
-                if policy:  # (with sharing, each packed row's prompt once)
-                    prompts = dict(zip(shared.row.tolist(), prompt_lens.tolist())) \
-                        if shared else {}
-                    seen["tokens"] += sum(prompts.values()) + int(completion_lens.sum()) \
+                if policy:  # (with sharing, each distinct prompt once)
+                    prompts = {tuple(ids[:p].tolist()) for ids, p in
+                               zip(input_ids, prompt_lens.tolist())} if shared else set()
+                    seen["tokens"] += sum(map(len, prompts)) + int(completion_lens.sum()) \
                         if shared else sum(lens)
                     seen["rows"] += len(lens)
                     seen["length_sum"] += sum(lens)

@@ -157,7 +157,7 @@ def test_the_blocked_inverse_cdf_draws_what_one_running_sum_draws():
     B, V = 64, 3 * CDF_BLOCK + 37
     probs = torch.softmax(torch.randn(B, V) * 3, -1)
     probs[:, CDF_BLOCK:2 * CDF_BLOCK] = 0  # a block that can never be drawn
-    probs[:, -20:] = 0
+    probs[:, -40:] = 0  # (the whole last block: 768..804)
     probs[:, 5] = 0
     cdf = probs.cumsum(-1, dtype=torch.float64)
     total = cdf[:, -1]
@@ -168,6 +168,10 @@ def test_the_blocked_inverse_cdf_draws_what_one_running_sum_draws():
     tokens = inverse_cdf(probs, u)
     assert tokens.tolist() == expected.tolist()
     assert (probs.gather(1, tokens[:, None]) > 0).all()
+    # u at the row's total, or past it by a rounding of a sum in another order: the last token
+    # that can be drawn, never one of probability 0, never past the vocabulary
+    beyond = inverse_cdf(probs, total * (1 + 2**-40))
+    assert beyond.tolist() == [V - 41] * B
     for bad in ([0.0, float("nan")], [float("-inf"), float("-inf")]):  # one clear line
         with pytest.raises(ValueError, match="NaN or are all -inf"):
             sample_next(torch.tensor([[1.0, 2.0], bad]), Sampling(temperature=1.0))
