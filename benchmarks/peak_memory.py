@@ -3,7 +3,7 @@ against the budgets a 16 GB laptop leaves (6 GB a command; 8 GB for ppo.py, whic
 
     python benchmarks/peak_memory.py                  # every command, each cut to --steps 3
     python benchmarks/peak_memory.py --steps 16       # the commands as printed (much longer)
-    python benchmarks/peak_memory.py --only sft,dpo   # the rows whose name starts so
+    python benchmarks/peak_memory.py --only sft,dpo   # these rows (names: --list)
 
 Each command runs in its own process, in order (sft before the GRPO run that starts from it, rm
 before the one it scores, grpo before distill and evaluate), into a temporary folder. Two figures
@@ -56,6 +56,7 @@ COMMANDS = [
     ("evaluate", "python evaluate.py --model out/grpo",
      ["evaluate.py", "--model", "{out}/grpo", "--out", "{out}/eval"]),
 ]
+NEEDS = {"grpo-from-sft": "sft", "distill": "grpo", "grpo-reward-model": "rm", "evaluate": "grpo"}
 TRAINS = {"grpo.py", "sft.py", "dpo.py", "distill.py", "rm.py", "ppo.py"}  # (take --steps)
 
 
@@ -101,17 +102,28 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps of each training "
                         "command (evaluated at the start and the end)")
-    parser.add_argument("--only", default="", help="comma-separated name prefixes")
+    parser.add_argument("--only", default="", help="comma-separated row names (see --list), with the rows "
+                        "whose output they start from (grpo-from-sft: sft)")
+    parser.add_argument("--list", action="store_true", help="print the rows' names and commands")
     args = parser.parse_args()
+    names = [name for name, _, _ in COMMANDS]
+    if args.list:
+        print("\n".join(f"{name:18} {printed}" for name, printed, _ in COMMANDS))
+        return
+    keep = [p for p in args.only.split(",") if p]
+    unknown = [p for p in keep if p not in names]
+    if unknown:
+        raise SystemExit(f"error: --only: no row named {', '.join(unknown)} "
+                         f"(rows: {', '.join(names)})")
+    keep += [NEEDS[p] for p in keep if p in NEEDS]
     sys.path.insert(0, str(ROOT))
     from model import machine
     print(f"machine: {machine()}; each training command cut to --steps {args.steps}")
     rows = ["| command | driver peak GB | process tree peak GB (PSS, sampled) | budget | seconds |",
             "|---|---:|---:|---:|---:|"]
-    keep = [p for p in args.only.split(",") if p]
     with tempfile.TemporaryDirectory(prefix="peak-memory-") as out:
         for name, printed, argv in COMMANDS:
-            if keep and not any(name.startswith(p) for p in keep):
+            if keep and name not in keep:
                 continue
             argv = [a.format(out=out) for a in argv]
             if argv[0] in TRAINS:
