@@ -8,7 +8,7 @@ takes its arms x seeds x steps of real runs (tens of minutes on a 2-core CPU).
 
 A rerun goes to a folder of its own (--runs, default out/experiments/rerun), so the recorded runs
 are never overwritten. The table: finding, the recorded effect and spread, the rerun's, the
-verdict (same sign and |rerun - recorded| <= 2 x the recorded spread, at least TOLERANCE), seconds.
+verdict (same sign and |rerun - recorded| <= the recorded spread, at least TOLERANCE), seconds.
 """
 
 import argparse
@@ -39,9 +39,13 @@ def verdict(recorded: dict, again: dict) -> str:
     if was is None or now is None:
         return "no effect measured"
     same_sign = (was > 0) == (now > 0) or abs(was) <= TOLERANCE
-    close = abs(now - was) <= max(2 * spread, TOLERANCE)
+    close = abs(now - was) <= max(spread, TOLERANCE)
     return "held" if same_sign and close else ("same sign, outside the spread" if same_sign
                                                else "sign changed")
+
+
+def number(x) -> str:
+    return "–" if x is None else f"{x:+.3g}"
 
 
 def main():
@@ -51,7 +55,7 @@ def main():
     parser.add_argument("--runs", default=str(ROOT / "out" / "experiments" / "rerun"))
     args = parser.parse_args()
     names = args.names or sorted(p.stem for p in RECORDED.glob("*.json"))
-    rows = ["| finding | recorded effect (spread) | rerun | verdict | seconds |",
+    rows = ["| finding | recorded effect ± spread | rerun ± spread | verdict | seconds |",
             "|---|---|---|---|---|"]
     for name in names:
         path = RECORDED / f"{name}.json"
@@ -60,8 +64,10 @@ def main():
                              f"experiments/{name}.py first")
         recorded = json.loads(path.read_text())
         again, seconds = rerun(name, Path(args.runs), args.tiny)
-        rows.append(f"| {name} | {recorded['effect']} ({recorded['effect_spread']}) | "
-                    f"{again['effect']} | {verdict(recorded, again)} | {seconds:.0f} |")
+        rows.append(f"| {name} | {number(recorded['effect'])} ± "
+                    f"{number(recorded['effect_spread'])} | {number(again['effect'])} ± "
+                    f"{number(again['effect_spread'])} | {verdict(recorded, again)} | "
+                    f"{seconds:.0f} |")
         print(rows[-1], flush=True)
     print("\n".join(rows))
 

@@ -33,3 +33,18 @@ def test_a_finding_runs_tiny_and_writes_its_picture_and_numbers(name, tmp_path, 
     assert (tmp_path / "findings" / f"{name}.png").stat().st_size > 10_000
     assert not (ROOT / "docs" / "findings" / f"{name}.json").exists() or \
         json.loads((ROOT / "docs" / "findings" / f"{name}.json").read_text())["tiny"] is False
+
+
+def test_run_all_holds_an_effect_to_its_sign_and_its_recorded_spread(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import run_all
+    recorded = {"effect": 0.36, "effect_spread": 0.17}
+    assert run_all.verdict(recorded, {"effect": 0.36}) == "held"
+    assert run_all.verdict(recorded, {"effect": 0.20}) == "held"  # 0.16 from it: within
+    assert run_all.verdict(recorded, {"effect": 0.60}) == "same sign, outside the spread"
+    assert run_all.verdict(recorded, {"effect": 0.65}) == "same sign, outside the spread"
+    assert run_all.verdict(recorded, {"effect": -0.05}) == "sign changed"
+    assert run_all.verdict(recorded, {"effect": None}) == "no effect measured"
+    # one seed recorded (no spread): rounding only
+    assert run_all.verdict({"effect": 0.5, "effect_spread": None}, {"effect": 0.5004}) == "held"
+    assert run_all.verdict({"effect": 0.5, "effect_spread": None}, {"effect": 0.52}) != "held"
