@@ -60,28 +60,35 @@ NEEDS = {"grpo-from-sft": "sft", "distill": "grpo", "grpo-reward-model": "rm", "
 TRAINS = {"grpo.py", "sft.py", "dpo.py", "distill.py", "rm.py", "ppo.py"}  # (take --steps)
 
 
-def tree_pss(process: psutil.Process) -> int:
-    """Resident bytes of a process and every process under it, now, shared pages split."""
-    total = 0
+def tree_pss(process: psutil.Process) -> dict[str, int]:
+    """Resident bytes of a process and every process under it, now, shared pages split: by
+    process name (Ray names its actors' processes ray::<Actor>), summed over the same name."""
+    parts = {}
     for p in [process] + process.children(recursive=True):
         try:
-            total += p.memory_full_info().pss
+            name = "driver" if p.pid == process.pid else p.name()
+            parts[name] = parts.get(name, 0) + p.memory_full_info().pss
         except psutil.Error:  # (ended between the listing and the reading)
             pass
-    return total
+    return parts
 
 
-def measure(argv: list[str]) -> tuple[float, float, float, int]:
-    """(the driver's peak GB, its process tree's sampled peak GB, seconds, exit status)."""
+def measure(argv: list[str]) -> tuple[float, float, float, int, dict]:
+    """(the driver's peak GB, its process tree's sampled peak GB, seconds, exit status, the
+    tree's processes at that peak in GB by name)."""
     t0 = time.time()
     child = subprocess.Popen([sys.executable] + argv, cwd=ROOT, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
-    process, peak, done = psutil.Process(child.pid), [0], threading.Event()
+    process, peak, at_peak, done = psutil.Process(child.pid), [0], {}, threading.Event()
 
     def sample():
         while not done.is_set():
             try:
-                peak[0] = max(peak[0], tree_pss(process))
+                parts = tree_pss(process)
+                if sum(parts.values()) > peak[0]:
+                    peak[0] = sum(parts.values())
+                    at_peak.clear()
+                    at_peak.update({name: b / 2**30 for name, b in parts.items()})
             except psutil.Error:
                 pass
             done.wait(0.2)
@@ -95,7 +102,7 @@ def measure(argv: list[str]) -> tuple[float, float, float, int]:
     sampler.join()
     if child.returncode:
         print(stderr[-2000:], file=sys.stderr)
-    return usage.ru_maxrss / 2**20, peak[0] / 2**30, time.time() - t0, child.returncode
+    return usage.ru_maxrss / 2**20, peak[0] / 2**30, time.time() - t0, child.returncode, at_peak
 
 
 def main():
@@ -128,13 +135,17 @@ def main():
             argv = [a.format(out=out) for a in argv]
             if argv[0] in TRAINS:
                 argv += ["--steps", str(args.steps), "--eval-every", str(args.steps)]
-            driver, tree, seconds, status = measure(argv)
+            driver, tree, seconds, status, at_peak = measure(argv)
             budget = TWO_MODELS_GB if name == "ppo" else BUDGET_GB
             flag = "" if max(driver, tree) <= budget else " **over**"
             failed = f" (exit {status})" if status else ""
             rows.append(f"| `{printed}`{failed} | {driver:.2f} | {tree:.2f} | {budget:.0f}{flag} "
                         f"| {seconds:.0f} |")
             print(rows[-1], flush=True)
+            if len(at_peak) > 1:  # (a tree of processes: who held what at its peak)
+                print("    the tree at its peak: " + ", ".join(
+                    f"{name} {gb:.2f}" for name, gb in sorted(at_peak.items(),
+                                                              key=lambda x: -x[1])), flush=True)
     print("\n".join(rows))
 
 
