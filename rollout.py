@@ -236,7 +236,7 @@ def kept_cache(rows: list[KeptRow | None], held: list[int]) -> DynamicCache:
     The kept rows are consumed: each layer of theirs is freed once copied, so the keys and values
     exist about once, not twice (128 kept episodes of ~400 tokens are ~2.4 GB on SmolLM2)."""
     C, some = max(held), next(r for r in rows if r is not None)
-    used = [row for row in {id(r): r for r in rows if r is not None}.values()]
+    used = list({id(r): r for r in rows if r is not None}.values())  # each kept row once
     layers = []
     for layer, (k, v) in enumerate(some.layers):
         keys = k.new_zeros(len(rows), k.shape[0], C, k.shape[2])  # (B, KV heads, C, dim)
