@@ -153,8 +153,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     In two passes, as a vocabulary of 49,152 makes it pay: the running sum of blocks' totals finds
     each row's block, then the running sum inside that block alone finds the token. A running sum
     over the whole row is sequential in each row: 42 ms a draw of 64 rows against 6 ms so (fp32,
-    a 2-core EPYC; a decoding step of 64 rows is ~300 ms). Block totals are a vectorised sum. The sums are added in another
-    order than one running sum: the draw differs only where u falls within ~1e-16 of a boundary."""
+    a 2-core EPYC; a decoding step of 64 rows is ~300 ms). Block totals are a vectorised sum. The
+    sums are added in another order than one running sum: the draw differs only where u falls
+    within ~1e-16 of a boundary."""
     B, V = probs.shape
     blocks = F.pad(probs, (0, -V % CDF_BLOCK)).view(B, -1, CDF_BLOCK)  # (B, nb, b), zeros padded
     sums = blocks.sum(-1, dtype=torch.float64)  # (B, nb)

@@ -85,8 +85,9 @@ def measure(argv: list[str]) -> tuple[float, float, float, int, dict]:
         while not done.is_set():
             try:
                 parts = tree_pss(process)
-                if sum(parts.values()) > peak[0]:
-                    peak[0] = sum(parts.values())
+                total = sum(parts.values())
+                if total > peak[0]:
+                    peak[0] = total
                     at_peak.clear()
                     at_peak.update({name: b / 2**30 for name, b in parts.items()})
             except psutil.Error:
@@ -109,8 +110,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps of each training "
                         "command (evaluated at the start and the end)")
-    parser.add_argument("--only", default="", help="comma-separated row names (see --list), with the rows "
-                        "whose output they start from (grpo-from-sft: sft)")
+    parser.add_argument("--only", default="", help="comma-separated row names (see --list), "
+                        "with the rows whose output they start from (grpo-from-sft: sft)")
     parser.add_argument("--list", action="store_true", help="print the rows' names and commands")
     args = parser.parse_args()
     names = [name for name, _, _ in COMMANDS]
