@@ -58,6 +58,9 @@ class Config(RLOptions):
     """The RL loop's options (options.RLOptions: model and data, sampling, episodes, the update's
     schedule, evaluation, checkpoints, scale-out), and these:"""
     CONFIG_FILE: ClassVar[str] = "distill_config.json"
+    # Each sample in its own padded row: 64 arith samples in one micro-batch held ~6 GB of the
+    # student's activations on a CPU (10.5 GB in all); by 1,024 tokens, as sft.py.
+    CPU_MICROBATCH_TOKENS: ClassVar[int] = 1024
     out: str = "out/distill"
 
     # Distillation

@@ -230,7 +230,7 @@ class RLLoopOptions:
     64 for arith's short sequences, else 16)"""
     max_tokens_per_microbatch: int | None = None
     """micro-batches by token budget (padded tokens), sequences sorted by length (0 = by count;
-    default: on a GPU what fits, gpu_memory.plan_memory; on a CPU 0)"""
+    default: on a GPU what fits, gpu_memory.plan_memory; on a CPU 0, distill.py's 1,024)"""
     init_from: str = ""
     """start a new run (fresh optimizer, step 0) from a checkpoint's or HF folder's weights"""
 
@@ -298,12 +298,16 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
     """held-out greedy evaluation every N steps, at step 0 and at the end (0 = never; default:
     the task's)"""
 
+    # On a CPU, micro-batches by count: the GRPO update shares each prompt among its group.
+    CPU_MICROBATCH_TOKENS: ClassVar[int] = 0
+
     def __post_init__(self):  # the task's defaults fill what is unset; impossible values stop here
         apply_task(self)
         if self.rollout == "auto":  # (--gpu-gb without a GPU plans the GPU command: vLLM's)
             gpu_and_vllm = torch.cuda.is_available() and importlib.util.find_spec("vllm")
             self.rollout = "vllm" if gpu_and_vllm or pretends_gpu(self) else "hf"
-        settle(self, on_cpu={"gradient_checkpointing": False, "max_tokens_per_microbatch": 0,
+        settle(self, on_cpu={"gradient_checkpointing": False,
+                             "max_tokens_per_microbatch": self.CPU_MICROBATCH_TOKENS,
                              "gpu_memory_utilization": 0.2})
         check(self.num_generations >= 2, f"--num-generations {self.num_generations}: a group needs "
               f"at least 2 samples, or it has no baseline to be better than")

@@ -101,6 +101,27 @@ def test_the_loss_is_the_reverse_kl_over_the_students_own_tokens(tiny_model_dir,
     assert step(None)["loss"] == pytest.approx(sum(map(sum, kl)) / 10, rel=1e-4)
 
 
+def test_micro_batches_by_tokens_leave_the_loss_and_gradient_unchanged(tiny_model_dir,
+                                                                       teacher_dir):
+    """On a CPU distill.py cuts micro-batches by 1,024 padded tokens (each sample has its own
+    row, so 64 rows in one micro-batch held ~6 GB of activations); GRPO keeps its count. The
+    budget changes only how the batch is cut: one row a micro-batch gives the same loss and
+    gradient norm as both rows in one."""
+    import grpo
+    from trainer import finish_metrics
+    assert _cfg(tiny_model_dir, teacher_dir).max_tokens_per_microbatch == 1024
+    assert grpo.Config(data="arith", model=tiny_model_dir).max_tokens_per_microbatch == 0
+    prompts, completions = [[5, 6, 7], [8, 9]], [[20, 21, 22, 30, 31, 23, 2], [24, 25, 2]]
+    results = []
+    for kw in (dict(), dict(max_tokens_per_microbatch=9)):  # 2 rows of 10 and 5 tokens
+        cfg = _cfg(tiny_model_dir, teacher_dir, **kw)
+        comps = Completions(prompts, completions, [False, False], ["", ""])
+        batch = rl.train_batch(comps, torch.zeros(2), cfg, pad_id=2)
+        metrics = finish_metrics([distill.train_on_rollout(rl_trainer(cfg), batch)])
+        results.append([metrics[key] for key in ("loss", "grad_norm", "teacher_logprob")])
+    assert results[0] == pytest.approx(results[1], rel=1e-5)
+
+
 def test_a_teacher_with_another_tokenizer_stops_before_the_student_loads(tiny_model_dir,
                                                                          tmp_path, tokenizer,
                                                                          monkeypatch):
