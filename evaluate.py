@@ -148,13 +148,16 @@ def evaluate_rows(rollout, tokenizer, rows, *, template: str, chat: bool, sampli
     return {**summarize(samples, n, grader), "floors": floor}, samples
 
 
-def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader) -> tuple[dict, list[dict]]:
+def evaluate_held_out(run, rows: list[dict], cfg, grader: Grader,
+                      batch_prompts: int = 256) -> tuple[dict, list[dict]]:
     """grpo.py's held-out metrics -- greedy accuracy with the same engine and grader as training
-    (run: a trainer.Run, cfg: a grpo.Config) --, and the samples they come from."""
+    (run: a trainer.Run, cfg: a grpo.Config) --, and the samples they come from. batch_prompts:
+    the problems generated (or played, with an agent) at a time."""
     t0 = time.time()
     summary, samples = evaluate_rows(run.rollout, run.tokenizer, rows, template=cfg.template,
                                chat=cfg.chat, sampling=Sampling(cfg.max_new_tokens, 0.0), n=1,
-                               grader=grader, dataset="held-out", agent=run.agent)
+                               grader=grader, dataset="held-out", agent=run.agent,
+                               batch_prompts=batch_prompts)
     seconds = time.time() - t0
     return {"eval_accuracy": summary["avg@n"], "eval_completion_len": summary["mean_len"],
             **{f"eval_{key}": summary[key] for key in ("turns", "tool_calls", "tool_call_rate",

@@ -130,8 +130,14 @@ def replay_steps(cfg) -> dict | None:
 
 
 def evaluate(session: Session, cfg, step: int) -> dict:
-    """The held-out evaluation's metrics; its samples go to the rollout log."""
-    metrics, samples = evaluate_held_out(session.run, session.eval_rows, cfg, session.grader)
+    """The held-out evaluation's metrics; its samples go to the rollout log. Episodes (an agent)
+    are played no more at a time than a training step plays: the engine keeps each one's keys
+    and values between turns, and 128 held-out multiply episodes at once, beside the trainer's
+    optimizer state, were the run's peak (docs/benchmarks.md, Memory)."""
+    batch = {"batch_prompts": cfg.prompts_per_step * cfg.num_generations} if session.run.agent \
+        else {}
+    metrics, samples = evaluate_held_out(session.run, session.eval_rows, cfg, session.grader,
+                                         **batch)
     session.rollouts.eval(step, samples, session.eval_rows)
     return metrics
 

@@ -2,7 +2,6 @@
 from the very ids that were sampled, and only the model's tokens are trained. (The python tool's
 sandbox: tests/test_sandbox.py.)"""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -126,7 +125,7 @@ def test_observation_tokens_get_no_gradient(tiny_model_dir, monkeypatch):
     respect to every observation token's log-prob is exactly 0, and the loss is the token-mean
     over the model's tokens, by hand."""
     import grpo
-    from trainer import finish_metrics, setup_trainer
+    from trainer import finish_metrics
     trainer = rl_trainer(grpo.Config(data="arith", model=tiny_model_dir, dtype="fp32",
                                         beta=0.0, lr=1e-3))
     # two episodes: model 3 tokens, observation 2, model 2; and model 4 tokens, no observation
@@ -471,3 +470,24 @@ def test_an_episodes_engine_holds_its_longest_turn_and_counts_only_sampled_token
     # mfu: the update's FLOPs over the update's own seconds, the rollout log's pass left out
     update = {"trained_tokens": 0, "model_flops": 6e9, "peak_flops": 1e10, "detail_seconds": 0.5}
     assert step_record(1, sampled, update, 2.0, 0.0, 2)["mfu"] == pytest.approx(0.4)
+
+
+def test_held_out_episodes_are_played_no_more_at_a_time_than_a_step_plays(tiny_model_dir,
+                                                                           tmp_path, monkeypatch):
+    """The engine keeps each episode's keys and values between turns: the held-out evaluation
+    plays its episodes in batches of a training step's (prompts x generations), so it never holds
+    more of them than the rollout does (all 128 multiply problems at once were a run's peak)."""
+    import env
+    played, real = [], env.Agent.run
+
+    def counting(self, engine, rows, n, sampling):
+        played.append(len(rows) * n)
+        return real(self, engine, rows, n, sampling)
+
+    monkeypatch.setattr(env.Agent, "run", counting)
+    run_grpo(["--model", tiny_model_dir, "--data", "multiply", "--steps", "1",
+              "--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "32",
+              "--max-turns", "2", "--eval-every", "1", "--eval-size", "5",
+              "--out", str(tmp_path / "run")])
+    # evaluation at step 0 (5 problems: 4 + 1), the step's rollout (2 x 2), evaluation again
+    assert played == [4, 1, 4, 4, 1]
