@@ -11,7 +11,6 @@ the training step is handed in (`train_step`), and Ray runs the functions it is 
 """
 
 import copy
-import ctypes
 import functools
 import math
 import shutil
@@ -422,18 +421,6 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-def return_free_memory():
-    """Hand the C heap's free pages back to the kernel (glibc's malloc_trim), between a step's
-    phases on a CPU. glibc keeps what a phase freed for later allocations, but the next phase
-    asks for other sizes, and much of it is never reused: measured on the multiply episodes, the
-    resident memory grew by ~1 GB a step without this, and the peak with it."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl, ...): nothing to hand back this way
-            pass
-
-
 def peak_memory_gb(device: str, engine_bytes: int = 0) -> float:
     """Peak memory of the trainer: GPU memory allocated by PyTorch less a vLLM engine's pool in
     this process (allocated through the same allocator, and counted as allocated even asleep), or
@@ -666,11 +653,13 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
 
     def train(batch):
         rollout.sleep()  # the engine's GPU memory is the trainer's until the sync that follows
-        return_free_memory()  # (what the rollout freed, before the update allocates its own)
+        # On a CPU what the rollout freed stays in the C heap for the update, and the update's for
+        # the next rollout: handed back to the kernel between phases (malloc_trim), it came back
+        # as fresh pages at ~15 us each on a VM whose balloon reclaims free memory; the default
+        # run took 328 s with that, 261 s without, at the same peak (docs/benchmarks.md).
         metrics = finish_metrics([train_step(trainer, batch)])
         if shared:  # its weights changed under it now, not at the sync: no kept keys survive
             rollout.release_kept()
-        return_free_memory()  # (the update's activations, before the next rollout)
         return metrics
 
     return Run(trainer.tokenizer, rollout, train,
