@@ -655,8 +655,8 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
         rollout.sleep()  # the engine's GPU memory is the trainer's until the sync that follows
         # On a CPU what the rollout freed stays in the C heap for the update, and the update's for
         # the next rollout: handed back to the kernel between phases (malloc_trim), it came back
-        # as fresh pages at ~15 us each on a VM whose balloon reclaims free memory; the default
-        # run took 328 s with that, 261 s without, at the same peak (docs/benchmarks.md).
+        # as fresh pages, each a fault the kernel zeroes; the default run took ~13 % longer that
+        # way, at the same peak (docs/benchmarks.md, "Between phases, the heap kept").
         metrics = finish_metrics([train_step(trainer, batch)])
         if shared:  # its weights changed under it now, not at the sync: no kept keys survive
             rollout.release_kept()

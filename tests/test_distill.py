@@ -71,9 +71,8 @@ def test_the_loss_is_the_reverse_kl_over_the_students_own_tokens(tiny_model_dir,
     """Two samples, the first an episode with two observation tokens: the step's loss is the
     token-mean of KL(student || teacher) over the model's 8 tokens, computed here from both
     models' full logits; the same samples without the episode mask count all 10 tokens."""
-    import grpo
     from model import load_model
-    from trainer import finish_metrics, setup_trainer
+    from trainer import finish_metrics
     cfg = _cfg(tiny_model_dir, teacher_dir)
     trainer = rl_trainer(cfg)
     prompts, completions = [[5, 6, 7], [8, 9]], [[20, 21, 22, 30, 31, 23, 2], [24, 25, 2]]
@@ -102,13 +101,15 @@ def test_the_loss_is_the_reverse_kl_over_the_students_own_tokens(tiny_model_dir,
 
 
 def test_micro_batches_by_tokens_leave_the_loss_and_gradient_unchanged(tiny_model_dir,
-                                                                       teacher_dir):
+                                                                       teacher_dir, monkeypatch):
     """On a CPU distill.py cuts micro-batches by 1,024 padded tokens (each sample has its own
     row, so 64 rows in one micro-batch held ~6 GB of activations); GRPO keeps its count. The
     budget changes only how the batch is cut: one row a micro-batch gives the same loss and
     gradient norm as both rows in one."""
     import grpo
+    import options
     from trainer import finish_metrics
+    monkeypatch.setattr(options, "pick_device", lambda: "cpu")  # (on a GPU the memory plan picks)
     assert _cfg(tiny_model_dir, teacher_dir).max_tokens_per_microbatch == 1024
     assert grpo.Config(data="arith", model=tiny_model_dir).max_tokens_per_microbatch == 0
     prompts, completions = [[5, 6, 7], [8, 9]], [[20, 21, 22, 30, 31, 23, 2], [24, 25, 2]]
