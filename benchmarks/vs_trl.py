@@ -121,8 +121,7 @@ def main(trl_python: str, seed: int, engine: str):
     from model import choose_dtype, machine, pick_device
     dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
     print(f"machine: {machine()}; dtype {dtype.name} ({dtype.reason})", flush=True)
-    sys.path.insert(0, str(ROOT))
-    from data import row_stream
+    from data import RowStream
     from model import default_model_path
     model_dir = default_model_path()
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,7 +132,7 @@ def main(trl_python: str, seed: int, engine: str):
         # them in file order: its file lists them in smolrl's order, so each step sees the same
         # prompts on both sides.
         trl_file.write_text("".join(json.dumps(r) + "\n" for r in
-                                    itertools.islice(row_stream(rows, seed), len(rows))))
+                                    itertools.islice(RowStream(rows, seed), len(rows))))
         print(f"TRL ({trl_python}) ...", flush=True)
         subprocess.run([trl_python, __file__, "--trl-side", model_dir, str(trl_file),
                         str(result_file), str(seed), dtype.name], check=True,
