@@ -804,14 +804,23 @@ def length_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def adamw_with_warmup(model, lr: float, warmup_steps: int, weight_decay: float = 0.0,
-                      betas=(0.9, 0.999)):
+                      betas=(0.9, 0.999), group=None):
     """AdamW over the trainable parameters (with LoRA: the adapters only) and its schedule: linear
-    warmup over warmup_steps, then a constant learning rate."""
+    warmup over warmup_steps, then a constant learning rate. group: data-parallel ranks with full
+    copies of the model (not FSDP, which shards the moments with the parameters): each rank keeps
+    the moments of its own share of the parameters (ZeRO stage 1), steps that share and broadcasts
+    it -- the same update as every rank stepping everything (AdamW is elementwise, the gradients
+    are all-reduced and clipped before), at half the moments' memory on two ranks."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     # fused: one pass over each weight, its gradient and moments instead of one per operation
     # (AdamW's step 5x faster on a CPU for SmolLM2: memory-bound work over 4 x 135M floats)
-    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=betas, weight_decay=weight_decay,
-                                  fused=True)
+    kwargs = dict(lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
+    if group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(trainable, torch.optim.AdamW, process_group=group,
+                                            **kwargs)
+    else:
+        optimizer = torch.optim.AdamW(trainable, **kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
     return optimizer, scheduler
@@ -933,13 +942,19 @@ def _merged_weights(model, dtype):
         yield name, _cast(tensor, dtype)
 
 
-def full_optimizer_state(model, optimizer) -> dict:
-    if not is_sharded(model):
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         get_optimizer_state_dict)
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True))
+def full_optimizer_state(model, optimizer) -> dict | None:
+    """The optimizer's state as one AdamW over all the trainable parameters would hold it (a plain
+    run resumes from it, and the other way round). Every rank calls it; ranks other than 0 may
+    get None."""
+    if is_sharded(model):
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_optimizer_state_dict)
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True))
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: each rank holds a share
+        optimizer.consolidate_state_dict(to=0)
+        return optimizer.state_dict() if optimizer.rank == 0 else None
+    return optimizer.state_dict()
 
 
 def load_optimizer_state(model, optimizer, state: dict):

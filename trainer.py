@@ -98,7 +98,8 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
         if ref_model is not None:
             shard_model(ref_model)
     optimizer, scheduler = adamw_with_warmup(model, cfg.lr, cfg.warmup_steps, cfg.weight_decay,
-                                             betas=cfg.ADAM_BETAS)
+                                             betas=cfg.ADAM_BETAS,
+                                             group=None if fsdp(cfg, group) else group)
     if resume_dir:
         load_trainer_state(resume_dir, model, optimizer, scheduler)
     compute = bf16_copy(model) if uses_bf16_copy(cfg, group) else model

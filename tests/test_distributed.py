@@ -99,8 +99,41 @@ def _train_counting_collectives(trainer, batch):
         dist.all_reduce = real
 
 
-def test_one_trainer_equals_two_trainers(cluster, tiny_model_dir):
-    _one_vs_two_trainers(cluster, _cfg(tiny_model_dir))
+def test_one_trainer_equals_two_trainers_each_holding_half_of_adams_moments(
+        cluster, tiny_model_dir, tmp_path):
+    """Two data-parallel trainers step as one process does (above), with AdamW's moments split
+    between them (ZeRO-1); a checkpoint holds them whole, as one process would have written them,
+    and either kind of run resumes from it."""
+    cfg = _cfg(tiny_model_dir)
+    trainers = _one_vs_two_trainers(cluster, cfg)
+    trainable = sum(p.numel() for p in rl_trainer(cfg).model.parameters() if p.requires_grad)
+    held = trainers.run(_moments_held, [()] * 2)
+    # each rank a share of whole tensors, balanced as the tensors allow (the tiny model's
+    # embedding is 96 % of it; SmolLM2-135M's largest tensor is 21 %)
+    assert sum(held) == trainable and min(held) > 0, (held, trainable)
+
+    from trainer import save_trainer
+    trainers.run(save_trainer, [(str(tmp_path),)] * 2)
+    whole = trainers.run(_optimizer_state, [()] * 2)[0]
+    saved = torch.load(tmp_path / "trainer_state.pt", weights_only=True)["optimizer"]
+    single = rl_trainer(cfg, str(tmp_path))  # one process resumes from two trainers' checkpoint
+    resumed = cluster.trainers(setup_trainer, cfg, str(tmp_path), cfg.reference())
+    again = resumed.run(_optimizer_state, [()] * 2)[0]
+    assert resumed.run(_moments_held, [()] * 2) == held
+    names = {i: n for i, n in enumerate(n for n, p in single.model.named_parameters()
+                                        if p.requires_grad)}
+    assert len(saved["state"]) == len(names) == len(whole["state"])
+    for state in (single.optimizer.state_dict(), again):
+        for i in names:
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state["state"][i][key], whole["state"][i][key]), (names[i], key)
+                assert torch.equal(saved["state"][i][key], whole["state"][i][key]), (names[i], key)
+
+
+def _moments_held(trainer) -> int:
+    """How many elements of AdamW's first moment this rank's optimizer holds."""
+    local = getattr(trainer.optimizer, "optim", trainer.optimizer)  # (ZeRO wraps a local AdamW)
+    return sum(s["exp_avg"].numel() for s in local.state.values())
 
 
 def test_fsdp_two_trainers_equal_one_process(cluster, tiny_model_dir, tmp_path):
