@@ -8,19 +8,23 @@
 What runs where (one bundle = one GPU, or one CPU on a machine without GPUs):
 
     placement group   [bundle 0   ][bundle 1   ] ... [bundle N    ] ... [bundle N+M-1]
-    --colocate        trainer 0 +  trainer 1 +       (engines share the trainers' bundles;
-                      engine 0     engine 1           they sleep while the trainers train)
+    --colocate        trainer 0 +  trainer 1 +       (engines share the trainers' bundles; the HF
+                      engine 0     engine 1           engine lives in its trainer's process and
+                                                      decodes from its tensors, vLLM sleeps while
+                                                      the trainers train)
     otherwise         trainer 0    trainer 1   ...   engine 0     ...   engine M-1
 
     driver (grpo.py) --prompts--> engines (sharded, results gathered in order)
                      --batch----> trainers (sharded; torch.distributed all-reduce of gradients:
-                                  gloo on CPU, NCCL on GPU; the loss uses the global token count)
+                                  gloo on CPU, NCCL on GPU; the loss uses the global token count;
+                                  each steps AdamW on its share of the weights, ZeRO-1: model.py)
 
     after each step, the weights (--weight-sync):
     collective     trainer 0 ==broadcast, bucket by bucket==> engine 0, engine 1, ...
                    a process group of their own (rollout.WeightGroup): NCCL GPU to GPU, gloo on
                    CPU or when an engine shares its trainer's GPU; bf16, <= 256 MB per bucket
     object-store   trainer 0 --state dict--> Ray object store --> every engine pulls a copy
+    (in place)     a colocated HF engine decodes from its trainer's tensors: nothing to send
 
 This file knows nothing about GRPO: it places actors, runs the functions it is given on them, and
 turns Ray's failures into messages that say what to change. It never imports grpo.py or dpo.py.
@@ -108,6 +112,13 @@ class Cluster:
         _get([w.setup.remote(setup, *args) for w in workers], "engine")
         return EngineGroup(workers)
 
+    def engines_in(self, trainers: "TrainerGroup", setup, *args) -> "EngineGroup":
+        """num_engines engines (no more than trainers), engine i in trainer i's process:
+        setup(trainer_state, *args) returns it."""
+        workers = trainers.workers[:self.num_engines]
+        _get([w.attach.remote(setup, *args) for w in workers], "trainer")
+        return EngineGroup(workers, on="engine")
+
     def shutdown(self):
         remove_placement_group(self.pg)
         ray.shutdown()
@@ -142,8 +153,13 @@ class Worker:
         """state = fn(*args), given group= the trainers' process group on a trainer worker."""
         self.state = fn(*args, group=self.group) if self.group is not None else fn(*args)
 
-    def run(self, fn, *args):
-        return fn(self.state, *args)
+    def attach(self, fn, *args):
+        """engine = fn(state, *args): a second tenant built from the first (a colocated engine
+        that decodes from its trainer's own tensors)."""
+        self.engine = fn(self.state, *args)
+
+    def run(self, fn, *args, on: str = "state"):
+        return fn(getattr(self, on), *args)
 
 
 def shard(n: int, parts: int) -> list[range]:
@@ -253,10 +269,11 @@ class Pending:
 
 
 class EngineGroup:
-    """Several rollout engines behind the single-engine interface grpo.py already uses."""
+    """Several rollout engines behind the single-engine interface grpo.py already uses. on: what
+    each worker holds the engine as (setup's state, or attach's engine beside a trainer)."""
 
-    def __init__(self, workers):
-        self.workers = workers
+    def __init__(self, workers, on: str = "state"):
+        self.workers, self.on = workers, on
 
     def generate(self, prompt_ids, n, sampling):
         return self.submit_generate(prompt_ids, n, sampling).result()
@@ -266,7 +283,7 @@ class EngineGroup:
         through its calls in order: a weight sync sent meanwhile waits for the generation."""
         parts = [r for r in shard(len(prompt_ids), len(self.workers)) if len(r)]
         return Pending([w.run.remote(_generate, [prompt_ids[i] for i in r], n,
-                                     _shard_sampling(sampling, r.start))
+                                     _shard_sampling(sampling, r.start), on=self.on)
                         for w, r in zip(self.workers, parts)])
 
     def release_kept(self):
@@ -279,14 +296,15 @@ class EngineGroup:
 
     def submit(self, fn, per_engine_args: list[tuple]) -> list:
         """fn(engine, *per_engine_args[i]) on engine i, without waiting: the refs."""
-        return [w.run.remote(fn, *args) for w, args in zip(self.workers, per_engine_args)]
+        return [w.run.remote(fn, *args, on=self.on)
+                for w, args in zip(self.workers, per_engine_args)]
 
     def update_weights(self, state, version: int = 0) -> float:
         """Broadcast a state dict (or an object ref to one) to every engine through the object
         store; returns the wall time of the whole broadcast."""
         t0 = time.perf_counter()
         ref = state if isinstance(state, ray.ObjectRef) else ray.put(state)
-        _get([w.run.remote(_update, ref, version) for w in self.workers], "engine")
+        _get([w.run.remote(_update, ref, version, on=self.on) for w in self.workers], "engine")
         return time.perf_counter() - t0
 
 

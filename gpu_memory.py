@@ -62,6 +62,7 @@ class Workload(NamedTuple):
     engine_shares_weights: bool = False  # the HF engine decodes from the trainer's own tensors
     head: str = "lm"  # the trained model's head: "lm", or "reward" (rm.py's scalar head)
     critic: str = ""  # ppo.py: the critic's start, a second model trained as the policy is
+    moment_shards: int = 1  # data-parallel trainers splitting AdamW's moments (ZeRO-1; 1: none)
     microbatch_tokens: int = 0  # the tokens of a micro-batch where the algorithm fixes them
     #                             (dpo.py, rm.py: pairs x 2 sequences x --max-length); 0: planned
     engine_freed: bool = False  # the engine is gone before the first update (rm.py's sampler)
@@ -208,13 +209,15 @@ def _trained(run: Workload, path: str, head: str, name: str) -> Resident:
     """A trained model's resident bytes: full fine-tuning keeps fp32 master weights 4, their
     gradients 4, AdamW's two moments 8 and a bf16 copy 2 (whose gradients go into the fp32 ones
     one tensor at a time: trainer.bf16_copy) a parameter; LoRA the frozen fp32 base (the
-    adapters and their state are negligible). FSDP shards it over the trainers."""
+    adapters and their state are negligible). FSDP shards it over the trainers; data-parallel
+    trainers split the moments (ZeRO-1: whole tensors, so about evenly)."""
     P = head_params(path, head)
     if run.lora_rank:
         return Resident(name, 4 * P / run.shards / GiB, "fp32 base under LoRA (the adapters train)")
-    return Resident(name, (16 + 2 * run.bf16) * P / run.shards / GiB,
+    split = f", moments split over {run.moment_shards}" if run.moment_shards > 1 else ""
+    return Resident(name, ((8 + 2 * run.bf16) + 8 / run.moment_shards) * P / run.shards / GiB,
                     "fp32 weights, gradients, AdamW moments" + (", bf16 copy" if run.bf16 else "")
-                    + (f", sharded over {run.shards}" if run.shards > 1 else ""))
+                    + (f", sharded over {run.shards}" if run.shards > 1 else "") + split)
 
 
 def residents(run: Workload) -> list[Resident]:

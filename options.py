@@ -347,10 +347,14 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
 
     def engine_shares_weights(self) -> bool:
         """Whether the HF engine decodes from the very tensors the trainer computes with
-        (trainer.setup_local): in the trainer's process, not on Ray; not under LoRA (its engine
-        holds the merged weights); not with compiled layers (decoding's shapes would recompile)."""
-        return self.rollout == "hf" and not self.on_ray() and not self.lora_rank \
-            and not self.compile
+        (trainer.engine_beside): in the trainer's process -- one process, or on Ray with
+        --colocate, engine i in trainer i's (no more engines than trainers; not with --async-steps,
+        where the engines sample while the trainers change those tensors); not under LoRA (its
+        engine holds the merged weights); not with compiled layers (decoding's shapes would
+        recompile)."""
+        beside = not self.on_ray() or (self.colocate and self.num_engines <= self.num_trainers
+                                       and not getattr(self, "async_steps", 0))
+        return self.rollout == "hf" and beside and not self.lora_rank and not self.compile
 
     def workload(self) -> Workload:
         """What this run puts on one GPU, for gpu_memory.plan_memory."""
@@ -362,7 +366,8 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
                         self.num_trainers if self.fsdp else 1, self.rollout,
                         self.colocate or not self.on_ray(), samples * longest, samples, longest,
                         frozen=frozen_models(self.reward_model, self.judge),
-                        engine_shares_weights=self.engine_shares_weights())
+                        engine_shares_weights=self.engine_shares_weights(),
+                        moment_shards=1 if self.fsdp else self.num_trainers)
 
 
 # ---------------------------------------------------------------------------------------------

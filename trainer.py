@@ -286,6 +286,20 @@ def weight_sync_by_object_store(trainers, engines, dtype) -> Callable[[int], flo
         functools.partial(weights_of, dtype=dtype)), step)
 
 
+def weight_sync_in_place(engines) -> Callable[[int], float]:
+    """sync(step) for engines that decode from their trainers' own tensors (engine_beside): the
+    weights are new already; the engines take the step's number."""
+    def sync(step: int) -> float:
+        t0 = time.perf_counter()
+        engines.run(_engine_takes_version, step)
+        return time.perf_counter() - t0
+    return sync
+
+
+def _engine_takes_version(engine, version):
+    engine.update_weights({}, version)  # (shares_weights: nothing is copied)
+
+
 def _engine_sleeps(engine):
     engine.sleep()
 
@@ -619,6 +633,22 @@ def make_engine(cfg):
 
 
 
+def engine_beside(trainer, cfg, shared: bool = True):
+    """A rollout engine in the trainer's process (one process; or on Ray with --colocate, where
+    engine i lives in trainer i's worker): shared, the HF engine decoding from the very tensors
+    the trainer computes with (cfg.engine_shares_weights says when), else a copy of its own."""
+    rollout = make_rollout(cfg.rollout, trainer.compute if shared else trainer.model,
+                           trainer.tokenizer, device=trainer.device, shares_weights=shared,
+                           dtype=DTYPES[cfg.dtype],
+                           seed=cfg.seed, max_new_tokens=tokens_after_prompt(cfg),
+                           gpu_memory_utilization=cfg.gpu_memory_utilization,
+                           logprobs=cfg.engine_logprobs(),
+                           max_num_seqs=-(-cfg.prompts_per_step * cfg.num_generations
+                                          // cfg.num_engines))
+    assert not shared or rollout.shares_weights  # (the memory plan counts on it)
+    return rollout
+
+
 @dataclass
 class Run:
     """What the loop drives, the same whether everything lives in this process or on Ray."""
@@ -641,14 +671,7 @@ def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "
     # weights; compiled layers, which decoding's shapes would recompile) the engine holds a
     # plain model of its own, built without a second copy of the trainer's, and takes its weights.
     shared = cfg.engine_shares_weights()
-    rollout = make_rollout(cfg.rollout, trainer.compute if shared else trainer.model,
-                           trainer.tokenizer, device=trainer.device, shares_weights=shared,
-                           dtype=DTYPES[cfg.dtype],
-                           seed=cfg.seed, max_new_tokens=tokens_after_prompt(cfg),
-                           gpu_memory_utilization=cfg.gpu_memory_utilization,
-                           logprobs=cfg.engine_logprobs(),
-                           max_num_seqs=cfg.prompts_per_step * cfg.num_generations)
-    assert not shared or rollout.shares_weights  # (the memory plan counts on it)
+    rollout = engine_beside(trainer, cfg, shared)
     rollout.update_weights(weights_of(trainer), version=start_step)
     trainer.engine_bytes = getattr(rollout, "memory_bytes", 0)
 
@@ -677,8 +700,12 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
                       address=cfg.ray_address)
     trainers = cluster.trainers(setup_for, cfg, resume_dir)
     trainers.check_shared_folder(cfg.out)  # before anything is trained, not at the first save
-    engines = cluster.engines(make_engine, cfg)
-    if cfg.weight_sync == "collective":
+    shared = cfg.engine_shares_weights()  # --colocate: engine i in trainer i's process
+    engines = cluster.engines_in(trainers, engine_beside, cfg) if shared else \
+        cluster.engines(make_engine, cfg)
+    if shared:  # engine i decodes from trainer i's tensors: no copy, nothing to send
+        sync_weights = weight_sync_in_place(engines)
+    elif cfg.weight_sync == "collective":
         sync_weights = weight_sync_by_collective(trainers, engines,
                                                  nccl=cluster.use_gpu and not cfg.colocate)
     else:
@@ -689,8 +716,11 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
             # until the next sync
             engines.run(_engine_sleeps)
         parts = shard(len(batch.advantages), cfg.num_trainers)  # each rank: a contiguous slice
-        return finish_metrics(trainers.run(train_step, [(batch.select(slice(r.start, r.stop)),)
-                                                        for r in parts]))
+        metrics = finish_metrics(trainers.run(train_step, [(batch.select(slice(r.start, r.stop)),)
+                                                           for r in parts]))
+        if shared:  # their weights changed under them now: no kept keys survive
+            engines.release_kept()
+        return metrics
 
     def save(folder):  # rank 0 writes; on several nodes --out must be on a shared filesystem
         trainers.run(save_trainer, [(folder,)] * cfg.num_trainers)

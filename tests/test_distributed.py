@@ -14,7 +14,8 @@ import conftest  # noqa: E402
 from conftest import rl_trainer, make_batch, record_grads  # noqa: E402
 from grpo import Config, train_on_rollout  # noqa: E402
 from model import completion_logprobs, pack  # noqa: E402
-from trainer import finish_metrics, setup_trainer, weight_sync_by_collective, weights_of  # noqa: E402
+from trainer import engine_beside, finish_metrics, setup_trainer, weight_sync_by_collective  # noqa: E402
+from trainer import weight_sync_in_place, weights_of  # noqa: E402
 from rollout import HFRollout, Sampling, policy_lag  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -246,6 +247,49 @@ def _engine_logprobs(engine, ids, pl, cl):
 
 def _version(engine):
     return engine.version
+
+
+def test_colocated_hf_engines_live_in_their_trainers_and_decode_from_their_tensors(
+        cluster, tiny_model_dir):
+    """--colocate with the HF engine (trainer.setup_ray): engine i is built in trainer i's process
+    on its very tensors, as in a one-process run -- no copy of the weights, nothing to send, and
+    an update is what the next generation samples from."""
+    cfg = replace(_cfg(tiny_model_dir), num_trainers=2, num_engines=2, colocate=True)
+    assert cfg.engine_shares_weights()
+    for apart in (dict(colocate=False), dict(num_engines=3), dict(async_steps=1),
+                  dict(rollout="vllm"), dict(lora_rank=4)):
+        assert not replace(cfg, **apart).engine_shares_weights(), apart
+    trainers = cluster.trainers(setup_trainer, cfg, "", cfg.reference())
+    engines = cluster.engines_in(trainers, engine_beside, cfg)
+    sync = weight_sync_in_place(engines)
+    where = trainers.run(_trainer_tensors_at, [()] * 2)
+    assert engines.run(_engine_tensors_at) == where and where[0][0] != where[1][0]
+    ids, pl, cl = pack([[5, 6, 7], [8]], [[9, 10, 2], [11, 12, 13, 2]], pad_id=2)
+    before = engines.run(_engine_logprobs, ids, pl, cl)
+    trainers.run(train_on_rollout, [(_batch().select(slice(0, 3)),),
+                                    (_batch().select(slice(3, 6)),)])
+    after = engines.run(_engine_logprobs, ids, pl, cl)
+    expected = trainers.run(_trainer_logprobs, [(ids, pl, cl)] * 2)
+    for b, a, e in zip(before, after, expected):
+        assert torch.equal(a, e) and (a - b).abs().max() > 1e-4
+    assert sync(1) < 1.0 and engines.run(_version) == [1, 1]
+    comps = engines.generate([[5, 6, 7]] * 2, 2, Sampling(4, temperature=1.0, seed=0))
+    assert comps.policy_version == 1 and len(comps.completion_ids) == 4
+
+
+def _trainer_tensors_at(trainer):
+    import os
+    return os.getpid(), trainer.compute.get_input_embeddings().weight.data_ptr()
+
+
+def _engine_tensors_at(engine):
+    import os
+    return os.getpid(), engine.model.get_input_embeddings().weight.data_ptr()
+
+
+def _trainer_logprobs(trainer, ids, pl, cl):
+    with torch.no_grad():
+        return completion_logprobs(trainer.compute, ids, pl, cl)[0]
 
 
 def test_collective_weight_sync_reaches_every_engine_and_a_skipped_one_is_caught(

@@ -185,6 +185,21 @@ def test_the_plan_counts_the_tensors_a_run_really_holds(lora_rank, tiny_model_di
     assert plan.frozen_gb * GB == pytest.approx(_storage_bytes(teacher.parameters()), rel=0.01)
 
 
+def test_the_plan_of_colocated_ray_trainers_splits_the_moments_and_shares_the_hf_engine(
+        qwen_1_5b):
+    """2 trainers on Ray, --colocate, the HF engine: each trainer holds half of AdamW's moments
+    (ZeRO-1: 4 bytes a parameter fewer) and the engine decodes from its trainer's tensors; FSDP
+    shards the moments with everything else instead."""
+    one = _plan(qwen_1_5b, 80, rollout="hf")
+    two = _plan(qwen_1_5b, 80, rollout="hf", num_trainers=2, colocate=True)
+    fsdp = _plan(qwen_1_5b, 80, rollout="hf", num_trainers=2, colocate=True, fsdp=True)
+    P = gpu_memory.model_shape(qwen_1_5b).params
+    assert (one.trainer_gb - two.trainer_gb) * GB == pytest.approx(4 * P, rel=1e-6)
+    assert fsdp.resident[0].gb == pytest.approx(one.resident[0].gb / 2, rel=1e-6)
+    assert two.engine_kept_gb == one.engine_kept_gb == 0
+    assert "moments split over 2" in two.resident[0].what
+
+
 def test_sft_on_a_gpu_gets_settings_that_fit(qwen_1_5b, monkeypatch):
     """Issue 41: sft.py had no plan -- full fine-tuning of Qwen2.5-1.5B at its fixed 4,096-token
     micro-batches without checkpointing needs ~29 GB of trainer state and ~13 GB of activations
