@@ -815,7 +815,7 @@ def adamw_with_warmup(model, lr: float, warmup_steps: int, weight_decay: float =
     # fused: one pass over each weight, its gradient and moments instead of one per operation
     # (AdamW's step 5x faster on a CPU for SmolLM2: memory-bound work over 4 x 135M floats)
     kwargs = dict(lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
-    if group is not None:
+    if group is not None and torch.distributed.get_world_size(group) > 1:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         optimizer = ZeroRedundancyOptimizer(trainable, torch.optim.AdamW, process_group=group,
                                             **kwargs)

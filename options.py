@@ -349,11 +349,11 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
         """Whether the HF engine decodes from the very tensors the trainer computes with
         (trainer.engine_beside): in the trainer's process -- one process, or on Ray with
         --colocate, engine i in trainer i's (no more engines than trainers; not with --async-steps,
-        where the engines sample while the trainers change those tensors); not under LoRA (its
-        engine holds the merged weights); not with compiled layers (decoding's shapes would
-        recompile)."""
+        where the engines sample while the trainers change those tensors, nor --fsdp, where each
+        trainer holds a shard of them); not under LoRA (its engine holds the merged weights); not
+        with compiled layers (decoding's shapes would recompile)."""
         beside = not self.on_ray() or (self.colocate and self.num_engines <= self.num_trainers
-                                       and not getattr(self, "async_steps", 0))
+                                       and not getattr(self, "async_steps", 0) and not self.fsdp)
         return self.rollout == "hf" and beside and not self.lora_rank and not self.compile
 
     def workload(self) -> Workload:

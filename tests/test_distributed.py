@@ -257,7 +257,7 @@ def test_colocated_hf_engines_live_in_their_trainers_and_decode_from_their_tenso
     cfg = replace(_cfg(tiny_model_dir), num_trainers=2, num_engines=2, colocate=True)
     assert cfg.engine_shares_weights()
     for apart in (dict(colocate=False), dict(num_engines=3), dict(async_steps=1),
-                  dict(rollout="vllm"), dict(lora_rank=4)):
+                  dict(fsdp=True), dict(rollout="vllm"), dict(lora_rank=4)):
         assert not replace(cfg, **apart).engine_shares_weights(), apart
     trainers = cluster.trainers(setup_trainer, cfg, "", cfg.reference())
     engines = cluster.engines_in(trainers, engine_beside, cfg)
