@@ -960,6 +960,14 @@ def full_optimizer_state(model, optimizer) -> dict | None:
 def load_optimizer_state(model, optimizer, state: dict):
     if not is_sharded(model):
         optimizer.load_state_dict(state)
+        if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1
+            # Its loader leaves a second copy of this rank's moments in the wrapper (a GPU's
+            # memory, never read again) and each "step" on the CPU, which fused AdamW on a GPU
+            # refuses at its first step (pytorch#124133): keep one copy, each step by its weight.
+            optimizer.state.clear()
+            for p, moments in optimizer.optim.state.items():
+                if torch.is_tensor(moments.get("step")):
+                    moments["step"] = moments["step"].to(p.device)
         return
     from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                          set_optimizer_state_dict)

@@ -121,6 +121,9 @@ def test_one_trainer_equals_two_trainers_each_holding_half_of_adams_moments(
     resumed = cluster.trainers(setup_trainer, cfg, str(tmp_path), cfg.reference())
     again = resumed.run(_optimizer_state, [()] * 2)[0]
     assert resumed.run(_moments_held, [()] * 2) == held
+    # one copy of a rank's moments (ZeRO's loader left a second in its wrapper), each step
+    # tensor beside its weight (a GPU's fused AdamW refuses one on the CPU)
+    assert resumed.run(_after_loading, [()] * 2) == [(0, True), (0, True)]
     names = {i: n for i, n in enumerate(n for n, p in single.model.named_parameters()
                                         if p.requires_grad)}
     assert len(saved["state"]) == len(names) == len(whole["state"])
@@ -129,6 +132,13 @@ def test_one_trainer_equals_two_trainers_each_holding_half_of_adams_moments(
             for key in ("exp_avg", "exp_avg_sq"):
                 assert torch.equal(state["state"][i][key], whole["state"][i][key]), (names[i], key)
                 assert torch.equal(saved["state"][i][key], whole["state"][i][key]), (names[i], key)
+
+
+def _after_loading(trainer) -> tuple[int, bool]:
+    """(entries in the ZeRO wrapper's own state, every step tensor on its weight's device)."""
+    local = trainer.optimizer.optim.state
+    return len(trainer.optimizer.state), all(s["step"].device == p.device
+                                             for p, s in local.items())
 
 
 def _moments_held(trainer) -> int:
