@@ -623,30 +623,28 @@ def make_engine(cfg):
     device = pick_device() if cfg.rollout == "hf" else "cpu"
     model, tokenizer = load_model(model_path(cfg), device, DTYPES[cfg.dtype])
     check_head_logits(model)  # (sets model.smolrl_shares_prompts, which the HF engine reads)
-    return make_rollout(cfg.rollout, model, tokenizer, device=pick_device(), seed=cfg.seed,
-                        dtype=DTYPES[cfg.dtype],
-                        max_new_tokens=tokens_after_prompt(cfg),
-                        gpu_memory_utilization=cfg.gpu_memory_utilization,
-                        logprobs=cfg.engine_logprobs(),
-                        max_num_seqs=-(-cfg.prompts_per_step * cfg.num_generations
-                                       // cfg.num_engines))
-
+    return _rollout(cfg, model, tokenizer, pick_device())
 
 
 def engine_beside(trainer, cfg, shared: bool = True):
     """A rollout engine in the trainer's process (one process; or on Ray with --colocate, where
     engine i lives in trainer i's worker): shared, the HF engine decoding from the very tensors
     the trainer computes with (cfg.engine_shares_weights says when), else a copy of its own."""
-    rollout = make_rollout(cfg.rollout, trainer.compute if shared else trainer.model,
-                           trainer.tokenizer, device=trainer.device, shares_weights=shared,
-                           dtype=DTYPES[cfg.dtype],
-                           seed=cfg.seed, max_new_tokens=tokens_after_prompt(cfg),
-                           gpu_memory_utilization=cfg.gpu_memory_utilization,
-                           logprobs=cfg.engine_logprobs(),
-                           max_num_seqs=-(-cfg.prompts_per_step * cfg.num_generations
-                                          // cfg.num_engines))
+    rollout = _rollout(cfg, trainer.compute if shared else trainer.model, trainer.tokenizer,
+                       trainer.device, shared)
     assert not shared or rollout.shares_weights  # (the memory plan counts on it)
     return rollout
+
+
+def _rollout(cfg, model, tokenizer, device, shared: bool = False):
+    """The run's engine over `model`, sized for this engine's share of a step's samples."""
+    return make_rollout(cfg.rollout, model, tokenizer, device=device, shares_weights=shared,
+                        dtype=DTYPES[cfg.dtype], seed=cfg.seed,
+                        max_new_tokens=tokens_after_prompt(cfg),
+                        gpu_memory_utilization=cfg.gpu_memory_utilization,
+                        logprobs=cfg.engine_logprobs(),
+                        max_num_seqs=-(-cfg.prompts_per_step * cfg.num_generations
+                                       // cfg.num_engines))
 
 
 @dataclass
