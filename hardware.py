@@ -32,10 +32,13 @@ pass 1, so they are the best seen in the process: measured again whenever a phas
 them, and raised at least to what it did.
 """
 
+import math
 import time
 from typing import NamedTuple
 
 import torch
+
+from model import machine as hardware_line, matmul_rate
 
 # Dense (no sparsity) tensor-core bf16 and plain fp32 TFLOP/s, per GPU, from the datasheets;
 # the first name the device's name contains wins (H100 PCIe before H100).
@@ -218,21 +221,27 @@ def processed_tokens(input_ids, prompt_lens, completion_lens, rows, shares_promp
 def peak_flops(device_type: str, dtype: torch.dtype, achieved: float = 0.0) -> tuple[float, str]:
     """(FLOP/s, where the figure comes from) of this process's device in `dtype`: a GPU's datasheet
     (gpu_peak_flops), or on a CPU the rate of a large matmul on all of torch's threads, measured --
-    the best a step's matmuls could do here; never below `achieved`, a phase's FLOP/s (_best)."""
+    the best a step's matmuls could do here (a small one where the dtype is emulated); never below
+    `achieved`, a phase's FLOP/s (_best)."""
     return _best(("peak", device_type, dtype), lambda: _measure_peak(device_type, dtype), achieved)
+
+
+PEAK_SHAPE = (512, 2048, 2048)  # (m, k, n): a matmul large enough for a CPU kernel's best rate
+PROBE_SHAPE = (128, 512, 512)  # one timed first: see _measure_peak
 
 
 def _measure_peak(device_type: str, dtype: torch.dtype) -> tuple[float, str]:
     if device_type == "cuda":
         return gpu_peak_flops(dtype)
-    a, b = torch.randn(512, 2048).to(dtype), torch.randn(2048, 2048).to(dtype)
-    a @ b  # (the first call picks a kernel)
-    best, start = float("inf"), time.perf_counter()
-    while time.perf_counter() - start < 0.3:
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * 512 * 2048 * 2048 / best, f"{torch.get_num_threads()}-thread CPU matmul, measured"
+    where = f"{torch.get_num_threads()}-thread CPU matmul"
+    # Where the dtype is emulated (bf16 on an AVX2-only CPU: 0.27 GFLOP/s at PEAK_SHAPE on the
+    # 2-core EPYC) one PEAK_SHAPE call takes 16 s: a minute of the first step of every process of
+    # a run, with the warm-up call and a second measurement. So a small matmul is timed first, and
+    # its rate stands where a large one would take over a second.
+    probe = matmul_rate(dtype, PROBE_SHAPE) * 1e9
+    if 2 * math.prod(PEAK_SHAPE) / probe > 1.0:
+        return probe, f"{where} {PROBE_SHAPE}, measured (a larger one would take over a second)"
+    return matmul_rate(dtype, PEAK_SHAPE, seconds=0.3) * 1e9, f"{where}, measured"
 
 
 def machine() -> dict:
@@ -241,7 +250,6 @@ def machine() -> dict:
     import os
     import platform
     import transformers
-    from model import machine as hardware_line
     return {"hardware": hardware_line(), "cores": len(os.sched_getaffinity(0)),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform()}
