@@ -1,0 +1,115 @@
+"""How close a decoding step can come to its roofline here: the model's own matmuls at decoding's
+row counts against the machine's peak, then one decoding step split into its parts.
+
+    python benchmarks/decode_floor.py                      # default model, 64 rows, 60 of context
+    python benchmarks/decode_floor.py --rows 32 --context 120
+
+A decoding step of R rows does 2 x R x (the model's parameters) FLOPs, and its roofline bound is
+those over the peak hardware.py measures (a 512 x 2048 x 2048 matmul). But a step's matmuls have
+only R rows, and their weights come from memory once a step: the first table is what such matmuls
+reach here -- the model's linear layers and LM head run in sequence as a step runs them, in the
+run's dtype -- and so the highest fraction of the bound any decoding loop of these kernels could
+reach. The second splits one step of the HF engine's forward (hidden states, then the LM head):
+what is left after the matmuls is attention, norms, rotary embeddings, the cache's concatenation.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch
+    import torch.nn.functional as F
+    from transformers.cache_utils import DynamicCache
+
+    from hardware import peak_flops
+    from model import DEFAULT_MODEL, choose_dtype, load_model, machine, pick_device
+    from rollout import make_rollout
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--rows", type=int, default=64, help="rows of the decoding step")
+    parser.add_argument("--context", type=int, default=60, help="tokens already in the cache")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    print(f"machine: {machine()}")
+    device = pick_device()
+    choice = choose_dtype(args.dtype, device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[choice.name]
+    model, tokenizer = load_model(args.model, device)
+    engine = make_rollout("hf", model, tokenizer, device=device, dtype=dtype)
+    net = engine.model
+    head = net.get_output_embeddings().weight
+    linears = [m.weight for m in net.modules()
+               if isinstance(m, torch.nn.Linear) and m.weight is not head]
+    peak, where = peak_flops(torch.device(device).type, dtype)
+
+    def seconds(run) -> float:
+        """The median of --repeats timed calls, after one untimed."""
+        run()
+        times = []
+        for _ in range(args.repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    print(f"\n{args.model} in {choice.name} ({choice.reason}); peak {peak / 1e9:.0f} GFLOP/s "
+          f"({where})")
+    print(f"its {len(linears)} linear layers + LM head in sequence, x @ W^T:")
+    print(f"{'rows':>6s}{'GFLOP':>8s}{'ms':>8s}{'GFLOP/s':>9s}{'of peak':>9s}")
+    for rows in sorted({args.rows, 64, 32, 16}, reverse=True):
+        inputs = {n: torch.randn(rows, n, device=device, dtype=dtype)
+                  for n in {w.shape[1] for w in linears + [head]}}
+
+        @torch.no_grad()
+        def matmuls():
+            for w in linears + [head]:
+                F.linear(inputs[w.shape[1]], w)
+        flops = 2 * rows * sum(w.numel() for w in linears + [head])
+        t = seconds(matmuls)
+        print(f"{rows:6d}{flops / 1e9:8.2f}{t * 1e3:8.1f}{flops / t / 1e9:9.0f}"
+              f"{flops / t / peak:9.0%}")
+
+    # One decoding step: `rows` rows, each with `context` tokens in the cache, feed one token.
+    R, C = args.rows, args.context
+    with torch.no_grad():
+        prefill = net(input_ids=torch.randint(0, 1000, (R, C), device=device), use_cache=True)
+    kept = [(layer.keys, layer.values) for layer in prefill.past_key_values.layers]
+    step_in = dict(input_ids=torch.randint(0, 1000, (R, 1), device=device),
+                   attention_mask=torch.ones(R, C + 1, dtype=torch.long, device=device),
+                   position_ids=torch.full((R, 1), C, device=device), use_cache=True)
+    hidden = torch.randn(R, head.shape[1], device=device, dtype=dtype)
+    inputs = {n: torch.randn(R, n, device=device, dtype=dtype)
+              for n in {w.shape[1] for w in linears}}
+
+    @torch.no_grad()
+    def decoder():  # a fresh cache of the same keys and values each time (no copy)
+        net.model(**step_in, past_key_values=DynamicCache(ddp_cache_data=kept))
+
+    @torch.no_grad()
+    def lm_head():
+        F.linear(hidden, head)
+
+    @torch.no_grad()
+    def layer_matmuls():
+        for w in linears:
+            F.linear(inputs[w.shape[1]], w)
+
+    body, head_s, mm = seconds(decoder), seconds(lm_head), seconds(layer_matmuls)
+    flops = 2 * R * (sum(w.numel() for w in linears) + head.numel())
+    bound = flops / peak
+    print(f"\none decoding step, {R} rows, {C} tokens of context: {(body + head_s) * 1e3:.0f} ms, "
+          f"its bound {bound * 1e3:.0f} ms ({bound / (body + head_s):.0%} of it)")
+    for name, t in [("the layers' matmuls", mm), ("the LM head", head_s),
+                    ("the rest: attention, norms, rotary, cache, adds", body - mm)]:
+        print(f"  {name:50s}{t * 1e3:8.1f} ms")
