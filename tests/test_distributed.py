@@ -259,12 +259,14 @@ def _version(engine):
     return engine.version
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_colocated_hf_engines_live_in_their_trainers_and_decode_from_their_tensors(
-        cluster, tiny_model_dir):
+        cluster, tiny_model_dir, dtype):
     """--colocate with the HF engine (trainer.setup_ray): engine i is built in trainer i's process
     on its very tensors, as in a one-process run -- no copy of the weights, nothing to send, and
-    an update is what the next generation samples from."""
-    cfg = replace(_cfg(tiny_model_dir), num_trainers=2, num_engines=2, colocate=True)
+    an update is what the next generation samples from. In bf16 those tensors are the trainer's
+    bf16 copy, which the optimizer step refreshes from the fp32 master weights."""
+    cfg = replace(_cfg(tiny_model_dir), num_trainers=2, num_engines=2, colocate=True, dtype=dtype)
     assert cfg.engine_shares_weights()
     for apart in (dict(colocate=False), dict(num_engines=3), dict(async_steps=1),
                   dict(fsdp=True), dict(rollout="vllm"), dict(lora_rank=4)):
