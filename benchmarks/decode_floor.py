@@ -5,12 +5,15 @@ row counts against the machine's peak, then one decoding step split into its par
     python benchmarks/decode_floor.py --rows 32 --context 120
 
 A decoding step of R rows does 2 x R x (the model's parameters) FLOPs, and its roofline bound is
-those over the peak hardware.py measures (a 512 x 2048 x 2048 matmul). But a step's matmuls have
+those over the peak hardware.py measures (a 512 x 2048 x 2048 matmul; a small one where the
+dtype is emulated). But a step's matmuls have
 only R rows, and their weights come from memory once a step: the first table is what such matmuls
 reach here -- the model's linear layers and LM head run in sequence as a step runs them, in the
 run's dtype -- and so the highest fraction of the bound any decoding loop of these kernels could
 reach. The second splits one step of the HF engine's forward (hidden states, then the LM head):
-what is left after the matmuls is attention, norms, rotary embeddings, the cache's concatenation.
+"the rest" is the decoder's time less its matmuls timed alone -- attention, norms, rotary
+embeddings, the cache's concatenation, the embedding, the mask, Python -- assuming the matmuls run
+inside the forward as fast as alone. The loop's sampling (rollout.sample_next) is not in it.
 """
 
 import argparse
@@ -111,5 +114,5 @@ if __name__ == "__main__":
     print(f"\none decoding step, {R} rows, {C} tokens of context: {(body + head_s) * 1e3:.0f} ms, "
           f"its bound {bound * 1e3:.0f} ms ({bound / (body + head_s):.0%} of it)")
     for name, t in [("the layers' matmuls", mm), ("the LM head", head_s),
-                    ("the rest: attention, norms, rotary, cache, adds", body - mm)]:
+                    ("the rest (the decoder less its matmuls alone)", body - mm)]:
         print(f"  {name:50s}{t * 1e3:8.1f} ms")

@@ -20,7 +20,8 @@ take at the machine's limit, and their ratio (hardware.py):
     rewards      grading on the CPU: no bound is claimed
 
 The bandwidth and peak are a GPU's datasheet figures, or on a CPU measured once by the run (a
-256 MB copy, a 512x2048x2048 matmul on all threads); both are printed. The last line names the
+256 MB copy, a 512x2048x2048 matmul on all threads, a 128x512x512 one where the dtype is
+emulated); both are printed. The last line names the
 phase with the most seconds above its bound: where the next speed-up is.
 """
 

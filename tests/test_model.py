@@ -363,15 +363,16 @@ def test_no_fraction_of_the_machines_limit_passes_one_after_a_busy_start(tiny_mo
     assert calls["peak"] >= 2 and calls["bandwidth"] >= 2  # measured again once beaten
 
 
-@pytest.mark.parametrize("probe_gflops", [0.27, 1.3, 40.0, 150.0])
+@pytest.mark.parametrize("probe_gflops, large", [(0.27, False), (1.3, False), (5.0, False),
+                                                  (40.0, True), (150.0, True)])
 def test_the_peak_of_an_emulated_dtype_is_measured_without_a_minute_long_matmul(probe_gflops,
-                                                                                monkeypatch):
-    """bf16 on an AVX2-only CPU is emulated: one 512 x 2048 x 2048 matmul took 16 s, and measuring
-    the peak (a warm-up call, a timed one, again once a phase beat it) took a minute of the first
-    step of every process of a run. A small matmul is timed first; the large one only where it
-    would take under a second, else the small one's rate is the peak. (Rates stand in for CPUs.)"""
-    import math
-
+                                                                                large, monkeypatch):
+    """bf16 on an AVX2-only CPU is emulated: one 512 x 2048 x 2048 matmul took 16 s (0.27 GFLOP/s,
+    where a 128 x 512 x 512 one ran at 1.3), and measuring the peak (a warm-up call, a timed one,
+    again once a phase beat it) took a minute of the first step of every process of a run. A small
+    matmul is timed first; the large one only where it would take well under a second (40 GFLOP/s:
+    0.11 s), else the small one's rate is the peak (5 GFLOP/s: 0.86 s, 4 s if 5x slower at size).
+    (Rates stand in for CPUs.)"""
     import hardware
     asked = []
 
@@ -380,13 +381,12 @@ def test_the_peak_of_an_emulated_dtype_is_measured_without_a_minute_long_matmul(
         return probe_gflops if shape == hardware.PROBE_SHAPE else probe_gflops * 1.2
     monkeypatch.setattr(hardware, "matmul_rate", rate)
     peak, where = hardware._measure_peak("cpu", torch.bfloat16)
-    large_takes = 2 * math.prod(hardware.PEAK_SHAPE) / (probe_gflops * 1e9)
-    if large_takes > 1.0:
-        assert asked == [hardware.PROBE_SHAPE] and peak == probe_gflops * 1e9
-        assert str(hardware.PROBE_SHAPE) in where
-    else:
+    if large:
         assert asked == [hardware.PROBE_SHAPE, hardware.PEAK_SHAPE]
         assert peak == pytest.approx(probe_gflops * 1.2e9)
+    else:
+        assert asked == [hardware.PROBE_SHAPE] and peak == pytest.approx(probe_gflops * 1e9)
+        assert str(hardware.PROBE_SHAPE) in where
 
 
 def test_smolrl_attention_gives_the_logits_sdpa_gives():
