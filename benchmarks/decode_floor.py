@@ -66,20 +66,24 @@ if __name__ == "__main__":
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
+    def matmul_seconds(rows: int, weights: list) -> float:
+        """x @ W^T for each of `weights` in turn, x of `rows` rows: as a decoding step runs them."""
+        inputs = {n: torch.randn(rows, n, device=device, dtype=dtype)
+                  for n in {w.shape[1] for w in weights}}
+
+        @torch.no_grad()
+        def matmuls():
+            for w in weights:
+                F.linear(inputs[w.shape[1]], w)
+        return seconds(matmuls)
+
     print(f"\n{args.model} in {choice.name} ({choice.reason}); peak {peak / 1e9:.0f} GFLOP/s "
           f"({where})")
     print(f"its {len(linears)} linear layers + LM head in sequence, x @ W^T:")
     print(f"{'rows':>6s}{'GFLOP':>8s}{'ms':>8s}{'GFLOP/s':>9s}{'of peak':>9s}")
     for rows in sorted({args.rows, 64, 32, 16}, reverse=True):
-        inputs = {n: torch.randn(rows, n, device=device, dtype=dtype)
-                  for n in {w.shape[1] for w in linears + [head]}}
-
-        @torch.no_grad()
-        def matmuls():
-            for w in linears + [head]:
-                F.linear(inputs[w.shape[1]], w)
         flops = 2 * rows * sum(w.numel() for w in linears + [head])
-        t = seconds(matmuls)
+        t = matmul_seconds(rows, linears + [head])
         print(f"{rows:6d}{flops / 1e9:8.2f}{t * 1e3:8.1f}{flops / t / 1e9:9.0f}"
               f"{flops / t / peak:9.0%}")
 
@@ -91,24 +95,12 @@ if __name__ == "__main__":
     step_in = dict(input_ids=torch.randint(0, 1000, (R, 1), device=device),
                    attention_mask=torch.ones(R, C + 1, dtype=torch.long, device=device),
                    position_ids=torch.full((R, 1), C, device=device), use_cache=True)
-    hidden = torch.randn(R, head.shape[1], device=device, dtype=dtype)
-    inputs = {n: torch.randn(R, n, device=device, dtype=dtype)
-              for n in {w.shape[1] for w in linears}}
 
     @torch.no_grad()
     def decoder():  # a fresh cache of the same keys and values each time (no copy)
         net.model(**step_in, past_key_values=DynamicCache(ddp_cache_data=kept))
 
-    @torch.no_grad()
-    def lm_head():
-        F.linear(hidden, head)
-
-    @torch.no_grad()
-    def layer_matmuls():
-        for w in linears:
-            F.linear(inputs[w.shape[1]], w)
-
-    body, head_s, mm = seconds(decoder), seconds(lm_head), seconds(layer_matmuls)
+    body, head_s, mm = seconds(decoder), matmul_seconds(R, [head]), matmul_seconds(R, linears)
     flops = 2 * R * (sum(w.numel() for w in linears) + head.numel())
     bound = flops / peak
     print(f"\none decoding step, {R} rows, {C} tokens of context: {(body + head_s) * 1e3:.0f} ms, "
