@@ -27,6 +27,7 @@ whose attention is not pluggable keeps SDPA, and share_prompts hands its packed 
 as it does for a model with a sliding window or soft-capping (takes_layouts).
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -34,6 +35,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
+
+from recompute import remake
 
 NAME = "smolrl"
 
@@ -93,10 +96,12 @@ def prefix_shared_attention(query, key, value, layout: PrefixLayout, scaling, dr
     # The prompts, causal among their own tokens: (prompts, H, P, D)
     head = small_attention(*(gather(x, layout.prompts).transpose(1, 2) for x in (query, key, value)),
                            layout.prompt_mask, scaling, dropout)
-    # Each completion against its prompt's keys and its own: (S, H, n, D)
-    tail = small_attention(gather(query, layout.queries).transpose(1, 2),
-                           gather(key, layout.keys).transpose(1, 2),
-                           gather(value, layout.keys).transpose(1, 2), layout.mask, scaling, dropout)
+    # Each completion against its prompt's keys and its own: (S, H, n, D). Its keys and values
+    # (the prompt's copied once for each completion) the backward gathers again (recompute.py).
+    k, v = (remake(gather(x, layout.keys), functools.partial(gather, x, layout.keys))
+            for x in (key, value))
+    tail = small_attention(gather(query, layout.queries).transpose(1, 2), k.transpose(1, 2),
+                           v.transpose(1, 2), layout.mask, scaling, dropout)
     outputs = torch.cat([head.transpose(1, 2).reshape(-1, H, D),
                          tail.transpose(1, 2).reshape(-1, H, D), head.new_zeros(1, H, D)])
     return gather(outputs, layout.source).view(R, L, H, D)

@@ -30,6 +30,7 @@ from model import adamw_with_warmup, autocast, check_head_logits, completion_log
 from model import add_lora, full_state_dict, full_weights, is_lora, load_adapters, load_model
 from model import pick_device
 from model import DTYPES, cast_parameters, model_path, save_model, shard_model, source_dtype
+from recompute import keep_less
 from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, tokens_after_prompt
 from rollout import weight_layout
 
@@ -89,6 +90,8 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
         ref_model = computing_like(initial, model, cfg, group)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    elif not cfg.compile:  # (each remakes activations its own way)
+        keep_less(model)  # element-wise activations remade in the backward, not kept
     cost = model_cost(model)  # (before FSDP shards the parameters it counts)
     if fsdp(cfg, group):
         # Models too large for one GPU: shard parameters, gradients and optimizer state over the

@@ -1,0 +1,181 @@
+"""What the backward keeps: results that are cheap to make again are not stored.
+
+Autograd keeps every tensor an op needs for its gradient until the backward reaches that op. In a
+Llama-style decoder layer half of those bytes are results a few cheap ops away from tensors the
+backward keeps anyway:
+
+    MLP        down(act(gate) * up)            act(gate) and the product: from gate and up
+    RMSNorm    y = w * (x * rsqrt(mean(x^2)))  x * rsqrt and y (every linear after it keeps y):
+                                               from x and its rsqrt
+    attention  each completion's keys and      gathered from the layer's keys and values (a
+               values (attention.py)           shared prompt's once for each completion)
+
+(gate, up, x, its rsqrt, the keys and values: their own ops' gradients need them.) So those are
+stored as *how to make them*, a Recipe, and made again by the same ops on the same inputs when the
+backward asks: the gradients are bit-identical, and the extra work is element-wise ops and
+gathers, no matmul. The scope is a decoder layer's forward: inside it, saved-tensor hooks store a
+tensor given to remake() as its recipe. SmolLM2-135M, the default update's 32 sequences: 1.13 ->
+0.56 GB held for the backward, at the same speed (`python benchmarks/activations.py`; the
+test counts the bytes that are gone, and checks the gradients equal, in fp32 and bf16).
+Liger-Kernel's fused SwiGLU and RMSNorm keep the same tensors.
+
+keep_less() gives the MLP and RMSNorm forwards below to the modules whose own forward they
+reproduce exactly (checked on a small input as it applies them); the others keep theirs. Not with
+gradient checkpointing (which remakes whole layers through saved-tensor hooks of its own) nor
+--compile (the compiler's partitioner chooses what to remake itself).
+"""
+
+import gc
+import types
+import weakref
+from typing import Callable, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class Recipe(NamedTuple):
+    again: Callable[[], torch.Tensor]  # makes the registered tensor again
+    size: tuple  # the saved tensor: the registered one or a view of it (a linear keeps its
+    stride: tuple  # input flattened to 2-D, attention its keys transposed)
+    offset: int
+
+
+_scopes: list["Remade"] = []  # the scopes entered, innermost last
+
+
+class Remade:
+    """A scope whose saved tensors, where remake() was told how to make them, are stored as that."""
+
+    def __init__(self):
+        # storage address -> (the tensor, its recipe). The tensor is held until the scope ends, so
+        # that no other tensor can take its address meanwhile and be mistaken for it.
+        self.recipes: dict[int, tuple[torch.Tensor, Callable]] = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def __enter__(self):
+        _scopes.append(self)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.hooks.__exit__(*exc)
+        _scopes.pop()
+        self.recipes.clear()
+
+    def _pack(self, t: torch.Tensor):
+        registered = self.recipes.get(t.untyped_storage().data_ptr())
+        if registered is None:
+            return t
+        return Recipe(registered[1], t.shape, t.stride(), t.storage_offset())
+
+
+def _unpack(saved):
+    if isinstance(saved, Recipe):
+        return saved.again().as_strided(saved.size, saved.stride, saved.offset)
+    return saved
+
+
+def remake(tensor: torch.Tensor, again: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """tensor, which the backward will get by calling again() where this runs in a scope (a layer
+    under keep_less, with grad); elsewhere nothing changes."""
+    if _scopes and torch.is_grad_enabled():
+        _scopes[-1].recipes[tensor.untyped_storage().data_ptr()] = (tensor, again)
+    return tensor
+
+
+def mlp_forward(self, x):
+    """down(act(gate(x)) * up(x)) as Llama's MLP computes it; act(gate) and the product remade."""
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    act = remake(self.act_fn(gate), lambda: self.act_fn(gate))
+    return self.down_proj(remake(act * up, lambda: self.act_fn(gate) * up))
+
+
+def rms_norm_forward(self, hidden):
+    """Llama's RMSNorm, in fp32, the result in the input's dtype; x * rsqrt and the result remade."""
+    dtype, x = hidden.dtype, hidden.to(torch.float32)  # (a recipe must not hold `hidden`: in
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)  # bf16 no op does)
+    normed = lambda: (x * rstd).to(dtype)  # noqa: E731
+    return remake(self.weight * remake(normed(), normed), lambda: self.weight * normed())
+
+
+def _forward_for(module) -> Callable | None:
+    """Which of the forwards above could stand for module's, by its parts."""
+    if all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return mlp_forward
+    if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+        return rms_norm_forward
+    return None
+
+
+@torch.no_grad()
+def _computes_the_same(module, forward) -> bool:
+    """Whether forward gives exactly what module's own forward gives, on a small random input."""
+    weight = next(module.parameters())
+    hidden = getattr(module, "hidden_size", None) or weight.shape[-1]
+    x = torch.randn(2, 3, hidden, generator=torch.Generator().manual_seed(0)).to(weight)
+    try:
+        return torch.equal(forward(module, x), module(x))
+    except Exception:  # (a shape or signature this file does not know)
+        return False
+
+
+def _scoped_forward(self, *args, **kwargs):
+    with Remade():
+        return self.unscoped_forward(*args, **kwargs)
+
+
+def keep_less(model) -> int:
+    """Give model's MLPs and RMSNorms the forwards above where they compute exactly what their
+    own do (checked once per class), and run each decoder layer -- and such a module outside the
+    layers, the last norm -- in a scope of its own. Returns how many modules took a forward."""
+    same: dict[type, bool] = {}
+    changed = []
+    for module in model.modules():
+        forward = _forward_for(module)
+        if forward is None:
+            continue
+        if type(module) not in same:
+            same[type(module)] = _computes_the_same(module, forward)
+        if same[type(module)]:
+            module.forward = types.MethodType(forward, module)
+            changed.append(module)
+    layers = list(getattr(model.get_decoder(), "layers", None) or [])
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    for module in layers + [m for m in changed if id(m) not in inside]:
+        # Bound methods, not closures: a deepcopy of the model (trainer.bf16_copy) binds them to
+        # the copy's modules.
+        module.unscoped_forward = module.forward
+        module.forward = types.MethodType(_scoped_forward, module)
+    return len(changed)
+
+
+class Made(TorchDispatchMode):
+    """The storages the ops make while this is active, by weak reference to every tensor that
+    shows them (a storage a view alone keeps alive still counts; a weight's transpose, a view of
+    what existed before, does not). held_bytes(): the bytes of those still alive, each storage
+    once -- around a forward, what it leaves for the backward (and its output). How
+    tests/test_recompute.py and benchmarks/activations.py measure."""
+
+    def __init__(self):
+        super().__init__()
+        self.new_storages: set[int] = set()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage().data_ptr()
+                if storage not in inputs:
+                    self.new_storages.add(storage)
+                if storage in self.new_storages:
+                    self.made.append(weakref.ref(t))
+        return out
+
+    def held_bytes(self) -> int:
+        gc.collect()
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (ref() for ref in self.made) if t is not None}
+        return sum(storages.values())

@@ -1,0 +1,121 @@
+"""recompute.py: the backward keeps fewer activations, and computes exactly the same gradients."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from recompute import Made, keep_less
+
+HIDDEN, INTERMEDIATE, LAYERS = 128, 256, 2
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=HIDDEN,
+                                        intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                                        num_attention_heads=2, num_key_value_heads=1))
+
+
+def forward_backward(model, ids):
+    """(bytes the forward leaves alive for the backward, the gradients)."""
+    made = Made()
+    with made:
+        hidden = model.model(input_ids=ids).last_hidden_state
+    held = made.held_bytes()
+    hidden.float().square().mean().backward()
+    return held, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_keeps_less_and_computes_the_same_gradients(llama, dtype):
+    ids = torch.randint(0, 300, (3, 50))
+    plain = copy.deepcopy(llama).to(dtype)
+    ours = copy.deepcopy(plain)
+    assert keep_less(ours) == LAYERS + 2 * LAYERS + 1  # the MLPs, the layers' norms, the last norm
+    held, grads = forward_backward(plain, ids)
+    held_less, grads_less = forward_backward(ours, ids)
+    # Gone: each layer's act(gate) and product (intermediate-wide); its two norms' normalised x
+    # and output (which the linears after them keep); the last norm's normalised x.
+    tokens, size = ids.numel(), dtype.itemsize
+    assert held - held_less == tokens * size * (LAYERS * (2 * INTERMEDIATE + 4 * HIDDEN) + HIDDEN)
+    assert grads.keys() == grads_less.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads_less[name]), name
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_shared_prompts_gather_their_keys_again_and_the_gradients_are_the_same(tiny_model_dir,
+                                                                                 dtype):
+    """The update's own forward (model.completion_logprobs: smolrl's attention, a group's prompt
+    once in one packed row): each completion's gathered keys and values are remade too."""
+    from model import DTYPES, check_head_logits, completion_logprobs, load_model
+    plain = load_model(tiny_model_dir, dtype=DTYPES[dtype])[0]
+    check_head_logits(plain)
+    ours = copy.deepcopy(plain)
+    keep_less(ours)
+    R, G, P = 2, 4, 7  # prompts, completions a prompt, prompt tokens
+    torch.manual_seed(0)
+    lens = torch.tensor([5, 3, 6, 1, 2, 6, 4, 6])  # (R G,)
+    ids = torch.randint(3, 200, (R * G, P + 6))
+    ids[:, :P] = torch.randint(3, 200, (R, P)).repeat_interleave(G, dim=0)
+
+    def forward_backward(model):
+        made = Made()
+        with made:
+            logprobs, _ = completion_logprobs(model, ids, torch.full((R * G,), P), lens)
+        held = made.held_bytes()
+        logprobs.sum().backward()
+        return held, {n: p.grad for n, p in model.named_parameters()}
+
+    held, grads = forward_backward(plain)
+    held_less, grads_less = forward_backward(ours)
+    for name in grads:
+        assert torch.equal(grads[name], grads_less[name]), name
+    config, size = plain.config, DTYPES[dtype].itemsize
+    kv = config.num_key_value_heads * config.hidden_size // config.num_attention_heads
+    tokens = R * P + int(lens.sum())  # one packed row
+    gathered = R * G * (P + int(lens.max()))  # each completion: its prompt's keys and its own
+    # The MLPs and norms as above; each layer's gathered keys and values go, and the layer's own
+    # keys and values (a token each) are kept in their place.
+    assert held - held_less == size * (
+        tokens * (LAYERS * (2 * INTERMEDIATE + 4 * HIDDEN) + HIDDEN)
+        + LAYERS * 2 * kv * (gathered - tokens))
+
+
+def test_modules_that_compute_something_else_keep_their_forward(llama):
+    """By their parts these look like Llama's MLP and RMSNorm; they compute otherwise (the gate and
+    up roles swapped; Gemma's norm scales by 1 + w), so keep_less leaves them alone."""
+    model = copy.deepcopy(llama)
+    for layer in model.model.layers:
+        layer.mlp.__class__ = type("SwappedMLP", (type(layer.mlp),), {
+            "forward": lambda self, x: self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))})
+        layer.input_layernorm.__class__ = type("OnePlusRMSNorm", (type(layer.input_layernorm),), {
+            "forward": lambda self, h: (1 + self.weight) * (h * torch.rsqrt(
+                h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))})
+    changed = keep_less(model)
+    assert changed == LAYERS + 1  # the post-attention norms and the last one only
+    x = torch.randn(2, 4, HIDDEN)
+    for layer, original in zip(model.model.layers, llama.model.layers):
+        assert "forward" not in vars(layer.mlp) and "forward" not in vars(layer.input_layernorm)
+        assert "forward" in vars(layer.post_attention_layernorm)
+        with torch.no_grad():  # and the swapped MLP still computes its own way
+            assert not torch.equal(layer.mlp(x), original.mlp(x))
+
+
+def test_the_trainer_and_its_bf16_copy_remake_activations(tiny_model_dir):
+    """setup_trainer gives its trained model keep_less's forwards -- the bf16 copy (a deepcopy)
+    its own, bound to the copy's modules -- and not under gradient checkpointing."""
+    import grpo
+    from conftest import rl_trainer
+    for dtype in ("fp32", "bf16"):
+        trainer = rl_trainer(grpo.Config(model=tiny_model_dir, dtype=dtype))
+        layer = trainer.compute.model.layers[0]
+        for module in (layer, layer.mlp, layer.input_layernorm):
+            assert vars(module)["forward"].__self__ is module
+        assert vars(layer)["unscoped_forward"].__self__ is layer
+        assert (trainer.compute is trainer.model) == (dtype == "fp32")
+    checkpointed = rl_trainer(grpo.Config(model=tiny_model_dir, gradient_checkpointing=True))
+    assert "forward" not in vars(checkpointed.compute.model.layers[0].mlp)
