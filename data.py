@@ -286,8 +286,8 @@ TASKS = {
     # agentic, offline: a calculator for 3-digit multiplication; a guessing game over turns, with
     # room for four guesses and the final word (bisection finds 15 numbers of 16 in four guesses;
     # guessing at random among the numbers still possible, 58 % of them). Episodes run to 300-400
-    # tokens: 8 a micro-batch (a token's activations for the backward are ~0.8 MB on SmolLM2;
-    # multiply's GRPO stage peaked at 4.0 GB resident with 8, 5.0 GB with 16, at the same speed;
+    # tokens: 8 a micro-batch (a token's activations for the backward were ~0.8 MB on SmolLM2,
+    # about half since recompute.py; multiply's GRPO stage peaked at 4.0 GB resident with 8, 5.0 GB with 16, at the same speed;
     # 64 episodes a micro-batch took 24 GB for guess, 18.9 GB for multiply's PPO)
     "multiply": Task("multiply", "", "answer-is", 48, 0.7, "multiply", 128, 1e-5, 16, 8, 8,
                      tools="calculator"),
