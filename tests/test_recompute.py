@@ -46,12 +46,16 @@ def test_the_backward_keeps_less_and_computes_the_same_gradients(llama, dtype):
         assert torch.equal(grads[name], grads_less[name]), name
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_shared_prompts_gather_their_keys_again_and_the_gradients_are_the_same(tiny_model_dir,
-                                                                                 dtype):
+@pytest.mark.parametrize("dtype,scores", [("fp32", None), ("bf16", None), ("fp32", 0)])
+def test_shared_prompts_gather_their_keys_again_and_the_gradients_are_the_same(
+        tiny_model_dir, dtype, scores, monkeypatch):
     """The update's own forward (model.completion_logprobs: smolrl's attention, a group's prompt
-    once in one packed row): each completion's gathered keys and values are remade too."""
+    once in one packed row): each completion's gathered keys and values are remade too -- under
+    attention.SmallAttention, and under SDPA, which long rows take (scores=0: every row)."""
+    import attention
     from model import DTYPES, check_head_logits, completion_logprobs, load_model
+    if scores is not None:
+        monkeypatch.setattr(attention, "SMALL_SCORES", scores)
     plain = load_model(tiny_model_dir, dtype=DTYPES[dtype])[0]
     check_head_logits(plain)
     ours = copy.deepcopy(plain)
