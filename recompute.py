@@ -25,6 +25,7 @@ gradient checkpointing (which remakes whole layers through saved-tensor hooks of
 --compile (the compiler's partitioner chooses what to remake itself).
 """
 
+import copy
 import gc
 import threading
 import types
@@ -70,22 +71,34 @@ class Remade:
         self.recipes.clear()
 
     def _pack(self, t: torch.Tensor):
-        registered = self.recipes.get(t.untyped_storage().data_ptr())
+        registered = self.recipes.get(t.untyped_storage().data_ptr()) if t.numel() else None
         if registered is None:
-            return t
+            # Kept. Detached: an op that saves its own output (softmax, exp) would otherwise
+            # hold its own graph node, a cycle that outlives a forward never backpropagated. Its
+            # version, so that an in-place change before the backward is still an error.
+            return Kept(t.detach(), t._version)
         return Recipe(registered[1], t.shape, t.stride(), t.storage_offset())
+
+
+class Kept(NamedTuple):
+    tensor: torch.Tensor
+    version: int
 
 
 def _unpack(saved):
     if isinstance(saved, Recipe):
         return saved.again().as_strided(saved.size, saved.stride, saved.offset)
-    return saved
+    if saved.tensor._version != saved.version:
+        raise RuntimeError(f"a tensor the backward needs, {tuple(saved.tensor.shape)}, was "
+                           f"modified in place after the forward saved it (version "
+                           f"{saved.tensor._version}, saved at {saved.version})")
+    return saved.tensor
 
 
 def remake(tensor: torch.Tensor, again: Callable[[], torch.Tensor]) -> torch.Tensor:
     """tensor, which the backward will get by calling again() where this runs in a scope (a layer
     under keep_less, with grad); elsewhere nothing changes."""
-    if _scopes() and torch.is_grad_enabled():
+    if _scopes() and torch.is_grad_enabled() and tensor.numel():  # (every empty one is at 0)
         _scopes()[-1].recipes[tensor.untyped_storage().data_ptr()] = (tensor, again)
     return tensor
 
@@ -115,15 +128,33 @@ def _forward_for(module) -> Callable | None:
 
 
 @torch.no_grad()
-def _computes_the_same(module, forward) -> bool:
-    """Whether forward gives exactly what module's own forward gives, on a small random input."""
-    weight = next(module.parameters())
+def _computes_the_same(module, forward, autocast: bool) -> bool:
+    """Whether forward gives exactly what module's own forward gives, on a small random input in
+    training mode (where dropout would differ): in the weights' dtype, and with autocast (the
+    bf16 autocast LoRA and FSDP2 compute under) on inputs in that dtype and in bf16 too -- a norm
+    that rounds its product rather than its normalised x to the input's dtype differs only there."""
+    weight = next(module.parameters(), None)
+    if weight is None:
+        return False
+    if sum(p.numel() for p in module.parameters()) <= 2**20:  # a norm: on a copy, its weights
+        module, draw = copy.deepcopy(module), torch.Generator().manual_seed(1)  # drawn at random
+        for p in module.parameters():  # (a fresh one's are all 1, with which most roundings agree)
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=draw))
     hidden = getattr(module, "hidden_size", None) or weight.shape[-1]
     x = torch.randn(2, 3, hidden, generator=torch.Generator().manual_seed(0)).to(weight)
+    cases = [(x, False)] + ([(x, True), (x.bfloat16(), True)] if autocast else [])
+    training = module.training
+    module.train()
     try:
-        return torch.equal(forward(module, x), module(x))
+        for x, autocasting in cases:
+            with torch.autocast(weight.device.type, torch.bfloat16, enabled=autocasting):
+                if not torch.equal(forward(module, x), module(x)):
+                    return False
+        return True
     except Exception:  # (a shape or signature this file does not know)
         return False
+    finally:
+        module.train(training)
 
 
 def _scoped_forward(self, *args, **kwargs):
@@ -131,10 +162,12 @@ def _scoped_forward(self, *args, **kwargs):
         return self.unscoped_forward(*args, **kwargs)
 
 
-def keep_less(model) -> int:
+def keep_less(model, autocast: bool = False) -> int:
     """Give model's MLPs and RMSNorms the forwards above where they compute exactly what their
-    own do (checked once per class), and run each decoder layer -- and such a module outside the
-    layers, the last norm -- in a scope of its own. Returns how many modules took a forward."""
+    own do (checked once per class, in the weights' dtype: call it on the model that computes,
+    such as a bf16 copy; autocast: and under bf16 autocast, as LoRA and FSDP2 compute), and run
+    each decoder layer -- and such a module outside the layers, the last norm -- in a scope of
+    its own. Returns how many modules took a forward."""
     same: dict[type, bool] = {}
     changed = []
     for module in model.modules():
@@ -142,7 +175,7 @@ def keep_less(model) -> int:
         if forward is None:
             continue
         if type(module) not in same:
-            same[type(module)] = _computes_the_same(module, forward)
+            same[type(module)] = _computes_the_same(module, forward, autocast)
         if same[type(module)]:
             module.forward = types.MethodType(forward, module)
             changed.append(module)

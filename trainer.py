@@ -90,8 +90,13 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
         ref_model = computing_like(initial, model, cfg, group)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    elif not cfg.compile:  # (each remakes activations its own way)
-        keep_less(model)  # element-wise activations remade in the backward, not kept
+    # What is cheap to make again, the backward makes again (recompute.py), but not under
+    # checkpointing or --compile, which remake activations their own way. Checked on the model
+    # that computes: here before FSDP2 shards it (under the bf16 autocast it will compute in),
+    # or below on the bf16 copy.
+    remakes = not cfg.gradient_checkpointing and not cfg.compile
+    if remakes and not uses_bf16_copy(cfg, group):
+        keep_less(model, autocast=cfg.dtype == "bf16")
     cost = model_cost(model)  # (before FSDP shards the parameters it counts)
     if fsdp(cfg, group):
         # Models too large for one GPU: shard parameters, gradients and optimizer state over the
@@ -106,6 +111,8 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
     if resume_dir:
         load_trainer_state(resume_dir, model, optimizer, scheduler)
     compute = bf16_copy(model) if uses_bf16_copy(cfg, group) else model
+    if remakes and compute is not model:
+        keep_less(compute)
     if cfg.compile:  # the policy's forward, and the reference's: the same numerics
         compile_layers(compute, *([ref_model] if ref_model is not None else []))
     return Trainer(model, compute, tokenizer, ref_model, optimizer, scheduler, cfg, device, group,

@@ -5,8 +5,9 @@ import copy
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from recompute import Made, keep_less
+from recompute import Made, Remade, keep_less, remake
 
 HIDDEN, INTERMEDIATE, LAYERS = 128, 256, 2
 
@@ -121,5 +122,73 @@ def test_the_trainer_and_its_bf16_copy_remake_activations(tiny_model_dir):
             assert vars(module)["forward"].__self__ is module
         assert vars(layer)["unscoped_forward"].__self__ is layer
         assert (trainer.compute is trainer.model) == (dtype == "fp32")
+        # (bf16: checked on the copy, in the dtype it computes in; the fp32 master never runs)
+        assert ("forward" in vars(trainer.model.model.layers[0].mlp)) == (dtype == "fp32")
     checkpointed = rl_trainer(grpo.Config(model=tiny_model_dir, gradient_checkpointing=True))
     assert "forward" not in vars(checkpointed.compute.model.layers[0].mlp)
+
+
+class RoundsTheProductRMSNorm(LlamaRMSNorm):
+    """Olmo2's norm: w * x * rsqrt rounded to the input's dtype as a whole, where Llama's rounds
+    x * rsqrt before the weight: the same in fp32, not in bf16 nor under autocast."""
+
+    def forward(self, hidden):
+        x = hidden.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * x).to(hidden.dtype)
+
+
+class DropsOut(LlamaMLP):
+    def forward(self, x):
+        return self.down_proj(torch.nn.functional.dropout(self.act_fn(self.gate_proj(x)) *
+                                                          self.up_proj(x), 0.1, self.training))
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.float32, True),
+                                            (torch.bfloat16, False)])
+def test_the_check_runs_in_the_dtype_and_mode_the_model_trains_in(llama, dtype, autocast):
+    """keep_less is called on the model that computes: a norm that equals Llama's in fp32 only is
+    refused in bf16 and under autocast; an MLP with dropout, in training mode (the models load in
+    eval mode, where dropout is off)."""
+    model = copy.deepcopy(llama).to(dtype).eval()
+    layer = model.model.layers[0]
+    layer.input_layernorm.__class__ = RoundsTheProductRMSNorm
+    layer.mlp.__class__ = DropsOut
+    keep_less(model, autocast=autocast)
+    rounds_alike = dtype == torch.float32 and not autocast
+    assert ("forward" in vars(layer.input_layernorm)) == rounds_alike
+    assert "forward" not in vars(layer.mlp)
+    assert "forward" in vars(model.model.layers[1].mlp)  # (Llama's own: taken)
+
+
+def test_a_forward_never_backpropagated_frees_everything(llama):
+    """Tensors an op saves of its own output (SDPA's, softmax's) would hold their graph node: a
+    cycle, which a forward dropped without a backward (an exception between them) would leak."""
+    model = copy.deepcopy(llama)
+    keep_less(model)
+    made = Made()
+    with made:
+        hidden = model.model(input_ids=torch.randint(0, 300, (2, 20))).last_hidden_state
+    assert made.held_bytes() > 0
+    del hidden
+    assert made.held_bytes() == 0
+
+
+def test_an_in_place_change_to_a_kept_tensor_is_still_an_error():
+    x = torch.randn(5, requires_grad=True)
+    with Remade():
+        y = x.exp()  # (keeps y for its backward)
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place after the forward saved it"):
+        y.sum().backward()
+
+
+def test_empty_tensors_are_not_taken_for_one_another():
+    """Every empty storage sits at address 0: one registered must not stand for another."""
+    a = torch.randn(0, 3, requires_grad=True)
+    b = torch.randn(3, 0, dtype=torch.float64, requires_grad=True)
+    with Remade():
+        remake(a * 2, lambda: a * 2)
+        out = (b.double() * b).sum() + (a * a).sum()
+    out.backward()
+    assert b.grad.shape == (3, 0) and a.grad.shape == (0, 3)
