@@ -43,6 +43,11 @@ class Recipe(NamedTuple):
     offset: int
 
 
+class Kept(NamedTuple):
+    tensor: torch.Tensor  # detached (see Remade._pack)
+    version: int  # its version when saved: an in-place change since is an error, as in autograd
+
+
 _local = threading.local()  # each thread its scopes, innermost last (an engine may decode in a
                             # thread of the trainer's process while it trains)
 
@@ -78,11 +83,6 @@ class Remade:
             # version, so that an in-place change before the backward is still an error.
             return Kept(t.detach(), t._version)
         return Recipe(registered[1], t.shape, t.stride(), t.storage_offset())
-
-
-class Kept(NamedTuple):
-    tensor: torch.Tensor
-    version: int
 
 
 def _unpack(saved):
