@@ -146,9 +146,9 @@ def _computes_the_same(module, forward, autocast: bool) -> bool:
     training = module.training
     module.train()
     try:
-        for x, autocasting in cases:
+        for given, autocasting in cases:
             with torch.autocast(weight.device.type, torch.bfloat16, enabled=autocasting):
-                if not torch.equal(forward(module, x), module(x)):
+                if not torch.equal(forward(module, given), module(given)):
                     return False
         return True
     except Exception:  # (a shape or signature this file does not know)
@@ -158,6 +158,8 @@ def _computes_the_same(module, forward, autocast: bool) -> bool:
 
 
 def _scoped_forward(self, *args, **kwargs):
+    if not torch.is_grad_enabled():  # (decoding, evaluation: nothing is saved, no scope needed)
+        return self.unscoped_forward(*args, **kwargs)
     with Remade():
         return self.unscoped_forward(*args, **kwargs)
 
