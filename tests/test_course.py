@@ -94,13 +94,14 @@ print(f"{len(tests)} passed")
 }
 
 
-def _copy_with_bug(dest: Path, file: str, right: str, wrong: str) -> Path:
+def _copy_with_bugs(dest: Path, bugs: list[tuple]) -> Path:
     for rel in project_files(ROOT):
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / rel, dest / rel)
-    source = (dest / file).read_text()
-    assert source.count(right) == 1, f"{file} no longer has `{right}`: update BUGS"
-    (dest / file).write_text(source.replace(right, wrong))
+    for _, file, right, wrong in bugs:
+        source = (dest / file).read_text()
+        assert source.count(right) == 1, f"{file} no longer has `{right}`: update BUGS"
+        (dest / file).write_text(source.replace(right, wrong))
     return dest
 
 
@@ -109,28 +110,40 @@ def _grades(folder: Path):
 
 
 def test_grades_reference_stubs_and_each_classic_bug(tmp_path):
-    """Reference 100 %, stubs 0 %, and every seeded bug loses exactly its exercise's points."""
+    """Reference 100 %, stubs 0 %, and every seeded bug loses exactly its exercise's points. The
+    bugs share copies, no two of one exercise in a copy (each grade is a pytest process that
+    imports torch and transformers: ~8 s); a copy loses exactly its bugs' exercises."""
     stubs = tmp_path / "assignment"
     make_exercises(stubs, ROOT, EXERCISES)
-    buggy = {name: _copy_with_bug(tmp_path / f"bug{i}", *bug[1:])
-             for i, (name, bug) in enumerate(BUGS.items())}
+    copies: list[dict] = []  # each: exercise -> the name of the bug seeded in it
+    for name, (exercise, *_) in BUGS.items():
+        free = next((c for c in copies if exercise not in c), None)
+        if free is None:
+            copies.append(free := {})
+        free[exercise] = name
+    buggy = {f"bugs{i}": _copy_with_bugs(tmp_path / f"bugs{i}", [BUGS[n] for n in c.values()])
+             for i, c in enumerate(copies)}
     folders = {"reference": ROOT, "stubs": stubs, **buggy}
-    with ThreadPoolExecutor(2) as pool:  # each grade is a pytest subprocess
+    with ThreadPoolExecutor(2) as pool:
         grades = dict(zip(folders, pool.map(_grades, folders.values())))
     scores = {folder: {g.name: g.score for g in gs} for folder, gs in grades.items()}
     assert scores["reference"] == POINTS
     assert scores["stubs"] == {name: 0 for name in POINTS}
-    for name, (exercise, *_) in BUGS.items():
-        assert scores[name] == {**POINTS, exercise: 0}, name
+    assert len(copies) < len(BUGS)
+    for i, bugs in enumerate(copies):
+        assert scores[f"bugs{i}"] == {**POINTS, **dict.fromkeys(bugs, 0)}, bugs
     # A failure reads as the hand-computed example's expected value against the student's.
-    failed = [r for g in grades["biased pass@k"] for r in g.results if not r.passed]
+    with_pass_at_k = next(f"bugs{i}" for i, c in enumerate(copies) if "pass_at_k" in c)
+    failed = [r for g in grades[with_pass_at_k] if g.name == "pass_at_k"
+              for r in g.results if not r.passed]
     assert "[4-1]" in failed[0].test and "expected 0.5 ± 1.0e-12, got 0.4375" in failed[0].message
     assert all("not written yet" in r.message for g in grades["stubs"] for r in g.results)
     # grade.json in Gradescope's format: one entry per exercise
-    results = gradescope(grades["biased pass@k"])
-    assert results["score"] == 90
+    results = gradescope(grades[with_pass_at_k])
+    lost = copies[int(with_pass_at_k[4:])]
+    assert results["score"] == sum(p for name, p in POINTS.items() if name not in lost)
     assert {(t["name"], t["score"], t["max_score"]) for t in results["tests"]} == \
-        {(name, 0 if name == "pass_at_k" else p, p) for name, p in POINTS.items()}
+        {(name, 0 if name in lost else p, p) for name, p in POINTS.items()}
     assert "FAIL test_pass_at_k" in next(t["output"] for t in results["tests"]
                                          if t["name"] == "pass_at_k")
 

@@ -36,6 +36,44 @@ def cluster():
     c.shutdown()
 
 
+# Every worker process imports torch and transformers as it starts (~5-10 s on two cores): the
+# file starts its trainers and its engines once, and each test builds what it needs in them again
+# with Worker.setup -- the method cluster.trainers and cluster.engines call once a process is up,
+# a trainer's given the process group it joined. What a test built before is dropped.
+def _nothing(group=None):
+    return None
+
+
+def _again(workers, setup, *args):
+    ray.get([w.setup.remote(setup, *args) for w in workers.workers])
+    return workers
+
+
+@pytest.fixture(scope="module")
+def trainer_pool(cluster):
+    return cluster.trainers(_nothing)
+
+
+@pytest.fixture(scope="module")
+def started():
+    return {}
+
+
+@pytest.fixture
+def engine_pool(cluster, started):
+    """The file's two engine processes, started again after a test killed one."""
+    pool = started.get("engines")
+    if pool:
+        try:
+            ray.get([w.address.remote() for w in pool.workers], timeout=60)
+        except ray.exceptions.RayActorError:
+            for w in pool.workers:
+                ray.kill(w)
+            pool = None
+    started["engines"] = pool or cluster.engines(_nothing)
+    return started["engines"]
+
+
 def _cfg(model_dir):
     # fp32 so that one and two trainers can be compared tightly; beta > 0 trains every sequence.
     return Config(data="arith", model=model_dir, dtype="fp32", beta=0.02, lr=1e-3, micro_batch_size=2,
@@ -48,13 +86,13 @@ def _batch(in_loss=None):
     return make_batch(prompts, completions, [1.0, -1.0, 0.5, -0.5, 2.0, 0.0], in_loss=in_loss)
 
 
-def _one_vs_two_trainers(cluster, cfg, in_loss=None):
+def _one_vs_two_trainers(trainer_pool, cfg, in_loss=None):
     batch = _batch(in_loss)
     single = rl_trainer(cfg)
     single_grads = record_grads(single)
     one = finish_metrics([train_on_rollout(single, batch)])
 
-    trainers = cluster.trainers(setup_trainer, cfg, "", cfg.reference())
+    trainers = _again(trainer_pool, setup_trainer, cfg, "", cfg.reference())
     args = [(batch.select(slice(r.start, r.stop)),) for r in shard(len(batch.advantages), 2)]
     raws, groups, grads = zip(*trainers.run(_train_counting_collectives, args))
     grads = grads[0]
@@ -101,12 +139,12 @@ def _train_counting_collectives(trainer, batch):
 
 
 def test_one_trainer_equals_two_trainers_each_holding_half_of_adams_moments(
-        cluster, tiny_model_dir, tmp_path):
+        trainer_pool, tiny_model_dir, tmp_path):
     """Two data-parallel trainers step as one process does (above), with AdamW's moments split
     between them (ZeRO-1); a checkpoint holds them whole, as one process would have written them,
     and either kind of run resumes from it."""
     cfg = _cfg(tiny_model_dir)
-    trainers = _one_vs_two_trainers(cluster, cfg)
+    trainers = _one_vs_two_trainers(trainer_pool, cfg)
     trainable = sum(p.numel() for p in rl_trainer(cfg).model.parameters() if p.requires_grad)
     held = trainers.run(_moments_held, [()] * 2)
     # each rank a share of whole tensors, balanced as the tensors allow (the tiny model's
@@ -118,7 +156,7 @@ def test_one_trainer_equals_two_trainers_each_holding_half_of_adams_moments(
     whole = trainers.run(_optimizer_state, [()] * 2)[0]
     saved = torch.load(tmp_path / "trainer_state.pt", weights_only=True)["optimizer"]
     single = rl_trainer(cfg, str(tmp_path))  # one process resumes from two trainers' checkpoint
-    resumed = cluster.trainers(setup_trainer, cfg, str(tmp_path), cfg.reference())
+    resumed = _again(trainers, setup_trainer, cfg, str(tmp_path), cfg.reference())
     again = resumed.run(_optimizer_state, [()] * 2)[0]
     assert resumed.run(_moments_held, [()] * 2) == held
     # one copy of a rank's moments (ZeRO's loader left a second in its wrapper), each step
@@ -147,13 +185,13 @@ def _moments_held(trainer) -> int:
     return sum(s["exp_avg"].numel() for s in local.state.values())
 
 
-def test_fsdp_two_trainers_equal_one_process(cluster, tiny_model_dir, tmp_path):
+def test_fsdp_two_trainers_equal_one_process(trainer_pool, tiny_model_dir, tmp_path):
     """FSDP2 on gloo: the ranks run the same number of passes (here 2 and 1 real micro-batches,
     and beta = 0 with zero advantages, which the plain path would skip), and saving gathers the
     full weights."""
     cfg = replace(_cfg(tiny_model_dir), fsdp=True, num_trainers=2, beta=0.0, micro_batch_size=1)
     # rank 0's shard is sequences 0-2, of which two are out of the loss: 1 pass against rank 1's 3
-    trainers = _one_vs_two_trainers(cluster, cfg, in_loss=torch.tensor([0, 0, 1, 1, 1, 1]).bool())
+    trainers = _one_vs_two_trainers(trainer_pool, cfg, in_loss=torch.tensor([0, 0, 1, 1, 1, 1]).bool())
     assert trainers.run(_is_sharded, [()] * 2) == [True, True]
     from trainer import save_trainer
     trainers.run(save_trainer, [(str(tmp_path),)] * 2)
@@ -162,8 +200,8 @@ def test_fsdp_two_trainers_equal_one_process(cluster, tiny_model_dir, tmp_path):
     weights = ray.get(trainers.weights_ref(weights_of))
     assert set(saved) <= set(weights) and all(torch.equal(saved[k], weights[k]) for k in saved)
     # --resume scatters the saved optimizer state over the ranks again
-    resumed = cluster.trainers(setup_trainer, cfg, str(tmp_path), cfg.reference())
     before = trainers.run(_optimizer_state, [()] * 2)[0]["state"]
+    resumed = _again(trainers, setup_trainer, cfg, str(tmp_path), cfg.reference())
     after = resumed.run(_optimizer_state, [()] * 2)[0]["state"]
     assert before.keys() == after.keys() and len(before) > 0
     for name in before:
@@ -191,9 +229,9 @@ def _weight_sum(engine):
     return float(sum(p.double().sum() for p in engine.model.parameters()))
 
 
-def test_one_engine_vs_two_engines_and_weight_sync(cluster, tiny_model_dir, tiny_model):
+def test_one_engine_vs_two_engines_and_weight_sync(engine_pool, tiny_model_dir, tiny_model):
     model, tokenizer = tiny_model
-    engines = cluster.engines(_engine_setup, tiny_model_dir)
+    engines = _again(engine_pool, _engine_setup, tiny_model_dir)
     local = HFRollout(model, tokenizer, dtype=torch.float32)
     prompts = [tokenizer(f"What is {i} + {i}?")["input_ids"] for i in range(5)]
     greedy = Sampling(max_new_tokens=6, temperature=0.0)
@@ -223,8 +261,8 @@ def test_unsatisfiable_placement_fails_fast_with_a_clear_message(cluster):
         Cluster(num_trainers=3, num_engines=3)
 
 
-def test_a_dead_worker_ends_the_run_with_a_message(cluster, tiny_model_dir, tokenizer):
-    engines = cluster.engines(_engine_setup, tiny_model_dir)
+def test_a_dead_worker_ends_the_run_with_a_message(engine_pool, tiny_model_dir, tokenizer):
+    engines = _again(engine_pool, _engine_setup, tiny_model_dir)
     ray.kill(engines.workers[1])
     with pytest.raises(SystemExit, match="an engine worker died"):
         engines.generate([tokenizer("Hi")["input_ids"]] * 2, 1, Sampling(4, temperature=0.0))
@@ -261,7 +299,7 @@ def _version(engine):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_colocated_hf_engines_live_in_their_trainers_and_decode_from_their_tensors(
-        cluster, tiny_model_dir, dtype):
+        cluster, trainer_pool, tiny_model_dir, dtype):
     """--colocate with the HF engine (trainer.setup_ray): engine i is built in trainer i's process
     on its very tensors, as in a one-process run -- no copy of the weights, nothing to send, and
     an update is what the next generation samples from. In bf16 those tensors are the trainer's
@@ -271,7 +309,7 @@ def test_colocated_hf_engines_live_in_their_trainers_and_decode_from_their_tenso
     for apart in (dict(colocate=False), dict(num_engines=3), dict(async_steps=1),
                   dict(fsdp=True), dict(rollout="vllm"), dict(lora_rank=4)):
         assert not replace(cfg, **apart).engine_shares_weights(), apart
-    trainers = cluster.trainers(setup_trainer, cfg, "", cfg.reference())
+    trainers = _again(trainer_pool, setup_trainer, cfg, "", cfg.reference())
     engines = cluster.engines_in(trainers, engine_beside, cfg)
     sync = weight_sync_in_place(engines)
     where = trainers.run(_trainer_tensors_at, [()] * 2)
@@ -305,12 +343,12 @@ def _trainer_logprobs(trainer, ids, pl, cl):
 
 
 def test_collective_weight_sync_reaches_every_engine_and_a_skipped_one_is_caught(
-        cluster, tiny_model_dir, tmp_path):
+        trainer_pool, engine_pool, tiny_model_dir, tmp_path):
     """Trainer rank 0 (of 2) broadcasts to 2 engines in a gloo group of their own; and the check
     that every trainer sees --out."""
     cfg = _cfg(tiny_model_dir)
-    trainers = cluster.trainers(setup_trainer, cfg, "", cfg.reference())
-    engines = cluster.engines(_engine_setup, tiny_model_dir)
+    trainers = _again(trainer_pool, setup_trainer, cfg, "", cfg.reference())
+    engines = _again(engine_pool, _engine_setup, tiny_model_dir)
     sync = weight_sync_by_collective(trainers, engines, nccl=False)
     ids, pl, cl = pack([[5, 6, 7], [8]], [[9, 10, 2], [11, 12, 13, 2]], pad_id=2)
     trainers.run(_perturb, [(0,)] * 2)  # "step 1"
@@ -344,7 +382,7 @@ def _only_rank0_sees(trainer, path):
     return "10.0.0.2", dist.get_rank(trainer.group) == 0 and Path(path).exists()
 
 
-def test_ppo_one_trainer_equals_two_trainers(cluster, tiny_model_dir):
+def test_ppo_one_trainer_equals_two_trainers(trainer_pool, tiny_model_dir):
     """ppo.py on 2 gloo ranks, each holding its shard of the policy and of the critic: the same
     policy and value losses, explained variance and gradient norms as one process (advantages
     whitened and the explained variance taken over the global batch: their sums all-reduced)."""
@@ -355,7 +393,7 @@ def test_ppo_one_trainer_equals_two_trainers(cluster, tiny_model_dir):
                      micro_batch_size=2, max_new_tokens=6, kl_coef=0.02)
     batch = with_(_batch(), rewards=torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.0]))
     one = finish_metrics([ppo.train_on_rollout(cfg.setup(), batch)])
-    trainers = cluster.trainers(setup_for, cfg, "")
+    trainers = _again(trainer_pool, setup_for, cfg, "")
     args = [(batch.select(slice(r.start, r.stop)),) for r in shard(len(batch.advantages), 2)]
     two = finish_metrics(trainers.run(ppo.train_on_rollout, args))
     for key in ("loss", "value_loss", "explained_variance", "grad_norm", "value_grad_norm",
