@@ -6,8 +6,9 @@ import importlib.util
 import io
 import json
 import os
-import subprocess
+import runpy
 import sys
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -121,16 +122,12 @@ def record_grads(trainer) -> dict:
 RAY_FLAGS = ("--num-trainers", "--num-engines", "--ray-address")
 
 
-def run_grpo(args, timeout=600):
-    """python grpo.py ARGS as a user runs it; fails the test if it fails. A one-process run goes
-    through grpo.main in this process: a fresh interpreter would spend ~6 s of each run importing
-    torch and transformers again (most of the suite's time). A run on Ray gets its own process.
-    Returns .stdout, what the run printed."""
-    if any(flag in args for flag in RAY_FLAGS):
-        result = subprocess.run([sys.executable, "grpo.py", *args], cwd=ROOT, capture_output=True,
-                                text=True, timeout=timeout)
-        assert result.returncode == 0, result.stderr[-3000:]
-        return result
+def run_grpo(args):
+    """python grpo.py ARGS as a user runs it; fails the test if it fails. The run goes through
+    grpo.main in this process: a fresh interpreter would spend ~6 s of each run importing torch
+    and transformers again (most of the suite's time). A run on Ray starts its local Ray here and
+    leaves it running (the process would exit there): it is shut down after the run, so that the
+    next run finds the CPUs free. Returns .stdout, what the run printed."""
     import grpo
     from data import parse_config
     printed = io.StringIO()
@@ -139,7 +136,35 @@ def run_grpo(args, timeout=600):
             grpo.main(parse_config(grpo.Config, list(args)))
     except SystemExit as e:  # a run that stops with one line: the test fails with that line
         pytest.fail(f"grpo.py {' '.join(args)} stopped: {e}\n{printed.getvalue()[-3000:]}")
+    finally:
+        if any(flag in args for flag in RAY_FLAGS):
+            import ray
+            ray.shutdown()
     return SimpleNamespace(stdout=printed.getvalue(), returncode=0)
+
+
+def run_script(script, args):
+    """python SCRIPT ARGS, run in this process as __main__ (runpy): its exit code, stdout and
+    stderr, a SystemExit's message or an uncaught exception's traceback written there as the
+    interpreter writes them. For a check that must stop a run with one line before any model
+    loads, without a fresh interpreter importing torch and transformers again. (What only a fresh
+    process shows -- a warning printed at import, say -- needs a subprocess: an exact stderr.)"""
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        argv, sys.argv = sys.argv, [script, *args]
+        try:
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.argv = argv
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def small_run_args(model_dir, out):

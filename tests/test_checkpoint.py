@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from checkpoint import DriverState, find_checkpoint, load_state, save_checkpoint
-from conftest import rl_trainer, ROOT, read_metrics, run_grpo, small_run_args
+from conftest import rl_trainer, ROOT, read_metrics, run_grpo, run_script, small_run_args
 
 
 def test_resume_is_exact(tiny_model_dir, tmp_path):
@@ -49,8 +49,7 @@ def test_a_fresh_run_refuses_a_folder_with_another_runs_checkpoints(tiny_model_d
     """A new run in a folder holding checkpoints stops before loading anything, names them, and
     deletes nothing; --resume auto continues them."""
     _fake_checkpoints(tmp_path, [3], keep_last=2, run_id="older")
-    result = subprocess.run([sys.executable, "grpo.py", *small_run_args(tiny_model_dir, tmp_path),
-                             "--steps", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    result = run_script("grpo.py", [*small_run_args(tiny_model_dir, tmp_path), "--steps", "1"])
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: {tmp_path / 'checkpoints'} holds another run's checkpoints (step_3): continue "
@@ -174,9 +173,8 @@ def test_a_crafted_checkpoint_cannot_run_code(tiny_model_dir, tmp_path):
     ckpt = tmp_path / "checkpoints/step_1"
     torch.save({"step": 1, "consumed": 2, "payload": _Exploit(str(marker))},
                ckpt / "driver_state.pt")
-    result = subprocess.run([sys.executable, "grpo.py", "--model", tiny_model_dir, "--resume",
-                             str(ckpt), "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)
+    result = run_script("grpo.py", ["--model", tiny_model_dir, "--resume", str(ckpt), "--out",
+                                    str(tmp_path)])
     assert result.returncode != 0
     assert "driver_state.pt cannot be loaded safely" in result.stderr
     assert "Traceback" not in result.stderr
@@ -190,7 +188,7 @@ def test_the_trained_model_is_saved_in_the_dtype_it_came_in(tiny_model_dir, tmp_
     from transformers import AutoConfig
     from grpo import Config
     from model import load_model
-    from trainer import export_model, setup_trainer
+    from trainer import export_model
     model, tokenizer = load_model(tiny_model_dir)
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     tokenizer.save_pretrained(tmp_path / "bf16")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_script
 from evaluate import majority_vote, pass_at_k, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +88,7 @@ def test_bad_input_is_a_one_line_error(tmp_path, content, message):
     path = tmp_path / "data.jsonl"
     if content is not None:
         path.write_text(content)
-    result = _run(["--data", str(path), "--out", str(tmp_path / "o")], timeout=120)
+    result = run_script("evaluate.py", ["--data", str(path), "--out", str(tmp_path / "o")])
     assert result.returncode != 0
     assert message in result.stderr
     assert str(path) in result.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import read_metrics, run_grpo, small_run_args
+from conftest import read_metrics, run_grpo, run_script, small_run_args
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,9 +40,7 @@ def test_two_step_run(tiny_model_dir, tmp_path):
 def test_bad_data_file_is_a_one_line_error(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
-    result = subprocess.run([sys.executable, "grpo.py", "--data", str(bad), "--out",
-                             str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = run_script("grpo.py", ["--data", str(bad), "--out", str(tmp_path / "o")])
     assert result.returncode != 0
     assert f"{bad}: row 2 has no 'answer' field" in result.stderr
 
@@ -52,12 +50,9 @@ def test_jsonl_data_with_prompt_column_and_too_few_rows_to_hold_out(tiny_model_d
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 2?", "answer": i + 2}) + "\n"
                             for i in range(5)))
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "grpo.py", "--model", tiny_model_dir, "--data",
-                             str(data), "--steps", "1", "--prompts-per-step", "2",
-                             "--num-generations", "2", "--max-new-tokens", "4", "--template", "boxed",
-                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_grpo(["--model", tiny_model_dir, "--data", str(data), "--steps", "1", "--prompts-per-step",
+              "2", "--num-generations", "2", "--max-new-tokens", "4", "--template", "boxed",
+              "--out", str(out)])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1]  # 5 rows: nothing to hold out, no evaluation
     assert "eval_accuracy" not in records[0]
