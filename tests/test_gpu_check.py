@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_part_runs_cpu_sized_without_the_lent_machines_missing_packages(tmp_path):
-    # A sitecustomize first on PYTHONPATH, which every child inherits (gpu_check.stream): importing
+    # A sitecustomize first on PYTHONPATH, which every child inherits (gpu_check.start_forking): importing
     # these fails, and importlib.util.find_spec finds none, as where they are not installed.
     (tmp_path / "sitecustomize.py").write_text(
         f"import sys\nsys.modules.update(dict.fromkeys({gpu_check.ABSENT!r}))\n")
@@ -60,7 +60,7 @@ def test_the_limits_add_up_to_less_than_eight_minutes_on_the_gpu():
 
 def test_a_part_cut_short_still_shows_what_it_reached(capsys):
     code = "print('reached step 1', flush=True); import time; time.sleep(60)"
-    result = gpu_check.stream("slow", [sys.executable, "-c", code], timeout=3)
+    result = gpu_check.stream("slow", exec, (code,), timeout=3)
     out = capsys.readouterr().out
     assert result is None
     assert "[slow] reached step 1" in out and "[slow] cut short after 3 s" in out
