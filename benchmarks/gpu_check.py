@@ -352,12 +352,16 @@ def speed(module_name: str, cfg, last: dict, seen: dict, gpu: bool) -> dict:
 # Every part runs in a process of its own (its memory and its limit its own), forked from one that
 # imported torch, transformers and the algorithms once: multiprocessing's forkserver, itself a
 # fresh interpreter started with this one's environment. That saves each part ~6 s of imports
-# (~50 s of the lent machine's 15 minutes; most of --tiny's time in the suite). CUDA is never
-# initialised there -- torch.cuda.is_available asks NVML (PYTORCH_NVML_BASED_CUDA_CHECK), and
-# nothing smolrl imports touches the device -- so each part initialises it as a new process does.
-# (__main__: this script, whose prepare and run_part the parts run.)
-PRELOAD = ["__main__", "torch", "transformers", "data", "model", "trainer", "grpo", "ppo",
-           "distill", "sft", "dpo", "rm"]
+# (~50 s of the lent machine's 15 minutes; most of --tiny's time in the suite). Nothing imported
+# there initialises CUDA (nothing smolrl imports touches the device; torch.cuda.is_available, were
+# anything to ask, would ask NVML: PYTORCH_NVML_BASED_CUDA_CHECK), so each part initialises it as a
+# new process does. Should that fail -- the preloading process dies, or a part finds CUDA
+# initialised before its fork -- that part and the rest run in fresh interpreters (spawn), as
+# slow as before and no worse.
+PRELOAD = ["torch", "transformers", "data", "model", "trainer", "grpo", "ppo", "distill", "sft",
+           "dpo", "rm"]
+BAD_FORK = 86  # a part's exit code when CUDA was initialised before its fork
+_start = ["forkserver"]  # how parts start: "spawn" once forking has failed
 
 
 def start_forking(preload: list[str]):
@@ -368,24 +372,45 @@ def start_forking(preload: list[str]):
 
 
 def _in_child(pipe, target, args):
-    """In the forked process: stdout and stderr into the parent's pipe, then target(*args); a
+    """In the part's process: stdout and stderr into the parent's pipe, then target(*args); a
     dict it returns is sent as the last line (RESULT ...)."""
     os.dup2(pipe.fileno(), 1)
     os.dup2(pipe.fileno(), 2)
     pipe.close()
+    torch = sys.modules.get("torch")  # (imported before the fork, or nothing to check)
+    if torch and getattr(torch.cuda, "_is_in_bad_fork", lambda: False)():  # (CUDA unusable)
+        print("CUDA was initialised in the process this one was forked from", flush=True)
+        os._exit(BAD_FORK)
     result = target(*args)
     if result is not None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
+class ForkFailed(Exception):
+    pass
+
+
 def stream(name: str, target, args: tuple, timeout: float) -> dict | None:
-    """target(*args) in a forked process (above), each line it prints shown as `[name] line` when
-    it comes; returns the dict it returned."""
-    forks = multiprocessing.get_context("forkserver")
-    read, write = forks.Pipe(duplex=False)
-    child = forks.Process(target=_in_child, args=(write, target, args), name=name)
-    child.start()
-    write.close()  # (the pipe ends when the child's copies close: at its exit, or its kill)
+    """target(*args) in a process of its own (above), each line it prints shown as `[name] line`
+    when it comes; returns the dict it returned."""
+    try:
+        return _stream(name, target, args, timeout, _start[0])
+    except ForkFailed as e:
+        print(f"[{name}] {e}: this part and the rest start in fresh interpreters", flush=True)
+        _start[0] = "spawn"
+        return _stream(name, target, args, timeout, "spawn")
+
+
+def _stream(name, target, args, timeout, how: str) -> dict | None:
+    processes = multiprocessing.get_context(how)
+    read, write = processes.Pipe(duplex=False)
+    child = processes.Process(target=_in_child, args=(write, target, args), name=name)
+    try:
+        child.start()
+    except (EOFError, OSError) as e:  # (the forkserver died: a preloaded import failed)
+        raise ForkFailed(f"no process could be forked ({type(e).__name__}: {e})") from None
+    finally:
+        write.close()  # (the pipe ends when the child's copies close: at its exit, or its kill)
     result, deadline = None, time.time() + timeout
     timer = threading.Timer(timeout, child.kill)  # (a part cut short: what it printed stays)
     timer.start()
@@ -399,6 +424,8 @@ def stream(name: str, target, args: tuple, timeout: float) -> dict | None:
         timer.cancel()
         read.close()
     child.join()
+    if how == "forkserver" and child.exitcode == BAD_FORK:
+        raise ForkFailed("CUDA was initialised before the fork")
     if time.time() >= deadline:
         print(f"[{name}] cut short after {timeout:.0f} s", flush=True)
     elif child.exitcode:

@@ -1,5 +1,5 @@
 """The course kit: the assignment is cut from the library itself, the reference scores 100 % and the
-stubs 0 %, a single classic bug costs exactly its exercise's points, the student copy's own tests
+stubs 0 %, each classic bug costs exactly its exercise's points, the student copy's own tests
 run, and docs/walkthrough.md shows what the code computes."""
 
 import ast
@@ -116,8 +116,8 @@ def test_grades_reference_stubs_and_each_classic_bug(tmp_path):
     stubs = tmp_path / "assignment"
     make_exercises(stubs, ROOT, EXERCISES)
     copies: list[dict] = []  # each: exercise -> the name of the bug seeded in it
-    for name, (exercise, *_) in BUGS.items():
-        free = next((c for c in copies if exercise not in c), None)
+    for name, (exercise, *_) in BUGS.items():  # (to the emptiest copy that can take it)
+        free = min((c for c in copies if exercise not in c), key=len, default=None)
         if free is None:
             copies.append(free := {})
         free[exercise] = name

@@ -50,27 +50,35 @@ def _again(workers, setup, *args):
 
 
 @pytest.fixture(scope="module")
-def trainer_pool(cluster):
-    return cluster.trainers(_nothing)
-
-
-@pytest.fixture(scope="module")
 def started():
     return {}
 
 
+def _alive(pool) -> bool:
+    """Whether every worker answers (a test may have killed one, or failed with one waiting in
+    a collective that never completes)."""
+    try:
+        ray.get([w.address.remote() for w in pool.workers], timeout=60)
+        return True
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        for w in pool.workers:
+            ray.kill(w)
+        return False
+
+
+@pytest.fixture
+def trainer_pool(cluster, started):
+    """The file's two trainer processes, in their process group; started again if they fail."""
+    if "trainers" not in started or not _alive(started["trainers"]):
+        started["trainers"] = cluster.trainers(_nothing)
+    return started["trainers"]
+
+
 @pytest.fixture
 def engine_pool(cluster, started):
-    """The file's two engine processes, started again after a test killed one."""
-    pool = started.get("engines")
-    if pool:
-        try:
-            ray.get([w.address.remote() for w in pool.workers], timeout=60)
-        except ray.exceptions.RayActorError:
-            for w in pool.workers:
-                ray.kill(w)
-            pool = None
-    started["engines"] = pool or cluster.engines(_nothing)
+    """The file's two engine processes; started again if they fail."""
+    if "engines" not in started or not _alive(started["engines"]):
+        started["engines"] = cluster.engines(_nothing)
     return started["engines"]
 
 

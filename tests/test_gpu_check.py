@@ -64,3 +64,21 @@ def test_a_part_cut_short_still_shows_what_it_reached(capsys):
     out = capsys.readouterr().out
     assert result is None
     assert "[slow] reached step 1" in out and "[slow] cut short after 3 s" in out
+
+
+def test_a_process_that_cannot_be_forked_falls_back_to_a_fresh_interpreter(capsys, monkeypatch):
+    """A part that finds CUDA initialised before its fork (its exit code BAD_FORK) runs again in
+    a fresh interpreter (spawn), and so do the parts after it."""
+    monkeypatch.setattr(gpu_check, "_start", ["forkserver"])
+    code = "import multiprocessing, os; print(multiprocessing.get_start_method(), flush=True)"
+    gpu_check.stream("bad", exec, (code + f"; os._exit({gpu_check.BAD_FORK})",), timeout=120)
+    assert gpu_check._start == ["spawn"]
+    gpu_check.stream("next", exec, (code,), timeout=120)
+    out = capsys.readouterr().out
+    assert out.splitlines() == [
+        "[bad] forkserver",
+        "[bad] CUDA was initialised before the fork: this part and the rest start in fresh "
+        "interpreters",
+        "[bad] spawn",
+        f"[bad] failed (exit code {gpu_check.BAD_FORK})",
+        "[next] spawn"], out
