@@ -1,6 +1,7 @@
 """The command lines as a new user meets them: --help, a typo, an impossible value, no network."""
 
 import json
+import os
 import runpy
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_grpo
 from data import parse_config
 from dpo import Config as DPOConfig
 from evaluate import EvalConfig
@@ -176,9 +178,8 @@ def test_names_that_are_not_utf8(tiny_model_dir, tmp_path):
                      for i in range(8))
     args = ["--model", tiny_model_dir, "--prompts-per-step", "2", "--num-generations", "2",
             "--max-new-tokens", "4", "--eval-every", "0", "--steps", "1"]
-    result = subprocess.run([sys.executable, "grpo.py", *args, "--data", data, "--out",
-                             str(tmp_path / "out")], cwd=ROOT, capture_output=True, timeout=300)
-    assert result.returncode == 0, result.stderr.decode(errors="replace")[-3000:]
+    # (as Python decodes such an argument: os.fsdecode; the run in this process, conftest.run_grpo)
+    run_grpo([*args, "--data", os.fsdecode(data), "--out", str(tmp_path / "out")])
     assert "pr\ufffdblems.jsonl" in (tmp_path / "out/report.html").read_text(encoding="utf-8")
     assert (tmp_path / "out/curves.png").exists()
     out = bytes(tmp_path) + b"/out\xff"

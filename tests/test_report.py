@@ -382,19 +382,15 @@ def test_a_run_whose_picture_cannot_be_drawn_still_ends_well(tiny_model_dir, tmp
     it trains, saves its model, writes its page and exits 0 (it ended in ZeroDivisionError, exit
     code 1, no report.html); and a report that fails whatever the reason is one warning line,
     never the run's exit."""
-    import os
-    import subprocess
-    import sys
     import session
-    from conftest import ROOT
+    from conftest import run_script
     (tmp_path / "huge_rewards.py").write_text(
         "def huge(prompts, completions, **_):\n"
         "    return [1e38 * (i % 2) for i in range(len(completions))]\n")
     args = small_run_args(tiny_model_dir, tmp_path / "a") + ["--steps", "2"]
     args[args.index("--reward") + 1] = "huge_rewards:huge"
-    result = subprocess.run([sys.executable, "grpo.py", *args], cwd=ROOT, capture_output=True,
-                            text=True, timeout=600,
-                            env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = run_script("grpo.py", args)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert (tmp_path / "a/report.html").exists() and (tmp_path / "a/model/config.json").exists()
 
