@@ -29,7 +29,8 @@ prompt's prefill: the same per prompt token, each attending to those before it):
 The peak and the bandwidth are a GPU's datasheet figures, or a CPU's measured rates (a matmul, a
 copy). A start that shares the cores with another job measures them low; no fraction of them may
 pass 1, so they are the best seen in the process: measured again whenever a phase did better than
-them, and raised at least to what it did.
+them, and raised at least to what it did. A CPU's are also measured again once a minute, the best
+reading kept: a low one would otherwise inflate every fraction of the run over it.
 """
 
 import math
@@ -143,23 +144,28 @@ def decode_bytes(cost: DecodeCost, steps: int, context_tokens: int) -> float:
     return steps * cost.weight_bytes + context_tokens * cost.kv_bytes_per_token
 
 
-# The best rates seen in this process, per (device type, dtype): see the module docstring.
-_BEST: dict[tuple, tuple[float, str]] = {}
+# The best rates seen in this process, per (device type, dtype): see the module docstring. Each
+# entry: (rate, where it comes from, when it was last measured).
+_BEST: dict[tuple, tuple[float, str, float]] = {}
+REMEASURE_SECONDS = 60.0  # a CPU's limits are measured again this often (_best)
 
 
 def _best(key: tuple, measure, achieved: float) -> tuple[float, str]:
-    """The rate kept for `key`: measured at the first call; the first time a phase achieves more,
-    measured again (the start was busy); from then on at least what any phase achieved (a
-    measurement costs seconds where bf16 is emulated: not one a step)."""
+    """The rate kept for `key` (kind, device type, ...): the best of its measurements and of what
+    any phase achieved. Measured at the first call; again the first time a phase achieves more (the
+    start was busy); and on a CPU again once a minute: a reading taken while another job shared
+    the cores stays low otherwise, and every fraction over it high (146 against 183 GFLOP/s in two
+    runs of one day here). A GPU's datasheet figure is read once."""
+    now = time.monotonic()
     if key not in _BEST:
-        _BEST[key] = measure()
-    rate, where = _BEST[key]
-    if achieved > rate:
-        if "again" not in where:
-            rate, where = measure()
-            where += " (again: a phase did better than the first)"
-        _BEST[key] = (max(rate, achieved), where)
-    return _BEST[key]
+        _BEST[key] = (*measure(), now)
+    rate, where, when = _BEST[key]
+    beaten = achieved > rate and "again" not in where
+    if beaten or (key[1] == "cpu" and now - when > REMEASURE_SECONDS):
+        rate, when = max(rate, measure()[0]), now
+        where += " (again: a phase did better than the first)" if beaten else ""
+    _BEST[key] = (max(rate, achieved), where, when)
+    return _BEST[key][:2]
 
 
 def memory_bandwidth(device_type: str, achieved: float = 0.0) -> tuple[float, str]:
