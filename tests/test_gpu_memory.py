@@ -74,7 +74,6 @@ def test_activations_measured_on_the_meta_device_match_a_real_forward(tiny_model
 
 def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
     """On a GPU the unset settings come from the plan, which --dry-run prints."""
-    import grpo
     from data import parse_config
     from model import DtypeChoice
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -153,7 +152,6 @@ def test_the_plan_counts_the_tensors_a_run_really_holds(lora_rank, tiny_model_di
     from conftest import make_batch
     from grpo import train_on_rollout
     from rollout import HFRollout
-    from trainer import setup_trainer
     cfg = replace(Config(model=tiny_model_dir, dtype="bf16", beta=0.04, rollout="hf"),
                   lora_rank=lora_rank, gradient_checkpointing=False, max_tokens_per_microbatch=0)
     trainer = rl_trainer(cfg)

@@ -14,7 +14,7 @@ import torch
 from conftest import rl_trainer, REL_TOL, assert_close_to_scale, make_batch, record_grads
 from grpo import Config, train_on_rollout
 from model import completion_logprobs, length_mask
-from trainer import finish_metrics, setup_trainer
+from trainer import finish_metrics
 
 PROMPTS = [[5, 6], [7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23, 24, 25, 26], [27, 2], [28, 29], [30, 2]]

@@ -16,7 +16,7 @@ from conftest import rl_trainer, REL_TOL, assert_close_to_scale, make_batch, rec
 from grpo import Config, grpo_loss, train_on_rollout
 import model as model_module
 from model import completion_logprobs, length_mask
-from trainer import finish_metrics, setup_trainer
+from trainer import finish_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6], [7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]

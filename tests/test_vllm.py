@@ -185,7 +185,7 @@ def test_both_engines_stop_on_every_eos_id_without_truncation(engine, model_and_
 
 def test_lora_weights_reach_the_engine_merged(engine, model_dir, model_and_tokenizer):
     from grpo import Config
-    from trainer import setup_trainer, weights_of
+    from trainer import weights_of
     model, tokenizer = model_and_tokenizer
     trainer = rl_trainer(Config(data="arith", model=model_dir, dtype="fp32", lora_rank=4))
     with torch.no_grad():
