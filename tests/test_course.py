@@ -133,14 +133,14 @@ def test_grades_reference_stubs_and_each_classic_bug(tmp_path):
     for i, bugs in enumerate(copies):
         assert scores[f"bugs{i}"] == {**POINTS, **dict.fromkeys(bugs, 0)}, bugs
     # A failure reads as the hand-computed example's expected value against the student's.
-    with_pass_at_k = next(f"bugs{i}" for i, c in enumerate(copies) if "pass_at_k" in c)
-    failed = [r for g in grades[with_pass_at_k] if g.name == "pass_at_k"
+    i = next(i for i, c in enumerate(copies) if "pass_at_k" in c)
+    with_pass_at_k, lost = grades[f"bugs{i}"], copies[i]
+    failed = [r for g in with_pass_at_k if g.name == "pass_at_k"
               for r in g.results if not r.passed]
     assert "[4-1]" in failed[0].test and "expected 0.5 ± 1.0e-12, got 0.4375" in failed[0].message
     assert all("not written yet" in r.message for g in grades["stubs"] for r in g.results)
     # grade.json in Gradescope's format: one entry per exercise
-    results = gradescope(grades[with_pass_at_k])
-    lost = copies[int(with_pass_at_k[4:])]
+    results = gradescope(with_pass_at_k)
     assert results["score"] == sum(p for name, p in POINTS.items() if name not in lost)
     assert {(t["name"], t["score"], t["max_score"]) for t in results["tests"]} == \
         {(name, 0 if name in lost else p, p) for name, p in POINTS.items()}
