@@ -37,6 +37,10 @@ and with:
   rlimit counts (memfd, System V and POSIX IPC, sockets, io_uring, userfaultfd, BPF maps, extended
   attributes): a memfd held 8 GiB of host memory in one call, the extended attributes of /tmp's
   files 1.6 GiB of kernel memory in 4 CPU seconds (the tmpfs's size counts only their contents).
+  Every way into a pipe but write(), which gives it pages of its own, at most its size: vmsplice
+  (a 4 KiB piece of a huge page held all 2 MiB after the code unmapped it: 512 MiB a pipe that
+  RLIMIT_AS no longer counted), and splice, tee and sendfile, which hand it a file's page-cache
+  folios, each whole however little of it is spliced.
   The counts the kernel keeps for the whole host or per user, used up so that the trainer's own
   calls failed: AIO contexts, inotify watches, fanotify marks. ptrace and process_vm_readv/writev:
   bwrap's pid 1 has none of the prelude's limits and, for a non-root trainer, is the code's uid --
@@ -118,6 +122,12 @@ REFUSED = (
     "memfd_create", "memfd_secret", "shmget", "semget", "msgget", "mq_open", "io_uring_setup",
     "io_uring_enter", "io_uring_register", "userfaultfd", "bpf", "socket", "socketpair",
     "setxattr", "lsetxattr", "fsetxattr", "setxattrat",
+    # put pages in a pipe that no limit counts: vmsplice hands it the code's own, and a 4 KiB piece
+    # of a huge page held all 2 MiB once the code unmapped it (512 MiB a pipe, outside RLIMIT_AS);
+    # splice, tee and sendfile (to a pipe, splice by another name) a file's page-cache folios,
+    # each whole (from a tmpfs with huge pages, one pipe held 512 MiB of deleted files). write()
+    # gives a pipe pages of its own, at most its size
+    "vmsplice", "splice", "tee", "sendfile",
     # use up a count the kernel keeps for the host or per user, so that the trainer's own call
     # fails: AIO contexts (fs.aio-max-nr: sixteen io_setup(4096) took them all), inotify watches
     # (all 192,546 of a non-root trainer's, in 3 CPU seconds), fanotify marks
@@ -137,8 +147,8 @@ _SYSCALLS = {
         "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "semget": 64, "msgget": 68,
         "mq_open": 240, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
         "userfaultfd": 323, "bpf": 321, "socket": 41, "socketpair": 53, "setxattr": 188,
-        "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
-        "io_setup": 206, "io_destroy": 207, "io_submit": 209, "io_cancel": 210,
+        "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463, "vmsplice": 278, "splice": 275,
+        "tee": 276, "sendfile": 40, "io_setup": 206, "io_destroy": 207, "io_submit": 209, "io_cancel": 210,
         "io_getevents": 208, "io_pgetevents": 333, "inotify_init": 253, "inotify_init1": 294,
         "fanotify_init": 300, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
         "add_key": 248, "request_key": 249, "keyctl": 250, "syslog": 103,
@@ -148,8 +158,8 @@ _SYSCALLS = {
         "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "semget": 190, "msgget": 186,
         "mq_open": 180, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
         "userfaultfd": 282, "bpf": 280, "socket": 198, "socketpair": 199, "setxattr": 5,
-        "lsetxattr": 6, "fsetxattr": 7, "setxattrat": 463,
-        "io_setup": 0, "io_destroy": 1, "io_submit": 2, "io_cancel": 3, "io_getevents": 4,
+        "lsetxattr": 6, "fsetxattr": 7, "setxattrat": 463, "vmsplice": 75, "splice": 76,
+        "tee": 77, "sendfile": 71, "io_setup": 0, "io_destroy": 1, "io_submit": 2, "io_cancel": 3, "io_getevents": 4,
         "io_pgetevents": 292, "inotify_init1": 26, "fanotify_init": 262, "ptrace": 117,
         "process_vm_readv": 270, "process_vm_writev": 271,
         "add_key": 217, "request_key": 218, "keyctl": 219, "syslog": 116,

@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import socket
+import sys
 import tempfile
 import uuid
 
@@ -854,3 +855,140 @@ print("clock", abs(time.time() - {now}) < 60, "random", len(os.urandom(16)),
     result = run_python(code.format(now=time.time()))
     assert result.error == "" and "False" not in result.output, result
     assert "random 16" in result.output
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 67: the pages a pipe holds, and what the interpreter's prefix shows.
+
+# A 4 KiB piece of a huge page, handed to a pipe with vmsplice, held the whole 2 MiB page after
+# the code unmapped it: out of its address space, so that RLIMIT_AS no longer counted it -- 512 MiB
+# a pipe (5 pipes: the host's MemAvailable fell by 2.6 GiB; ~30 GiB within 64 files). Tried here
+# without the memory cgroup, as for a non-root trainer, at twice the address-space limit (the
+# attack stops there by itself).
+HUGE_PAGES_IN_A_PIPE = """
+import ctypes, errno, fcntl, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+libc.vmsplice.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+HUGE = 2 << 20
+
+def huge_pages():
+    return int(open("/proc/self/smaps_rollup").read().split("AnonHugePages:")[1].split()[0]) << 10
+
+r, w = os.pipe()
+fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ: 256 pieces
+pinned = 0
+for _ in range(2 * {memory} // HUGE):
+    mapped = libc.mmap(None, 2 * HUGE, 3, 0x22, -1, 0)  # read-write, private and anonymous
+    page = (mapped + HUGE - 1) // HUGE * HUGE  # aligned, so that one huge page can back it
+    libc.madvise(page, HUGE, 14)  # MADV_HUGEPAGE
+    ctypes.memset(page, 1, HUGE)
+    before = huge_pages()
+    if libc.vmsplice(w, (ctypes.c_void_p * 2)(page, 4096), 1, 0) < 0:  # struct iovec: 4 KiB
+        print(errno.errorcode[ctypes.get_errno()])
+        break
+    libc.munmap(mapped, 2 * HUGE)
+    pinned += before - huge_pages()
+else:
+    print(f"pinned {{pinned >> 20}} MiB beyond the address space")
+"""
+
+
+def test_a_pipe_holds_no_page_the_code_has_unmapped(monkeypatch):
+    monkeypatch.setattr(sandbox, "memory_cgroup", lambda: None)
+    monkeypatch.setattr(sandbox, "MEMORY", 128 << 20)
+    result = run_python(HUGE_PAGES_IN_A_PIPE.format(memory=sandbox.MEMORY), timeout=10.0)
+    assert (result.output, result.error) == ("EPERM", ""), result
+
+
+@pytest.mark.skipif(not NUMBERS, reason="the attacks' system-call numbers are for x86_64/aarch64")
+@pytest.mark.parametrize("route", ["vmsplice", "splice", "tee", "sendfile"])
+def test_no_page_reaches_a_pipe_but_by_write(route):
+    """vmsplice hands a pipe the code's own pages; splice, tee and sendfile (to a pipe: splice by
+    another name) a file's page-cache folios, each whole however little of it is spliced: from a
+    tmpfs with huge pages, one pipe held 256 folios of 2 MiB of a 64 MiB tmpfs after their files
+    were gone (measured on the host). write() gives a pipe pages of its own, at most its size."""
+    code = ATTACK.format(numbers=NUMBERS) + """
+r, w = os.pipe()
+source = os.open("f", os.O_RDWR | os.O_CREAT)
+os.write(source, b"x" * 8192)
+piece = ctypes.create_string_buffer(4096)
+iovec = (ctypes.c_void_p * 2)(ctypes.addressof(piece), 4096)
+r2, w2 = os.pipe()
+os.write(w, b"x")
+calls = {"vmsplice": lambda: libc.vmsplice(w, iovec, 1, 0),
+         "splice": lambda: libc.splice(source, ctypes.byref(ctypes.c_int64(0)), w, None, 4096, 0),
+         "tee": lambda: libc.tee(r, w2, 1, 0),
+         "sendfile": lambda: libc.sendfile(w, source, ctypes.byref(ctypes.c_int64(0)), 4096)}
+print(outcome(calls["ROUTE"]()))
+""".replace("ROUTE", route)
+    result = run_python(code)
+    assert (result.output, result.error) == ("EPERM", ""), result
+
+
+def test_shutil_still_copies_a_file():
+    """shutil.copyfile tries sendfile first; refused, it copies by read and write."""
+    result = run_python("import shutil\nopen('a', 'w').write('x' * 100000)\n"
+                        "shutil.copyfile('a', 'b')\nprint(len(open('b').read()))")
+    assert (result.output, result.error) == ("100000", ""), result
+
+
+@pytest.fixture
+def planted():
+    """Files planted under the interpreter's prefix (the base interpreter's: a venv's is not bound),
+    where conda and pip keep what a user configures: pip.conf at the top (index credentials),
+    conda-meta/ (`conda env config vars` writes conda-meta/state) and etc/conda/activate.d/ (the
+    documented place for an HF_TOKEN), and site-packages. New names, so that no tool reads them;
+    removed, with any folder made for them, when the test ends."""
+    prefix = sys.base_prefix
+    if os.path.commonpath([prefix, "/usr"]) == "/usr":
+        pytest.skip("the interpreter is the system's, under /usr, which is bound whole")
+    name, text = f"smolrl-planted-{uuid.uuid4().hex}", f"HF_TOKEN=hf_{uuid.uuid4().hex}"
+    paths = [os.path.join(prefix, name + ".conf"), os.path.join(prefix, "conda-meta", name),
+             os.path.join(prefix, "etc", "conda", "activate.d", name),
+             os.path.join(os.path.dirname(os.__file__), "site-packages", name)]
+    made = []  # files and folders, in the order they were made
+    try:
+        for path in paths:
+            missing = []
+            folder = os.path.dirname(path)
+            while not os.path.exists(folder):
+                missing.append(folder)
+                folder = os.path.dirname(folder)
+            for folder in reversed(missing):
+                os.mkdir(folder)
+                made.append(folder)
+            with open(path, "x") as f:
+                made.append(path)
+                f.write(text)
+        yield {"prefix": prefix, "paths": paths, "text": text}
+    except PermissionError:
+        pytest.skip("the interpreter's prefix is not writable here")
+    finally:
+        for path in reversed(made):
+            (os.rmdir if os.path.isdir(path) else os.remove)(path)
+
+
+def test_the_interpreters_prefix_shows_only_what_python_needs(planted):
+    """The whole prefix was bound: the code read conda's environment variables and pip's
+    configuration. Now only the interpreter, its standard library (site-packages hidden) and the
+    shared libraries they link from there are."""
+    code = """
+import errno, os, sys
+for path in {paths}:
+    try:
+        print(open(path).read())
+    except OSError as e:
+        print(errno.errorcode[e.errno], end=" ")
+print(sorted(os.listdir({prefix!r})), os.listdir(os.path.dirname(sys.executable)),
+      os.listdir(os.path.join(os.path.dirname(os.__file__), "site-packages")))
+"""
+    result = run_python(code.format(**planted))
+    assert result.error == "" and planted["text"] not in result.output, result
+    python = "python%d.%d" % sys.version_info[:2]
+    listed = f"['bin', '{sys.platlibdir}'] ['{python}'] []"
+    assert result.output == "ENOENT " * 4 + listed, result
