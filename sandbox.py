@@ -92,6 +92,8 @@ model's turn costs far more.
 import errno
 import fcntl
 import functools
+import glob
+import mmap
 import os
 import platform
 import select
@@ -171,6 +173,9 @@ MASKED = ("/proc/keys", "/proc/key-users")
 # and where the trainer is not root it is the code's uid: the code wrote its memory (with ptrace),
 # cleared its death signal and had it hold 1 GiB after the call. Its /proc/<pid>/mem is hidden.
 PID_1_MEMORY = ("/proc/1/mem", "/proc/1/task/1/mem")
+# The system's programs and libraries, bound whole and read-only (the others are usually links to
+# /usr): what is installed is no secret.
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 # The first code in the sandbox, trusted: the limits, then (for a root trainer) nobody's uid, and
 # only then the model's code, read from stdin.
@@ -374,8 +379,7 @@ def _bwrap() -> str:
 def _command(rules: int) -> list:
     """bwrap's arguments (see the module docstring), ending with the interpreter and the prelude."""
     root = os.geteuid() == 0
-    prefix = sys.base_prefix  # the base interpreter: a venv's python is a link to it
-    python = os.path.join(prefix, "bin", "python%d.%d" % sys.version_info[:2])
+    python, stdlib, needed = _interpreter()
     bwrap = _bwrap()
     if not os.access(bwrap, os.X_OK):  # (the shell that enters the cgroup would only say so)
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), bwrap)
@@ -386,17 +390,22 @@ def _command(rules: int) -> list:
     else:
         args += ["--unshare-user"]
     args += ["--ro-bind", "/usr", "/usr"]
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):  # usually links to /usr
+    for top in SYSTEM[1:]:  # usually links to /usr
         if os.path.islink(top):
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
-    if os.path.commonpath([prefix, "/usr"]) != "/usr":
-        # (bwrap would give the folders above it the host's modes: a pyenv's /root is 700,
-        # closed to nobody)
-        for folder in reversed(Path(prefix).parents[:-1]):
-            args += ["--perms", "0755", "--dir", str(folder)]
-        args += ["--ro-bind", prefix, prefix]
+    # What the interpreter needs from outside them, each path alone, in folders made 0755 (bwrap
+    # would give them the host's modes: a pyenv's /root is 700, closed to nobody)
+    outside = [path for path in needed if not _within(path, SYSTEM)]
+    outside = [path for path in outside if not _within(path, set(outside) - {path})]
+    for folder in sorted({str(f) for path in outside for f in Path(path).parents[:-1]}):
+        args += ["--perms", "0755", "--dir", folder]
+    for path in outside:
+        args += ["--ro-bind", path, path]
+    packages = os.path.join(stdlib, "site-packages")  # (not on the path of python -S)
+    if stdlib in outside and os.path.isdir(packages):
+        args += ["--tmpfs", packages, "--remount-ro", packages]
     args += ["--proc", "/proc"]
     for path in MASKED + PID_1_MEMORY:
         args += ["--ro-bind", "/dev/null", path]
@@ -407,6 +416,73 @@ def _command(rules: int) -> list:
     # -u: unbuffered, so that prints and a traceback reach the pipe in the order they were made
     return args + [python, "-I", "-S", "-u", "-c", _PRELUDE, str(CPU_SECONDS), str(MEMORY),
                    str(FILES), str(SIGNALS), str(NOBODY if root else -1)]
+
+
+def _interpreter() -> tuple:
+    """The base interpreter (a venv's python is a link to it), its standard library, and all that
+    it needs to run: those two, lib-dynload, and the shared libraries they link (see _needed).
+    Only these of its prefix are bound: conda keeps a user's environment variables there
+    (conda-meta/state, etc/conda/activate.d/: the documented place for an HF_TOKEN), and pip its
+    configuration (pip.conf: an index's credentials)."""
+    version = "python%d.%d" % sys.version_info[:2]
+    python = os.path.join(sys.base_prefix, "bin", version)
+    stdlib = os.path.join(sys.base_prefix, sys.platlibdir, version)
+    dynload = os.path.join(sys.base_exec_prefix, sys.platlibdir, version, "lib-dynload")
+    return python, stdlib, _needed(python, stdlib, dynload)
+
+
+@functools.cache
+def _needed(python: str, stdlib: str, dynload: str) -> tuple:
+    """python, stdlib, dynload, and the shared libraries that python and the modules in dynload
+    link, found as the dynamic loader finds them: each name an ELF file needs, in the folders of
+    its RPATH or RUNPATH, or else of the interpreter's -- libpython in a shared build, a conda
+    env's libssl or libffi. A name in none of them is the system's, in /usr."""
+    _, interpreters = _linked(python)
+    needed, todo = [python, stdlib, dynload], [python, *glob.glob(os.path.join(dynload, "*.so"))]
+    while todo:
+        names, folders = _linked(todo.pop())
+        for name in names:
+            found = [os.path.normpath(os.path.join(folder, name))
+                     for folder in folders + interpreters]
+            found = next((path for path in found if os.path.exists(path)), None)
+            if found and found not in needed:
+                needed.append(found)
+                todo.append(found)
+    return tuple(needed)
+
+
+def _linked(path: str) -> tuple:
+    """The names of the libraries an ELF file needs (DT_NEEDED), and the folders it names to look
+    for them in (DT_RPATH, DT_RUNPATH; $ORIGIN is its own folder), from its dynamic segment.
+    64-bit little-endian only: x86_64 and aarch64, the machines the filter knows."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as elf:
+        if elf[:6] != b"\x7fELF\x02\x01":  # (64-bit, little-endian)
+            return [], []
+        table, (size, count) = struct.unpack_from("<Q", elf, 0x20)[0], struct.unpack_from(
+            "<HH", elf, 0x36)
+        # program headers: type, flags, offset in the file, address in memory, -, size in the file
+        segments = [struct.unpack_from("<IIQQQQ", elf, table + i * size) for i in range(count)]
+        dynamic = [(offset, length) for kind, _, offset, _, _, length in segments if kind == 2]
+        if not dynamic:  # (a static build)
+            return [], []
+        offset, length = dynamic[0]
+        entries = [struct.unpack_from("<qQ", elf, offset + i) for i in range(0, length, 16)]
+        strings = dict(entries)[5]  # DT_STRTAB, an address: where is it in the file?
+        strings += next(offset - address for kind, _, offset, address, _, length in segments
+                        if kind == 1 and address <= strings < address + length)
+
+        def string(at):
+            return elf[strings + at:elf.find(b"\0", strings + at)].decode()
+
+        origin = os.path.dirname(path)
+        names = [string(value) for tag, value in entries if tag == 1]
+        folders = [folder.replace("${ORIGIN}", origin).replace("$ORIGIN", origin)
+                   for tag, value in entries if tag in (15, 29) for folder in string(value).split(":")]
+        return names, folders
+
+
+def _within(path: str, folders) -> bool:
+    return any(os.path.commonpath([path, folder]) == folder for folder in folders)
 
 
 def _seccomp_filter() -> bytes:

@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import socket
+import struct
 import sys
 import tempfile
 import uuid
@@ -109,6 +110,9 @@ BAD_CODE = {
     "a write in the root": ("open('/x', 'w')", "Read-only file system"),
     "a write in the standard library": ("import os\nopen(os.__file__, 'a')",
                                         "Read-only file system|Permission denied"),
+    "a write in site-packages": ("import os\nopen(os.path.join(os.path.dirname(os.__file__), "
+                                 "'site-packages', 'x.pth'), 'w')",
+                                 "Read-only file system|Permission denied|No such file"),
     "a sibling of the scratch folder": ("import os\nopen(os.getcwd() + '-sibling', 'w')",
                                         "Read-only file system"),
     "a write outside": ("open('{outside}', 'w').write('x')", "No such file or directory"),
@@ -992,3 +996,49 @@ print(sorted(os.listdir({prefix!r})), os.listdir(os.path.dirname(sys.executable)
     python = "python%d.%d" % sys.version_info[:2]
     listed = f"['bin', '{sys.platlibdir}'] ['{python}'] []"
     assert result.output == "ENOENT " * 4 + listed, result
+
+
+def elf(path, needed=(), folders=""):
+    """A stand-in for a shared library or program: a 64-bit ELF file holding only what the dynamic
+    loader reads to find its libraries -- one segment loaded at address 0x1000 (so that an address
+    is not its offset), a dynamic segment naming `needed`, and RUNPATH `folders`."""
+    strings = b"\0"
+    at = {}
+    for text in (*needed, folders):
+        at[text] = len(strings)
+        strings += text.encode() + b"\0"
+    entries = [(1, at[name]) for name in needed] + [(29, at[folders])] * bool(folders)
+    entries += [(5, 0x1000 + 176 + 16 * (len(entries) + 2)), (0, 0)]  # DT_STRTAB, DT_NULL
+    dynamic = b"".join(struct.pack("<qQ", *entry) for entry in entries)
+    size = 176 + len(dynamic) + len(strings)
+    header = b"\x7fELF\x02\x01\x01" + bytes(9) + struct.pack("<HHIQQQIHHHHHH", 3, 62, 1, 0, 64, 0,
+                                                            0, 64, 56, 2, 64, 0, 0)
+    load = struct.pack("<IIQQQQQQ", 1, 4, 0, 0x1000, 0x1000, size, size, 0x1000)  # PT_LOAD
+    segment = struct.pack("<IIQQQQQQ", 2, 4, 176, 0x1000 + 176, 0, len(dynamic), len(dynamic), 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(header + load + segment + dynamic + strings)
+
+
+def test_the_libraries_bound_are_those_the_interpreter_and_its_modules_link(tmp_path):
+    """A conda env's layout: libpython found by the interpreter's RUNPATH, libssl by a module's
+    ($ORIGIN/../..), libcrypto (a link, as conda has it), which libssl needs, by the interpreter's
+    (libssl names no folder), libffi nowhere in the env (the system's); the env's other libraries
+    and files are not bound."""
+    prefix = tmp_path / "env"
+    python, stdlib = prefix / "bin/python3.11", prefix / "lib/python3.11"
+    elf(python, ["libpython3.11.so.1.0", "libc.so.6"], "$ORIGIN/../lib")
+    elf(prefix / "lib/libpython3.11.so.1.0", ["libm.so.6"])
+    elf(stdlib / "lib-dynload/_ssl.cpython-311-x86_64-linux-gnu.so", ["libssl.so.3", "libc.so.6"],
+        "${ORIGIN}/../..")
+    elf(stdlib / "lib-dynload/_ctypes.cpython-311-x86_64-linux-gnu.so", ["libffi.so.8"],
+        "$ORIGIN/../..")
+    elf(prefix / "lib/libssl.so.3", ["libcrypto.so.3"])
+    elf(prefix / "lib/libcrypto.so.3.0.8")
+    (prefix / "lib/libcrypto.so.3").symlink_to("libcrypto.so.3.0.8")
+    elf(prefix / "lib/libunused.so.1")
+    (prefix / "conda-meta").mkdir()
+    (prefix / "conda-meta/state").write_text('{"env_vars": {"HF_TOKEN": "hf_x"}}')
+    needed = sandbox._needed(str(python), str(stdlib), str(stdlib / "lib-dynload"))
+    assert sorted(os.path.relpath(path, prefix) for path in needed) == [
+        "bin/python3.11", "lib/libcrypto.so.3", "lib/libpython3.11.so.1.0", "lib/libssl.so.3",
+        "lib/python3.11", "lib/python3.11/lib-dynload"]
