@@ -56,7 +56,9 @@ and with:
   (SIGXCPU, then SIGKILL a second later), MEMORY bytes of address space, FILES open files (a
   pipe's buffer is kernel memory: at most 1 MiB each), SIGNALS queued signals and POSIX timers (a
   count per user: the code took all 96,369 of a non-root trainer's, whose own timer_create then
-  failed), no core files;
+  failed), no core files, no real-time priority and no nice value below the trainer's (a user
+  that limits.conf lets take them -- the audio group's rtprio on many desktops -- passed them on:
+  a SCHED_FIFO loop runs before every ordinary thread of its CPU);
 - input: the program, in a memfd sealed before the code starts -- no descriptor can grow, shrink
   or write it (fd 0, or /proc/self/fd/0 reopened): unsealed, it held 1.5 GiB that no limit
   counted;
@@ -199,6 +201,9 @@ resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
 resource.setrlimit(resource.RLIMIT_SIGPENDING, (signals, signals))
+# no real-time priority and no lower nice value, whatever the trainer's user may take
+resource.setrlimit(resource.RLIMIT_RTPRIO, (0, 0))
+resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
 if uid >= 0:
     os.setgroups([])
     os.setresgid(uid, uid, uid)

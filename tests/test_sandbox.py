@@ -1042,3 +1042,39 @@ def test_the_libraries_bound_are_those_the_interpreter_and_its_modules_link(tmp_
     assert sorted(os.path.relpath(path, prefix) for path in needed) == [
         "bin/python3.11", "lib/libcrypto.so.3", "lib/libpython3.11.so.1.0", "lib/libssl.so.3",
         "lib/python3.11", "lib/python3.11/lib-dynload"]
+
+
+@pytest.fixture
+def realtime_trainer():
+    """A trainer whose user may take real-time priorities and lower its nice value (limits.conf
+    gives the audio group rtprio 95 on many desktops): RLIMIT_RTPRIO and RLIMIT_NICE raised for
+    the test, as root can."""
+    import resource
+    kept = {limit: resource.getrlimit(limit) for limit in (resource.RLIMIT_RTPRIO,
+                                                           resource.RLIMIT_NICE)}
+    try:
+        resource.setrlimit(resource.RLIMIT_RTPRIO, (50, 50))
+        resource.setrlimit(resource.RLIMIT_NICE, (40, 40))
+    except (ValueError, OSError):
+        pytest.skip("only root may raise these limits")
+    yield
+    for limit, value in kept.items():
+        resource.setrlimit(limit, value)
+
+
+def test_the_code_cannot_raise_its_own_priority(realtime_trainer):
+    """The code inherited them: a SCHED_FIFO loop at priority 50 runs before every ordinary thread
+    of its CPU -- the trainer's too -- until its CPU seconds are spent (the kernel leaves others
+    5 % of each second). The prelude sets both limits to 0."""
+    code = """
+import errno, os
+for attempt in (lambda: os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(50)),
+                lambda: os.setpriority(os.PRIO_PROCESS, 0, -20)):
+    try:
+        attempt()
+        print("ok", end=" ")
+    except OSError as e:
+        print(errno.errorcode[e.errno], end=" ")
+"""
+    result = run_python(code)
+    assert (result.output, result.error) == ("EPERM EACCES", ""), result
