@@ -473,18 +473,18 @@ def _linked(path: str) -> tuple:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as elf:
         if elf[:6] != b"\x7fELF\x02\x01":  # (64-bit, little-endian)
             return [], []
-        table, (size, count) = struct.unpack_from("<Q", elf, 0x20)[0], struct.unpack_from(
-            "<HH", elf, 0x36)
-        # program headers: type, flags, offset in the file, address in memory, -, size in the file
+        table, = struct.unpack_from("<Q", elf, 0x20)  # where the program headers are
+        size, count = struct.unpack_from("<HH", elf, 0x36)
+        # each: type, flags, offset in the file, address in memory, -, size in the file
         segments = [struct.unpack_from("<IIQQQQ", elf, table + i * size) for i in range(count)]
-        dynamic = [(offset, length) for kind, _, offset, _, _, length in segments if kind == 2]
+        dynamic = [(start, length) for kind, _, start, _, _, length in segments if kind == 2]
         if not dynamic:  # (a static build)
             return [], []
-        offset, length = dynamic[0]
-        entries = [struct.unpack_from("<qQ", elf, offset + i) for i in range(0, length, 16)]
+        start, length = dynamic[0]
+        entries = [struct.unpack_from("<qQ", elf, start + i) for i in range(0, length, 16)]
         strings = dict(entries)[5]  # DT_STRTAB, an address: where is it in the file?
-        strings += next(offset - address for kind, _, offset, address, _, length in segments
-                        if kind == 1 and address <= strings < address + length)
+        strings += next(start - address for kind, _, start, address, _, length in segments
+                        if kind == 1 and address <= strings < address + length)  # (PT_LOAD)
 
         def string(at):
             return elf[strings + at:elf.find(b"\0", strings + at)].decode()
@@ -498,6 +498,7 @@ def _linked(path: str) -> tuple:
 
 
 def _within(path: str, folders) -> bool:
+    """Whether `path` is one of `folders` or inside one."""
     return any(os.path.commonpath([path, folder]) == folder for folder in folders)
 
 
