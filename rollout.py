@@ -129,7 +129,10 @@ def sample_next(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     The draw inverts the CDF with one uniform number per row. torch.multinomial draws an
     exponential random number for every vocabulary entry instead: a quarter of generation here."""
     if sampling.temperature == 0:
-        return logits.argmax(-1)
+        token = logits.argmax(-1)  # (a row's NaN is its argmax: checked on B values, not B V)
+        if not torch.isfinite(logits.gather(-1, token[:, None])).all():
+            raise ValueError("sampling: the logits hold NaN or are all -inf in some row")
+        return token
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)  # (B, V)
     if sampling.top_p < 1:  # the smallest set of likeliest tokens holding top_p of the mass
         sorted_probs, order = probs.sort(-1, descending=True)

@@ -175,6 +175,10 @@ def test_the_blocked_inverse_cdf_draws_what_one_running_sum_draws():
     for bad in ([0.0, float("nan")], [float("-inf"), float("-inf")]):  # one clear line
         with pytest.raises(ValueError, match="NaN or are all -inf"):
             sample_next(torch.tensor([[1.0, 2.0], bad]), Sampling(temperature=1.0))
+        # greedy too: NaN's argmax is a NaN's index, which scored an evaluation 0 silently (issue
+        # 67's Gemma 2)
+        with pytest.raises(ValueError, match="NaN or are all -inf"):
+            sample_next(torch.tensor([[1.0, 2.0], bad]), Sampling(temperature=0.0))
 
 
 def test_sample_next_top_p_keeps_the_smallest_nucleus():
