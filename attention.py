@@ -27,7 +27,6 @@ whose attention is not pluggable keeps SDPA, and share_prompts hands its packed 
 as it does for a model with a sliding window or soft-capping (takes_layouts).
 """
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -105,8 +104,7 @@ def prefix_shared_attention(query, key, value, layout: PrefixLayout, scaling, dr
                            layout.prompt_mask, scaling, dropout)
     # Each completion against its prompt's keys and its own: (S, H, n, D). Its keys and values
     # (the prompt's copied once for each completion) the backward gathers again (recompute.py).
-    k, v = (remake(gather(x, layout.keys), functools.partial(gather, x, layout.keys))
-            for x in (key, value))
+    k, v = (remake(gather(x, layout.keys), gather, x, layout.keys) for x in (key, value))
     tail = small_attention(gather(query, layout.queries).transpose(1, 2), k.transpose(1, 2),
                            v.transpose(1, 2), layout.mask, scaling, dropout)
     outputs = torch.cat([head.transpose(1, 2).reshape(-1, H, D),
