@@ -156,14 +156,21 @@ def _render_in_child(tokenizer, templates: list[str]) -> str | None:
 
 def _quiet_and_bounded():
     """The child's output goes nowhere (transformers' warnings would repeat the parent's), and
-    its address space may grow by TEMPLATE_MEMORY at most: past it an allocation fails."""
+    its address space may grow by TEMPLATE_MEMORY at most: past it an allocation fails. (Where
+    /proc does not say its size, not Linux, the time and size bounds alone hold.)"""
     import resource
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.dup2(null, 2)
-    with open("/proc/self/status") as f:
-        size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-    resource.setrlimit(resource.RLIMIT_AS, (size + TEMPLATE_MEMORY, size + TEMPLATE_MEMORY))
+    try:
+        with open("/proc/self/status") as f:
+            size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (OSError, StopIteration):
+        return
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]  # (a `ulimit -v` of the user's: kept)
+    most = size + TEMPLATE_MEMORY if hard == resource.RLIM_INFINITY else \
+        min(size + TEMPLATE_MEMORY, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (most, most))
 
 
 def _render_all(tokenizer, templates: list[str]) -> str | None:

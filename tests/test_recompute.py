@@ -206,11 +206,11 @@ def _jitters_its_input(module, args):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("where", ["input_layernorm", "mlp", "act_fn"])
+@pytest.mark.parametrize("where", ["input_layernorm", "mlp", "down_proj", "act_fn"])
 def test_a_registered_tensor_changed_in_place_is_kept_not_remade(llama, dtype, where):
     """Issue 67: a registered tensor changed in place after remake() -- a forward hook doubling
     input_layernorm's output, Mixtral's router jitter multiplying the MLP's input (the
-    post-attention norm's output) -- was made again as it was before the change: q and k's
+    post-attention norm's output), a hook scaling down_proj's input -- was made again as it was before the change: q and k's
     gradients came out half the right ones, the experts' 5-7 % off. Now its version is recorded
     at registration and a tensor changed since is kept as it is: the gradients are those of the
     model without recompute.py, bit for bit. A hook on the MLP's activation, which here draws
@@ -224,6 +224,8 @@ def test_a_registered_tensor_changed_in_place_is_kept_not_remade(llama, dtype, w
                 layer.input_layernorm.register_forward_hook(_doubles_in_place)
             elif where == "mlp":
                 layer.mlp.register_forward_pre_hook(_jitters_its_input)
+            elif where == "down_proj":  # its input: act(gate) * up, scaled in place
+                layer.mlp.down_proj.register_forward_pre_hook(lambda module, args: args[0].mul_(3))
             else:  # a hook that returns another tensor, drawn at random each call
                 layer.mlp.act_fn.register_forward_hook(
                     lambda module, args, out: out * torch.empty_like(out).uniform_(0.9, 1.1))
