@@ -210,10 +210,10 @@ def _jitters_its_input(module, args):
 def test_a_registered_tensor_changed_in_place_is_kept_not_remade(llama, dtype, where):
     """Issue 67: a registered tensor changed in place after remake() -- a forward hook doubling
     input_layernorm's output, Mixtral's router jitter multiplying the MLP's input (the
-    post-attention norm's output), a hook scaling down_proj's input -- was made again as it was before the change: q and k's
-    gradients came out half the right ones, the experts' 5-7 % off. Now its version is recorded
-    at registration and a tensor changed since is kept as it is: the gradients are those of the
-    model without recompute.py, bit for bit. A hook on the MLP's activation, which here draws
+    post-attention norm's output), a hook scaling down_proj's input -- was made again as it was
+    before the change: q and k's gradients came out half the right ones, the experts' 5-7 % off.
+    Now its version is recorded at registration and a tensor changed since is kept as it is: the
+    gradients are those of the model without recompute.py, bit for bit. A hook on the MLP's activation, which here draws
     noise: the recipes would run it again in the backward, so that MLP remakes nothing."""
     plain = copy.deepcopy(llama).to(dtype)
     ours = copy.deepcopy(plain)

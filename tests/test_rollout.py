@@ -353,8 +353,9 @@ def test_the_one_process_hf_engine_samples_from_the_trainers_own_tensors(dtype, 
 
 def _tiny_gemma2(window: int, seed: int = 0):
     """A 2-layer Gemma 2 built from a config (random weights): soft-capped attention scores (cap
-    50, as Gemma 2's), a layer with a sliding window of `window` tokens and a global one. Its q and k projections are scaled up so
-    that scores are a few units and attention is sharp: a token's place changes the argmax."""
+    50, as Gemma 2's), a layer with a sliding window of `window` tokens and a global one. Its q
+    and k projections are scaled up so that scores are a few units and attention is sharp: a
+    token's place changes the argmax."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     from attention import use_smolrl_attention
