@@ -27,7 +27,6 @@ whose attention is not pluggable keeps SDPA, and share_prompts hands its packed 
 as it does for a model with a sliding window or soft-capping (takes_layouts).
 """
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -39,6 +38,13 @@ from transformers.masking_utils import sdpa_mask
 from recompute import remake
 
 NAME = "smolrl"
+# The score a masked key gets, in the fp32 scores of every function below: the lowest finite one,
+# as transformers' eager attention masks, not -inf. A query that may attend to nothing -- a
+# left-padding column of a batch of prompts -- then averages every value instead of turning NaN;
+# with -inf its NaN reached every real token through the next layer's values (0 x NaN) --
+# issue 67: Gemma 2's greedy evaluation scored 0. Where a row has a key it may attend to, the
+# two give the same probabilities (exp of either, less the row's maximum, is exactly 0).
+MASKED = torch.finfo(torch.float32).min
 
 
 class PrefixLayout(NamedTuple):
@@ -98,8 +104,7 @@ def prefix_shared_attention(query, key, value, layout: PrefixLayout, scaling, dr
                            layout.prompt_mask, scaling, dropout)
     # Each completion against its prompt's keys and its own: (S, H, n, D). Its keys and values
     # (the prompt's copied once for each completion) the backward gathers again (recompute.py).
-    k, v = (remake(gather(x, layout.keys), functools.partial(gather, x, layout.keys))
-            for x in (key, value))
+    k, v = (remake(gather(x, layout.keys), gather, x, layout.keys) for x in (key, value))
     tail = small_attention(gather(query, layout.queries).transpose(1, 2), k.transpose(1, 2),
                            v.transpose(1, 2), layout.mask, scaling, dropout)
     outputs = torch.cat([head.transpose(1, 2).reshape(-1, H, D),
@@ -140,7 +145,7 @@ def _probs(q, k, mask, scaling):
     B, KV, gn, _ = q.shape
     n, m = mask.shape[-2], k.shape[2]
     scores = (q.float() @ k.float().transpose(-1, -2)) * scaling
-    scores = scores.view(B, KV, gn // n, n, m).masked_fill(~mask[:, :, None], float("-inf"))
+    scores = scores.view(B, KV, gn // n, n, m).masked_fill(~mask[:, :, None], MASKED)
     return torch.softmax(scores, dim=-1).view(B, KV, gn, m)
 
 
@@ -197,7 +202,7 @@ def decode_attention(query, key, value, attention_mask, scaling):
     scores = torch.matmul(q, key.transpose(-1, -2)).float() * scaling  # (B, KV, H/KV, L)
     if attention_mask is not None:
         mask = attention_mask[:, :, :, -L:]  # (B, 1, 1, L)
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool \
+        scores = scores.masked_fill(~mask, MASKED) if mask.dtype == torch.bool \
             else scores + mask.float()
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(probs, value)  # (B, KV, H/KV, D)
@@ -221,8 +226,8 @@ def softcapped_attention(query, key, value, attention_mask, scaling, softcap: fl
     scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is None:
         attention_mask = torch.ones(n, m, dtype=torch.bool, device=query.device).tril(m - n)
-    if attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask[..., :m], float("-inf"))
+    if attention_mask.dtype == torch.bool:  # (not -inf: see MASKED)
+        scores = scores.masked_fill(~attention_mask[..., :m], MASKED)
     else:
         scores = scores + attention_mask[..., :m].float()
     probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout, training=training)

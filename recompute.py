@@ -13,10 +13,14 @@ backward keeps anyway:
 (gate, up, x, its rsqrt, the keys and values: their own ops' gradients need them.) So those are
 stored as *how to make them*, a Recipe, and made again by the same ops on the same inputs when the
 backward asks: the gradients are bit-identical, and the extra work is element-wise ops and
-gathers, no matmul. The scope is a decoder layer's forward: inside it, saved-tensor hooks store a
-tensor given to remake() as its recipe. SmolLM2-135M, the default update's 32 sequences: 1.05 ->
-0.52 GB held for the backward, forward + backward 6.0 -> 5.8 s (`python benchmarks/activations.py`;
-tests/test_recompute.py counts the bytes that go, and checks the gradients equal, fp32 and bf16).
+gathers, no matmul. The scope is a decoder layer's forward: inside it, saved-tensor hooks store
+a tensor given to remake() as its recipe -- while it is what the recipe makes: one changed in
+place after it was registered (a forward hook that scales a norm's output, Mixtral's router
+jitter `hidden_states *= noise`), or whose recipe's inputs were, is kept as it is; an input
+changed after an op saved the recipe is an error in the backward, as autograd's own check is.
+SmolLM2-135M, the default update's 32 sequences: 1.05 -> 0.52 GB held for the backward, forward +
+backward 6.0 -> 5.8 s (`python benchmarks/activations.py`; tests/test_recompute.py counts the
+bytes that go, and checks the gradients equal, fp32 and bf16).
 Liger-Kernel's fused SwiGLU and RMSNorm keep the same tensors.
 
 keep_less() gives the MLP and RMSNorm forwards below to the modules whose own forward they
@@ -36,8 +40,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+class Registered(NamedTuple):
+    """A tensor given to remake(), as it was then."""
+    tensor: torch.Tensor
+    version: int  # its version: changed in place since (a hook, Mixtral's router jitter), it is
+    #               no longer what the recipe makes
+    make: Callable[..., torch.Tensor]  # make(*inputs) makes it again
+    inputs: tuple  # every tensor make reads ...
+    versions: tuple  # ... and their versions
+
+    def changed(self) -> bool:
+        return self.tensor._version != self.version or _changed(self.inputs, self.versions)
+
+
 class Recipe(NamedTuple):
-    again: Callable[[], torch.Tensor]  # makes the registered tensor again
+    make: Callable[..., torch.Tensor]  # makes the registered tensor again ...
+    inputs: tuple  # ... from these, as they were at registration
+    versions: tuple
     size: tuple  # the saved tensor: the registered one or a view of it (a linear keeps its
     stride: tuple  # input flattened to 2-D, attention its keys transposed)
     offset: int
@@ -60,9 +79,9 @@ class Remade:
     """A scope whose saved tensors, where remake() was told how to make them, are stored as that."""
 
     def __init__(self):
-        # storage address -> (the tensor, its recipe). The tensor is held until the scope ends, so
-        # that no other tensor can take its address meanwhile and be mistaken for it.
-        self.recipes: dict[int, tuple[torch.Tensor, Callable]] = {}
+        # storage address -> the tensor and its recipe. The tensor is held until the scope ends,
+        # so that no other tensor can take its address meanwhile and be mistaken for it.
+        self.recipes: dict[int, Registered] = {}
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def __enter__(self):
@@ -77,17 +96,27 @@ class Remade:
 
     def _pack(self, t: torch.Tensor):
         registered = self.recipes.get(t.untyped_storage().data_ptr()) if t.numel() else None
-        if registered is None:
-            # Kept. Detached: an op that saves its own output (softmax, exp) would otherwise
-            # hold its own graph node, a cycle that outlives a forward never backpropagated. Its
-            # version, so that an in-place change before the backward is still an error.
+        if registered is None or registered.changed():
+            # Kept: not registered, or changed in place since (it, or what its recipe reads),
+            # which the recipe would not make. Detached: an op that saves its own output (softmax,
+            # exp) would otherwise hold its own graph node, a cycle that outlives a forward never
+            # backpropagated. Its version, so that an in-place change before the backward is
+            # still an error.
             return Kept(t.detach(), t._version)
-        return Recipe(registered[1], t.shape, t.stride(), t.storage_offset())
+        return Recipe(registered.make, registered.inputs, registered.versions, t.shape,
+                      t.stride(), t.storage_offset())
+
+
+def _changed(tensors: tuple, versions: tuple) -> bool:
+    return any(t._version != v for t, v in zip(tensors, versions))
 
 
 def _unpack(saved):
     if isinstance(saved, Recipe):
-        return saved.again().as_strided(saved.size, saved.stride, saved.offset)
+        if _changed(saved.inputs, saved.versions):  # (it would make something else)
+            raise RuntimeError("a tensor the backward makes again was modified in place after "
+                               "the forward saved it: what it is made from has changed")
+        return saved.make(*saved.inputs).as_strided(saved.size, saved.stride, saved.offset)
     if saved.tensor._version != saved.version:
         raise RuntimeError(f"a tensor the backward needs, {tuple(saved.tensor.shape)}, was "
                            f"modified in place after the forward saved it (version "
@@ -95,27 +124,42 @@ def _unpack(saved):
     return saved.tensor
 
 
-def remake(tensor: torch.Tensor, again: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """tensor, which the backward will get by calling again() where this runs in a scope (a layer
-    under keep_less, with grad); elsewhere nothing changes."""
+def remake(tensor: torch.Tensor, make: Callable[..., torch.Tensor], *inputs) -> torch.Tensor:
+    """tensor, which the backward will get by calling make(*inputs) where this runs in a scope (a
+    layer under keep_less, with grad); elsewhere nothing changes. `inputs`: every tensor make
+    reads (their versions are checked, as `tensor`'s: a change in place since is kept or an
+    error, never a silently different tensor)."""
     if _scopes() and torch.is_grad_enabled() and tensor.numel():  # (every empty one is at 0)
-        _scopes()[-1].recipes[tensor.untyped_storage().data_ptr()] = (tensor, again)
+        _scopes()[-1].recipes[tensor.untyped_storage().data_ptr()] = Registered(
+            tensor, tensor._version, make, inputs, tuple(x._version for x in inputs))
     return tensor
 
 
 def mlp_forward(self, x):
-    """down(act(gate(x)) * up(x)) as Llama's MLP computes it; act(gate) and the product remade."""
+    """down(act(gate(x)) * up(x)) as Llama's MLP computes it; act(gate) and the product remade --
+    unless a hook runs with the activation: the backward would run it again (a hook that records,
+    or draws noise, twice), so then nothing is remade."""
     gate, up = self.gate_proj(x), self.up_proj(x)
-    act = remake(self.act_fn(gate), lambda: self.act_fn(gate))
-    return self.down_proj(remake(act * up, lambda: self.act_fn(gate) * up))
+    if _hooked(self.act_fn):
+        return self.down_proj(self.act_fn(gate) * up)
+    act = remake(self.act_fn(gate), self.act_fn, gate)
+    return self.down_proj(remake(act * up, lambda gate, up: self.act_fn(gate) * up, gate, up))
+
+
+def _hooked(module) -> bool:
+    """Whether calling module runs hooks besides its forward: its own, or every module's."""
+    every = torch.nn.modules.module
+    return bool(module._forward_pre_hooks or module._forward_hooks or
+                every._global_forward_pre_hooks or every._global_forward_hooks)
 
 
 def rms_norm_forward(self, hidden):
     """Llama's RMSNorm, in fp32, the result in the input's dtype; x * rsqrt and the result remade."""
     dtype, x = hidden.dtype, hidden.to(torch.float32)  # (a recipe must not hold `hidden`: in
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)  # bf16 no op does)
-    normed = lambda: (x * rstd).to(dtype)  # noqa: E731
-    return remake(self.weight * remake(normed(), normed), lambda: self.weight * normed())
+    normed = lambda x, rstd: (x * rstd).to(dtype)  # noqa: E731
+    return remake(self.weight * remake(normed(x, rstd), normed, x, rstd),
+                  lambda w, x, rstd: w * normed(x, rstd), self.weight, x, rstd)
 
 
 def _forward_for(module) -> Callable | None:

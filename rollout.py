@@ -129,7 +129,10 @@ def sample_next(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     The draw inverts the CDF with one uniform number per row. torch.multinomial draws an
     exponential random number for every vocabulary entry instead: a quarter of generation here."""
     if sampling.temperature == 0:
-        return logits.argmax(-1)
+        token = logits.argmax(-1)  # (a row's NaN is its argmax: checked on B values, not B V)
+        if not torch.isfinite(logits.gather(-1, token[:, None])).all():
+            raise ValueError("sampling: the logits hold NaN or are all -inf in some row")
+        return token
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)  # (B, V)
     if sampling.top_p < 1:  # the smallest set of likeliest tokens holding top_p of the mass
         sorted_probs, order = probs.sort(-1, descending=True)
@@ -381,7 +384,7 @@ class HFRollout:
         full_prompts = prompts
         # held[i]: how many of prompt i's first tokens `cache` holds; reused: prompt tokens that
         # did not run through the model
-        cache, held, reused = self._start_cache(prompts, kept)
+        cache, held, reused = self._start_cache(prompts, kept, sampling.max_new_tokens)
         prompts = [p[h:] for p, h in zip(prompts, held)]
         P, C = max(len(p) for p in prompts), (cache.get_seq_length() if cache is not None else 0)
         ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
@@ -439,7 +442,7 @@ class HFRollout:
         return Decoded(tokens.tolist(), logprobs.tolist(), reused,
                        [(h, len(p)) for h, p in zip(held, prompts)], steps, context)
 
-    def _start_cache(self, prompts: list[list[int]], kept: dict):
+    def _start_cache(self, prompts: list[list[int]], kept: dict, max_new_tokens: int):
         """(a cache to start the prompts from or None, how many of each prompt's first tokens it
         holds, left-padded to end at one column, and the prompt tokens it spares). A prompt that
         continues a kept sample starts from that sample's keys and values; else the tokens every
@@ -447,7 +450,9 @@ class HFRollout:
         and their cache is copied to every prompt: arith's 256 held-out prompts share 27 of their
         53 tokens. Only for models verified to give a token the same log-probs whatever else
         shares its row (model.check_head_logits): the prompts' padding sits between the cache and
-        their tokens."""
+        their tokens. Not where that padding could push a sliding window's (Gemma 2's layers)
+        earliest keys out: the mask counts it, in columns, as tokens -- unless the whole row, its
+        tokens to come included, fits in the window."""
         if not self.share_prefix:
             return None, [0] * len(prompts), 0
         lengths = {len(key) for key in kept}
@@ -460,7 +465,9 @@ class HFRollout:
                 kept[key] = [row for row in kept[key] if id(row) not in used]
             return cache, held, sum(held)
         prefix = shared_prefix(prompts)
-        if len(prefix) < MIN_SHARED_PREFIX:
+        window = getattr(self.model.config.get_text_config(), "sliding_window", None)
+        if len(prefix) < MIN_SHARED_PREFIX or window and \
+                max(map(len, prompts)) + max_new_tokens > window:
             return None, [0] * len(prompts), 0
         cache = self.model(input_ids=torch.tensor([prefix], device=self.device),
                            use_cache=True, logits_to_keep=1).past_key_values

@@ -188,7 +188,93 @@ def test_empty_tensors_are_not_taken_for_one_another():
     a = torch.randn(0, 3, requires_grad=True)
     b = torch.randn(3, 0, dtype=torch.float64, requires_grad=True)
     with Remade():
-        remake(a * 2, lambda: a * 2)
+        remake(a * 2, lambda a: a * 2, a)
         out = (b.double() * b).sum() + (a * a).sum()
     out.backward()
     assert b.grad.shape == (3, 0) and a.grad.shape == (0, 3)
+
+
+def _doubles_in_place(module, args, output):
+    output.mul_(2)  # (returns None: the output, changed in place, is what the model goes on with)
+
+
+def _jitters_its_input(module, args):
+    """Mixtral's router_jitter_noise: `hidden_states *= noise`, in place, on the MLP's input (the
+    post-attention norm's output). The noise drawn from a seed: the same in both models."""
+    noise = torch.empty_like(args[0]).uniform_(0.9, 1.1, generator=torch.Generator().manual_seed(7))
+    args[0].mul_(noise)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("where", ["input_layernorm", "mlp", "down_proj", "act_fn"])
+def test_a_registered_tensor_changed_in_place_is_kept_not_remade(llama, dtype, where):
+    """Issue 67: a registered tensor changed in place after remake() -- a forward hook doubling
+    input_layernorm's output, Mixtral's router jitter multiplying the MLP's input (the
+    post-attention norm's output), a hook scaling down_proj's input -- was made again as it was
+    before the change: q and k's gradients came out half the right ones, the experts' 5-7 % off.
+    Now its version is recorded at registration and a tensor changed since is kept as it is: the
+    gradients are those of the model without recompute.py, bit for bit. A hook on the MLP's activation, which here draws
+    noise: the recipes would run it again in the backward, so that MLP remakes nothing."""
+    plain = copy.deepcopy(llama).to(dtype)
+    ours = copy.deepcopy(plain)
+    keep_less(ours)
+    for model in (plain, ours):
+        for layer in model.model.layers:
+            if where == "input_layernorm":
+                layer.input_layernorm.register_forward_hook(_doubles_in_place)
+            elif where == "mlp":
+                layer.mlp.register_forward_pre_hook(_jitters_its_input)
+            elif where == "down_proj":  # its input: act(gate) * up, scaled in place
+                layer.mlp.down_proj.register_forward_pre_hook(lambda module, args: args[0].mul_(3))
+            else:  # a hook that returns another tensor, drawn at random each call
+                layer.mlp.act_fn.register_forward_hook(
+                    lambda module, args, out: out * torch.empty_like(out).uniform_(0.9, 1.1))
+    ids = torch.randint(0, 300, (2, 30))
+    torch.manual_seed(1)
+    _, grads = forward_backward(plain, ids)
+    torch.manual_seed(1)
+    _, grads_less = forward_backward(ours, ids)
+    for name in grads:
+        assert torch.equal(grads[name], grads_less[name]), name
+
+
+def test_a_recipes_input_changed_in_place_is_kept_or_an_error():
+    """What a recipe reads, changed in place: before an op saves the registered tensor, the tensor
+    is kept as it is (the recipe would make another); after, the backward stops, as autograd does
+    for a tensor it keeps -- not a silent, wrong gradient. (x needs no gradient, as a frozen
+    model's inputs: no op of autograd's own keeps it, so nothing else would notice.)"""
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(4)
+    expected = 2 * x
+    with Remade():
+        h = remake(x * 2, lambda x: x * 2, x)
+        x.add_(1)  # before any op saved h
+        (h * w).sum().backward()
+    assert torch.equal(w.grad, expected)
+    x = torch.randn(4)
+    with Remade():
+        h = remake(x * 2, lambda x: x * 2, x)
+        out = (h * w).sum()  # saves h: as its recipe
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        out.backward()
+
+
+def test_mixtrals_router_jitter_gives_the_gradients_of_the_model_without_recompute():
+    """Mixtral's own in-place jitter (router_jitter_noise, on in training mode), the noise drawn
+    alike in both models: bit for bit the gradients of the model without recompute.py."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    torch.manual_seed(0)
+    plain = MixtralForCausalLM(MixtralConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+        router_jitter_noise=0.1)).train()
+    ours = copy.deepcopy(plain)
+    assert keep_less(ours) > 0  # (its norms)
+    ids = torch.randint(0, 300, (2, 20))
+    torch.manual_seed(1)
+    _, grads = forward_backward(plain, ids)
+    torch.manual_seed(1)
+    _, grads_less = forward_backward(ours, ids)
+    for name in grads:
+        assert torch.equal(grads[name], grads_less[name]), name

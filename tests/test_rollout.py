@@ -175,6 +175,10 @@ def test_the_blocked_inverse_cdf_draws_what_one_running_sum_draws():
     for bad in ([0.0, float("nan")], [float("-inf"), float("-inf")]):  # one clear line
         with pytest.raises(ValueError, match="NaN or are all -inf"):
             sample_next(torch.tensor([[1.0, 2.0], bad]), Sampling(temperature=1.0))
+        # greedy too: NaN's argmax is a NaN's index, which scored an evaluation 0 silently (issue
+        # 67's Gemma 2)
+        with pytest.raises(ValueError, match="NaN or are all -inf"):
+            sample_next(torch.tensor([[1.0, 2.0], bad]), Sampling(temperature=0.0))
 
 
 def test_sample_next_top_p_keeps_the_smallest_nucleus():
@@ -345,3 +349,61 @@ def test_the_one_process_hf_engine_samples_from_the_trainers_own_tensors(dtype, 
     prompts, sampling = [[5, 6, 7, 8], [9, 10, 11, 12, 13]], Sampling(8, temperature=1.0, seed=3)
     a, b = engine.generate(prompts, 3, sampling), copy.generate(prompts, 3, sampling)
     assert a.completion_ids == b.completion_ids
+
+
+def _tiny_gemma2(window: int, seed: int = 0):
+    """A 2-layer Gemma 2 built from a config (random weights): soft-capped attention scores (cap
+    50, as Gemma 2's), a layer with a sliding window of `window` tokens and a global one. Its q
+    and k projections are scaled up so that scores are a few units and attention is sharp: a
+    token's place changes the argmax."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from attention import use_smolrl_attention
+    from model import check_head_logits
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=window,
+        query_pre_attn_scalar=32, eos_token_id=2, bos_token_id=1, pad_token_id=0)).eval()
+    for layer in model.model.layers:
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+            torch.nn.init.normal_(proj.weight, std=0.5)
+    assert use_smolrl_attention(model)  # (as load_model does: attention.softcapped_attention)
+    check_head_logits(model)  # (as the trainer does: the engine shares a common prefix)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared, window", [(4, 6), (9, 6), (9, 64)])
+def test_soft_capped_prompts_of_different_lengths_decode_as_if_alone(dtype, shared, window,
+                                                                     monkeypatch):
+    """Issue 67: Gemma 2's soft-capped attention masked with -inf, so a left-padding query of a
+    batch, which attends to nothing, turned NaN -- and the NaN reached every real token through
+    the next layer's values: greedy evaluation scored 0 silently, sampling raised. Prompts of
+    different lengths sharing `shared` first tokens (Gemma's chat template: 4; 9 runs once and
+    its cache is copied, the padding then between it and each prompt's rest -- which a sliding
+    window counts as tokens: shared only where the whole row fits in the window), in a batch:
+    each one's tokens and log-probs are those it gets decoded alone, in fp32 and bf16."""
+    import rollout as rollout_module
+    from types import SimpleNamespace
+    model = _tiny_gemma2(window)
+    tok = SimpleNamespace(pad_token_id=0, eos_token_id=2,
+                          batch_decode=lambda ids, skip_special_tokens: [""] * len(ids))
+    engine = HFRollout(model, tok, dtype=dtype, logprobs=True)
+    engine.stop_ids = {-1}  # no stops: every sample decodes to the limit
+    # The argmax drawn, so that a batch and a lone prompt draw alike; log-probs still at T = 1
+    monkeypatch.setattr(rollout_module, "sample_next", lambda logits, s: logits.argmax(-1))
+    head = list(range(10, 10 + shared))
+    prompts = [head + [40, 41, 42, 43, 44, 45, 46], head + [50], head + [60, 61, 62]]
+    sampling = Sampling(max_new_tokens=6, temperature=1.0)
+    together = engine.generate(prompts, 2, sampling)
+    assert (together.cached_tokens > 0) == (shared >= 8 and window == 64)
+    atol = 1e-5 if dtype == torch.float32 else 0.1
+    for i, prompt in enumerate(prompts):
+        alone = engine.generate([prompt], 1, sampling)
+        for k in (2 * i, 2 * i + 1):
+            assert together.completion_ids[k] == alone.completion_ids[0], (i, k)
+            got, want = torch.tensor(together.engine_logprobs[k]), \
+                torch.tensor(alone.engine_logprobs[0])
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, want, rtol=0, atol=atol)
