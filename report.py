@@ -307,12 +307,15 @@ def clip(text: str, budget: int, size=json_size, whole: str = "rollouts.jsonl ha
 
 def _fits(text: str, budget: int, size, from_end: bool = False) -> int:
     """The most characters from text's start (or end) whose size is within budget: a search
-    over at most `budget` of them (each takes a byte at least)."""
-    part = (lambda k: text[len(text) - k:]) if from_end else (lambda k: text[:k])  # noqa: E731
-    low, high = 0, min(len(text), budget)
+    over at most `budget` of them (each takes a byte at least) that measures each character
+    once on the way (a text's size is its characters' sizes, and its quotes: size(""))."""
+    low, high, empty = 0, min(len(text), budget), size("")
+    used = empty
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if size(part(mid)) <= budget else (low, mid - 1)
+        more = size(text[len(text) - mid:len(text) - low] if from_end else text[low:mid]) - empty
+        low, high, used = (mid, high, used + more) if used + more <= budget else \
+            (low, mid - 1, used)
     return low
 
 
@@ -488,7 +491,7 @@ def fit_step(entry: dict, budget: int) -> dict:
             units.append((fixed, [json_size(t) for t in mine]))
 
     def note(n: int, cut: int) -> str:
-        said = [f"This step's samples pass {budget / 1e6:g} MB: shown without token colours"]
+        said = [f"This step's samples pass {budget / 1e6:.3g} MB: shown without token colours"]
         said += [f"{n:,} of its {len(units):,} samples (the rest left out)"] if n < len(units) \
             else []
         said += [f"{cut:,} texts shortened where marked"] if cut else []
@@ -550,18 +553,20 @@ def read_samples(path, said=print) -> tuple[list[dict], list[dict], str]:
         if group.get("template") and not shown.get(r["group"]):
             size += json_size(group["template"])
         shown[r["group"]] = shown.get(r["group"]) or bool(group.get("template"))
-        sizes[r["step"]] = sizes.get(r["step"], 0) + size
-    kept = steps_kept({s: min(size, STEP_BUDGET) for s, size in sizes.items()}, DATA_BUDGET)
+        if r["step"] not in sizes:  # (its entry's own bytes, and a comma)
+            sizes[r["step"]] = json_size({"step": r["step"], "groups": []}) + 1
+        sizes[r["step"]] += size
+    steps, used = [], json_size({"steps": []})
+    kept = steps_kept({s: min(size, STEP_BUDGET) for s, size in sizes.items()}, DATA_BUDGET - used)
     views: dict[int, list] = {s: [] for s in kept}
     if kept:
         for _, _, r in records(path, said=lambda _: None):
             if r["kind"] == "train" and r["step"] in views:
                 views[r["step"]].append((r["group"], *sample_view(r)))
-    steps, used = [], json_size({"steps": []})
     for s in kept:
-        entry = fit_step(step_entry(s, views.pop(s)), STEP_BUDGET)
+        entry = fit_step(step_entry(s, views.pop(s)), STEP_BUDGET - 1)  # (- its comma)
         size = json_size(entry) + 1
-        if used + size <= DATA_BUDGET:  # (always, by steps_kept: the budget holds, whatever)
+        if used + size <= DATA_BUDGET:  # (always, by the sizes steps_kept took: upper bounds)
             steps.append(entry)
             used += size
     lines = []
@@ -734,7 +739,8 @@ PAGE = """<!doctype html>
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0 auto;padding:0 12px 40px;max-width:1400px;
 color:#222}
-h1{font-size:20px;margin:16px 0 4px}h2{font-size:17px;border-bottom:1px solid #ddd;margin-top:28px}
+h1{font-size:20px;margin:16px 0 4px}h1,p,.head{overflow-wrap:anywhere}select{max-width:100%}
+h2{font-size:17px;border-bottom:1px solid #ddd;margin-top:28px}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(300px,1fr));gap:10px}
 .chart{width:100%;height:auto;background:#fff}.chart .frame{fill:#fafafa;stroke:#ccc}
 .chart .title{font-size:12px;font-weight:600}.chart .tick{font-size:9px;fill:#555}
@@ -754,6 +760,7 @@ outline:1px dashed #aaa}
 .kept{background:#fff8e0;border:1px solid #e8d9a8;border-radius:4px;padding:6px}
 .scroll{overflow-x:auto}table{border-collapse:collapse;font-size:12px}
 td,th{border:1px solid #e0e0e0;padding:3px 6px;vertical-align:top;text-align:left}
+td{overflow-wrap:anywhere}
 tr.changed td{background:#fff8e0}#heldout-table td{white-space:pre-wrap;word-break:break-word;
 max-width:420px}#heldout-table .cell{max-height:18em;overflow:auto}.two{display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start}
 """

@@ -644,3 +644,40 @@ def test_a_page_past_its_budget_opens_in_a_real_browser_and_says_what_it_left_ou
     heldout = browser.find_element(By.ID, "heldout").text
     assert "texts shortened where marked" in heldout and "20 problems" in heldout
     browser.save_screenshot(str(tmp_path / "oversized.png"))
+
+
+@pytest.mark.parametrize("alphabet", ["a", "<", "<&>\"'", "\U0001f600", "é\n\t\x1b", "\ud800a",
+                                      "a<\U0001f600é&"])
+def test_a_text_is_cut_within_its_budget_as_the_page_writes_it(alphabet):
+    """clip: whatever the characters (each "<" six bytes in the page's JSON, four in its HTML; an
+    emoji twelve and four; a lone surrogate), the text as written is within the budget, keeps its
+    head and its tail, and says how many characters it left out; one that fits stays whole."""
+    import random
+    from report import MIN_TEXT, clip, html_size, json_size
+    rng = random.Random(0)
+    for size in (json_size, html_size):
+        for budget in (MIN_TEXT, 1_000, 12_345):
+            text = "".join(rng.choice(alphabet) for _ in range(budget * 2))
+            cut = clip(text, budget, size)
+            assert size(cut) <= budget and size(cut) > budget * 0.9 - 12 * 2, (size, budget)
+            left = len(text) - len(cut) + len(re.search(r" \[\.\.\. .*? \.\.\.\] ", cut)[0])
+            assert f"[... {left:,} characters left out here" in cut
+            assert text.startswith(cut[:cut.index(" [... ")])
+            assert text.endswith(cut[cut.index(" ...] ") + 6:])
+            whole = text[:budget // 13]
+            assert clip(whole, budget, size) == whole
+
+
+def test_a_picture_that_fails_on_what_a_log_holds_warns_in_one_printable_line(capsys):
+    """A picture that fails on a log's text -- a metric name with an escape sequence in it (OSC
+    52, a clipboard write) in the exception's message -- is one warning line, the sequence shown
+    as text, never obeyed by the terminal."""
+    from pathlib import Path
+    import session
+
+    def draw():
+        raise ValueError("no metric \x1b]52;c;ZWNobyBwd25lZA==\x07reward")
+    assert not session._drawn(Path("out/report.html"), draw)
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and said.strip().isprintable()
+    assert "\\x1b]52;c;ZWNobyBwd25lZA==\\x07reward" in said
