@@ -251,7 +251,7 @@ def curves_html(history: list[dict]) -> str:
     for i, (k, p) in enumerate(sorted(columns.items())):
         option = f'<option value="{i}">{html.escape(short(k))}</option>'
         chart = f'<div class="one" data-i="{i}" hidden>{svg_lines([(short(k), p)], short(k))}</div>'
-        used += html_size(option + chart)
+        used += size_of(option + chart)
         if used > CURVES_BUDGET:
             break
         options.append(option)
@@ -287,8 +287,13 @@ def json_size(x) -> int:
 
 
 def html_size(text: str) -> int:
-    """Bytes of text in the page's HTML, escaped (a lone surrogate: U+FFFD's 3, see printable)."""
-    return len(html.escape(text).encode("utf-8", "surrogatepass"))
+    """Bytes of text in the page's HTML, escaped."""
+    return size_of(html.escape(text))
+
+
+def size_of(page_text: str) -> int:
+    """Bytes of a part of the page (a lone surrogate: U+FFFD's 3, see printable)."""
+    return len(page_text.encode("utf-8", "surrogatepass"))
 
 
 def clip(text: str, budget: int, size=json_size, whole: str = "rollouts.jsonl has the whole "
@@ -557,14 +562,15 @@ def read_samples(path, said=print) -> tuple[list[dict], list[dict], str]:
             sizes[r["step"]] = json_size({"step": r["step"], "groups": []}) + 1
         sizes[r["step"]] += size
     steps, used = [], json_size({"steps": []})
-    kept = steps_kept({s: min(size, STEP_BUDGET) for s, size in sizes.items()}, DATA_BUDGET - used)
+    most = STEP_BUDGET - 16  # (four such steps, their commas and {"steps":[]}: DATA_BUDGET)
+    kept = steps_kept({s: min(size, most) for s, size in sizes.items()}, DATA_BUDGET - used)
     views: dict[int, list] = {s: [] for s in kept}
     if kept:
         for _, _, r in records(path, said=lambda _: None):
             if r["kind"] == "train" and r["step"] in views:
                 views[r["step"]].append((r["group"], *sample_view(r)))
     for s in kept:
-        entry = fit_step(step_entry(s, views.pop(s)), STEP_BUDGET - 1)  # (- its comma)
+        entry = fit_step(step_entry(s, views.pop(s)), most - 1)  # (- its comma)
         size = json_size(entry) + 1
         if used + size <= DATA_BUDGET:  # (always, by the sizes steps_kept took: upper bounds)
             steps.append(entry)
@@ -604,7 +610,7 @@ def held_out_html(evals: list[dict]) -> str:
                 f'{mark(after[k])}</b> {html.escape(new)}</div></td></tr>')
     texts = [[text_of(before[k].get("problem") or k[0]), text_of(before[k].get("answer")),
               before[k]["completion"], after[k]["completion"]] for k in keys]
-    units = [(html_size(row(k, "", "", "", "")), [html_size(t) for t in cells])
+    units = [(size_of(row(k, "", "", "", "")), [html_size(t) for t in cells])
              for k, cells in zip(keys, texts)]
     n, cap = fit(units, HELDOUT_BUDGET - 2_000)  # (2,000: the table's head and what it says)
     rows = [row(k, *(clip(t, cap, html_size) for t in cells))
@@ -630,7 +636,7 @@ def table_html(d: dict, source: str) -> str:
     for i, (k, v) in enumerate(d.items()):
         value = clip(text_of(v), TABLE_BUDGET // 50, html_size, f"{source} has it whole")
         row = f"<tr><th>{html.escape(short(k))}</th><td>{html.escape(value)}</td></tr>"
-        used += html_size(row)
+        used += size_of(row)
         if used > TABLE_BUDGET:
             rows.append(f'<tr><td colspan="2" class="kept">{len(d) - i:,} more entries: '
                         f'{html.escape(source)} has them</td></tr>')
