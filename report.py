@@ -278,7 +278,7 @@ HELDOUT_BUDGET = 4_000_000  # the held-out table
 CURVES_BUDGET = 3_000_000  # the charts of any metric
 TABLE_BUDGET = 200_000  # the config's table, and the machine's
 MIN_TEXT = 400  # the least a shortened text keeps (its mark included) before samples go
-NAME = 100  # characters of a name shown (a metric's, a reward source's, the title's parts)
+NAME = 200  # characters of a name shown (a metric's, a reward source's, the title's parts)
 
 
 def json_size(x) -> int:
@@ -536,8 +536,9 @@ def steps_kept(sizes: dict[int, int], budget: int) -> list[int]:
 def read_samples(path, said=print) -> tuple[list[dict], list[dict], str]:
     """The step browser's steps from a rollouts.jsonl, read twice, a record at a time (a GPU
     run's log is gigabytes): once to size each step, once to keep those that fit (steps_kept:
-    a step past STEP_BUDGET counts as that, what fit_step makes of it); the held-out records of
-    the first and the last evaluation; a line that says what the page left out ("" when nothing)."""
+    a step past its share counts as that share, what fit_step makes of it); the held-out records
+    of the first and the last evaluation; a line that says what the page left out ("" when
+    nothing)."""
     sizes, groups, first, last = {}, {}, [], []
     for _, _, r in records(path, said=said):
         if r["kind"] == "eval":
