@@ -366,12 +366,23 @@ def prepare_rows(rows: list[dict], task: str) -> list[dict]:
     return rows
 
 
+def escaped(text) -> str:
+    """text as a terminal may print it: each character that is not printable -- ESC, which starts
+    the terminal's own commands (ESC ] 52 writes the clipboard), the other control characters, a
+    newline, a right-to-left override, a lone surrogate -- as its Python escape (\\x1b, \\n,
+    \\u202e). A dataset's, a log's or a model's text reaches the terminal through it."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 class InputError(SystemExit):
     """Bad input (a data file, an option value): exits with one line that names the file, the row
-    and the field, or the flag."""
+    and the field, or the flag (whatever it quotes escaped: one line, printable)."""
 
     def __init__(self, message: str):
-        super().__init__(f"error: {message}")
+        super().__init__(f"error: {escaped(message)}")
 
 
 def check_rows(rows: list[dict], source: str, prompt_field: str = "",

@@ -26,8 +26,8 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from data import TEMPLATES, Template, check, flag, dataset_name, encode_prompts, load_rows
-from data import parse_config
+from data import TEMPLATES, Template, check, escaped, flag, dataset_name, encode_prompts
+from data import load_rows, parse_config
 from reward import Grader, extract_answer, fast_match
 from env import Agent, episode_metrics, load_environment, load_tools
 from rollout import Sampling, tokens_after_prompt
@@ -235,10 +235,15 @@ class RunLog:
 
 
 def show_samples(rows: list[dict], texts: list[str], rewards, k: int = 2):
-    """Print k sampled completions spread over the batch, with their reward and the answer."""
+    """Print k sampled completions spread over the batch, with their reward and the answer (its
+    first 200 characters: a code dataset's holds its tests), each on one line, escaped: a
+    dataset's or a model's text never reaches the terminal as its commands."""
     for i in range(0, len(texts), max(1, len(texts) // k))[:k]:
-        tqdm.write(f"  sample (reward {float(rewards[i]):.2f}, answer {rows[i].get('answer')}): "
-                   f"{texts[i]!r}")
+        answer = str(rows[i].get("answer"))
+        if len(answer) > 200:
+            answer = f"{answer[:200]} [... {len(answer) - 200:,} characters left out]"
+        tqdm.write(f"  sample (reward {float(rewards[i]):.2f}, answer {escaped(answer)}): "
+                   f"{texts[i]!r}")  # (repr: the same escapes, in quotes)
 
 
 def step_record(step: int, sampled, update: dict, train_seconds: float, sync_seconds: float,

@@ -20,6 +20,7 @@ import re
 import sys
 from pathlib import Path
 
+from data import escaped
 from rollout_log import FILE as ROLLOUTS, DamagedLog, json_lines, records
 
 # The grid's panels after the first (the algorithm's own: its reward or loss and held-out
@@ -38,17 +39,33 @@ COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#1
 def points(history: list[dict], key: str) -> list[tuple[float, float]]:
     """(step, value) wherever both are finite numbers (NaN, inf and anything else are left out
     of the pictures: the metrics and rollouts keep them)."""
-    found = []
+    return every_point(history, (key,)).get(key, [])
+
+
+def every_point(history: list[dict], keys=None) -> dict[str, list[tuple[float, float]]]:
+    """points() of each of `keys` (None: every key but the step), in one pass over the history."""
+    found = {}
     for r in history:
-        x, y = r.get("step"), r.get(key)
-        if type(x) in (int, float) and type(y) in (int, float):  # (type: True is no number here)
-            try:
-                x, y = float(x), float(y)
-            except OverflowError:  # (an integer past the largest float)
-                continue
-            if x - x == 0 and y - y == 0:  # (finite: inf - inf and NaN - NaN are NaN)
-                found.append((x, y))
+        x = finite(r.get("step"))
+        if x is None:
+            continue
+        for key in r if keys is None else (k for k in keys if k in r):
+            y = finite(r[key])
+            if y is not None and key != "step":
+                found.setdefault(key, []).append((x, y))
     return found
+
+
+def finite(x) -> float | None:
+    """x as a float where it is a finite number (not a bool, nor an integer past the largest
+    float), else None."""
+    if type(x) not in (int, float):  # (type: True is no number here)
+        return None
+    try:
+        x = float(x)
+    except OverflowError:
+        return None
+    return x if x - x == 0 else None  # (finite: inf - inf and NaN - NaN are NaN)
 
 
 def y_range(ys, margin: float = 0.0) -> tuple[float, float]:
@@ -221,22 +238,133 @@ def thinned(p: list[tuple[float, float]], most: int = 600) -> list[tuple[float, 
 
 
 def curves_html(history: list[dict]) -> str:
-    """The panels of curves.png, and a chart of any metric the run logged, to choose from."""
-    names = {k for r in history for k in r if k != "step"}  # (one pass: a history is long)
-    columns = {k: p for k in sorted(names) if (p := points(history, k))}
+    """The panels of curves.png, and a chart of any metric the run logged, to choose from -- as
+    many as CURVES_BUDGET holds (a metric's name shortened past NAME characters)."""
+    columns = every_point(history)
     first = ("reward", "accuracy", "eval_accuracy") if "reward" in columns else \
         tuple(k for k in ("loss", "eval_loss", "accuracy", "eval_accuracy", "eval_pair_accuracy")
               if k in columns)
     panels = [("reward and accuracy" if "reward" in first else "loss and held-out", first)]
     panels += [(name, keys) for name, keys in PANELS if any(k not in first for k in keys)]
     grid = [svg_lines([(k, columns.get(k, [])) for k in keys], name) for name, keys in panels]
-    options = "".join(f'<option value="{i}">{html.escape(k)}</option>'
-                      for i, k in enumerate(columns))
-    charts = "".join(f'<div class="one" data-i="{i}" hidden>{svg_lines([(k, p)], k)}</div>'
-                     for i, (k, p) in enumerate(columns.items()))
+    options, charts, used = [], [], 0
+    for i, (k, p) in enumerate(sorted(columns.items())):
+        option = f'<option value="{i}">{html.escape(short(k))}</option>'
+        chart = f'<div class="one" data-i="{i}" hidden>{svg_lines([(short(k), p)], short(k))}</div>'
+        used += size_of(option + chart)
+        if used > CURVES_BUDGET:
+            break
+        options.append(option)
+        charts.append(chart)
+    left = (f'<p class="kept">{len(charts)} of the {len(columns)} metrics can be chosen here (the '
+            f'page keeps {CURVES_BUDGET / 1e6:g} MB of charts); metrics.jsonl has every one.</p>') \
+        if len(charts) < len(columns) else ""
     return (f'<div class="grid">{"".join(c for c in grid if c)}</div>'
-            f'<p><label>any metric the run logged: <select id="metric">{options}</select></label>'
-            f'</p><div id="metric-charts">{charts}</div>')
+            f'<p><label>any metric the run logged: <select id="metric">{"".join(options)}'
+            f'</select></label></p>{left}<div id="metric-charts">{"".join(charts)}</div>')
+
+
+# ---------------------------------------------------------------------------------------------
+# report.html's budget: every text measured as the page writes it.
+
+# How much a page keeps: under ~50 MB, a page opens in seconds and its data is one string
+# JSON.parse takes (a GPU run of 512 samples a step passes V8's longest string, ~512 MB, within a
+# few hundred steps: the step browser showed none). Bytes as written into the page: JSON writes
+# "<" as \u003c (6 bytes), "é" as \u00e9 (6), "😀" as two (12); HTML "<" as &lt; (4), "😀" in 4.
+# rollouts.jsonl and metrics.jsonl keep everything.
+DATA_BUDGET = 40_000_000  # the samples of every step
+STEP_BUDGET = DATA_BUDGET // 4  # one step's most: past it, its texts are shortened
+HELDOUT_BUDGET = 4_000_000  # the held-out table
+CURVES_BUDGET = 3_000_000  # the charts of any metric
+TABLE_BUDGET = 200_000  # the config's table, and the machine's
+MIN_TEXT = 400  # the least a shortened text keeps (its mark included) before samples go
+NAME = 200  # characters of a name shown (a metric's, a reward source's, the title's parts)
+
+
+def json_size(x) -> int:
+    """Bytes of x in the page's JSON (ASCII: json.dumps escapes the rest)."""
+    return len(page_json(x))
+
+
+def html_size(text: str) -> int:
+    """Bytes of text in the page's HTML, escaped."""
+    return size_of(html.escape(text))
+
+
+def size_of(page_text: str) -> int:
+    """Bytes of a part of the page (a lone surrogate: U+FFFD's 3, see printable)."""
+    return len(page_text.encode("utf-8", "surrogatepass"))
+
+
+def clip(text: str, budget: int, size=json_size, whole: str = "rollouts.jsonl has the whole "
+         "text") -> str:
+    """text in at most `budget` bytes as the page writes it (size: json_size or html_size):
+    whole where it fits, else its head and its tail around a mark that says how many characters
+    are left out (budget >= MIN_TEXT: the mark fits)."""
+    if len(text) * 12 + 2 <= budget or (len(text) <= budget and size(text) <= budget):
+        return text  # (12: the most a character takes, "😀" as two JSON escapes)
+    mark = lambda n: f" [... {n:,} characters left out here: {whole} ...] "  # noqa: E731
+    room = max(budget - size(mark(len(text))), 0)  # (no count is longer than the whole length)
+    head = _fits(text, room * 2 // 3, size)
+    tail = _fits(text, room - size(text[:head]), size, from_end=True)
+    return text[:head] + mark(len(text) - head - tail) + text[len(text) - tail:]
+
+
+def _fits(text: str, budget: int, size, from_end: bool = False) -> int:
+    """The most characters from text's start (or end) whose size is within budget: a search
+    over at most `budget` of them (each takes a byte at least) that measures each character
+    once on the way (a text's size is its characters' sizes, and its quotes: size(""))."""
+    low, high, empty = 0, min(len(text), budget), size("")
+    used = empty
+    while low < high:
+        mid = (low + high + 1) // 2
+        more = size(text[len(text) - mid:len(text) - low] if from_end else text[low:mid]) - empty
+        low, high, used = (mid, high, used + more) if used + more <= budget else \
+            (low, mid - 1, used)
+    return low
+
+
+def level(sizes: list[int], room: int) -> float:
+    """The largest cap c with sum(min(s, c) for s in sizes) <= room (inf: all fit whole): the
+    texts under it stay whole, the longer ones are cut to it -- the room goes to the short first."""
+    rest = len(sizes)
+    for s in sorted(sizes):
+        if s * rest > room:
+            return room // rest
+        room -= s
+        rest -= 1
+    return math.inf
+
+
+def fit(units: list[tuple[int, list[int]]], budget: int) -> tuple[int, float]:
+    """(n, cap): how many of `units` -- each (its fixed bytes, its texts' bytes), in the order
+    the page shows them -- fit in `budget` bytes, and the cap on their texts: all of them whole
+    where they fit; else the longest cut to one cap (level); else the first units whose texts
+    fit at MIN_TEXT bytes each."""
+    n, used = 0, 0
+    for fixed, sizes in units:
+        used += fixed + sum(min(s, MIN_TEXT) for s in sizes)
+        if used > budget:
+            break
+        n += 1
+    room = budget - sum(fixed for fixed, _ in units[:n])
+    return n, level([s for _, sizes in units[:n] for s in sizes], room)
+
+
+def text_of(x) -> str:
+    """x as the page shows it: a string as it is, anything else as JSON (an object, a number)."""
+    if isinstance(x, str):
+        return x
+    try:
+        return json.dumps(x, ensure_ascii=False)
+    except (ValueError, RecursionError):  # (nested deeper than the encoder goes from here)
+        return "(nested too deeply to show here)"
+
+
+def short(name) -> str:
+    """A name (a metric's, a reward source's) in at most NAME characters."""
+    name = text_of(name)
+    return name if len(name) <= NAME else f"{name[:NAME]}… ({len(name):,} characters)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,28 +374,43 @@ def curves_html(history: list[dict]) -> str:
 def prompt_text(row: dict) -> str:
     prompt = row.get("problem") or row.get("prompt") or ""
     if isinstance(prompt, list):  # chat messages
-        return "\n".join(f"{m.get('role')}: {m.get('content')}" if isinstance(m, dict) else str(m)
-                         for m in prompt)
-    return str(prompt)
+        return "\n".join(f"{short(m.get('role'))}: {text_of(m.get('content'))}"
+                         if isinstance(m, dict) else text_of(m) for m in prompt)
+    return text_of(prompt)
+
+
+def number(x) -> float | None:
+    """A per-token value as a float (an integer past the largest float: its sign's infinity);
+    null stays None."""
+    if x is None:
+        return None
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf if x > 0 else -math.inf
 
 
 def token_series(r: dict) -> dict:
     """A detailed sample's colourings, one value (or null) per token: the advantage it carried,
     where the step's update moved its log-prob (new - old), the trainer's log-prob less the
-    engine's, the entropy."""
+    engine's, the entropy. A null in a list (a value the log did not keep) colours nothing."""
     t, n = r["tokens"], len(r["completion_ids"])
 
     def rounded(xs):
-        return [None if x is None else round(x, 3) for x in xs]
+        return [None if x is None else round(x, 3) for x in map(number, xs)]
+
+    def less(xs, ys):
+        return rounded(None if x is None or y is None else x - y
+                       for x, y in zip(map(number, xs), map(number, ys)))
     out = {}
     if "advantage" in t:  # ppo.py: one per token
         out["advantage"] = rounded(t["advantage"])
     elif r.get("advantage") is not None:
-        out["advantage"] = [round(r["advantage"], 3)] * n
+        out["advantage"] = rounded([r["advantage"]]) * n
     if "new_logprob" in t and "logprob" in t:
-        out["change"] = rounded(b - a for a, b in zip(t["logprob"], t["new_logprob"]))
+        out["change"] = less(t["new_logprob"], t["logprob"])
     if "engine_logprobs" in r and "logprob" in t:
-        out["mismatch"] = rounded(a - b for a, b in zip(t["logprob"], r["engine_logprobs"]))
+        out["mismatch"] = less(t["logprob"], r["engine_logprobs"])
     if "entropy" in t:
         out["entropy"] = rounded(t["entropy"])
     if "mask" in r:  # the environment's tokens were not trained: no colour for them
@@ -275,26 +418,23 @@ def token_series(r: dict) -> dict:
     return out
 
 
-# How much of the samples a page keeps: under ~50 MB, a page opens in seconds and its data is one
-# string JSON.parse takes (a GPU run of 512 samples a step passes V8's longest string, ~512 MB,
-# within a few hundred steps: the step browser showed none). rollouts.jsonl keeps everything.
-DATA_BUDGET = 40_000_000  # characters of sample data (ASCII: JSON escapes the rest)
-STEP_BUDGET = DATA_BUDGET // 4  # one step's most: past it, its texts are shortened
-
-
 def sample_view(r: dict) -> tuple[dict, dict]:
-    """What the step browser shows of a train record: its group's prompt, and the sample's
-    figures and text (its tokens and their colourings where the log kept them)."""
-    group = {"prompt": prompt_text(r["row"]), "answer": r["row"].get("answer")}
+    """What the step browser shows of a train record: its group's prompt and answer, and the
+    sample's figures and text (its tokens and their colourings where the log kept them); a text
+    no step could hold whole already shortened (clip)."""
+    answer, template = r["row"].get("answer"), r.get("tokens", {}).get("prompt")
+    group = {"prompt": clip(prompt_text(r["row"]), STEP_BUDGET),
+             "answer": None if answer is None else clip(text_of(answer), STEP_BUDGET),
+             "template": None if template is None else clip(text_of(template), STEP_BUDGET)}
     sample = {"reward": r["reward"], "advantage": r.get("advantage"), "kept": r["kept"],
-              "rewards": r["rewards"], "correct": r.get("correct"),
-              "length": len(r["completion_ids"]), "truncated": r["truncated"],
-              "text": r["completion"]}
+              "rewards": {short(k): v for k, v in r["rewards"].items()},
+              "correct": r.get("correct"), "length": len(r["completion_ids"]),
+              "truncated": r["truncated"], "text": clip(r["completion"], STEP_BUDGET)}
     if "tokens" in r:
-        sample["pieces"] = r["tokens"].get("pieces", [])
+        if "pieces" in r["tokens"]:
+            sample["pieces"] = r["tokens"]["pieces"]
         sample["mask"] = r.get("mask")
         sample["series"] = token_series(r)
-        group["template"] = r["tokens"].get("prompt")
     return group, sample
 
 
@@ -317,10 +457,8 @@ def for_json(x):
     return x
 
 
-def step_entry(step: int, views: list[tuple[int, dict, dict]], bare: bool = False,
-               limit: int = 0) -> dict:
-    """One step of the browser from its samples' (group, group view, sample view); `bare`:
-    without their tokens and colourings, each text cut to `limit` characters (0: whole)."""
+def step_entry(step: int, views: list[tuple[int, dict, dict]]) -> dict:
+    """One step of the browser from its samples' (group, group view, sample view)."""
     groups: dict[int, dict] = {}
     for index, group, sample in views:
         g = groups.setdefault(index, {**group, "index": index, "samples": []})
@@ -328,10 +466,6 @@ def step_entry(step: int, views: list[tuple[int, dict, dict]], bare: bool = Fals
         g["samples"].append(sample)
     for g in groups.values():
         g["samples"].sort(key=lambda x: -x["reward"])
-        if bare:
-            g["prompt"], g["template"] = cut(g["prompt"], limit), cut(g.get("template"), limit)
-            g["samples"] = [{k: v for k, v in x.items() if k not in ("pieces", "series", "mask")}
-                            | {"text": cut(x["text"], limit)} for x in g["samples"]]
     # The groups shown token by token first, then those with a reward spread (they trained),
     # then the rest (all samples alike: advantage 0).
     order = sorted(groups.values(), key=lambda g: (not any("pieces" in x for x in g["samples"]),
@@ -340,13 +474,45 @@ def step_entry(step: int, views: list[tuple[int, dict, dict]], bare: bool = Fals
     return {"step": step, "groups": order}
 
 
-def cut(text: str | None, limit: int) -> str | None:
-    """text with its middle left out past `limit` characters (0: none), and a mark where."""
-    if text is None or not limit or len(text) <= limit:
-        return text
-    head = limit * 2 // 3
-    return (f"{text[:head]} [... {len(text) - limit:,} characters left out here: rollouts.jsonl "
-            f"has the whole text ...] {text[len(text) - (limit - head):]}")
+GROUP_TEXTS = ("prompt", "template", "answer")
+TOKEN_FIELDS = ("pieces", "series", "mask")
+
+
+def fit_step(entry: dict, budget: int) -> dict:
+    """A step's entry in at most `budget` bytes of the page: whole where it fits; else without
+    its token colours, its longest texts cut to one length where marked, and -- where even
+    MIN_TEXT of each is too much -- its last samples left out; and a note that says which."""
+    if json_size(entry) <= budget:
+        return entry
+    groups = [{**g, "samples": [{k: v for k, v in x.items() if k not in TOKEN_FIELDS}
+                                for x in g["samples"]]} for g in entry["groups"]]
+    units = []  # (a sample: its group's head with its first)
+    for g in groups:
+        head = {**g, **{k: "" for k in GROUP_TEXTS if g[k] is not None}, "samples": []}
+        own = [g[k] for k in GROUP_TEXTS if g[k] is not None]
+        for i, x in enumerate(g["samples"]):
+            fixed = json_size({**x, "text": ""}) + 1 + (json_size(head) + 1 if i == 0 else 0)
+            mine = [x["text"], *own] if i == 0 else [x["text"]]
+            units.append((fixed, [json_size(t) for t in mine]))
+
+    def note(n: int, cut: int) -> str:
+        said = [f"This step's samples pass {budget / 1e6:.3g} MB: shown without token colours"]
+        said += [f"{n:,} of its {len(units):,} samples (the rest left out)"] if n < len(units) \
+            else []
+        said += [f"{cut:,} texts shortened where marked"] if cut else []
+        return "; ".join(said) + "; rollouts.jsonl has them whole."
+    most = note(len(units) - 1, len(units) * 4)  # (no note is longer)
+    n, cap = fit(units, budget - json_size({"step": entry["step"], "groups": [], "note": most}))
+    cut = sum(size > cap for _, sizes in units[:n] for size in sizes)
+    kept, i = [], 0
+    for g in groups:
+        samples = g["samples"][:max(n - i, 0)]
+        i += len(g["samples"])
+        if samples:
+            kept.append({**g, **{k: g[k] if g[k] is None else clip(g[k], cap)
+                                 for k in GROUP_TEXTS},
+                         "samples": [{**x, "text": clip(x["text"], cap)} for x in samples]})
+    return {"step": entry["step"], "groups": kept, "note": note(n, cut)}
 
 
 def steps_kept(sizes: dict[int, int], budget: int) -> list[int]:
@@ -369,9 +535,10 @@ def steps_kept(sizes: dict[int, int], budget: int) -> list[int]:
 
 def read_samples(path, said=print) -> tuple[list[dict], list[dict], str]:
     """The step browser's steps from a rollouts.jsonl, read twice, a record at a time (a GPU
-    run's log is gigabytes): once to size each step, once to keep those that fit (steps_kept);
-    the held-out records of the first and the last evaluation; a line that says what the page
-    left out ("" when nothing)."""
+    run's log is gigabytes): once to size each step, once to keep those that fit (steps_kept:
+    a step past its share counts as that share, what fit_step makes of it); the held-out records
+    of the first and the last evaluation; a line that says what the page left out ("" when
+    nothing)."""
     sizes, groups, first, last = {}, {}, [], []
     for _, _, r in records(path, said=said):
         if r["kind"] == "eval":
@@ -386,74 +553,97 @@ def read_samples(path, said=print) -> tuple[list[dict], list[dict], str]:
             continue
         group, sample = sample_view(r)
         shown = groups.setdefault(r["step"], {})  # group -> its template counted yet
-        size = len(page_json(sample)) + 1
+        size = json_size(sample) + 1
         if r["group"] not in shown:
-            size += len(page_json({**group, "template": None})) + 30
+            size += json_size({**group, "template": None, "index": r["group"], "samples": []}) + 1
         if group.get("template") and not shown.get(r["group"]):
-            size += len(page_json(group["template"]))
+            size += json_size(group["template"])
         shown[r["group"]] = shown.get(r["group"]) or bool(group.get("template"))
-        sizes[r["step"]] = sizes.get(r["step"], 0) + size
-    shortened = {s for s, size in sizes.items() if size > STEP_BUDGET}
-    kept = steps_kept({s: min(size, STEP_BUDGET) for s, size in sizes.items()}, DATA_BUDGET)
+        if r["step"] not in sizes:  # (its entry's own bytes, and a comma)
+            sizes[r["step"]] = json_size({"step": r["step"], "groups": []}) + 1
+        sizes[r["step"]] += size
+    steps, used = [], json_size({"steps": []})
+    most = STEP_BUDGET - 16  # (four such steps, their commas and {"steps":[]}: DATA_BUDGET)
+    kept = steps_kept({s: min(size, most) for s, size in sizes.items()}, DATA_BUDGET - used)
     views: dict[int, list] = {s: [] for s in kept}
     if kept:
         for _, _, r in records(path, said=lambda _: None):
             if r["kind"] == "train" and r["step"] in views:
                 views[r["step"]].append((r["group"], *sample_view(r)))
-    steps = []
     for s in kept:
-        if s not in shortened:
-            steps.append(step_entry(s, views.pop(s)))
-            continue
-        # Too large: without its token colours, then its texts cut ever shorter (measured as
-        # the page holds them: a character may take six there, "\u003c").
-        entry = step_entry(s, views[s], bare=True)
-        limit = STEP_BUDGET // (len(views[s]) + 2 * len(groups[s]))  # (texts, prompts, templates)
-        while len(page_json(entry)) > STEP_BUDGET and limit >= 200:
-            entry = step_entry(s, views[s], bare=True, limit=limit)
-            limit = limit * 2 // 3
-        steps.append(entry)
-        del views[s]
+        entry = fit_step(step_entry(s, views.pop(s)), most - 1)  # (- its comma)
+        size = json_size(entry) + 1
+        if used + size <= DATA_BUDGET:  # (always, by the sizes steps_kept took: upper bounds)
+            steps.append(entry)
+            used += size
     lines = []
-    if len(kept) < len(sizes):
-        lines.append(f"This page keeps the samples of {len(kept)} of its {len(sizes)} steps -- "
-                    f"the first, the last and steps spread evenly between -- to stay under "
-                    f"{DATA_BUDGET / 1e6:g} MB; the curves cover every step, and rollouts.jsonl "
-                    f"holds every sample.")
-    if shortened & set(kept):
+    if len(steps) < len(sizes):
+        lines.append(f"This page keeps the samples of {len(steps)} of its {len(sizes)} steps -- "
+                     f"the first, the last and steps spread evenly between -- to stay under "
+                     f"{DATA_BUDGET / 1e6:g} MB; the curves cover every step, and rollouts.jsonl "
+                     f"holds every sample.")
+    if any("note" in s for s in steps):
         lines.append(f"Steps whose samples pass {STEP_BUDGET / 1e6:g} MB show no token colours, "
-                     f"and where that is not enough, each text shortened where marked.")
+                     f"and where that is not enough, texts shortened where marked (each such "
+                     f"step says so).")
     evals = first + (last if last and last[0]["step"] != first[0]["step"] else [])
     return steps, evals, " ".join(lines)
 
 
 def held_out_html(evals: list[dict]) -> str:
-    """Each held-out problem at the first evaluation and at the last: what changed first."""
+    """Each held-out problem at the first evaluation and at the last: what changed first; as
+    much of them as HELDOUT_BUDGET holds (fit), and what it left out said."""
     if not evals:
         return "<p>No held-out samples in this run's log.</p>"
     first, last = min(r["step"] for r in evals), max(r["step"] for r in evals)
     before = {(r["id"], r.get("sample", 0)): r for r in evals if r["step"] == first}
     after = {(r["id"], r.get("sample", 0)): r for r in evals if r["step"] == last}
     keys = [k for k in before if k in after]
-    keys.sort(key=lambda k: (before[k]["correct"] == after[k]["correct"], after[k]["correct"]))
-    mark = lambda r: "✓" if r["correct"] else "✗"  # noqa: E731
-    rows = [f'<tr class="{"changed" if before[k]["correct"] != after[k]["correct"] else ""}">'
-            f'<td>{html.escape(str(before[k].get("problem") or k[0]))}<br>'
-            f'<small>answer {html.escape(str(before[k].get("answer")))}</small></td>'
-            f'<td><b>{mark(before[k])}</b> {html.escape(str(before[k]["completion"]))}</td>'
-            f'<td><b>{mark(after[k])}</b> {html.escape(str(after[k]["completion"]))}</td></tr>'
-            for k in keys]
-    changed = sum(before[k]["correct"] != after[k]["correct"] for k in keys)
-    acc = lambda side: sum(side[k]["correct"] for k in keys) / max(len(keys), 1)  # noqa: E731
+    right = lambda r: bool(r["correct"])  # noqa: E731  (evaluate.py writes true or false)
+    keys.sort(key=lambda k: (right(before[k]) == right(after[k]), right(after[k])))
+    mark = lambda r: "✓" if right(r) else "✗"  # noqa: E731
+
+    def row(k, problem, answer, old, new):
+        changed = "changed" if right(before[k]) != right(after[k]) else ""
+        return (f'<tr class="{changed}"><td><div class="cell">{html.escape(problem)}<br><small>'
+                f'answer {html.escape(answer)}</small></div></td><td><div class="cell"><b>'
+                f'{mark(before[k])}</b> {html.escape(old)}</div></td><td><div class="cell"><b>'
+                f'{mark(after[k])}</b> {html.escape(new)}</div></td></tr>')
+    texts = [[text_of(before[k].get("problem") or k[0]), text_of(before[k].get("answer")),
+              before[k]["completion"], after[k]["completion"]] for k in keys]
+    units = [(size_of(row(k, "", "", "", "")), [html_size(t) for t in cells])
+             for k, cells in zip(keys, texts)]
+    n, cap = fit(units, HELDOUT_BUDGET - 2_000)  # (2,000: the table's head and what it says)
+    rows = [row(k, *(clip(t, cap, html_size) for t in cells))
+            for k, cells in zip(keys[:n], texts)]
+    cut = sum(size > cap for _, sizes in units[:n] for size in sizes)
+    changed = sum(right(before[k]) != right(after[k]) for k in keys)
+    acc = lambda side: sum(right(side[k]) for k in keys) / max(len(keys), 1)  # noqa: E731
+    left = [f"{cut:,} texts shortened where marked"] if cut else []
+    left += [f"{len(keys) - n:,} problems left out (the last in this order)"] if n < len(keys) \
+        else []
+    left = (f'<p class="kept">The page keeps {HELDOUT_BUDGET / 1e6:g} MB of them: '
+            f'{", ".join(left)}; rollouts.jsonl has every one.</p>') if left else ""
     return (f'<p>{len(keys)} problems; correct {acc(before):.1%} at step {first}, {acc(after):.1%} '
-            f'at step {last}; {changed} changed (first in the table).</p>'
+            f'at step {last}; {changed} changed (first in the table).</p>{left}'
             f'<div class="scroll"><table id="heldout-table"><tr><th>problem</th>'
             f'<th>step {first}</th><th>step {last}</th></tr>{"".join(rows)}</table></div>')
 
 
-def table_html(d: dict) -> str:
-    return "<table>" + "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}"
-                               f"</td></tr>" for k, v in d.items()) + "</table>"
+def table_html(d: dict, source: str) -> str:
+    """A config's or a machine's entries, as many as TABLE_BUDGET holds, each value shortened
+    past a fiftieth of it."""
+    rows, used = [], 0
+    for i, (k, v) in enumerate(d.items()):
+        value = clip(text_of(v), TABLE_BUDGET // 50, html_size, f"{source} has it whole")
+        row = f"<tr><th>{html.escape(short(k))}</th><td>{html.escape(value)}</td></tr>"
+        used += size_of(row)
+        if used > TABLE_BUDGET:
+            rows.append(f'<tr><td colspan="2" class="kept">{len(d) - i:,} more entries: '
+                        f'{html.escape(source)} has them</td></tr>')
+            break
+        rows.append(row)
+    return "<table>" + "".join(rows) + "</table>"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,7 +657,7 @@ def write_report(out) -> Path:
     out = Path(out)
     metrics = out / "metrics.jsonl"
     if not metrics.is_file():
-        raise SystemExit(f"error: {out}: no metrics.jsonl there (a run's --out folder)")
+        raise SystemExit(f"error: {escaped(out)}: no metrics.jsonl there (a run's --out folder)")
     notes = []
     try:
         history = [r for _, _, r in json_lines(metrics, notes.append)]
@@ -476,11 +666,12 @@ def write_report(out) -> Path:
     except DamagedLog as e:
         raise SystemExit(f"error: {e}") from None
     for note in notes:
-        print(printable(note))
-    config = next((read_object(p) for p in sorted(out.glob("*_config.json"))), {})
+        print(escaped(note))
+    configs = sorted(out.glob("*_config.json"))
+    config = read_object(configs[0]) if configs else {}
     machine = read_object(out / "machine.json")
     data = page_json({"steps": steps})
-    title = f"{out.name}: {config.get('model', '')} on {config.get('data', '')}"
+    title = f"{out.name}: {short(config.get('model', ''))} on {short(config.get('data', ''))}"
     accuracy = points(history, "eval_accuracy")
     summary = f"{len(history)} records in metrics.jsonl"
     if len(accuracy) > 1:
@@ -492,8 +683,9 @@ def write_report(out) -> Path:
         (f'<p id="kept" class="kept">{html.escape(kept)}</p>' if kept else '') + STEP_BROWSER
     page = PAGE.format(title=html.escape(title), summary=html.escape(summary), style=STYLE,
                        curves=curves_html(history), browser=browser,
-                       heldout=held_out_html(evals), config=table_html(config),
-                       machine=table_html(machine), data=data, script=SCRIPT)
+                       heldout=held_out_html(evals),
+                       config=table_html(config, configs[0].name if configs else ""),
+                       machine=table_html(machine, "machine.json"), data=data, script=SCRIPT)
     path, tmp = out / "report.html", out / ".report.html.tmp"
     tmp.unlink(missing_ok=True)
     with open(tmp, "x", encoding="utf-8") as f:  # (a new file: no link there is followed)
@@ -507,7 +699,7 @@ def read_object(path: Path) -> dict:
     missing or is no JSON object."""
     try:
         found = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return found if isinstance(found, dict) else {}
 
@@ -529,6 +721,7 @@ STEP_BROWSER = """
 <span class="tok env">tool result: not trained</span> <span class="prompt-key">prompt: not
 trained</span>. Each group's samples sorted by reward; per-token colours for the samples the log
 kept in detail (--rollout-tokens: first), plain text for the rest. Hover a token for its value.</p>
+<p id="step-note" class="kept" hidden></p>
 <div id="groups"></div>
 """
 
@@ -553,7 +746,8 @@ PAGE = """<!doctype html>
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0 auto;padding:0 12px 40px;max-width:1400px;
 color:#222}
-h1{font-size:20px;margin:16px 0 4px}h2{font-size:17px;border-bottom:1px solid #ddd;margin-top:28px}
+h1{font-size:20px;margin:16px 0 4px}h1,p,.head{overflow-wrap:anywhere}select{max-width:100%}
+h2{font-size:17px;border-bottom:1px solid #ddd;margin-top:28px}
 .grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(300px,1fr));gap:10px}
 .chart{width:100%;height:auto;background:#fff}.chart .frame{fill:#fafafa;stroke:#ccc}
 .chart .title{font-size:12px;font-weight:600}.chart .tick{font-size:9px;fill:#555}
@@ -561,7 +755,7 @@ h1{font-size:20px;margin:16px 0 4px}h2{font-size:17px;border-bottom:1px solid #d
 .controls{display:flex;flex-wrap:wrap;gap:8px;align-items:center;margin:8px 0}
 .group{border:1px solid #ddd;border-radius:6px;margin:12px 0;padding:8px}
 .prompt{white-space:pre-wrap;color:#666;background:#f3f3f3;padding:6px;border-radius:4px;
-margin:0 0 6px;font-size:12px;max-height:9em;overflow:auto}
+margin:0 0 6px;font-size:12px;max-height:9em;overflow:auto;overflow-wrap:anywhere}
 .samples{display:grid;grid-template-columns:repeat(auto-fill,minmax(260px,1fr));gap:8px}
 .sample{border:1px solid #e4e4e4;border-radius:4px;padding:6px;min-width:0}
 .sample.dropped{opacity:.55}.head{font-size:12px;color:#444;margin-bottom:4px}
@@ -573,8 +767,9 @@ outline:1px dashed #aaa}
 .kept{background:#fff8e0;border:1px solid #e8d9a8;border-radius:4px;padding:6px}
 .scroll{overflow-x:auto}table{border-collapse:collapse;font-size:12px}
 td,th{border:1px solid #e0e0e0;padding:3px 6px;vertical-align:top;text-align:left}
+td{overflow-wrap:anywhere}
 tr.changed td{background:#fff8e0}#heldout-table td{white-space:pre-wrap;word-break:break-word;
-max-width:420px}.two{display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start}
+max-width:420px}#heldout-table .cell{max-height:18em;overflow:auto}.two{display:flex;flex-wrap:wrap;gap:16px;align-items:flex-start}
 """
 
 # The step browser. Run text only ever becomes a text node (textContent), never markup.
@@ -622,13 +817,17 @@ SCRIPT = r"""
     }); });
     document.getElementById('scale').textContent = scale ?
       'full colour at |' + kind + '| = ' + scale.toFixed(3) : 'no ' + kind + ' in this step';
+    var note = document.getElementById('step-note');
+    note.textContent = step.note || ''; note.hidden = !step.note;
     var root = document.getElementById('groups');
     root.textContent = '';
     step.groups.forEach(function (g) {
-      var box = el('div', 'group');
-      box.appendChild(el('div', 'head', 'group ' + g.index + (g.answer !== null &&
-        g.answer !== undefined ? ' · answer ' + g.answer : '')));
+      var box = el('div', 'group'), answer = g.answer === null ? '' : String(g.answer);
+      var inline = answer.length <= 80 && answer.indexOf('\n') < 0;  // (else a box of its own)
+      box.appendChild(el('div', 'head', 'group ' + g.index +
+        (answer && inline ? ' · answer ' + answer : '')));
       box.appendChild(el('pre', 'prompt', g.template || g.prompt));
+      if (answer && !inline) { box.appendChild(el('pre', 'prompt', 'answer: ' + answer)); }
       var grid = el('div', 'samples');
       g.samples.forEach(function (s) {
         var card = el('div', 'sample' + (s.kept ? '' : ' dropped'));
@@ -681,7 +880,7 @@ def main(argv=None):
     parser.add_argument("run", help="a run's output folder (--out of any smolrl component)")
     args = parser.parse_args(argv)
     path = write_report(args.run)
-    print(printable(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB); open it in a browser"))
+    print(escaped(f"wrote {path} ({path.stat().st_size / 1e6:.2f} MB); open it in a browser"))
 
 
 if __name__ == "__main__":

@@ -400,7 +400,10 @@ class RewardFunctions:
         except Exception as e:
             self.errors += 1
             self._failing[name] = self._failing.get(name, 0) + 1
-            trace = "".join(traceback.format_exception(e))
+            # (each character not printable but a newline escaped, as data.escaped does: the
+            # message may quote a completion, and a model can write a terminal's escape sequence)
+            trace = "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1]
+                            for c in "".join(traceback.format_exception(e)))
             if self._failing[name] >= MAX_FAILED_BATCHES:
                 raise SystemExit(f"error: reward function {name!r} failed on {MAX_FAILED_BATCHES} "
                                  f"batches in a row; the last time:\n{trace}") from None
@@ -489,5 +492,5 @@ def _check_signature(name: str, fn, available: set[str]):
     if needed:
         columns = sorted(available - {"prompts", "completions", "completion_ids"})
         raise SystemExit(f"error: reward function {name!r} needs {', '.join(needed)}, which the "
-                         f"data does not have (columns: {', '.join(columns)}); map a column "
-                         f"(--answer-field, --prompt-field) or give the parameter a default")
+                         f"data does not have (columns: {', '.join(map(repr, columns))}); map a "
+                         f"column (--answer-field, --prompt-field) or give the parameter a default")

@@ -57,6 +57,8 @@ from pathlib import Path
 
 import torch
 
+from data import escaped
+
 FORMAT = 1
 FILE = "rollouts.jsonl"
 
@@ -175,7 +177,10 @@ class RolloutLog:
 
 class DamagedLog(Exception):
     """A line of a JSON-lines file that cannot be read as what it should hold: "PATH, line N[,
-    field F]: what is wrong"."""
+    field F]: what is wrong", whatever it quotes of the file escaped (data.escaped)."""
+
+    def __init__(self, message: str):
+        super().__init__(escaped(message))
 
 
 def json_lines(path, said=print) -> Iterator[tuple[int, str, dict]]:
@@ -188,15 +193,22 @@ def json_lines(path, said=print) -> Iterator[tuple[int, str, dict]]:
                 continue
             try:
                 r = json.loads(line)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 if not line.endswith("\n"):
-                    said(f"{path}, line {n}: cut short (a killed write): left out")
+                    said(escaped(f"{path}, line {n}: cut short (a killed write): left out"))
                     return
-                raise DamagedLog(f"{path}, line {n}: not JSON ({e.msg}, column {e.colno})") \
-                    from None
+                raise DamagedLog(f"{path}, line {n}: not JSON ({_why(e)})") from None
             if not isinstance(r, dict):
                 raise DamagedLog(f"{path}, line {n}: not a JSON object")
             yield n, line if line.endswith("\n") else line + "\n", r
+
+
+def _why(e: Exception) -> str:
+    """What json.loads found wrong with a line: a syntax error and where, or a number past
+    Python's 4,300 digits, or arrays or objects nested deeper than its recursion allows."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg}, column {e.colno}"
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0]
 
 
 def records(path, vocab: int | None = None, said=print) -> Iterator[tuple[int, str, dict]]:

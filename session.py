@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from checkpoint import DriverState, claim_checkpoints, find_checkpoint, load_driver_state
 from checkpoint import move_aside, save_checkpoint
+from data import escaped
 from evaluate import RunLog
 from hardware import machine
 from report import plot_curves, printable, write_report
@@ -152,7 +153,7 @@ def _drawn(path: Path, draw) -> bool:
         draw()
         return True
     except (Exception, SystemExit) as e:  # (SystemExit: report.py's one line on a damaged log)
-        said = " ".join(str(e).split())
+        said = escaped(" ".join(str(e).split()))  # (it may quote a log's text)
         print(f"warning: {path} could not be drawn ({type(e).__name__}: {said}); the run is "
               f"saved, and `python report.py {path.parent}` tries the page again")
         return False

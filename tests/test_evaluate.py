@@ -125,3 +125,17 @@ def test_summarize_reports_exactly_these_columns():
                for ok in (True, False, True, True)]
     assert list(summarize(samples, 4)) == ["problems", "avg@n", "pass@1", "pass@2", "pass@4",
                                            "maj@2", "maj@n", "mean_len", "truncated"]
+
+
+def test_a_sample_printed_during_training_reaches_the_terminal_escaped(capsys):
+    """The samples a run prints every --log-samples-every steps: a dataset's answer with an
+    escape sequence in it (OSC 52, a clipboard write) shows as text, and a long one (a code
+    dataset's tests) shortened, both on one line."""
+    from evaluate import show_samples
+    osc = "\x1b]52;c;ZWNobyBwd25lZA==\x07"
+    rows = [{"answer": f"{osc}\n42"}, {"answer": "x" * 100_000}]
+    show_samples(rows, [f"{osc} The answer is 42.", "The answer is 7."], [1.0, 0.0], k=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(line.isprintable() for line in lines)
+    assert "answer \\x1b]52;c;ZWNobyBwd25lZA==\\x07\\n42)" in lines[0]
+    assert len(lines[1]) < 1000 and "characters left out" in lines[1]

@@ -241,10 +241,11 @@ def test_a_step_past_its_share_is_shortened_and_says_so(tmp_path, monkeypatch):
     steps = _page_data(out)["steps"]
     assert [s["step"] for s in steps] == [1, 2, 3]
     for step in steps:
-        assert len(json.dumps(step).replace("<", "<" * 6)) <= 50_000
+        assert len(report.page_json(step)) <= 50_000  # (as the page writes it: ASCII)
         for sample in (x for g in step["groups"] for x in g["samples"]):
             assert "characters left out here" in sample["text"] and "pieces" not in sample
-    assert "each text shortened where marked" in (out / "report.html").read_text()
+        assert "8 texts shortened where marked" in step["note"]
+    assert "texts shortened where marked" in (out / "report.html").read_text()
 
 
 def test_a_cut_last_line_still_makes_the_page(tmp_path, capsys):
@@ -425,3 +426,258 @@ def test_non_finite_numbers_and_a_large_run_in_a_real_browser(big_run, browser, 
     browser.get((small / "report.html").as_uri())
     heads = [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#groups .sample .head")]
     assert any("reward NaN" in h for h in heads) and any("advantage Infinity" in h for h in heads)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every field within the page's budget, whatever a log holds (issue 67: 7, 12).
+
+
+def _eval(step: int, i: int, **fields) -> dict:
+    """One held-out record of rollouts.jsonl, as rollout_log.RolloutLog.eval writes it."""
+    return {"v": 1, "kind": "eval", "step": step, "id": str(i), "sample": 0,
+            "problem": f"What is {i} + 1?", "answer": str(i + 1), "completion": "ok",
+            "extracted": None, "correct": bool((i + step) % 2), "length": 2, "truncated": False,
+            **fields}
+
+
+def _section(page: str, name: str) -> str:
+    start = page.index(f'<section id="{name}">')
+    return page[start:page.index("</section>", start)]
+
+
+def _budgets(monkeypatch, samples=400_000, heldout=60_000, curves=30_000, table=5_000):
+    import report
+    for name, value in (("DATA_BUDGET", samples), ("STEP_BUDGET", samples // 4),
+                        ("HELDOUT_BUDGET", heldout), ("CURVES_BUDGET", curves),
+                        ("TABLE_BUDGET", table)):
+        monkeypatch.setattr(report, name, value)
+    return report
+
+
+def _oversized_run(tmp_path, answer: str, completion: str, problem: str, steps=3, groups=16,
+                   problems=50) -> "Path":
+    """A run whose every text is past a small page's budget: 16 groups a step with answers of
+    `answer` (a code dataset's tests), one of them token by token with a template that is an
+    object, held-out problems of `problem` and completions of `completion`, two hundred metrics
+    with long names, and a config with long values."""
+    records = []
+    for s in range(1, steps + 1):
+        for i in range(groups * 2):
+            r = _sample(s, i, group_size=2, text=completion)
+            r["row"] = {"prompt": [{"role": "user", "content": problem}], "answer": answer}
+            if i < 2:
+                r["tokens"] = {"pieces": ["<", completion], "prompt": {"chat": [problem]},
+                               "logprob": [-1.0, None], "new_logprob": [None, -0.5]}
+            records.append(r)
+    records += [_eval(s, i, problem=problem, answer={"tests": [answer]}, completion=completion)
+                for s in (0, steps) for i in range(problems)]
+    history = [{"step": s, "reward": 0.5, **{f"{'<' * 300}{k}": s * k for k in range(200)}}
+               for s in range(1, steps + 1)]
+    out = _folder(tmp_path, history, records)
+    (out / "grpo_config.json").write_text(json.dumps({"model": "m", "data": problem,
+                                                      **{f"k{i}": answer for i in range(50)}}))
+    return out
+
+
+def test_every_field_of_a_page_stays_within_its_budget(tmp_path, monkeypatch):
+    """Answers of 30,000 "<" (each written \\u003c: six bytes), prompts of non-BMP characters
+    (twelve), completions past a step's share, a held-out table and metrics past theirs: the
+    samples hold at most DATA_BUDGET bytes as written into the page, a step STEP_BUDGET, the
+    held-out table HELDOUT_BUDGET, the charts and tables theirs; every text cut says so where it
+    is cut, and the page says what it left out (the answers were never cut: 103 MB and 604 MB
+    pages that Chromium would not open)."""
+    report = _budgets(monkeypatch)
+    out = _oversized_run(tmp_path, answer="<" * 30_000, completion="<&>" * 3_000,
+                         problem="\U0001f600é" * 4_000)
+    report.write_report(out)
+    page = (out / "report.html").read_text()
+    start = page.index('<script type="application/json" id="data">')
+    data = page[page.index(">", start) + 1:page.index("</script>", start)]
+    assert len(data.encode()) <= report.DATA_BUDGET
+    steps = _page_data(out)["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for step in steps:
+        assert len(report.page_json(step).encode()) <= report.STEP_BUDGET
+        assert "token colours" in step["note"] and "shortened where marked" in step["note"]
+        for group in step["groups"]:
+            assert "characters left out here" in group["answer"]
+    heldout = _section(page, "heldout")
+    assert len(heldout.encode()) <= report.HELDOUT_BUDGET + 1_000  # (+ its heading)
+    assert "characters left out here" in heldout and "problems left out" in heldout
+    curves = _section(page, "curves")
+    assert len(curves.encode()) <= report.CURVES_BUDGET + 50_000  # (+ the grid of panels)
+    assert "of the 201 metrics" in curves
+    config = _section(page, "run")
+    assert len(config.encode()) <= 2 * report.TABLE_BUDGET + 1_000
+    assert "more entries" in config
+    assert len(page.encode()) <= report.DATA_BUDGET + report.HELDOUT_BUDGET + \
+        report.CURVES_BUDGET + 2 * report.TABLE_BUDGET + 100_000
+
+
+def _with(record: dict, **changes) -> dict:
+    """record with `changes` made, a path "a.b" for a field inside one (... removes it)."""
+    record = json.loads(json.dumps(record))
+    for path, value in changes.items():
+        *outer, last = path.split("__")
+        target = record
+        for key in outer:
+            target = target[key]
+        if value is ...:
+            del target[last]
+        else:
+            target[last] = value
+    return record
+
+
+DETAILED = _sample(1, 0, tokens={"pieces": ["4", "5"], "prompt": "p", "logprob": [-1.0, -2.0],
+                                 "new_logprob": [-0.5, -1.5], "entropy": [0.1, 0.2]})
+DEEP = json.loads("[" * 900 + "]" * 900)  # (as deep as json reads: a thousand stops it)
+HUGE = 10 ** 400  # (past the largest float)
+# A crafted log's lines, each with what the page makes of them: a page (None) or one line.
+CRAFTED = {
+    "null log-probs": ([_with(DETAILED, tokens__logprob=[None, -1.0],
+                              tokens__new_logprob=[-0.5, None])], None),
+    "null engine log-probs": ([_with(DETAILED, engine_logprobs=[None, -1.0])],
+                              "field engine_logprobs: not a list of numbers"),
+    "strings for log-probs": ([_with(DETAILED, tokens__entropy=["high", 1.0])],
+                              "field tokens.entropy: not a list of numbers"),
+    "huge numbers": ([_with(DETAILED, reward=HUGE, advantage=-HUGE, rewards={"c": HUGE},
+                            tokens__logprob=[HUGE, -1.0], engine_logprobs=[-HUGE, 1e308]),
+                      _eval(0, 0, correct=HUGE), _eval(2, 0, correct=-HUGE)], None),
+    "NaN everywhere": ([_with(DETAILED, reward=float("nan"), tokens__logprob=[float("nan")] * 2),
+                        _eval(0, 0, correct=float("nan"))], None),
+    "objects for texts": ([_with(DETAILED, row={"problem": {"q": [1, {"x": None}]},
+                                                "answer": {"tests": ["assert f() == 1"]}},
+                                 tokens__prompt={"chat": [1, 2]}),
+                           _eval(0, 0, problem=[1, "two"], answer={"a": 1}),
+                           _eval(2, 0, problem=None, answer=None)], None),
+    "nested 900 deep": ([_with(DETAILED, row={"problem": DEEP, "answer": DEEP},
+                               tokens__prompt=DEEP, rewards={"c": 1.0})], None),
+    "chat messages of anything": ([_with(DETAILED, row={"prompt": [{"role": DEEP}, 3, None,
+                                                                    {"content": {"a": 1}}]})],
+                                  None),
+    "no pieces": ([_with(DETAILED, tokens__pieces=...)], None),
+    "a reward source's name of a megabyte": ([_with(DETAILED, rewards={"<" * 10 ** 6: 1.0})],
+                                             None),
+    "negative step": ([_with(DETAILED, step=-3)], "field step: not a whole number"),
+    "step NaN": ([_with(DETAILED, step=float("nan"))], "field step: not a whole number"),
+    "missing field": ([_with(DETAILED, completion=...)], "field completion: missing"),
+    "texts of wrong types": ([_with(DETAILED, completion=["a"])], "field completion: not a string"),
+    "tokens not an object": ([_with(DETAILED, tokens=[1])], "field tokens: not an object"),
+}
+METRICS = {
+    "steps and values of any type": ['{"step": NaN, "reward": 1}', '{"step": -5, "reward": 0.5}',
+                                     '{"step": "2", "reward": [1], "loss": {"a": null}}',
+                                     '{"step": 3, "reward": 1e999, "eval_accuracy": -1e999}',
+                                     '{"reward": 0.2}', '{}', f'{{"step": 4, "reward": {HUGE}}}',
+                                     '{"step": 5, "eval_accuracy": 0.5, "loss": null}'],
+    "a number of 5,000 digits": ['{"step": 1, "reward": ' + "9" * 5000 + '}'],
+    "nested past json's depth": ['{"step": 1, "reward": ' + "[" * 5000 + "]" * 5000 + '}'],
+    "not an object": ['[1, 2]'],
+}
+
+
+@pytest.mark.parametrize("name", [*CRAFTED, *METRICS])
+def test_a_crafted_log_makes_a_page_or_one_line(name, tmp_path, capsys):
+    """Nulls in a per-token list (TypeError), numbers past the largest float (OverflowError),
+    NaN, objects where texts belong, nesting 900 deep, a megabyte of name; a negative step, a
+    missing field; metrics of any type, a number json cannot read (AttributeError), a nesting it
+    cannot (RecursionError): `python report.py` writes a page whose data JSON.parse reads, or
+    stops in one line that names the file, the line and the field -- never a traceback."""
+    import report
+    records, refused = CRAFTED.get(name, ([DETAILED], None))
+    metrics = METRICS.get(name, ['{"step": 1, "reward": 0.5}'])
+    out = _folder(tmp_path, [], [*records, _sample(1, 1)])
+    (out / "metrics.jsonl").write_text("".join(line + "\n" for line in metrics))
+    if name in METRICS and name != "steps and values of any type":
+        refused = "metrics.jsonl, line 1: not"
+    if refused:
+        with pytest.raises(SystemExit) as stop:
+            report.main([str(out)])
+        assert str(stop.value).startswith("error: ") and refused in str(stop.value)
+        assert str(stop.value).isprintable()
+        return
+    report.main([str(out)])
+    assert "wrote" in capsys.readouterr().out
+    data = _page_data(out)
+    assert data["steps"] and data["steps"][0]["groups"]
+    for group in data["steps"][0]["groups"]:
+        for field in ("prompt", "template", "answer"):
+            assert group.get(field) is None or isinstance(group[field], str), (field, group)
+
+
+@pytest.fixture(scope="module")
+def oversized_page(tmp_path_factory):
+    """At the real budgets: a step of 16 groups whose answers are 1.5 MiB of "<" (a code
+    dataset's tests; 9 MiB each as the page writes them), held-out completions of 30 MB of
+    "<" in all, an answer of non-BMP characters."""
+    import report
+    out = tmp_path_factory.mktemp("oversized") / "run"
+    out.mkdir()
+    tests = "<" * (3 << 19)
+    with open(out / "rollouts.jsonl", "w") as f:
+        for i in range(32):
+            r = _sample(1, i, group_size=2, text="The answer is <b>4</b>.")
+            r["row"]["answer"] = tests if i > 1 else "\U0001f600" * (1 << 20)
+            f.write(json.dumps(r) + "\n")
+        for step in (0, 2):
+            for i in range(20):
+                f.write(json.dumps(_eval(step, i, completion="<" * 750_000)) + "\n")
+    (out / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+    report.write_report(out)
+    return out
+
+
+def test_a_page_past_its_budget_opens_in_a_real_browser_and_says_what_it_left_out(
+        oversized_page, browser, tmp_path):
+    """The page stays under 50 MB (it was 604 MB: Chromium's ERR_STRING_TOO_LONG), opens with no
+    error, shows its step and its held-out table, and says, visibly, what it shortened."""
+    from selenium.webdriver.common.by import By
+    page = oversized_page / "report.html"
+    assert page.stat().st_size <= 50e6
+    browser.get(page.as_uri())
+    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"] == []
+    note = browser.find_element(By.ID, "step-note")
+    assert note.is_displayed() and "shortened where marked" in note.text
+    groups = browser.find_elements(By.CSS_SELECTOR, "#groups .group")
+    assert len(groups) == 16 and "characters left out here" in groups[-1].text
+    heldout = browser.find_element(By.ID, "heldout").text
+    assert "texts shortened where marked" in heldout and "20 problems" in heldout
+    browser.save_screenshot(str(tmp_path / "oversized.png"))
+
+
+@pytest.mark.parametrize("alphabet", ["a", "<", "<&>\"'", "\U0001f600", "é\n\t\x1b", "\ud800a",
+                                      "a<\U0001f600é&"])
+def test_a_text_is_cut_within_its_budget_as_the_page_writes_it(alphabet):
+    """clip: whatever the characters (each "<" six bytes in the page's JSON, four in its HTML; an
+    emoji twelve and four; a lone surrogate), the text as written is within the budget, keeps its
+    head and its tail, and says how many characters it left out; one that fits stays whole."""
+    import random
+    from report import MIN_TEXT, clip, html_size, json_size
+    rng = random.Random(0)
+    for size in (json_size, html_size):
+        for budget in (MIN_TEXT, 1_000, 12_345):
+            text = "".join(rng.choice(alphabet) for _ in range(budget * 2))
+            cut = clip(text, budget, size)
+            assert size(cut) <= budget and size(cut) > budget * 0.9 - 12 * 2, (size, budget)
+            left = len(text) - len(cut) + len(re.search(r" \[\.\.\. .*? \.\.\.\] ", cut)[0])
+            assert f"[... {left:,} characters left out here" in cut
+            assert text.startswith(cut[:cut.index(" [... ")])
+            assert text.endswith(cut[cut.index(" ...] ") + 6:])
+            whole = text[:budget // 13]
+            assert clip(whole, budget, size) == whole
+
+
+def test_a_picture_that_fails_on_what_a_log_holds_warns_in_one_printable_line(capsys):
+    """A picture that fails on a log's text -- a metric name with an escape sequence in it (OSC
+    52, a clipboard write) in the exception's message -- is one warning line, the sequence shown
+    as text, never obeyed by the terminal."""
+    from pathlib import Path
+    import session
+
+    def draw():
+        raise ValueError("no metric \x1b]52;c;ZWNobyBwd25lZA==\x07reward")
+    assert not session._drawn(Path("out/report.html"), draw)
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and said.strip().isprintable()
+    assert "\\x1b]52;c;ZWNobyBwd25lZA==\\x07reward" in said

@@ -287,3 +287,25 @@ def test_normalize():
     assert normalize("$1,234$") == "1234"
     assert normalize("1,2") == "1,2"  # a list, not a thousands separator
     assert normalize("x = \\frac{1}{2}") == "1/2"
+
+
+OSC52 = "\x1b]52;c;ZWNobyBwd25lZA==\x07"  # a terminal's clipboard write
+
+
+def _quotes_the_completion(prompts, completions, **fields):
+    raise ValueError(f"cannot score {completions[0]}")
+
+
+def test_data_and_completions_in_a_reward_message_reach_the_terminal_escaped(capsys):
+    """A column name from the data in a refusal, a completion in a reward function's error (a
+    model may write an escape sequence): shown as text (ESC as \\x1b), never obeyed."""
+    with pytest.raises(SystemExit) as stop:
+        RewardFunctions("tests.test_reward:_length_reward", "boxed", Grader(),
+                        columns={"answer", f"{OSC52}\nx"})
+    said = str(stop.value)
+    assert said.isprintable() and "'\\x1b]52;c;ZWNobyBwd25lZA==\\x07\\nx'" in said
+    fns = RewardFunctions("tests.test_reward:_quotes_the_completion", "boxed", Grader())
+    fns(["q"], [f"{OSC52} 5"], None, [{"answer": "5"}])
+    out = capsys.readouterr().out
+    assert "cannot score \\x1b]52;c;ZWNobyBwd25lZA==\\x07 5" in out
+    assert all(line.isprintable() for line in out.splitlines())

@@ -431,3 +431,37 @@ def test_a_damaged_log_stops_a_resume_in_one_line_before_any_model_loads(
         grpo.main(parse_config(grpo.Config, small_run_args(tiny_model_dir, out) + [
             "--steps", "3", "--resume", "auto"]))
     assert (out / "rollouts.jsonl").read_text() == "".join(lines)
+
+
+OSC52 = "\x1b]52;c;ZWNobyBwd25lZA==\x07"  # a terminal's clipboard write
+
+
+def _record(**changes) -> dict:
+    r = {"v": 1, "kind": "train", "step": 1, "index": 0, "group": 0, "sample": 0, "kept": True,
+         "row": {"problem": "p"}, "prompt_ids": [1], "completion_ids": [2, 3], "completion": "c",
+         "truncated": False, "policy_version": 0, "reward": 1.0, "rewards": {}, "correct": None,
+         "advantage": 0.5}
+    return {**r, **changes}
+
+
+@pytest.mark.parametrize("line, said", [
+    (json.dumps(_record(v=OSC52)), "line 1: rollouts of format \\x1b]52;c;ZWNobyBwd25lZA==\\x07, "),
+    (json.dumps(_record(tokens={f"{OSC52}\nx": [1]})),
+     "line 1, field tokens.\\x1b]52;c;ZWNobyBwd25lZA==\\x07\\nx: 1 values for 2"),
+    ('{"v": 1, "step": ' + "9" * 5000 + "}", "line 1: not JSON (Exceeds the limit (4300 digits) "
+                                             "for integer string conversion"),
+    ("[" * 100_000 + "]" * 100_000, "line 1: not JSON (nested too deeply)"),
+], ids=["format", "field name", "huge number", "deep"])
+def test_a_crafted_log_is_refused_in_one_printable_line(tmp_path, line, said):
+    """What a crafted log holds reaches the refusal escaped -- an escape sequence in its format
+    field or a field's name (a clipboard write, OSC 52) shows as text, never reaches the terminal
+    as such -- and what json cannot read (a number of 5,000 digits, arrays nested 100,000 deep)
+    is one line too, not a traceback."""
+    from rollout_log import check_log
+    log = tmp_path / "rollouts.jsonl"
+    log.write_text(line + "\n" + json.dumps(_record()) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        check_log(log)
+    message = str(stop.value)
+    assert message.startswith(f"error: {log}, {said}"), message
+    assert message.isprintable()

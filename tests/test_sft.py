@@ -246,6 +246,21 @@ def test_bad_rows_are_named(rows, message):
     assert str(stop.value).startswith("error: rows.jsonl: row ") and "\n" not in str(stop.value)
 
 
+OSC52 = "\x1b]52;c;ZWNobyBwd25lZA==\x07"  # a terminal's clipboard write, as a dataset may hold it
+
+
+def test_a_refusal_quotes_a_row_escaped():
+    """A row's text in a refusal -- the tools it declares -- reaches the terminal with its control
+    characters escaped (ESC as \\x1b: shown, never obeyed by the terminal), on one line."""
+    row = {"messages": [CONVERSATION[0], _call("lookup", {"w": 1})],
+           "tools": [{"type": "function", "function": {"name": f"{OSC52}\ncalc"}}]}
+    with pytest.raises(SystemExit) as stop:
+        check_samples([row], "rows.jsonl", _cfg(), set())
+    said = str(stop.value)
+    assert "declared: \\x1b]52;c;ZWNobyBwd25lZA==\\x07\\ncalc;" in said
+    assert said.isprintable()
+
+
 class ModelLoads(Exception):
     pass
 

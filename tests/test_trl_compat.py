@@ -59,7 +59,7 @@ def test_a_mis_declared_reward_stops_at_startup_with_one_line(tmp_path):
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
         "error: reward function 'tests.trl_rewards:needs_a_label' needs label, which the data "
-        "does not have (columns: id, problem, solution); map a column (--answer-field, "
+        "does not have (columns: 'id', 'problem', 'solution'); map a column (--answer-field, "
         "--prompt-field) or give the parameter a default"]
 
 
