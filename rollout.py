@@ -584,17 +584,19 @@ class WeightSync:
     that owns the model, called through the public `LLM.collective_rpc`."""
 
     def load_trainer_weights(self, named_tensors):
-        # reload_weights runs the model's own checkpoint loader (name mapping, QKV fusing, tied
-        # embeddings) and then the backend's weight post-processing -- what a plain
-        # model.load_weights() skips, which breaks the CPU backend.
-        self.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+        # The worker's reload_weights (this class is mixed into vLLM's worker): it sets vLLM's
+        # current config around the model runner's, whose loaders may read it (quantized layers
+        # do; without it they raise). That runs the model's own checkpoint loader (name mapping,
+        # QKV fusing, tied embeddings) and then the backend's weight post-processing -- what a
+        # plain model.load_weights() skips, which breaks the CPU backend.
+        self.reload_weights(weights_iterator=iter(named_tensors))
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str):
         self.weight_group = WeightGroup(host, port, rank, world_size, backend)
 
     def receive_trainer_weights(self, layout: list[list[WeightSpec]]):
         # The loader pulls bucket after bucket from the broadcast as it loads them.
-        self.model_runner.reload_weights(weights_iterator=self.weight_group.receive(layout))
+        self.reload_weights(weights_iterator=self.weight_group.receive(layout))
 
     def runner_name(self) -> str:
         """Which model runner this vLLM chose: on a GPU 0.32 uses V2 (vllm.v1.worker.gpu.*)

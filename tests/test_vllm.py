@@ -84,6 +84,38 @@ def test_weight_sync_changes_the_engine_and_matches_the_trainer(engine, model_an
     engine.update_weights(model.state_dict())  # leave the shared engine as the fixture made it
 
 
+def _runner_needs_the_current_config(worker, on: bool):
+    """(Run inside the engine's worker, by collective_rpc.) on: the model runner's reload_weights
+    asks for vLLM's current config first, as loaders of quantized or custom layers do on a GPU
+    (vllm.config.get_current_vllm_config raises outside a set_current_vllm_config block); off:
+    the runner's own method again."""
+    from vllm.config import get_current_vllm_config
+    runner = worker.model_runner
+    if not on:
+        del runner.reload_weights  # (the instance attribute: the class's method shows again)
+        return
+    reload = runner.reload_weights
+
+    def checked(*args, **kwargs):
+        get_current_vllm_config()
+        return reload(*args, **kwargs)
+    runner.reload_weights = checked
+
+
+def test_a_weight_sync_loads_inside_the_workers_config_context(engine, model_and_tokenizer):
+    """Both syncs go through the worker's reload_weights, which sets vLLM's current config around
+    the model runner's loader (vllm/v1/worker/gpu_worker.py; the CPU worker inherits it), not to
+    the runner directly: a loader that reads the config (fp8 and other quantized layers do) failed
+    there with "Current vLLM config is not set"."""
+    model, _ = model_and_tokenizer
+    engine.llm.collective_rpc(_runner_needs_the_current_config, args=(True,))
+    try:
+        engine.update_weights(model.state_dict(), version=3)
+        assert engine.version == 3
+    finally:
+        engine.llm.collective_rpc(_runner_needs_the_current_config, args=(False,))
+
+
 def test_collective_weight_sync_reaches_the_vllm_worker(engine, model_and_tokenizer):
     """The broadcast path (rollout.WeightGroup through the worker extension): a sender in a thread
     of this process stands in for trainer rank 0; the engine's loader pulls bucket after bucket."""
