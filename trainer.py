@@ -651,6 +651,7 @@ def _rollout(cfg, model, tokenizer, device, shared: bool = False):
     return make_rollout(cfg.rollout, model, tokenizer, device=device, shares_weights=shared,
                         dtype=DTYPES[cfg.dtype], seed=cfg.seed,
                         max_new_tokens=tokens_after_prompt(cfg),
+                        max_prompt_tokens=cfg.max_prompt_tokens,
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
                         logprobs=cfg.engine_logprobs(),
                         max_num_seqs=-(-cfg.prompts_per_step * cfg.num_generations

@@ -50,7 +50,25 @@ def model_and_tokenizer(model_dir):
 def engine(model_and_tokenizer):
     from rollout import make_rollout
     model, tokenizer = model_and_tokenizer
-    return make_rollout("vllm", model, tokenizer, max_new_tokens=64, gpu_memory_utilization=0.2)
+    return make_rollout("vllm", model, tokenizer, max_prompt_tokens=PROMPT_ROOM, max_new_tokens=64,
+                        gpu_memory_utilization=0.2)
+
+
+PROMPT_ROOM = 400  # the engine's prompts at most (--max-prompt-tokens): the tiny model has 512
+# positions, the engine holds 400 + 64
+
+
+def test_the_engine_holds_max_prompt_tokens_and_the_new_ones(engine, model_and_tokenizer):
+    """vLLM itself runs with max_model_len = --max-prompt-tokens + the most tokens after a prompt
+    (rollout.engine_length), and a prompt of --max-prompt-tokens gets every new token asked for
+    (prompt + max_tokens past max_model_len, vLLM ends the sample early, as if truncated)."""
+    assert engine.max_model_len == PROMPT_ROOM + 64
+    assert engine.llm.llm_engine.model_config.max_model_len == PROMPT_ROOM + 64
+    prompt = [(7 * i) % 5000 + 100 for i in range(PROMPT_ROOM)]
+    out = engine.generate([prompt], 4, Sampling(max_new_tokens=64, temperature=1.0, seed=1))
+    assert any(out.truncated)
+    for ids, cut in zip(out.completion_ids, out.truncated):
+        assert len(ids) == 64 if cut else ids[-1] in engine.stop_ids
 
 
 def _trainer_logprobs(model, out, temperature):
@@ -260,12 +278,13 @@ def test_two_step_grpo_run_with_vllm_from_an_sft_model(tiny_model_dir, tmp_path)
 
 
 def test_a_prompt_longer_than_the_engine_holds_stops_in_one_line(engine, model_and_tokenizer):
-    """vLLM fails the whole generate call with a traceback for one prompt past max_model_len
-    (the tiny model's 512 positions here); the engine says which prompt length and why first."""
+    """vLLM fails the whole generate call with a traceback for one prompt past max_model_len;
+    the engine says which prompt length and why first."""
     _, tokenizer = model_and_tokenizer
     with pytest.raises(SystemExit) as stop:
         engine.generate([[5, 6, 7], [5] * engine.max_model_len], 1, Sampling(4, temperature=0))
     line = str(stop.value)
     assert "\n" not in line and f"a prompt of {engine.max_model_len} tokens" in line
+    assert f"prompts of up to {PROMPT_ROOM} tokens, --max-prompt-tokens" in line
     out = engine.generate([[5, 6, 7]], 1, Sampling(4, temperature=0))  # (the engine goes on)
     assert len(out.completion_ids) == 1
