@@ -670,9 +670,38 @@ class Run:
     agent: object = None  # --tools / --env: how episodes go (env.Agent), set by grpo.main
 
 
+# --async-steps 1 starts step t+1's generation before step t's update. Where engines and trainers
+# cannot work at once, the batch is one step off-policy all the same, but the two take turns; the
+# run says so at start (and docs/distributed.md, in these words).
+ASYNC_TURNS = {
+    "one process": "--async-steps 1 in one process: the engine generates step t+1's batch, then "
+                   "the trainer trains on step t's, one after the other (the batch is one step "
+                   "off-policy all the same); they work at once only on Ray, with engines of "
+                   "their own or colocated on CPUs",
+    "colocated on GPUs": "--async-steps 1 --colocate on GPUs: each engine shares its trainer's "
+                         "GPU, and the update needs the memory the engine generates in, so the "
+                         "trainers wait for the engines to finish step t+1's batch (a vLLM engine "
+                         "then sleeps) before they train on step t's: one step off-policy, no time "
+                         "saved; without --colocate the engines generate on GPUs of their own "
+                         "while the trainers train",
+}
+
+
+def async_turns(cfg, on_ray: bool, gpus: bool) -> str | None:
+    """The line a run with --async-steps 1 prints where generation and training take turns
+    (ASYNC_TURNS), or None where they overlap. gpus: the Ray cluster's (on_ray) has GPUs."""
+    if not getattr(cfg, "async_steps", 0):
+        return None
+    if not on_ray:
+        return ASYNC_TURNS["one process"]
+    return ASYNC_TURNS["colocated on GPUs"] if cfg.colocate and gpus else None
+
+
 def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Run":
     """One process: the trainer and the rollout engine live here. train_step(trainer, batch) is
     grpo.train_on_rollout; start_step: the step the weights are from (a resumed run's)."""
+    if turns := async_turns(cfg, on_ray=False, gpus=False):
+        print(turns)
     trainer = cfg.setup(resume_dir)
     # The HF engine samples from the very tensors the trainer computes with (its bf16 copy, or
     # its fp32 weights), which each optimizer step updates in place: no copy of its own (270 MB
@@ -707,6 +736,8 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
     from model import load_tokenizer
     cluster = Cluster(cfg.num_trainers, cfg.num_engines, colocate=cfg.colocate,
                       address=cfg.ray_address)
+    if turns := async_turns(cfg, on_ray=True, gpus=cluster.use_gpu):
+        print(turns)
     trainers = cluster.trainers(setup_for, cfg, resume_dir)
     trainers.check_shared_folder(cfg.out)  # before anything is trained, not at the first save
     shared = cfg.engine_shares_weights()  # --colocate: engine i in trainer i's process
@@ -722,7 +753,8 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
 
     def train(batch):
         if cfg.colocate and cluster.use_gpu:  # engines sharing the trainers' GPUs free them
-            # until the next sync
+            # until the next sync. (An engine takes its calls in order: with --async-steps 1 this
+            # waits for the next batch's generation, ASYNC_TURNS.)
             engines.run(_engine_sleeps)
         parts = shard(len(batch.advantages), cfg.num_trainers)  # each rank: a contiguous slice
         metrics = finish_metrics(trainers.run(train_step, [(batch.select(slice(r.start, r.stop)),)
