@@ -10,7 +10,6 @@ the training step is handed in (`train_step`), and Ray runs the functions it is 
 (distributed.py).
 """
 
-import copy
 import functools
 import math
 import shutil
@@ -29,7 +28,7 @@ from hardware import ModelCost, model_cost, peak_flops, processed_tokens, train_
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
 from model import add_lora, full_state_dict, full_weights, is_lora, load_adapters, load_model
 from model import pick_device
-from model import DTYPES, cast_parameters, model_path, save_model, shard_model, source_dtype
+from model import DTYPES, cast_copy, model_path, save_model, shard_model, source_dtype
 from recompute import keep_less
 from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, tokens_after_prompt
 from rollout import weight_layout
@@ -85,9 +84,10 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
         if resume_dir:
             load_adapters(model, resume_dir)
-    elif reference:  # a frozen copy of the *initial* policy
-        initial = load_model(start, device)[0] if resume_dir else copy.deepcopy(model)
-        ref_model = computing_like(initial, model, cfg, group)
+    elif reference:  # a frozen copy of the *initial* policy, made in the dtype it computes in
+        dtype = torch.bfloat16 if uses_bf16_copy(cfg, group) else torch.float32
+        initial = load_model(start, device, dtype)[0] if resume_dir else cast_copy(model, dtype)
+        ref_model = computing_like(initial, model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     # What is cheap to make again, the backward makes again (recompute.py), but not under
@@ -142,13 +142,13 @@ def fsdp(cfg, group) -> bool:
     return getattr(cfg, "fsdp", False) and group is not None
 
 
-def computing_like(initial, policy, cfg, group):
+def computing_like(ref, policy):
     """The KL reference: the initial weights, set up to compute exactly as the policy's forward
-    does -- the same dtype (its bf16 copy, or fp32 weights under autocast), the same prompt-sharing
-    verdict (the policy's, made once in fp32: a check of its own in bf16 could refuse what the
-    policy does), compiled when the policy is (setup_trainer) -- so that KL(pi || ref) is exactly
-    0 before the first update, not numerical noise with a gradient."""
-    ref = cast_parameters(initial, torch.bfloat16) if uses_bf16_copy(cfg, group) else initial
+    does -- the same dtype (its bf16 copy, or fp32 weights under autocast: setup_trainer makes
+    `ref` in it), the same prompt-sharing verdict (the policy's, made once in fp32: a check of its
+    own in bf16 could refuse what the policy does), compiled when the policy is (setup_trainer) --
+    so that KL(pi || ref) is exactly 0 before the first update, not numerical noise with a
+    gradient."""
     ref.smolrl_shares_prompts = policy.smolrl_shares_prompts
     return ref.eval()
 
@@ -196,8 +196,8 @@ def bf16_copy(model):
     """The bf16 copy forward and backward run on. Each of its gradients is added to its fp32
     master's as soon as the backward has computed it, and freed (a hook): micro-batches sum in
     fp32, and the copy's gradients never all exist at once (on SmolLM2-135M, 270 MB less at the
-    update's peak than adding them up after the backward)."""
-    compute = cast_parameters(copy.deepcopy(model), torch.bfloat16)
+    update's peak than adding them up after the backward). Made straight in bf16 (cast_copy)."""
+    compute = cast_copy(model, torch.bfloat16)
     for master, p in zip(model.parameters(), compute.parameters()):
         p.register_post_accumulate_grad_hook(functools.partial(_into_master_grad, master))
     return compute
