@@ -5,7 +5,8 @@
     ray start --address=<node0-ip>:6379                                 # every other node
     python grpo.py --ray-address auto --num-trainers 16 --num-engines 8 # on node 0
 
-What runs where (one bundle = one GPU, or one CPU on a machine without GPUs):
+What runs where (one bundle = one GPU and its node's CPUs per GPU, or one CPU on a cluster
+without GPUs; which, the cluster's resources say, not the driver's own hardware):
 
     placement group   [bundle 0   ][bundle 1   ] ... [bundle N    ] ... [bundle N+M-1]
     --colocate        trainer 0 +  trainer 1 +       (engines share the trainers' bundles; the HF
@@ -61,17 +62,27 @@ class Cluster:
 
     def __init__(self, num_trainers: int, num_engines: int, *, colocate: bool = False,
                  address: str = "", timeout: float = 60.0):
-        self.use_gpu = _has_gpu()
         repo = str(Path(__file__).resolve().parent)
         # Workers import grpo/rollout/model from this folder, on every node.
         ray.init(address=None if address in ("", "local") else address, ignore_reinit_error=True,
                  log_to_driver=True,
                  runtime_env={"env_vars": {"PYTHONPATH": repo}}, include_dashboard=False)
+        # GPUs or CPUs: what the cluster has, not this process (a driver on a CPU-only head node
+        # once gave GPU workers CPU bundles, and they trained on the CPU)
+        self.use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+        if self.use_gpu and not _has_gpu():
+            print(f"note: the driver sees no GPU, the Ray cluster has "
+                  f"{ray.cluster_resources()['GPU']:g}: the workers train on GPUs, but what the "
+                  f"driver chose from its own hardware (--dtype auto, --rollout auto, the memory "
+                  f"settings a GPU's plan would choose) was chosen for a CPU; pass them yourself "
+                  f"or start the run on a GPU node")
         self.colocate = colocate
         self.num_trainers, self.num_engines = num_trainers, num_engines
         n = max(num_trainers, num_engines) if colocate else num_trainers + num_engines
         kind = "GPU" if self.use_gpu else "CPU"
-        bundle = {"GPU": 1, "CPU": 1} if self.use_gpu else {"CPU": 1}
+        # A GPU bundle holds its share of the node's CPUs, for its workers' threads (Worker)
+        self.bundle_cpus = cpus_per_gpu(ray.nodes()) if self.use_gpu else 1
+        bundle = {"GPU": 1, "CPU": self.bundle_cpus} if self.use_gpu else {"CPU": 1}
         have = ray.cluster_resources().get(kind, 0)
         if have < n:  # infeasible: Ray would wait forever, so say so now
             raise SystemExit(
@@ -89,7 +100,9 @@ class Cluster:
 
     def _options(self, bundle: int):
         share = 0.5 if self.colocate else 1.0  # colocated trainer and engine split their bundle
-        resources = {"num_gpus": share, "num_cpus": 0} if self.use_gpu else {"num_cpus": share}
+        resources = {"num_cpus": share * self.bundle_cpus}
+        if self.use_gpu:
+            resources["num_gpus"] = share
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                     placement_group_bundle_index=bundle)
         return dict(scheduling_strategy=strategy, **resources)
@@ -137,11 +150,12 @@ class Worker:
     group = None  # the trainers' process group, on trainer workers
 
     def __init__(self):
-        if _has_gpu():
-            # Ray sets OMP_NUM_THREADS=1 in actors with num_cpus=0 (our GPU bundles): host-side
-            # work (tokenising, copies) would run on one thread. Give each a share of the node.
-            import torch
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, torch.cuda.device_count())))
+        # As many threads as the CPUs this worker holds (its share of its bundle's): not every
+        # core of the node, which each worker of a GPU node would take (inside one, the node's
+        # GPUs are one visible device), nor one, what Ray's OMP_NUM_THREADS says for a fraction.
+        import torch
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
+        torch.set_num_threads(max(1, int(cpus)))
 
     def init_process_group(self, backend, addr, port, rank, world_size):
         import torch.distributed as dist
@@ -306,6 +320,14 @@ class EngineGroup:
         ref = state if isinstance(state, ray.ObjectRef) else ray.put(state)
         _get([w.run.remote(_update, ref, version, on=self.on) for w in self.workers], "engine")
         return time.perf_counter() - t0
+
+
+def cpus_per_gpu(nodes: list[dict]) -> int:
+    """The CPUs a GPU bundle holds: the fewest per GPU on any live node with GPUs (ray.nodes()'s
+    records), so that every such node fits a bundle for each of its GPUs; at least 1."""
+    shares = [n["Resources"].get("CPU", 0) // n["Resources"]["GPU"] for n in nodes
+              if n.get("Alive", True) and n["Resources"].get("GPU", 0) > 0]
+    return max(1, int(min(shares, default=1)))
 
 
 def _has_gpu() -> bool:

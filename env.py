@@ -344,14 +344,19 @@ class Agent:
         agent.chat.check_turn_length(cfg.max_new_tokens)
         return agent
 
+    def messages(self, row: dict) -> list[dict]:
+        """An episode's first messages: a conversational row's own, else its problem in the
+        template (before an environment's reset text, which start appends)."""
+        return [dict(m) for m in row["prompt"]] if isinstance(row.get("prompt"), list) \
+            else [{"role": "user", "content": self.template.format(problem=row["problem"])}]
+
     def start(self, rows: list[dict], n: int) -> list[Episode]:
         """n episodes per row, row-major, each with its own environment, reset with the row."""
         episodes = []
         for row in rows:
             for _ in range(n):
                 env = self.chat.env_class() if self.chat.env_class else None
-                prompt = [dict(m) for m in row["prompt"]] if isinstance(row.get("prompt"), list) \
-                    else [{"role": "user", "content": self.template.format(problem=row["problem"])}]
+                prompt = self.messages(row)
                 text = env.reset(**row) if env is not None else None
                 if isinstance(text, str):  # as TRL does: appended to the last message
                     prompt[-1]["content"] += text

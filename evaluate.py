@@ -404,6 +404,8 @@ def main(argv=None):
     rollout = make_rollout(cfg.backend, model, tokenizer, device=device, seed=cfg.seed,
                            dtype=dtype.torch,
                            max_new_tokens=tokens_after_prompt(cfg),
+                           max_prompt_tokens=longest_prompt(tokenizer, datasets, cfg, agent)
+                           if cfg.backend == "vllm" else 0,
                            gpu_memory_utilization=cfg.gpu_memory_utilization)
     del model
     sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed)
@@ -432,6 +434,17 @@ def main(argv=None):
           f"max_new_tokens={cfg.max_new_tokens}  ({time.time() - t0:.0f} s)")
     print(format_table(results["datasets"]))
     print(f"wrote {out / 'results.json'} and {out / 'samples.jsonl'}")
+
+
+def longest_prompt(tokenizer, datasets: dict, cfg, agent=None) -> int:
+    """The longest prompt of the data, in tokens as the engine gets it (an episode's first turn
+    before an environment's reset text): a vLLM engine is sized to hold it and the tokens after
+    it (rollout.engine_length)."""
+    if agent:
+        return max((len(agent.chat.prompt_ids(agent.messages(row)))
+                    for rows in datasets.values() for row in rows), default=1)
+    return max((len(ids) for rows in datasets.values()
+                for ids in encode_prompts(tokenizer, rows, cfg.template, cfg.chat)), default=1)
 
 
 def format_table(rows: dict) -> str:

@@ -95,7 +95,8 @@ class Config(RLOptions):
     """DAPO soft overlong penalty: reward falls linearly to -1 over the last N tokens (0 = off)"""
     async_steps: int = 0
     """1: engines sample step t+1's batch with step t's weights while the trainers train on step
-    t (one step off-policy: pi_old is the engine's log-prob of each token); 0: on-policy"""
+    t (one step off-policy: pi_old is the engine's log-prob of each token; in one process, and
+    colocated on GPUs, the two take turns instead, as the run says); 0: on-policy"""
 
     def __post_init__(self):  # impossible values stop here, before anything loads
         super().__post_init__()

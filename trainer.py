@@ -10,7 +10,6 @@ the training step is handed in (`train_step`), and Ray runs the functions it is 
 (distributed.py).
 """
 
-import copy
 import functools
 import math
 import shutil
@@ -29,7 +28,7 @@ from hardware import ModelCost, model_cost, peak_flops, processed_tokens, train_
 from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
 from model import add_lora, full_state_dict, full_weights, is_lora, load_adapters, load_model
 from model import pick_device
-from model import DTYPES, cast_parameters, model_path, save_model, shard_model, source_dtype
+from model import DTYPES, cast_copy, model_path, save_model, shard_model, source_dtype
 from recompute import keep_less
 from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, tokens_after_prompt
 from rollout import weight_layout
@@ -85,9 +84,10 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
         model = add_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
         if resume_dir:
             load_adapters(model, resume_dir)
-    elif reference:  # a frozen copy of the *initial* policy
-        initial = load_model(start, device)[0] if resume_dir else copy.deepcopy(model)
-        ref_model = computing_like(initial, model, cfg, group)
+    elif reference:  # a frozen copy of the *initial* policy, made in the dtype it computes in
+        dtype = torch.bfloat16 if uses_bf16_copy(cfg, group) else torch.float32
+        initial = load_model(start, device, dtype)[0] if resume_dir else cast_copy(model, dtype)
+        ref_model = computing_like(initial, model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     # What is cheap to make again, the backward makes again (recompute.py), but not under
@@ -142,13 +142,13 @@ def fsdp(cfg, group) -> bool:
     return getattr(cfg, "fsdp", False) and group is not None
 
 
-def computing_like(initial, policy, cfg, group):
+def computing_like(ref, policy):
     """The KL reference: the initial weights, set up to compute exactly as the policy's forward
-    does -- the same dtype (its bf16 copy, or fp32 weights under autocast), the same prompt-sharing
-    verdict (the policy's, made once in fp32: a check of its own in bf16 could refuse what the
-    policy does), compiled when the policy is (setup_trainer) -- so that KL(pi || ref) is exactly
-    0 before the first update, not numerical noise with a gradient."""
-    ref = cast_parameters(initial, torch.bfloat16) if uses_bf16_copy(cfg, group) else initial
+    does -- the same dtype (its bf16 copy, or fp32 weights under autocast: setup_trainer makes
+    `ref` in it), the same prompt-sharing verdict (the policy's, made once in fp32: a check of its
+    own in bf16 could refuse what the policy does), compiled when the policy is (setup_trainer) --
+    so that KL(pi || ref) is exactly 0 before the first update, not numerical noise with a
+    gradient."""
     ref.smolrl_shares_prompts = policy.smolrl_shares_prompts
     return ref.eval()
 
@@ -196,8 +196,8 @@ def bf16_copy(model):
     """The bf16 copy forward and backward run on. Each of its gradients is added to its fp32
     master's as soon as the backward has computed it, and freed (a hook): micro-batches sum in
     fp32, and the copy's gradients never all exist at once (on SmolLM2-135M, 270 MB less at the
-    update's peak than adding them up after the backward)."""
-    compute = cast_parameters(copy.deepcopy(model), torch.bfloat16)
+    update's peak than adding them up after the backward). Made straight in bf16 (cast_copy)."""
+    compute = cast_copy(model, torch.bfloat16)
     for master, p in zip(model.parameters(), compute.parameters()):
         p.register_post_accumulate_grad_hook(functools.partial(_into_master_grad, master))
     return compute
@@ -651,6 +651,7 @@ def _rollout(cfg, model, tokenizer, device, shared: bool = False):
     return make_rollout(cfg.rollout, model, tokenizer, device=device, shares_weights=shared,
                         dtype=DTYPES[cfg.dtype], seed=cfg.seed,
                         max_new_tokens=tokens_after_prompt(cfg),
+                        max_prompt_tokens=cfg.max_prompt_tokens,
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
                         logprobs=cfg.engine_logprobs(),
                         max_num_seqs=-(-cfg.prompts_per_step * cfg.num_generations
@@ -669,9 +670,38 @@ class Run:
     agent: object = None  # --tools / --env: how episodes go (env.Agent), set by grpo.main
 
 
+# --async-steps 1 starts step t+1's generation before step t's update. Where engines and trainers
+# cannot work at once, the batch is one step off-policy all the same, but the two take turns; the
+# run says so at start (and docs/distributed.md, in these words).
+ASYNC_TURNS = {
+    "one process": "--async-steps 1 in one process: the engine generates step t+1's batch, then "
+                   "the trainer trains on step t's, one after the other (the batch is one step "
+                   "off-policy all the same); they work at once only on Ray, with engines of "
+                   "their own or colocated on CPUs",
+    "colocated on GPUs": "--async-steps 1 --colocate on GPUs: each engine shares its trainer's "
+                         "GPU, and the update needs the memory the engine generates in, so the "
+                         "trainers wait for the engines to finish step t+1's batch (a vLLM engine "
+                         "then sleeps) before they train on step t's: one step off-policy, no time "
+                         "saved; without --colocate the engines generate on GPUs of their own "
+                         "while the trainers train",
+}
+
+
+def async_turns(cfg, on_ray: bool, gpus: bool) -> str | None:
+    """The line a run with --async-steps 1 prints where generation and training take turns
+    (ASYNC_TURNS), or None where they overlap. gpus: the Ray cluster's (on_ray) has GPUs."""
+    if not getattr(cfg, "async_steps", 0):
+        return None
+    if not on_ray:
+        return ASYNC_TURNS["one process"]
+    return ASYNC_TURNS["colocated on GPUs"] if cfg.colocate and gpus else None
+
+
 def setup_local(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Run":
     """One process: the trainer and the rollout engine live here. train_step(trainer, batch) is
     grpo.train_on_rollout; start_step: the step the weights are from (a resumed run's)."""
+    if turns := async_turns(cfg, on_ray=False, gpus=False):
+        print(turns)
     trainer = cfg.setup(resume_dir)
     # The HF engine samples from the very tensors the trainer computes with (its bf16 copy, or
     # its fp32 weights), which each optimizer step updates in place: no copy of its own (270 MB
@@ -706,6 +736,8 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
     from model import load_tokenizer
     cluster = Cluster(cfg.num_trainers, cfg.num_engines, colocate=cfg.colocate,
                       address=cfg.ray_address)
+    if turns := async_turns(cfg, on_ray=True, gpus=cluster.use_gpu):
+        print(turns)
     trainers = cluster.trainers(setup_for, cfg, resume_dir)
     trainers.check_shared_folder(cfg.out)  # before anything is trained, not at the first save
     shared = cfg.engine_shares_weights()  # --colocate: engine i in trainer i's process
@@ -721,7 +753,8 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
 
     def train(batch):
         if cfg.colocate and cluster.use_gpu:  # engines sharing the trainers' GPUs free them
-            # until the next sync
+            # until the next sync. (An engine takes its calls in order: with --async-steps 1 this
+            # waits for the next batch's generation, ASYNC_TURNS.)
             engines.run(_engine_sleeps)
         parts = shard(len(batch.advantages), cfg.num_trainers)  # each rank: a contiguous slice
         metrics = finish_metrics(trainers.run(train_step, [(batch.select(slice(r.start, r.stop)),)

@@ -407,3 +407,40 @@ def test_ppo_one_trainer_equals_two_trainers(trainer_pool, tiny_model_dir):
     for key in ("loss", "value_loss", "explained_variance", "grad_norm", "value_grad_norm",
                 "value_mean", "return_mean"):
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
+
+
+class _SlowEngine:
+    """An engine whose generation takes a second, and which notes when it is asked to sleep."""
+
+    def generate(self, prompt_ids, n, sampling):
+        import time
+        from rollout import Completions
+        time.sleep(1.0)
+        self.generated = time.time()
+        return Completions([], [], [], [])
+
+    def sleep(self):
+        import time
+        self.slept = time.time()
+
+
+def _slow_engine():
+    return _SlowEngine()
+
+
+def _times(engine):
+    return engine.generated, engine.slept
+
+
+def test_a_colocated_engine_sleeps_only_once_its_generation_is_done(engine_pool):
+    """Why --async-steps 1 --colocate on GPUs takes turns (trainer.ASYNC_TURNS): before the
+    update, the driver asks the engines to sleep (their GPU memory is the update's), and an engine
+    works through its calls in order -- the sleep waits for the generation of the next batch that
+    the driver started first, and the update for the sleep."""
+    from trainer import _engine_sleeps
+    engines = _again(engine_pool, _slow_engine)
+    pending = engines.submit_generate([[5, 6]] * 2, 1, Sampling(4))
+    engines.run(_engine_sleeps)  # what setup_ray's train does first on colocated GPUs
+    for generated, slept in engines.run(_times):
+        assert slept >= generated
+    pending.result()

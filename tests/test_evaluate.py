@@ -139,3 +139,20 @@ def test_a_sample_printed_during_training_reaches_the_terminal_escaped(capsys):
     assert len(lines) == 2 and all(line.isprintable() for line in lines)
     assert "answer \\x1b]52;c;ZWNobyBwd25lZA==\\x07\\n42)" in lines[0]
     assert len(lines[1]) < 1000 and "characters left out" in lines[1]
+
+
+def test_a_vllm_engine_is_sized_for_the_longest_prompt_it_will_be_given(tokenizer):
+    """evaluate.py has no --max-prompt-tokens: it reads its data before the model, so its vLLM
+    engine is sized for the data's longest prompt, counted as generate gets it -- the chat
+    template's, or an episode's first turn with the tools shown."""
+    from data import encode_prompts
+    from env import Agent, ToolChat, load_tools
+    from evaluate import EvalConfig, longest_prompt
+    rows = [{"problem": "1 + 1", "answer": "2"}, {"problem": "2 + 2 * 3 - 7 + 10", "answer": "9"}]
+    datasets, cfg = {"a": rows[:1], "b": rows[1:]}, EvalConfig()
+    plain = encode_prompts(tokenizer, rows, cfg.template, cfg.chat)
+    assert longest_prompt(tokenizer, datasets, cfg) == max(map(len, plain)) == len(plain[1])
+    agent = Agent(ToolChat(tokenizer, load_tools("calculator")), "{problem}", 2, 64)
+    episodes = agent.start(rows, 1)
+    assert longest_prompt(tokenizer, datasets, cfg, agent) == len(episodes[1].prompt_ids)
+    assert len(episodes[1].prompt_ids) > len(plain[1])  # (the tools' description)

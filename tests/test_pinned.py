@@ -202,7 +202,7 @@ def test_a_resumed_runs_reference_takes_the_policys_prompt_sharing_verdict(tiny_
         policy = SimpleNamespace(smolrl_shares_prompts=verdict)
         initial = load_model(tiny_model_dir)[0]  # as setup_trainer loads it on --resume
         assert not hasattr(initial, "smolrl_shares_prompts")
-        ref = computing_like(initial, policy, Config(data="arith", dtype="fp32"), None)
+        ref = computing_like(initial, policy)
         assert ref.smolrl_shares_prompts is verdict and not ref.training
 
 

@@ -59,3 +59,43 @@ def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(dtype,
                     "policy_lag"):
             assert r[key] == s[key], key
         assert r["loss"] == pytest.approx(s["loss"], abs=1e-5)
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_where_async_steps_cannot_overlap_the_run_says_what_the_docs_say(tiny_model_dir,
+                                                                            tmp_path, capsys):
+    """--async-steps 1 overlaps generation and training only where engines and trainers can work
+    at once: on Ray, with engines on devices of their own, or colocated on CPUs. In one process
+    the engine generates, then the trainer trains; colocated on GPUs the update waits for the
+    engines to finish and sleep (test_distributed.py's
+    test_a_colocated_engine_sleeps_only_once_its_generation_is_done). The run says so at start,
+    in the words of docs/distributed.md -- which once said a colocated vLLM engine "generates
+    while the trainers train"."""
+    from pathlib import Path
+
+    import grpo
+    from data import parse_config
+    from trainer import ASYNC_TURNS, async_turns, setup_local
+    docs = _words((Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text())
+    assert "generates (its KV cache awake) while the trainers train" not in docs
+    for line in ASYNC_TURNS.values():
+        assert _words(line) in docs
+    lagged = parse_config(grpo.Config, ["--model", tiny_model_dir, "--async-steps", "1",
+                                        "--out", str(tmp_path / "out")])
+    synced = parse_config(grpo.Config, ["--model", tiny_model_dir, "--out", str(tmp_path / "o")])
+    colocated = parse_config(grpo.Config, ["--model", tiny_model_dir, "--async-steps", "1",
+                                           "--num-trainers", "2", "--colocate",
+                                           "--out", str(tmp_path / "c")])
+    assert async_turns(lagged, on_ray=False, gpus=False) == ASYNC_TURNS["one process"]
+    assert async_turns(colocated, on_ray=True, gpus=True) == ASYNC_TURNS["colocated on GPUs"]
+    assert async_turns(colocated, on_ray=True, gpus=False) is None  # (the cores are shared)
+    apart = parse_config(grpo.Config, ["--model", tiny_model_dir, "--async-steps", "1",
+                                       "--num-trainers", "2", "--out", str(tmp_path / "a")])
+    assert async_turns(apart, on_ray=True, gpus=True) is None
+    assert async_turns(synced, on_ray=False, gpus=True) is None
+    capsys.readouterr()
+    setup_local(lagged, train_step=None)
+    assert ASYNC_TURNS["one process"] in capsys.readouterr().out

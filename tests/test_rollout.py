@@ -407,3 +407,72 @@ def test_soft_capped_prompts_of_different_lengths_decode_as_if_alone(dtype, shar
                 torch.tensor(alone.engine_logprobs[0])
             assert torch.isfinite(got).all()
             torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+
+class _SizedEngine:
+    """Stands in for rollout.VLLMRollout: records the max_model_len it was started with."""
+    made = []
+
+    def __init__(self, model_path, tokenizer, stop_ids, *, max_model_len, **kwargs):
+        self.max_model_len = max_model_len
+        _SizedEngine.made.append(self)
+
+    def update_weights(self, weights, version=0):
+        return 0.0
+
+
+@pytest.mark.parametrize("flags, room", [
+    (["--max-prompt-tokens", "8192", "--max-new-tokens", "1024"], 8192 + 1024),  # issue 67's
+    (["--max-prompt-tokens", "100", "--max-new-tokens", "16"], 116),
+    (["--max-prompt-tokens", "100", "--max-new-tokens", "16", "--tools", "calculator",
+      "--max-episode-tokens", "300"], 400),  # an episode's late turn: every turn before it
+    (["--max-prompt-tokens", "30000", "--max-new-tokens", "4096"], 32768),  # the positions
+])
+def test_the_vllm_engine_holds_max_prompt_tokens_and_what_follows(flags, room, tiny_model_dir,
+                                                                   tmp_path, monkeypatch, capsys):
+    """The engine's max_model_len is --max-prompt-tokens plus the most tokens after a prompt
+    (--max-new-tokens; an episode's --max-episode-tokens), within the model's positions (here
+    32,768). It was max-new-tokens + 2,048 whatever --max-prompt-tokens said: a run with prompts
+    of 8,192 tokens stopped at step 1, and prompts of 2,048-3,071 tokens beside 1,024 new ones had
+    their completions cut short by the engine, silently."""
+    pytest.importorskip("vllm")
+    import grpo
+    import rollout
+    import trainer
+    from data import parse_config
+    from model import load_model
+    monkeypatch.setattr(rollout, "VLLMRollout", _SizedEngine)
+    cfg = parse_config(grpo.Config, ["--model", tiny_model_dir, "--rollout", "vllm", "--out",
+                                     str(tmp_path / "out"), *flags])
+    model, tokenizer = load_model(tiny_model_dir)
+    model.config.max_position_embeddings = 32768
+    engine = trainer.engine_beside(
+        type("T", (), {"model": model, "compute": model, "tokenizer": tokenizer,
+                       "device": "cpu"})(), cfg, shared=False)
+    assert engine.max_model_len == room
+    capped = "the model's 32,768 positions" in capsys.readouterr().out
+    assert capped == (room == 32768)  # (said at start: long prompts get less room)
+
+
+def test_a_prompt_longer_than_the_vllm_engine_holds_stops_before_any_model_loads(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """The vLLM engine is sized from --max-prompt-tokens on a CPU too: a longer prompt in the data
+    stops the run in one line, measured by the tokenizer before any model loads (the memory
+    plan's check, which only a GPU run made)."""
+    import json
+
+    import grpo
+    import rl
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"problem": "1 + " * 100 + "1", "answer": "101"}) + "\n" +
+                    json.dumps({"problem": "1 + 1", "answer": "2"}) + "\n")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(rl, "setup_local", no_model)
+    cfg = grpo.Config(model=tiny_model_dir, data=str(data), rollout="vllm", dtype="fp32",
+                      max_prompt_tokens=64, eval_every=0, out=str(tmp_path / "out"))
+    with pytest.raises(SystemExit, match=r"training problem 1 is a prompt of \d{3} tokens \(chat "
+                                         r"template included\), longer than the 64 the vLLM "
+                                         r"engine makes room for; pass --max-prompt-tokens"):
+        grpo.main(cfg)

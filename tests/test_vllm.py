@@ -50,7 +50,25 @@ def model_and_tokenizer(model_dir):
 def engine(model_and_tokenizer):
     from rollout import make_rollout
     model, tokenizer = model_and_tokenizer
-    return make_rollout("vllm", model, tokenizer, max_new_tokens=64, gpu_memory_utilization=0.2)
+    return make_rollout("vllm", model, tokenizer, max_prompt_tokens=PROMPT_ROOM, max_new_tokens=64,
+                        gpu_memory_utilization=0.2)
+
+
+PROMPT_ROOM = 400  # the engine's prompts at most (--max-prompt-tokens): the tiny model has 512
+# positions, the engine holds 400 + 64
+
+
+def test_the_engine_holds_max_prompt_tokens_and_the_new_ones(engine, model_and_tokenizer):
+    """vLLM itself runs with max_model_len = --max-prompt-tokens + the most tokens after a prompt
+    (rollout.engine_length), and a prompt of --max-prompt-tokens gets every new token asked for
+    (prompt + max_tokens past max_model_len, vLLM ends the sample early, as if truncated)."""
+    assert engine.max_model_len == PROMPT_ROOM + 64
+    assert engine.llm.llm_engine.model_config.max_model_len == PROMPT_ROOM + 64
+    prompt = [(7 * i) % 5000 + 100 for i in range(PROMPT_ROOM)]
+    out = engine.generate([prompt], 4, Sampling(max_new_tokens=64, temperature=1.0, seed=1))
+    assert any(out.truncated)
+    for ids, cut in zip(out.completion_ids, out.truncated):
+        assert len(ids) == 64 if cut else ids[-1] in engine.stop_ids
 
 
 def _trainer_logprobs(model, out, temperature):
@@ -82,6 +100,38 @@ def test_weight_sync_changes_the_engine_and_matches_the_trainer(engine, model_an
     old, _ = _trainer_logprobs(model, out, 0.8)
     assert (old - eng).abs().max() > 10 * LOGPROB_ATOL  # the sync really did something
     engine.update_weights(model.state_dict())  # leave the shared engine as the fixture made it
+
+
+def _runner_needs_the_current_config(worker, on: bool):
+    """(Run inside the engine's worker, by collective_rpc.) on: the model runner's reload_weights
+    asks for vLLM's current config first, as loaders of quantized or custom layers do on a GPU
+    (vllm.config.get_current_vllm_config raises outside a set_current_vllm_config block); off:
+    the runner's own method again."""
+    from vllm.config import get_current_vllm_config
+    runner = worker.model_runner
+    if not on:
+        del runner.reload_weights  # (the instance attribute: the class's method shows again)
+        return
+    reload = runner.reload_weights
+
+    def checked(*args, **kwargs):
+        get_current_vllm_config()
+        return reload(*args, **kwargs)
+    runner.reload_weights = checked
+
+
+def test_a_weight_sync_loads_inside_the_workers_config_context(engine, model_and_tokenizer):
+    """Both syncs go through the worker's reload_weights, which sets vLLM's current config around
+    the model runner's loader (vllm/v1/worker/gpu_worker.py; the CPU worker inherits it), not to
+    the runner directly: a loader that reads the config (fp8 and other quantized layers do) failed
+    there with "Current vLLM config is not set"."""
+    model, _ = model_and_tokenizer
+    engine.llm.collective_rpc(_runner_needs_the_current_config, args=(True,))
+    try:
+        engine.update_weights(model.state_dict(), version=3)
+        assert engine.version == 3
+    finally:
+        engine.llm.collective_rpc(_runner_needs_the_current_config, args=(False,))
 
 
 def test_collective_weight_sync_reaches_the_vllm_worker(engine, model_and_tokenizer):
@@ -228,12 +278,13 @@ def test_two_step_grpo_run_with_vllm_from_an_sft_model(tiny_model_dir, tmp_path)
 
 
 def test_a_prompt_longer_than_the_engine_holds_stops_in_one_line(engine, model_and_tokenizer):
-    """vLLM fails the whole generate call with a traceback for one prompt past max_model_len
-    (the tiny model's 512 positions here); the engine says which prompt length and why first."""
+    """vLLM fails the whole generate call with a traceback for one prompt past max_model_len;
+    the engine says which prompt length and why first."""
     _, tokenizer = model_and_tokenizer
     with pytest.raises(SystemExit) as stop:
         engine.generate([[5, 6, 7], [5] * engine.max_model_len], 1, Sampling(4, temperature=0))
     line = str(stop.value)
     assert "\n" not in line and f"a prompt of {engine.max_model_len} tokens" in line
+    assert f"prompts of up to {PROMPT_ROOM} tokens, --max-prompt-tokens" in line
     out = engine.generate([[5, 6, 7]], 1, Sampling(4, temperature=0))  # (the engine goes on)
     assert len(out.completion_ids) == 1
