@@ -451,15 +451,18 @@ def _needed(python: str, stdlib: str, dynload: str) -> tuple:
     """python, stdlib, dynload, and the shared libraries that python and the modules in dynload
     link, found as the dynamic loader finds them: each name an ELF file needs, in the folders of
     its RPATH or RUNPATH, or else of the interpreter's -- libpython in a shared build, a conda
-    env's libssl or libffi. A name in none of them is the system's, in /usr."""
+    env's libssl or libffi. A name in none of them is the system's, in /usr. Only files are
+    read and bound (a FIFO named like a module hung the trainer's open, a folder found as a
+    library was bound whole)."""
     _, interpreters = _linked(python)
-    needed, todo = [python, stdlib, dynload], [python, *glob.glob(os.path.join(dynload, "*.so"))]
+    modules = [path for path in glob.glob(os.path.join(dynload, "*.so")) if os.path.isfile(path)]
+    needed, todo = [python, stdlib, dynload], [python, *modules]
     while todo:
         names, folders = _linked(todo.pop())
         for name in names:
             found = [os.path.normpath(os.path.join(folder, name))
                      for folder in folders + interpreters]
-            found = next((path for path in found if os.path.exists(path)), None)
+            found = next((path for path in found if os.path.isfile(path)), None)
             if found and found not in needed:
                 needed.append(found)
                 todo.append(found)
@@ -469,32 +472,44 @@ def _needed(python: str, stdlib: str, dynload: str) -> tuple:
 def _linked(path: str) -> tuple:
     """The names of the libraries an ELF file needs (DT_NEEDED), and the folders it names to look
     for them in (DT_RPATH, DT_RUNPATH; $ORIGIN is its own folder), from its dynamic segment.
-    64-bit little-endian only: x86_64 and aarch64, the machines the filter knows."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as elf:
-        if elf[:6] != b"\x7fELF\x02\x01":  # (64-bit, little-endian)
-            return [], []
-        table, = struct.unpack_from("<Q", elf, 0x20)  # where the program headers are
-        size, count = struct.unpack_from("<HH", elf, 0x36)
-        # each: type, flags, offset in the file, address in memory, -, size in the file
-        segments = [struct.unpack_from("<IIQQQQ", elf, table + i * size) for i in range(count)]
-        dynamic = [(start, length) for kind, _, start, _, _, length in segments if kind == 2]
-        if not dynamic:  # (a static build)
-            return [], []
-        start, length = dynamic[0]
-        entries = [struct.unpack_from("<qQ", elf, start + i) for i in range(0, length, 16)]
-        strings = dict(entries)[5]  # DT_STRTAB, an address: where is it in the file?
-        strings += next(start - address for kind, _, start, address, _, length in segments
-                        if kind == 1 and address <= strings < address + length)  # (PT_LOAD)
+    64-bit little-endian only: x86_64 and aarch64, the machines the filter knows. A file the
+    loader could not load either (unreadable, no ELF file, cut short: a traceback stopped the
+    python tool) links nothing."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as elf:
+            return _dynamic(elf, os.path.dirname(path))
+    except (OSError, ValueError, LookupError, StopIteration, struct.error):
+        return [], []
 
-        def string(at):
-            return elf[strings + at:elf.find(b"\0", strings + at)].decode()
 
-        origin = os.path.dirname(path)
-        names = [string(value) for tag, value in entries if tag == 1]
-        folders = [folder.replace("${ORIGIN}", origin).replace("$ORIGIN", origin)
-                   for tag, value in entries if tag in (15, 29)
-                   for folder in string(value).split(":")]
-        return names, folders
+def _dynamic(elf, origin: str) -> tuple:
+    """_linked's names and folders, read from the ELF file `elf` (bytes) found in `origin`."""
+    if elf[:6] != b"\x7fELF\x02\x01":  # (64-bit, little-endian)
+        return [], []
+    table, = struct.unpack_from("<Q", elf, 0x20)  # where the program headers are
+    size, count = struct.unpack_from("<HH", elf, 0x36)
+    # each: type, flags, offset in the file, address in memory, -, size in the file
+    segments = [struct.unpack_from("<IIQQQQ", elf, table + i * size) for i in range(count)]
+    dynamic = [(start, length) for kind, _, start, _, _, length in segments if kind == 2]
+    if not dynamic:  # (a static build)
+        return [], []
+    start, length = dynamic[0]
+    entries = [struct.unpack_from("<qQ", elf, start + i) for i in range(0, length, 16)]
+    strings = dict(entries)[5]  # DT_STRTAB, an address: where is it in the file?
+    strings += next(start - address for kind, _, start, address, _, length in segments
+                    if kind == 1 and address <= strings < address + length)  # (PT_LOAD)
+
+    def string(at):
+        return elf[strings + at:elf.find(b"\0", strings + at)].decode()
+
+    names = [string(value) for tag, value in entries if tag == 1]
+    folders = [folder.replace("${ORIGIN}", origin).replace("$ORIGIN", origin)
+               for tag, value in entries if tag in (15, 29)
+               for folder in string(value).split(":")]
+    # The loader searches folders for a plain name only: a name with a slash is a path it opens
+    # as it is, and a relative folder is one of its working folder (/tmp, in the sandbox)
+    return ([name for name in names if name and "/" not in name],
+            [folder for folder in folders if os.path.isabs(folder)])
 
 
 def _within(path: str, folders) -> bool:

@@ -1044,6 +1044,34 @@ def test_the_libraries_bound_are_those_the_interpreter_and_its_modules_link(tmp_
         "lib/python3.11", "lib/python3.11/lib-dynload"]
 
 
+def test_what_no_loader_would_load_is_neither_read_nor_bound(tmp_path, monkeypatch):
+    """The trainer reads these headers before the first call: a file in lib-dynload that is no
+    ELF file (empty, cut short, a folder, a dangling link; a FIFO would hang the open) stopped
+    the python tool with a traceback, and a library's odd names were bound as found: a NEEDED
+    name "" in a RUNPATH of / bound the whole host, one with a slash (the loader does not search
+    for those) any file, a relative RUNPATH (the loader's working folder) the trainer's."""
+    prefix = tmp_path / "env"
+    python, stdlib = prefix / "bin/python3.11", prefix / "lib/python3.11"
+    elf(python, ["libpython3.11.so.1.0"], "$ORIGIN/../lib")
+    elf(prefix / "lib/libpython3.11.so.1.0")
+    dynload = stdlib / "lib-dynload"
+    dynload.mkdir(parents=True)
+    (dynload / "empty.so").write_bytes(b"")
+    (dynload / "cut.so").write_bytes(b"\x7fELF\x02\x01\x01")
+    (dynload / "folder.so").mkdir()
+    (dynload / "dangling.so").symlink_to(tmp_path / "nowhere")
+    elf(dynload / "whole-host.so", [""], "/")
+    elf(dynload / "slash.so", ["../../../../../../../../etc/hostname", str(tmp_path / "secret")],
+        "$ORIGIN")
+    (tmp_path / "secret").write_text("hf_x")
+    elf(dynload / "relative.so", ["secret"], ".")
+    monkeypatch.chdir(tmp_path)
+    needed = sandbox._needed(str(python), str(stdlib), str(dynload))
+    assert sorted(os.path.relpath(path, prefix) for path in needed) == [
+        "bin/python3.11", "lib/libpython3.11.so.1.0", "lib/python3.11",
+        "lib/python3.11/lib-dynload"]
+
+
 @pytest.fixture
 def realtime_trainer():
     """A trainer whose user may take real-time priorities and lower its nice value (limits.conf
