@@ -14,7 +14,9 @@ without ctypes and a pid-1 reaper of our own), in namespaces of its own:
   and the shared libraries they link from there (libpython, a conda env's libssl...), read-only.
   Not the rest of the prefix, where conda keeps a user's environment variables (conda-meta/state,
   etc/conda/activate.d/: an HF_TOKEN) and pip its pip.conf (an index's credentials): the code read
-  all three when the prefix was bound whole. /proc of its own, with /proc/keys, /proc/key-users and
+  all three when the prefix was bound whole -- and where it lies under /usr (/usr/local: the
+  python Docker image, condacolab's Miniforge), the prefix and a conda env's base are hidden
+  there under an empty tmpfs. /proc of its own, with /proc/keys, /proc/key-users and
   pid 1's memory hidden; a minimal, read-only /dev; and /tmp, a tmpfs of DISK bytes -- the working
   folder, HOME, and the only writable place. Nothing of the host's files is writable, and the
   trainer's folders, home, /etc and /tmp are not there at all. The tmpfs dies with the call: there
@@ -410,14 +412,24 @@ def _command(rules: int) -> list:
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
-    # What the interpreter needs from outside them, each path alone, in folders made 0755 (bwrap
-    # would give them the host's modes: a pyenv's /root is 700, closed to nobody)
-    outside = [path for path in needed if not _within(path, SYSTEM)]
+    # The interpreter's installation where it lies in them (/usr/local: the python Docker image,
+    # condacolab's Miniforge; /usr/share/miniconda on GitHub's runners) is hidden there too, under
+    # an empty tmpfs: the code read its conda and pip files while /usr was bound whole
+    hidden = [folder for folder in _installation() if _within(folder, SYSTEM)]
+    hidden = [folder for folder in hidden if not _within(folder, set(hidden) - {folder})]
+    for folder in hidden:
+        args += ["--tmpfs", folder]
+    # What the interpreter needs from outside them or in there, each path alone, in folders made
+    # 0755 (bwrap would give them the host's modes: a pyenv's /root is 700, closed to nobody)
+    outside = [path for path in needed if not _within(path, SYSTEM) or _within(path, hidden)]
     outside = [path for path in outside if not _within(path, set(outside) - {path})]
     for folder in sorted({str(f) for path in outside for f in Path(path).parents[:-1]}):
-        args += ["--perms", "0755", "--dir", folder]
+        if not _within(folder, SYSTEM) or _within(folder, hidden):
+            args += ["--perms", "0755", "--dir", folder]
     for path in outside:
         args += ["--ro-bind", path, path]
+    for folder in hidden:
+        args += ["--remount-ro", folder]
     packages = os.path.join(stdlib, "site-packages")  # (not on the path of python -S)
     if stdlib in outside and os.path.isdir(packages):
         args += ["--tmpfs", packages, "--remount-ro", packages]
@@ -444,6 +456,18 @@ def _interpreter() -> tuple:
     stdlib = os.path.join(sys.base_prefix, sys.platlibdir, version)
     dynload = os.path.join(sys.base_exec_prefix, sys.platlibdir, version, "lib-dynload")
     return python, stdlib, _needed(python, stdlib, dynload)
+
+
+def _installation() -> set:
+    """The folders of the interpreter's installation, what is in them aside from what it runs
+    with being the user's: its prefix, and for a conda env in a base's envs/, the base (whose
+    .condarc may hold a channel's token, and whose envs/ the other envs' variables). Not /usr
+    itself, or one of SYSTEM: a system's interpreter, which has nothing of the kind."""
+    folders = set()
+    for prefix in (sys.base_prefix, sys.base_exec_prefix):
+        parent = os.path.dirname(prefix)
+        folders.add(os.path.dirname(parent) if os.path.basename(parent) == "envs" else prefix)
+    return folders - set(SYSTEM)
 
 
 @functools.cache

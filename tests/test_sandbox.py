@@ -9,6 +9,7 @@ import glob
 import os
 import platform
 import re
+import shutil
 import socket
 import struct
 import sys
@@ -996,6 +997,69 @@ print(sorted(os.listdir({prefix!r})), os.listdir(os.path.dirname(sys.executable)
     python = "python%d.%d" % sys.version_info[:2]
     listed = f"['bin', '{sys.platlibdir}'] ['{python}'] []"
     assert result.output == "ENOENT " * 4 + listed, result
+
+
+@pytest.fixture(params=["the env", "an env in the base's envs/"])
+def prefix_under_usr(request, monkeypatch):
+    """A conda installation under /usr/local, which is bound whole as part of /usr (condacolab puts
+    Miniforge at /usr/local; admins put Anaconda at /usr/local/anaconda3; GitHub's runners have
+    /usr/share/miniconda): the interpreter is the env's -- the env itself, or one in the base's
+    envs/ -- with files planted where conda and pip keep what a user configures, in the env and
+    in the base (.condarc: a channel's token). The binary is a link or copy of this interpreter's,
+    its standard library and libraries links to this one's. Removed when the test ends."""
+    base = f"/usr/local/smolrl-test-{uuid.uuid4().hex}"
+    prefix = base if request.param == "the env" else os.path.join(base, "envs", "x")
+    version = "python%d.%d" % sys.version_info[:2]
+    text = f"HF_TOKEN=hf_{uuid.uuid4().hex}"
+    paths = [os.path.join(prefix, "conda-meta", "state"), os.path.join(prefix, "pip.conf"),
+             os.path.join(prefix, "etc", "conda", "activate.d", "env.sh"),
+             os.path.join(base, ".condarc"), os.path.join(base, "conda-meta", "history")]
+    try:
+        os.makedirs(os.path.join(prefix, "bin"))
+    except PermissionError:
+        pytest.skip("/usr/local is not writable here")
+    try:
+        real = sys.base_prefix
+        python = os.path.join(prefix, "bin", version)
+        try:
+            os.link(os.path.join(real, "bin", version), python)
+        except OSError:  # (another file system)
+            shutil.copy2(os.path.join(real, "bin", version), python)
+        os.makedirs(os.path.join(prefix, sys.platlibdir))
+        for path in [os.path.join(real, sys.platlibdir, version),
+                     *glob.glob(os.path.join(real, sys.platlibdir, "lib*.so*"))]:
+            os.symlink(path, os.path.join(prefix, sys.platlibdir, os.path.basename(path)))
+        for path in paths:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+        monkeypatch.setattr(sys, "base_prefix", prefix)
+        monkeypatch.setattr(sys, "base_exec_prefix", prefix)
+        yield {"base": base, "prefix": prefix, "paths": paths, "text": text}
+    finally:
+        shutil.rmtree(base)
+
+
+def test_an_interpreter_under_usr_shows_only_what_python_needs(prefix_under_usr):
+    """/usr is bound whole, and so was a prefix under it, with the files of the env and its
+    base: the code read them all. Now the installation is hidden there too, and what the
+    interpreter needs bound back."""
+    code = """
+import errno, os, sys
+for path in {paths}:
+    try:
+        print(open(path).read())
+    except OSError as e:
+        print(errno.errorcode[e.errno], end=" ")
+print(sys.prefix == {prefix!r}, sorted(os.listdir({base!r})), sorted(os.listdir({prefix!r})))
+import decimal, json, sqlite3
+print(sqlite3.connect(":memory:").execute("select 6 * 7").fetchone()[0])
+"""
+    result = run_python(code.format(**prefix_under_usr))
+    assert result.error == "" and prefix_under_usr["text"] not in result.output, result
+    env = ["bin", sys.platlibdir]
+    base = env if prefix_under_usr["base"] == prefix_under_usr["prefix"] else ["envs"]
+    assert result.output == "ENOENT " * 5 + f"True {base} {env}\n42", result
 
 
 def elf(path, needed=(), folders=""):
