@@ -69,7 +69,10 @@ and with:
   of its files -- held to MEMORY + DISK bytes, no swap; over it, the kernel kills the code. Where
   none can be made, memory is bounded by the rest: address space, the tmpfs, FILES pipes, and the
   kernel objects it can make in its CPU seconds (files in /tmp: ~1 KiB each, 430 MiB of slab in 5
-  CPU seconds, measured); check_sandbox says which holds;
+  CPU seconds; page tables: 512 MiB for one page in each of 65,473 gigabytes, the most mappings
+  a process may have), and transparent huge pages it unmaps all but 4 KiB of, which stay whole
+  until the kernel runs short of memory and splits them (2.5 GiB in 5 CPU seconds within 15 MiB
+  of address space; all measured); check_sandbox says which holds;
 - the wall-clock TIMEOUT: the trainer kills bwrap; --die-with-parent then kills the sandbox's
   pid 1, and with it everything in the namespace (also if the trainer itself dies);
 - output (stdout and stderr together) read by the trainer from a pipe with poll(), at most OUTPUT
