@@ -1054,12 +1054,16 @@ for path in {paths}:
 print(sys.prefix == {prefix!r}, sorted(os.listdir({base!r})), sorted(os.listdir({prefix!r})))
 import decimal, json, sqlite3
 print(sqlite3.connect(":memory:").execute("select 6 * 7").fetchone()[0])
+try:
+    open(os.path.join({base!r}, "x"), "w")
+except OSError as e:
+    print(errno.errorcode[e.errno])
 """
     result = run_python(code.format(**prefix_under_usr))
     assert result.error == "" and prefix_under_usr["text"] not in result.output, result
     env = ["bin", sys.platlibdir]
     base = env if prefix_under_usr["base"] == prefix_under_usr["prefix"] else ["envs"]
-    assert result.output == "ENOENT " * 5 + f"True {base} {env}\n42", result
+    assert result.output == "ENOENT " * 5 + f"True {base} {env}\n42\nEROFS", result
 
 
 def elf(path, needed=(), folders=""):
