@@ -14,7 +14,9 @@ without ctypes and a pid-1 reaper of our own), in namespaces of its own:
   and the shared libraries they link from there (libpython, a conda env's libssl...), read-only.
   Not the rest of the prefix, where conda keeps a user's environment variables (conda-meta/state,
   etc/conda/activate.d/: an HF_TOKEN) and pip its pip.conf (an index's credentials): the code read
-  all three when the prefix was bound whole. /proc of its own, with /proc/keys, /proc/key-users and
+  all three when the prefix was bound whole -- and where it lies under /usr (/usr/local: the
+  python Docker image, condacolab's Miniforge), the prefix and a conda env's base are hidden
+  there under an empty tmpfs. /proc of its own, with /proc/keys, /proc/key-users and
   pid 1's memory hidden; a minimal, read-only /dev; and /tmp, a tmpfs of DISK bytes -- the working
   folder, HOME, and the only writable place. Nothing of the host's files is writable, and the
   trainer's folders, home, /etc and /tmp are not there at all. The tmpfs dies with the call: there
@@ -67,7 +69,10 @@ and with:
   of its files -- held to MEMORY + DISK bytes, no swap; over it, the kernel kills the code. Where
   none can be made, memory is bounded by the rest: address space, the tmpfs, FILES pipes, and the
   kernel objects it can make in its CPU seconds (files in /tmp: ~1 KiB each, 430 MiB of slab in 5
-  CPU seconds, measured); check_sandbox says which holds;
+  CPU seconds; page tables: 512 MiB for one page in each of 65,473 gigabytes, the most mappings
+  a process may have), and transparent huge pages it unmaps all but 4 KiB of, which stay whole
+  until the kernel runs short of memory and splits them (2.5 GiB in 5 CPU seconds within 15 MiB
+  of address space; all measured); check_sandbox says which holds;
 - the wall-clock TIMEOUT: the trainer kills bwrap; --die-with-parent then kills the sandbox's
   pid 1, and with it everything in the namespace (also if the trainer itself dies);
 - output (stdout and stderr together) read by the trainer from a pipe with poll(), at most OUTPUT
@@ -410,14 +415,24 @@ def _command(rules: int) -> list:
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
-    # What the interpreter needs from outside them, each path alone, in folders made 0755 (bwrap
-    # would give them the host's modes: a pyenv's /root is 700, closed to nobody)
-    outside = [path for path in needed if not _within(path, SYSTEM)]
+    # The interpreter's installation where it lies in them (/usr/local: the python Docker image,
+    # condacolab's Miniforge; /usr/share/miniconda on GitHub's runners) is hidden there too, under
+    # an empty tmpfs: the code read its conda and pip files while /usr was bound whole
+    hidden = [folder for folder in _installation() if _within(folder, SYSTEM)]
+    hidden = [folder for folder in hidden if not _within(folder, set(hidden) - {folder})]
+    for folder in hidden:
+        args += ["--tmpfs", folder]
+    # What the interpreter needs from outside them or in there, each path alone, in folders made
+    # 0755 (bwrap would give them the host's modes: a pyenv's /root is 700, closed to nobody)
+    outside = [path for path in needed if not _within(path, SYSTEM) or _within(path, hidden)]
     outside = [path for path in outside if not _within(path, set(outside) - {path})]
     for folder in sorted({str(f) for path in outside for f in Path(path).parents[:-1]}):
-        args += ["--perms", "0755", "--dir", folder]
+        if not _within(folder, SYSTEM) or _within(folder, hidden):
+            args += ["--perms", "0755", "--dir", folder]
     for path in outside:
         args += ["--ro-bind", path, path]
+    for folder in hidden:
+        args += ["--remount-ro", folder]
     packages = os.path.join(stdlib, "site-packages")  # (not on the path of python -S)
     if stdlib in outside and os.path.isdir(packages):
         args += ["--tmpfs", packages, "--remount-ro", packages]
@@ -446,20 +461,35 @@ def _interpreter() -> tuple:
     return python, stdlib, _needed(python, stdlib, dynload)
 
 
+def _installation() -> set:
+    """The folders of the interpreter's installation, what is in them aside from what it runs
+    with being the user's: its prefix, and for a conda env in a base's envs/, the base (whose
+    .condarc may hold a channel's token, and whose envs/ the other envs' variables). Not /usr
+    itself, or one of SYSTEM: a system's interpreter, which has nothing of the kind."""
+    folders = set()
+    for prefix in (sys.base_prefix, sys.base_exec_prefix):
+        parent = os.path.dirname(prefix)
+        folders.add(os.path.dirname(parent) if os.path.basename(parent) == "envs" else prefix)
+    return folders - set(SYSTEM)
+
+
 @functools.cache
 def _needed(python: str, stdlib: str, dynload: str) -> tuple:
     """python, stdlib, dynload, and the shared libraries that python and the modules in dynload
     link, found as the dynamic loader finds them: each name an ELF file needs, in the folders of
     its RPATH or RUNPATH, or else of the interpreter's -- libpython in a shared build, a conda
-    env's libssl or libffi. A name in none of them is the system's, in /usr."""
+    env's libssl or libffi. A name in none of them is the system's, in /usr. Only files are
+    read and bound (a FIFO named like a module hung the trainer's open, a folder found as a
+    library was bound whole)."""
     _, interpreters = _linked(python)
-    needed, todo = [python, stdlib, dynload], [python, *glob.glob(os.path.join(dynload, "*.so"))]
+    modules = [path for path in glob.glob(os.path.join(dynload, "*.so")) if os.path.isfile(path)]
+    needed, todo = [python, stdlib, dynload], [python, *modules]
     while todo:
         names, folders = _linked(todo.pop())
         for name in names:
             found = [os.path.normpath(os.path.join(folder, name))
                      for folder in folders + interpreters]
-            found = next((path for path in found if os.path.exists(path)), None)
+            found = next((path for path in found if os.path.isfile(path)), None)
             if found and found not in needed:
                 needed.append(found)
                 todo.append(found)
@@ -469,32 +499,44 @@ def _needed(python: str, stdlib: str, dynload: str) -> tuple:
 def _linked(path: str) -> tuple:
     """The names of the libraries an ELF file needs (DT_NEEDED), and the folders it names to look
     for them in (DT_RPATH, DT_RUNPATH; $ORIGIN is its own folder), from its dynamic segment.
-    64-bit little-endian only: x86_64 and aarch64, the machines the filter knows."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as elf:
-        if elf[:6] != b"\x7fELF\x02\x01":  # (64-bit, little-endian)
-            return [], []
-        table, = struct.unpack_from("<Q", elf, 0x20)  # where the program headers are
-        size, count = struct.unpack_from("<HH", elf, 0x36)
-        # each: type, flags, offset in the file, address in memory, -, size in the file
-        segments = [struct.unpack_from("<IIQQQQ", elf, table + i * size) for i in range(count)]
-        dynamic = [(start, length) for kind, _, start, _, _, length in segments if kind == 2]
-        if not dynamic:  # (a static build)
-            return [], []
-        start, length = dynamic[0]
-        entries = [struct.unpack_from("<qQ", elf, start + i) for i in range(0, length, 16)]
-        strings = dict(entries)[5]  # DT_STRTAB, an address: where is it in the file?
-        strings += next(start - address for kind, _, start, address, _, length in segments
-                        if kind == 1 and address <= strings < address + length)  # (PT_LOAD)
+    64-bit little-endian only: x86_64 and aarch64, the machines the filter knows. A file the
+    loader could not load either (unreadable, no ELF file, cut short: a traceback stopped the
+    python tool) links nothing."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as elf:
+            return _dynamic(elf, os.path.dirname(path))
+    except (OSError, ValueError, LookupError, StopIteration, struct.error):
+        return [], []
 
-        def string(at):
-            return elf[strings + at:elf.find(b"\0", strings + at)].decode()
 
-        origin = os.path.dirname(path)
-        names = [string(value) for tag, value in entries if tag == 1]
-        folders = [folder.replace("${ORIGIN}", origin).replace("$ORIGIN", origin)
-                   for tag, value in entries if tag in (15, 29)
-                   for folder in string(value).split(":")]
-        return names, folders
+def _dynamic(elf, origin: str) -> tuple:
+    """_linked's names and folders, read from the ELF file `elf` (bytes) found in `origin`."""
+    if elf[:6] != b"\x7fELF\x02\x01":  # (64-bit, little-endian)
+        return [], []
+    table, = struct.unpack_from("<Q", elf, 0x20)  # where the program headers are
+    size, count = struct.unpack_from("<HH", elf, 0x36)
+    # each: type, flags, offset in the file, address in memory, -, size in the file
+    segments = [struct.unpack_from("<IIQQQQ", elf, table + i * size) for i in range(count)]
+    dynamic = [(start, length) for kind, _, start, _, _, length in segments if kind == 2]
+    if not dynamic:  # (a static build)
+        return [], []
+    start, length = dynamic[0]
+    entries = [struct.unpack_from("<qQ", elf, start + i) for i in range(0, length, 16)]
+    strings = dict(entries)[5]  # DT_STRTAB, an address: where is it in the file?
+    strings += next(start - address for kind, _, start, address, _, length in segments
+                    if kind == 1 and address <= strings < address + length)  # (PT_LOAD)
+
+    def string(at):
+        return elf[strings + at:elf.find(b"\0", strings + at)].decode()
+
+    names = [string(value) for tag, value in entries if tag == 1]
+    folders = [folder.replace("${ORIGIN}", origin).replace("$ORIGIN", origin)
+               for tag, value in entries if tag in (15, 29)
+               for folder in string(value).split(":")]
+    # The loader searches folders for a plain name only: a name with a slash is a path it opens
+    # as it is, and a relative folder is one of its working folder (/tmp, in the sandbox)
+    return ([name for name in names if name and "/" not in name],
+            [folder for folder in folders if os.path.isabs(folder)])
 
 
 def _within(path: str, folders) -> bool:

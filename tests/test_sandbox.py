@@ -9,6 +9,7 @@ import glob
 import os
 import platform
 import re
+import shutil
 import socket
 import struct
 import sys
@@ -998,6 +999,73 @@ print(sorted(os.listdir({prefix!r})), os.listdir(os.path.dirname(sys.executable)
     assert result.output == "ENOENT " * 4 + listed, result
 
 
+@pytest.fixture(params=["the env", "an env in the base's envs/"])
+def prefix_under_usr(request, monkeypatch):
+    """A conda installation under /usr/local, which is bound whole as part of /usr (condacolab puts
+    Miniforge at /usr/local; admins put Anaconda at /usr/local/anaconda3; GitHub's runners have
+    /usr/share/miniconda): the interpreter is the env's -- the env itself, or one in the base's
+    envs/ -- with files planted where conda and pip keep what a user configures, in the env and
+    in the base (.condarc: a channel's token). The binary is a link or copy of this interpreter's,
+    its standard library and libraries links to this one's. Removed when the test ends."""
+    base = f"/usr/local/smolrl-test-{uuid.uuid4().hex}"
+    prefix = base if request.param == "the env" else os.path.join(base, "envs", "x")
+    version = "python%d.%d" % sys.version_info[:2]
+    text = f"HF_TOKEN=hf_{uuid.uuid4().hex}"
+    paths = [os.path.join(prefix, "conda-meta", "state"), os.path.join(prefix, "pip.conf"),
+             os.path.join(prefix, "etc", "conda", "activate.d", "env.sh"),
+             os.path.join(base, ".condarc"), os.path.join(base, "conda-meta", "history")]
+    try:
+        os.makedirs(os.path.join(prefix, "bin"))
+    except PermissionError:
+        pytest.skip("/usr/local is not writable here")
+    try:
+        real = sys.base_prefix
+        python = os.path.join(prefix, "bin", version)
+        try:
+            os.link(os.path.join(real, "bin", version), python)
+        except OSError:  # (another file system)
+            shutil.copy2(os.path.join(real, "bin", version), python)
+        os.makedirs(os.path.join(prefix, sys.platlibdir))
+        for path in [os.path.join(real, sys.platlibdir, version),
+                     *glob.glob(os.path.join(real, sys.platlibdir, "lib*.so*"))]:
+            os.symlink(path, os.path.join(prefix, sys.platlibdir, os.path.basename(path)))
+        for path in paths:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+        monkeypatch.setattr(sys, "base_prefix", prefix)
+        monkeypatch.setattr(sys, "base_exec_prefix", prefix)
+        yield {"base": base, "prefix": prefix, "paths": paths, "text": text}
+    finally:
+        shutil.rmtree(base)
+
+
+def test_an_interpreter_under_usr_shows_only_what_python_needs(prefix_under_usr):
+    """/usr is bound whole, and so was a prefix under it, with the files of the env and its
+    base: the code read them all. Now the installation is hidden there too, and what the
+    interpreter needs bound back."""
+    code = """
+import errno, os, sys
+for path in {paths}:
+    try:
+        print(open(path).read())
+    except OSError as e:
+        print(errno.errorcode[e.errno], end=" ")
+print(sys.prefix == {prefix!r}, sorted(os.listdir({base!r})), sorted(os.listdir({prefix!r})))
+import decimal, json, sqlite3
+print(sqlite3.connect(":memory:").execute("select 6 * 7").fetchone()[0])
+try:
+    open(os.path.join({base!r}, "x"), "w")
+except OSError as e:
+    print(errno.errorcode[e.errno])
+"""
+    result = run_python(code.format(**prefix_under_usr))
+    assert result.error == "" and prefix_under_usr["text"] not in result.output, result
+    env = ["bin", sys.platlibdir]
+    base = env if prefix_under_usr["base"] == prefix_under_usr["prefix"] else ["envs"]
+    assert result.output == "ENOENT " * 5 + f"True {base} {env}\n42\nEROFS", result
+
+
 def elf(path, needed=(), folders=""):
     """A stand-in for a shared library or program: a 64-bit ELF file holding only what the dynamic
     loader reads to find its libraries -- one segment loaded at address 0x1000 (so that an address
@@ -1042,6 +1110,34 @@ def test_the_libraries_bound_are_those_the_interpreter_and_its_modules_link(tmp_
     assert sorted(os.path.relpath(path, prefix) for path in needed) == [
         "bin/python3.11", "lib/libcrypto.so.3", "lib/libpython3.11.so.1.0", "lib/libssl.so.3",
         "lib/python3.11", "lib/python3.11/lib-dynload"]
+
+
+def test_what_no_loader_would_load_is_neither_read_nor_bound(tmp_path, monkeypatch):
+    """The trainer reads these headers before the first call: a file in lib-dynload that is no
+    ELF file (empty, cut short, a folder, a dangling link; a FIFO would hang the open) stopped
+    the python tool with a traceback, and a library's odd names were bound as found: a NEEDED
+    name "" in a RUNPATH of / bound the whole host, one with a slash (the loader does not search
+    for those) any file, a relative RUNPATH (the loader's working folder) the trainer's."""
+    prefix = tmp_path / "env"
+    python, stdlib = prefix / "bin/python3.11", prefix / "lib/python3.11"
+    elf(python, ["libpython3.11.so.1.0"], "$ORIGIN/../lib")
+    elf(prefix / "lib/libpython3.11.so.1.0")
+    dynload = stdlib / "lib-dynload"
+    dynload.mkdir(parents=True)
+    (dynload / "empty.so").write_bytes(b"")
+    (dynload / "cut.so").write_bytes(b"\x7fELF\x02\x01\x01")
+    (dynload / "folder.so").mkdir()
+    (dynload / "dangling.so").symlink_to(tmp_path / "nowhere")
+    elf(dynload / "whole-host.so", [""], "/")
+    elf(dynload / "slash.so", ["../../../../../../../../etc/hostname", str(tmp_path / "secret")],
+        "$ORIGIN")
+    (tmp_path / "secret").write_text("hf_x")
+    elf(dynload / "relative.so", ["secret"], ".")
+    monkeypatch.chdir(tmp_path)
+    needed = sandbox._needed(str(python), str(stdlib), str(dynload))
+    assert sorted(os.path.relpath(path, prefix) for path in needed) == [
+        "bin/python3.11", "lib/libpython3.11.so.1.0", "lib/python3.11",
+        "lib/python3.11/lib-dynload"]
 
 
 @pytest.fixture
