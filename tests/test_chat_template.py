@@ -84,6 +84,18 @@ def test_a_template_slow_only_on_several_turns_or_tools_is_caught_too(tokenizer,
         assert "took more than 1 s" in stops(folder_with(tmp_path, tokenizer, template))
 
 
+def test_a_named_template_that_fails_is_named_with_its_own_file(tokenizer, tmp_path,
+                                                                 monkeypatch):
+    """Of a tokenizer's several templates, the one that fails is named, with its file: transformers
+    saves the default in chat_template.jinja and the others in additional_chat_templates/ (the
+    line named chat_template.jinja, whose template was plain: "fix the template there")."""
+    monkeypatch.setattr(chat_template, "TEMPLATE_SECONDS", 1.0)
+    folder = folder_with(tmp_path, tokenizer, {"default": PLAIN, "tool_use": NESTED_LOOPS})
+    line = stops(folder)
+    assert line.startswith(f"error: {folder}/additional_chat_templates/tool_use.jinja: its chat "
+                           f"template 'tool_use' took more than 1 s"), line
+
+
 def test_a_template_that_does_not_compile_or_is_huge_stops_at_load(tokenizer, tmp_path):
     line = stops(folder_with(tmp_path, tokenizer, "{% for m in messages %}{{ m['content'] }}"))
     assert "its chat template does not compile (line 1: Unexpected end of template" in line, line
