@@ -147,9 +147,12 @@ def _render_in_child(tokenizer, templates: list[str]) -> str | None:
             out += chunk
     finally:
         os.close(read)
-        if not ended:
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        try:
+            if not ended:
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ChildProcessError, ProcessLookupError):  # (SIGCHLD ignored: the kernel reaped it)
+            pass
     if not ended:
         return (f"took more than {TEMPLATE_SECONDS:g} s to render a short conversation "
                 f"(stopped there)")

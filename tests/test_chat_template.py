@@ -126,3 +126,15 @@ def test_plain_templates_and_ones_that_refuse_a_shape_load_and_render(tokenizer,
         assert loaded.apply_chat_template(messages, tokenize=False) == \
             tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template)
         assert json.dumps([template]) in chat_template._checked
+
+
+def test_a_plain_template_loads_where_sigchld_is_ignored(tokenizer, tmp_path):
+    """A process that inherits SIGCHLD ignored (a launcher's, kept across exec) has its children
+    reaped by the kernel: waiting for the child raised ChildProcessError, a traceback at load."""
+    import signal
+    folder = folder_with(tmp_path, tokenizer, PLAIN + " ")  # (not yet checked in this process)
+    before = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        load_tokenizer(folder)
+    finally:
+        signal.signal(signal.SIGCHLD, before)
