@@ -209,6 +209,8 @@ def decode_attention(query, key, value, attention_mask, scaling):
     return out.reshape(B, 1, H, D)
 
 
+@torch.autocast("cpu", enabled=False)  # (fp32 scores under a caller's bf16 autocast too: there
+@torch.autocast("cuda", enabled=False)  # the product ran in bf16, which cannot hold MASKED)
 def softcapped_attention(query, key, value, attention_mask, scaling, softcap: float,
                          dropout: float, training: bool):
     """Attention whose scores are soft-capped, s -> cap tanh(s / cap) (Gemma 2's layers), which

@@ -14,8 +14,8 @@ So, when a tokenizer loads (model.load_tokenizer), before any prompt is rendered
 Either returns, or stops the run with one line naming the file. check_chat_template renders
 stand_ins() -- conversations of the shapes smolrl renders: a user's question with the assistant's
 turn to come, a system prompt and several turns, a tool call with its result and the tools'
-schemas -- in a child process (fork: no interpreter to start, the tokenizer already in it) that
-has TEMPLATE_SECONDS of wall-clock time and TEMPLATE_MEMORY bytes of address space more than it
+schemas -- with each template (of several: each named one too) in a child process of its own
+(fork: no interpreter to start, the tokenizer already in it) that has TEMPLATE_SECONDS of wall-clock time and TEMPLATE_MEMORY bytes of address space more than it
 was born with; each rendering must be at most MAX_RENDER_CHARS long (the stand-ins hold up to
 ~2,300 characters; a real template adds a few hundred). A template that does not compile, or is
 longer than MAX_TEMPLATE_CHARS, stops the run too. One that refuses a stand-in (raise_exception:
@@ -38,7 +38,7 @@ import signal
 import time
 from pathlib import Path
 
-TEMPLATE_SECONDS = 10.0  # for all the stand-ins together (a real template: milliseconds)
+TEMPLATE_SECONDS = 10.0  # a template, for all the stand-ins (a real one: milliseconds)
 TEMPLATE_MEMORY = 512 * 2**20  # bytes of address space the renders may add
 MAX_RENDER_CHARS = 100_000  # a stand-in rendered
 MAX_TEMPLATE_CHARS = 1_000_000  # the template itself (real ones: a few thousand)
@@ -89,33 +89,38 @@ def check_template_files(folder: str):
 
 def check_chat_template(tokenizer, folder: str):
     """Return if the tokenizer's chat template (each, where it has several) renders the stand-ins
-    within the bounds; else stop with one line naming the file it came from (template_file)."""
+    within the bounds; else stop with one line naming the file it came from (template_file) --
+    and, of several, the template."""
     template = tokenizer.chat_template
     if not template:
         return
-    templates = list(template.values()) if isinstance(template, dict) else [template]
-    key = json.dumps(templates)
+    named = template if isinstance(template, dict) else {"default": template}
+    key = json.dumps(list(named.values()))
     if key in _checked:
         return
-    where = template_file(folder)
-    longest = max(len(t) for t in templates)
-    if longest > MAX_TEMPLATE_CHARS:
-        raise SystemExit(f"error: {where}: its chat template is {longest:,} characters long, "
-                         f"more than the {MAX_TEMPLATE_CHARS:,} smolrl renders (a real one is a "
-                         f"few thousand)")
-    why = _render_in_child(tokenizer, templates)
-    if why:
-        raise SystemExit(f"error: {where}: its chat template {why}; fix the template there, or "
-                         f"use a model whose template is plain")
+    for name, text in named.items():  # (each in a child of its own: the one that fails is named)
+        what = "its chat template" + (f" {name!r}" if len(named) > 1 else "")
+        if len(text) > MAX_TEMPLATE_CHARS:
+            raise SystemExit(f"error: {template_file(folder, name)}: {what} is {len(text):,} "
+                             f"characters long, more than the {MAX_TEMPLATE_CHARS:,} smolrl "
+                             f"renders (a real one is a few thousand)")
+        why = _render_in_child(tokenizer, [text])
+        if why:
+            raise SystemExit(f"error: {template_file(folder, name)}: {what} {why}; fix the "
+                             f"template there, or use a model whose template is plain")
     _checked.add(key)
 
 
-def template_file(folder: str) -> str:
-    """The file a folder's chat template came from, as transformers reads it (chat_template.jinja
-    first); a hub id's, in words."""
-    for name in ("chat_template.jinja", "chat_template.json", "tokenizer_config.json"):
-        if (Path(folder) / name).is_file():
-            return str(Path(folder) / name)
+def template_file(folder: str, name: str = "default") -> str:
+    """The file a folder's chat template `name` came from, as transformers reads it (a named one
+    from additional_chat_templates/, the default from chat_template.jinja first); a hub id's, in
+    words."""
+    names = ["chat_template.jinja", "chat_template.json", "tokenizer_config.json"]
+    if name != "default":
+        names.insert(0, f"additional_chat_templates/{name}.jinja")
+    for file in names:
+        if (Path(folder) / file).is_file():
+            return str(Path(folder) / file)
     return f"{folder} (its chat_template.jinja or tokenizer_config.json)"
 
 
@@ -142,9 +147,12 @@ def _render_in_child(tokenizer, templates: list[str]) -> str | None:
             out += chunk
     finally:
         os.close(read)
-        if not ended:
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        try:
+            if not ended:
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ChildProcessError, ProcessLookupError):  # (SIGCHLD ignored: the kernel reaped it)
+            pass
     if not ended:
         return (f"took more than {TEMPLATE_SECONDS:g} s to render a short conversation "
                 f"(stopped there)")

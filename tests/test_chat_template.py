@@ -84,6 +84,18 @@ def test_a_template_slow_only_on_several_turns_or_tools_is_caught_too(tokenizer,
         assert "took more than 1 s" in stops(folder_with(tmp_path, tokenizer, template))
 
 
+def test_a_named_template_that_fails_is_named_with_its_own_file(tokenizer, tmp_path,
+                                                                 monkeypatch):
+    """Of a tokenizer's several templates, the one that fails is named, with its file: transformers
+    saves the default in chat_template.jinja and the others in additional_chat_templates/ (the
+    line named chat_template.jinja, whose template was plain: "fix the template there")."""
+    monkeypatch.setattr(chat_template, "TEMPLATE_SECONDS", 1.0)
+    folder = folder_with(tmp_path, tokenizer, {"default": PLAIN, "tool_use": NESTED_LOOPS})
+    line = stops(folder)
+    assert line.startswith(f"error: {folder}/additional_chat_templates/tool_use.jinja: its chat "
+                           f"template 'tool_use' took more than 1 s"), line
+
+
 def test_a_template_that_does_not_compile_or_is_huge_stops_at_load(tokenizer, tmp_path):
     line = stops(folder_with(tmp_path, tokenizer, "{% for m in messages %}{{ m['content'] }}"))
     assert "its chat template does not compile (line 1: Unexpected end of template" in line, line
@@ -114,3 +126,15 @@ def test_plain_templates_and_ones_that_refuse_a_shape_load_and_render(tokenizer,
         assert loaded.apply_chat_template(messages, tokenize=False) == \
             tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template)
         assert json.dumps([template]) in chat_template._checked
+
+
+def test_a_plain_template_loads_where_sigchld_is_ignored(tokenizer, tmp_path):
+    """A process that inherits SIGCHLD ignored (a launcher's, kept across exec) has its children
+    reaped by the kernel: waiting for the child raised ChildProcessError, a traceback at load."""
+    import signal
+    folder = folder_with(tmp_path, tokenizer, PLAIN + " ")  # (not yet checked in this process)
+    before = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        load_tokenizer(folder)
+    finally:
+        signal.signal(signal.SIGCHLD, before)

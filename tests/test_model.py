@@ -570,3 +570,25 @@ def test_soft_capped_attention_is_the_models_own_definition():
     expected.sum().backward()
     for (name, p), q in zip(ours.named_parameters(), eager.parameters()):
         assert_close_to_scale(p.grad, q.grad, what=name)
+
+
+def test_soft_capped_attention_runs_under_bf16_autocast_with_padding():
+    """Issue 67: softcapped_attention masks with the lowest finite fp32 score, which a bf16 tensor
+    cannot hold -- and under bf16 autocast (LoRA, DPO: fp32 weights) its `query.float() @ key`
+    ran in bf16, so masked_fill raised on every Gemma 2 forward. The scores stay fp32 there too:
+    a left-padded batch gives finite logits and gradients, near those without autocast."""
+    from attention import use_smolrl_attention
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(Gemma2Config(**SMALL, head_dim=32, sliding_window=6,
+                                           query_pre_attn_scalar=32))
+    assert use_smolrl_attention(model)
+    ids = torch.randint(3, 300, (2, 10))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0  # left padding: its queries attend to nothing
+    want = model(input_ids=ids, attention_mask=mask).logits
+    with autocast("cpu"):
+        got = model(input_ids=ids, attention_mask=mask).logits
+    got.float()[mask.bool()].sum().backward()
+    assert torch.isfinite(got).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    torch.testing.assert_close(got.float()[mask.bool()], want[mask.bool()], rtol=0, atol=0.05)
