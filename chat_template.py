@@ -19,7 +19,8 @@ schemas -- with each template (of several: each named one too) in a child proces
 was born with; each rendering must be at most MAX_RENDER_CHARS long (the stand-ins hold up to
 ~2,300 characters; a real template adds a few hundred). A template that does not compile, or is
 longer than MAX_TEMPLATE_CHARS, stops the run too. One that refuses a stand-in (raise_exception:
-"System role not supported") passes: that is its own rule, met or not by the real conversation.
+"System role not supported") passes: that is its own rule, met or not by the real conversation;
+one that raises on every stand-in, the plain question included, renders no prompt and stops.
 
 What this does not bound: the renders after it, in the trainer's own process, of the run's
 prompts and episodes. A template keeps nothing from one render to the next (the sandbox lets it
@@ -37,6 +38,8 @@ import select
 import signal
 import time
 from pathlib import Path
+
+from data import escaped
 
 TEMPLATE_SECONDS = 10.0  # a template, for all the stand-ins (a real one: milliseconds)
 TEMPLATE_MEMORY = 512 * 2**20  # bytes of address space the renders may add
@@ -185,6 +188,7 @@ def _render_all(tokenizer, templates: list[str]) -> str | None:
     """In the child: what went wrong with the first template and stand-in that failed, or None."""
     from jinja2 import TemplateSyntaxError
     for template in templates:
+        refusals = []
         for messages, kwargs in stand_ins():
             try:
                 text = tokenizer.apply_chat_template(messages, tokenize=False,
@@ -194,10 +198,13 @@ def _render_all(tokenizer, templates: list[str]) -> str | None:
             except MemoryError:
                 return (f"took more than {TEMPLATE_MEMORY // 2**20} MiB to render a short "
                         f"conversation")
-            except Exception:  # (its own refusal of this conversation: see the module docstring)
+            except Exception as e:  # (its own refusal of this conversation: see the docstring)
+                refusals.append(f"{type(e).__name__}: {str(e)[:200]}")
                 continue
             if len(text) > MAX_RENDER_CHARS:
                 given = sum(len(m["content"]) for m in messages)
                 return (f"rendered a short conversation ({given:,} characters) as {len(text):,} "
                         f"characters, more than {MAX_RENDER_CHARS:,}")
+        if len(refusals) == len(stand_ins()):  # (the plain question too: it renders no prompt)
+            return f"raises on every conversation smolrl renders ({escaped(refusals[0])})"
     return None

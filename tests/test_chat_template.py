@@ -138,3 +138,17 @@ def test_a_plain_template_loads_where_sigchld_is_ignored(tokenizer, tmp_path):
         load_tokenizer(folder)
     finally:
         signal.signal(signal.SIGCHLD, before)
+
+
+def test_a_template_that_raises_on_every_conversation_stops_in_one_line(tokenizer, tmp_path):
+    """A template may refuse a conversation of a shape it does not take (a system prompt), but
+    one that raises on every stand-in -- the plain question included -- can render no prompt of
+    the run: one line naming the file and its error, not a traceback at the first prompt."""
+    for template, why in (("{{ raise_exception('no \x1b]52;c;eA==\x07 prompts') }}",
+                           "TemplateError: no \\x1b]52;c;eA==\\x07 prompts"),
+                          ("{{ 'x' * 10**30 }}" + PLAIN, "OverflowError")):
+        folder = folder_with(tmp_path, tokenizer, template)
+        line = stops(folder)
+        assert line.startswith(f"error: {folder}/chat_template.jinja: its chat template raises on "
+                               f"every conversation smolrl renders"), line
+        assert why in line and line.isprintable(), line
