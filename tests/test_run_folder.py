@@ -138,3 +138,136 @@ def test_branching_from_an_earlier_checkpoint_moves_the_branch_aside_whole(tiny_
     assert (back / "trainer_state.pt").exists()
     assert read_metrics(out) == first_metrics
     assert _lines(out, "rollouts.jsonl") == first[Path("rollouts.jsonl")].decode().splitlines()
+
+
+def test_one_run_at_a_time_holds_its_out_and_a_killed_ones_is_taken_over(tiny_model_dir,
+                                                                         tmp_path):
+    """Two runs into one --out at once (the same command twice, a requeued job): the second stops
+    in one line naming the first (pid, host, since when) and changes nothing -- also when it names
+    the folder through a link (it once moved the live run's logs aside, both wrote into them and
+    both exported to model/). Once the first is killed (kill -9: no chance to clean up), the next
+    run takes the folder over and says so."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import grpo
+    from conftest import ROOT, run_grpo
+    out, link = tmp_path / "out", tmp_path / "link"
+    args = small_run_args(tiny_model_dir, out) + ["--steps", "1"]
+    slow = args[:args.index("--reward") + 1] + ["tests.rewards:slow_reward"] + \
+        args[args.index("--reward") + 2:]
+    first = subprocess.Popen([sys.executable, "grpo.py", *slow], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() and first.poll() is None:
+            assert time.time() < deadline, "the first run never started"
+            time.sleep(0.2)
+        link.symlink_to(out)
+        before = _files(out)
+        for folder in (out, link):
+            cfg = parse_config(grpo.Config, small_run_args(tiny_model_dir, folder) +
+                               ["--steps", "1"])
+            with pytest.raises(SystemExit, match=rf"^error: --out {folder} is in use by another "
+                                                 rf"run \(pid {first.pid} on "
+                                                 rf"{socket.gethostname()}, since 20"):
+                grpo.main(cfg)
+        assert _files(out) == before and not (out / "superseded").exists()
+    finally:
+        first.kill()  # SIGKILL
+        first.wait()
+    result = run_grpo(args)
+    assert f"was held by a run that ended without releasing it (pid {first.pid} " in \
+        result.stdout
+    [aside] = (out / "superseded").iterdir()  # (the killed run's metrics and config)
+    assert (out / "model" / "model.safetensors").exists()
+    assert (out / ".smolrl.lock").read_text() == ""  # (released at the end)
+
+
+def test_a_filesystem_without_locks_is_a_warning(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+    from run_folder import lock_out, release_out
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock_out(tmp_path)
+    release_out(tmp_path)
+    assert capsys.readouterr().out.startswith(
+        f"warning: --out {tmp_path}: its filesystem cannot lock files (No locks available)")
+
+
+def test_superseded_keeps_the_newest_and_never_what_a_run_reads_or_writes_in(tmp_path, capsys):
+    """Every rerun moves a whole run to superseded/: it once grew until an export found no room.
+    Now the newest --keep-superseded are kept and the oldest deleted, said on the first screen --
+    never a folder holding something the run's flags name (here its --model), nor one another
+    run holds as its --out, nor one whose name is not a move's."""
+    import grpo
+    from run_folder import lock_out, release_out
+    from session import open_run, resume_driver, start_log
+    out = tmp_path / "out"
+    stamps = [f"20260101-00000{i}" for i in range(1, 5)]
+    for stamp in stamps + ["notes"]:
+        (out / "superseded" / stamp / "model").mkdir(parents=True)
+        (out / "superseded" / stamp / "model" / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')  # (a run to move: a fifth folder)
+    lock_out(out / "superseded" / stamps[1])  # (a run writes there: its --out)
+    try:
+        cfg = grpo.Config(out=str(out), keep_superseded=2, data="arith",
+                          model=str(out / "superseded" / stamps[0] / "model"))
+        folder = open_run(cfg)
+        resume_driver(folder)
+        start_log(folder, cfg)
+    finally:
+        release_out(out / "superseded" / stamps[1])
+    kept = sorted(p.name for p in (out / "superseded").iterdir())
+    assert kept[:3] == [stamps[0], stamps[1], stamps[3]] and kept[4] == "notes"
+    assert f"{out / 'superseded'} keeps its newest 2 (--keep-superseded): {stamps[2]} deleted" \
+        in capsys.readouterr().out
+    cfg.keep_superseded = 0  # (keeps all)
+    folder = open_run(cfg)
+    resume_driver(folder)
+    start_log(folder, cfg)
+    assert len(list((out / "superseded").iterdir())) == 6
+
+
+def _free(monkeypatch, free: int):
+    """The disk --out is on, with `free` bytes free."""
+    from types import SimpleNamespace
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(
+        total=usage.total, used=usage.total - free, free=free))
+
+
+def test_a_disk_without_room_for_the_model_stops_the_run_before_it_loads(tiny_model_dir,
+                                                                         tmp_path, monkeypatch):
+    """A run whose export (or checkpoint) would not fit on the disk stops before training, in
+    one line that says how much it needs and what superseded/ holds (a fourth rerun's export once
+    failed for lack of room: its trained model was lost); what pruning superseded/ will free
+    counts as room."""
+    from conftest import run_script
+    weights = (Path(tiny_model_dir) / "model.safetensors").stat().st_size
+    out = tmp_path / "out"
+    (out / "superseded" / "20260101-000001").mkdir(parents=True)
+    with open(out / "superseded" / "20260101-000001" / "big", "wb") as f:
+        f.truncate(4 * weights)  # (sparse: only its size counts)
+    _free(monkeypatch, weights)
+    result = run_script("grpo.py", small_run_args(tiny_model_dir, out) + [
+        "--steps", "1", "--save-every", "1", "--keep-superseded", "0"])
+    mib = f"{weights / 2**20:.0f} MiB"
+    assert result.returncode != 0 and "Loading weights" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: --out {out}: {mib} free on its disk, and this run writes "
+        f"{4 * weights / 2**20:.0f} MiB ({mib} for its model, {3 * weights / 2**20:.0f} MiB for "
+        f"a checkpoint); make room, or choose another --out; {out / 'superseded'} holds "
+        f"{4 * weights / 2**20:.0f} MiB of earlier runs (delete what you no longer need there, "
+        f"or pass a smaller --keep-superseded) (nothing was changed)")
+    import grpo
+    from session import open_run
+    (out / "metrics.jsonl").write_text("")  # (a run to move aside: the old folder is to go)
+    open_run(grpo.Config(out=str(out), model=tiny_model_dir, data="arith", save_every=1,
+                         keep_superseded=1))
+    _free(monkeypatch, 2 * weights)
+    open_run(grpo.Config(out=str(out), model=tiny_model_dir, data="arith"))  # (no checkpoints)
