@@ -97,7 +97,11 @@ def lock_out(out: Path):
     this very process before it (a test's, a notebook's) that did not release it hands it on."""
     key = os.path.realpath(out)
     if key not in _held:
-        fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise SystemExit(f"error: --out {out}: cannot write there ({e.strerror}); choose "
+                             f"another --out") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -124,7 +128,8 @@ def release_out(out: Path):
     fd = _held.pop(os.path.realpath(out), None)
     if fd is not None:
         os.ftruncate(fd, 0)
-        os.close(fd)  # (the lock goes with the last descriptor of the open file)
+        fcntl.flock(fd, fcntl.LOCK_UN)  # (for a forked child's copy of the descriptor, too)
+        os.close(fd)
 
 
 @atexit.register
@@ -230,9 +235,9 @@ def set_aside(out: Path, paths: list[Path], resume_dir: str, samples: Path | Non
         later = [p for p in paths if p.parent.name == "checkpoints"]
         back = (f"--resume {aside / 'checkpoints' / later[-1].name} goes back to it" if later
                 else f"its final model is {aside / 'model'}")
-        line = (f"resuming from {Path(resume_dir).name}: the branch of this run that went "
-                f"further ({names}) is moved whole to {aside} (--resume auto will not pick it; "
-                f"{back})")
+        line = (f"resuming from {Path(resume_dir).name}: what this run wrote past it, another "
+                f"branch now ({names}), is moved whole to {aside} (--resume auto will not pick "
+                f"it; {back})")
     else:
         line = (f"{out} held another run, or another branch of this one: its {names} are moved "
                 f"whole to {aside} (delete it when you no longer need it)")
@@ -303,8 +308,11 @@ def check_room(out: Path, cfg, reads: list[Path], moving: bool):
     to be moved there first). One line where there is not; a model not on disk yet (a hub id,
     the default before its conversion) is not measured."""
     start = _start_folder(cfg)
-    weights = sum(f.stat().st_size for f in start.iterdir()
-                  if f.suffix in (".safetensors", ".bin")) if start else 0
+    try:
+        weights = sum(f.stat().st_size for f in start.iterdir()
+                      if f.suffix in (".safetensors", ".bin")) if start else 0
+    except OSError:  # (unreadable: its load says why)
+        weights = 0
     if not weights:
         return
     checkpoint = 3 * weights * 4 // _bytes_per_weight(start) \

@@ -281,9 +281,9 @@ def test_resuming_an_earlier_step_branches_and_keeps_every_checkpoint(tmp_path):
     resumed = tmp_path / "checkpoints" / "step_2"
     assert claim_checkpoints(tmp_path, str(resumed)) == [tmp_path / "checkpoints" / "step_4"]
     line, _ = set_aside(tmp_path, left_behind(tmp_path, str(resumed)), str(resumed), None)
-    assert line.startswith("resuming from step_2: the branch of this run that went further "
-                           "(checkpoints/step_4, grpo_config.json, metrics.jsonl) is moved whole "
-                           "to ")
+    assert line.startswith("resuming from step_2: what this run wrote past it, another branch "
+                           "now (checkpoints/step_4, grpo_config.json, metrics.jsonl), is moved "
+                           "whole to ")
     [aside] = (tmp_path / "superseded").iterdir()
     back = aside / "checkpoints" / "step_4"
     assert (back / "trainer_state.pt").exists() and f"--resume {back} goes back to it" in line
