@@ -267,8 +267,9 @@ def check_teacher(cfg):
 
 def main(cfg: Config):
     check_teacher(cfg)  # before the student loads
-    if cfg.lmbda < 1 and not cfg.replay:  # the teacher samples some steps: the driver's copy
-        # (in one process the trainer's too) read before the run moves anything in --out
+    if cfg.lmbda < 1 and not cfg.replay and cfg.on_ray():  # the driver's own copy, for the
+        # steps the teacher samples, read before the run moves anything in --out (in one process
+        # it is the trainer's, loaded by Config.setup)
         load_teacher(cfg.teacher, pick_device(), DTYPES[cfg.dtype])
     session = start_session(cfg, train_on_rollout, line=format_step)
     run, driver, problems = session.run, session.driver, session.problems
