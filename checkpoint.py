@@ -22,10 +22,12 @@ a folder of <out>/superseded/ laid out as a run folder (its own checkpoints/, me
 model). Resuming from one of <out>/checkpoints at an earlier step than the run got to (a later
 checkpoint, or a final model past it) starts a new branch: the one it leaves -- its later
 checkpoints, its metrics, samples, report and model -- is moved there whole (session.start_log
-does it, at the run's first write; claim_checkpoints names the checkpoints). Resuming from a
-checkpoint anywhere else (a superseded branch, another folder) moves the branch in --out aside
-whole likewise, its checkpoints with it. So pruning (--keep-last) and `--resume auto`, which see
-<out>/checkpoints only, only ever see the branch being run, and nothing is deleted.
+does it, at the run's first write: run_folder.py; claim_checkpoints names the checkpoints).
+Resuming from a checkpoint anywhere else (a superseded branch, another folder) moves the branch
+in --out aside whole likewise, its checkpoints with it; the resumed run takes the metrics in its
+checkpoint and the samples of the run folder it lies in, up to its step. So pruning (--keep-last)
+and `--resume auto`, which see <out>/checkpoints only, only ever see the branch being run; the
+others stay as long as superseded/ keeps them (--keep-superseded).
 """
 
 import json

@@ -142,11 +142,12 @@ def _clear_names():
 
 def _holder(fd: int) -> str:
     """The run the lock file names, in words."""
+    text = os.pread(fd, 4096, 0)
     try:
-        h = json.loads(os.pread(fd, 4096, 0))
+        h = json.loads(text)
         said = f"pid {h['pid']} on {h['host']}, since {h['since']}: {h['command'][:120]}"
     except (ValueError, TypeError, KeyError):
-        return "one that has not written its name"
+        return "whose name is not written yet" if not text else "whose name cannot be read"
     if h["host"] == socket.gethostname() and not _alive(h["pid"]):
         said += (f"; pid {h['pid']} is gone, but a process it started holds the lock still "
                  f"(`fuser -v {LOCK}` in --out names it)")
