@@ -128,7 +128,10 @@ def release_out(out: Path):
     fd = _held.pop(os.path.realpath(out), None)
     if fd is not None:
         os.ftruncate(fd, 0)
-        fcntl.flock(fd, fcntl.LOCK_UN)  # (for a forked child's copy of the descriptor, too)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # (for a forked child's copy of the descriptor, too)
+        except OSError:  # (a filesystem without locks: none was taken)
+            pass
         os.close(fd)
 
 
