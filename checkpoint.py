@@ -1,4 +1,5 @@
-"""Checkpoints of a GRPO run: the one place their format is written and read.
+"""Checkpoints of a run: the one place their format is written and read, and the rules that keep
+one run's checkpoints apart from another's and one branch's from another's.
 
     <out>/checkpoints/step_N/
         config.json, model.safetensors, tokenizer files   the policy as an HF folder, loadable as is
@@ -9,19 +10,30 @@
         metrics.jsonl, grpo_config.json (or dpo_config.json)          the run so far
 
 A checkpoint is written to `.tmp-step_N` and renamed into place, so a kill -9 during a save leaves
-the previous one whole. Checkpoints carry their run's id: a run only ever prunes its own, and never
-the one it resumed from. Resuming from an earlier step than the run's newest checkpoint starts a new
-branch of it: the later checkpoints are moved, whole, to checkpoints/superseded/ (said on the first
-screen; `--resume auto` then picks the newest of the branch being run, and nothing is deleted). Training state is read with `weights_only=True`: tensors and plain
+the previous one whole. Training state is read with `weights_only=True`: tensors and plain
 containers only, so a checkpoint someone shares can never run code on --resume (transformers'
-Trainer had to learn this: CVE-2026-1839). A damaged file stops the run with one line naming it.
+Trainer had to learn this: CVE-2026-1839). Every file is checked when the checkpoint is found,
+before any model loads: a damaged one stops the run with one line naming it.
+
+Runs and branches. Checkpoints carry their run's id: a run only ever prunes its own, and never the
+one it resumed from. One branch of a run lives in --out at a time -- <out>/checkpoints and the
+run's files beside it (metrics.jsonl, rollouts.jsonl, model/, ...); every other one lies whole in
+a folder of <out>/superseded/ laid out as a run folder (its own checkpoints/, metrics, samples,
+model). Resuming from one of <out>/checkpoints at an earlier step than the run got to (a later
+checkpoint, or a final model past it) starts a new branch: the one it leaves -- its later
+checkpoints, its metrics, samples, report and model -- is moved there whole (session.start_log
+does it, at the run's first write: run_folder.py; claim_checkpoints names the checkpoints).
+Resuming from a checkpoint anywhere else (a superseded branch, another folder) moves the branch
+in --out aside whole likewise, its checkpoints with it; the resumed run takes the metrics in its
+checkpoint and the samples of the run folder it lies in, up to its step. So pruning (--keep-last)
+and `--resume auto`, which see <out>/checkpoints only, only ever see the branch being run; the
+others stay as long as superseded/ keeps them (--keep-superseded).
 """
 
 import json
 import os
 import random
 import shutil
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,24 +100,81 @@ def save_checkpoint(out: Path, driver: DriverState, save_trainer, keep_last: int
 
 
 def load_driver_state(folder) -> DriverState:
-    """The driver's half, with the python and numpy RNGs restored."""
-    state = load_state(Path(folder) / "driver_state.pt")
+    """The driver's half, with the python and numpy RNGs restored (checked by find_checkpoint)."""
+    state, history = read_driver_state(folder)
     random.setstate(state["python_rng"])
-    kind, keys, *rest = state["numpy_rng"]
-    np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    history = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    np.random.set_state(_numpy_state(state["numpy_rng"]))
     # (a checkpoint from before run ids: the resumed run takes a new one)
     return DriverState(state["step"], state["consumed"], history,
                        state.get("run_id") or uuid.uuid4().hex, resumed_from=str(folder))
 
 
-def claim_checkpoints(out: Path, resume_dir: str = "") -> str:
+def read_driver_state(folder) -> tuple[dict, list[dict]]:
+    """A checkpoint's driver state and its metrics so far, every field checked: one that loads
+    weights-only yet is not what save_checkpoint writes (damaged, or crafted) stops the run here,
+    in one line, rather than with a traceback once the models have loaded."""
+    folder = Path(folder)
+    state = load_state(folder / "driver_state.pt", mmap=True)
+    state = state if isinstance(state, dict) else {}
+    for key in ("step", "consumed"):
+        if not _count(state.get(key)):
+            _refuse(folder, f"driver_state.pt: {key} is not a count of steps ({state.get(key)!r})")
+    if not isinstance(state.get("run_id", ""), (str, type(None))):
+        _refuse(folder, f"driver_state.pt: run_id is not a string ({state['run_id']!r})")
+    try:
+        random.Random().setstate(state.get("python_rng"))  # (on throwaway generators)
+    except (TypeError, ValueError):
+        _refuse(folder, "driver_state.pt: python_rng is not a state of python's random")
+    try:
+        np.random.RandomState().set_state(_numpy_state(state.get("numpy_rng")))
+    except (TypeError, ValueError, IndexError):
+        _refuse(folder, "driver_state.pt: numpy_rng is not a state of numpy's random")
+    if not (folder / "metrics.jsonl").is_file():
+        _refuse(folder, "no metrics.jsonl (the run so far)")
+    history = []
+    for n, line in enumerate((folder / "metrics.jsonl").read_bytes().splitlines(), start=1):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            _refuse(folder, f"metrics.jsonl, line {n}: not a JSON object")
+        if not _count(record.get("step")):
+            _refuse(folder, f"metrics.jsonl, line {n}: no step")
+        if record["step"] > state["step"]:
+            _refuse(folder, f"metrics.jsonl, line {n}: step {record['step']}, past the "
+                            f"checkpoint's step {state['step']}")
+        history.append(record)
+    return state, history
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _numpy_state(saved) -> tuple:
+    """numpy's RNG state from the lists a checkpoint keeps it as (loadable weights-only)."""
+    kind, keys, *rest = saved
+    return (kind, np.array(keys, dtype=np.uint32), *rest)
+
+
+def _refuse(folder: Path, what: str):
+    raise SystemExit(f"error: checkpoint {folder}: {what}; it is damaged, or not smolrl's: "
+                     f"resume from another checkpoint with --resume PATH{_others(folder)}")
+
+
+def _others(folder: Path) -> str:
+    others = sorted(p.name for p in folder.parent.glob("step_*") if p != folder)
+    return f" (others there: {', '.join(others)})" if others else ""
+
+
+def claim_checkpoints(out: Path, resume_dir: str = "") -> list[Path]:
     """Before anything is written: every checkpoint in <out>/checkpoints must belong to the run
     being started or resumed, or pruning (--keep-last), saving and --resume auto would mix two runs.
     A fresh run (no resume_dir) stops at any checkpoint there; a resumed run at any of another run
-    id -- a resume into another --out is refused exactly as a fresh run is. The resumed run's own
-    checkpoints at later steps than resume_dir belong to the branch it leaves: they are moved to
-    checkpoints/superseded/<time>/ (kept whole; the returned line says so; "" when none moved)."""
+    id -- a resume into another --out is refused exactly as a fresh run is. Returns the
+    checkpoints of this run that a resume from an earlier one of <out>/checkpoints leaves: those
+    at later steps, another branch now, which the run moves aside whole (session.start_log)."""
     found = sorted(_checkpoints(out / "checkpoints"), key=_step_of)
     run = _run_of(Path(resume_dir)) if resume_dir else None
     foreign = [p for p in found if not resume_dir or _run_of(p) != run]
@@ -115,26 +184,14 @@ def claim_checkpoints(out: Path, resume_dir: str = "") -> str:
             f"resume {resume_dir} into an --out of its own"
         raise SystemExit(f"error: {out / 'checkpoints'} holds another run's checkpoints ({names}):"
                          f" {how}, or choose another --out (nothing was changed)")
-    later = [p for p in found if resume_dir and _step_of(p) > _step_of(Path(resume_dir))
-             and p.resolve() != Path(resume_dir).resolve()]
-    if not later:
-        return ""
-    aside = move_aside(later, out / "checkpoints" / "superseded")
-    return (f"resuming from {Path(resume_dir).name}: this run's later checkpoints "
-            f"({', '.join(p.name for p in later)}) are another branch of it now, moved whole to "
-            f"{aside} (--resume auto will not pick them; --resume {aside}/{later[-1].name} would)")
+    if not resume_dir or not in_checkpoints(out, resume_dir):
+        return []
+    return [p for p in found if _step_of(p) > checkpoint_step(resume_dir)]
 
 
-def move_aside(paths: list[Path], superseded: Path) -> Path:
-    """paths moved whole (renamed: nothing copied, nothing deleted) into a new folder of
-    `superseded` named for the time; that folder."""
-    aside = superseded / time.strftime("%Y%m%d-%H%M%S")
-    while aside.exists():
-        aside = aside.with_name(aside.name + "+")
-    aside.mkdir(parents=True)
-    for p in paths:
-        os.replace(p, aside / p.name)
-    return aside
+def in_checkpoints(out: Path, checkpoint: str) -> bool:
+    """Whether `checkpoint` is one of <out>/checkpoints (the branch in --out), not one elsewhere."""
+    return Path(checkpoint).resolve().parent == (Path(out) / "checkpoints").resolve()
 
 
 def recorded_dtype(out, resume: str, config_file: str) -> str:
@@ -162,8 +219,12 @@ def find_checkpoint(out: Path, resume: str) -> str:
         if not found:
             raise SystemExit(f"error: --resume auto: no checkpoint in {out / 'checkpoints'}")
         folder = max(found, key=_step_of)
-    for name in ("driver_state.pt", "trainer_state.pt"):
-        load_state(folder / name, mmap=True)  # reads the structure, not gigabytes of tensors
+    read_driver_state(folder)  # (the structure, not gigabytes of tensors: mmap)
+    trainer = load_state(folder / "trainer_state.pt", mmap=True)
+    trainer = trainer if isinstance(trainer, dict) else {}
+    for key, kind in (("optimizer", dict), ("scheduler", dict), ("torch_rng", torch.Tensor)):
+        if not isinstance(trainer.get(key), kind):
+            _refuse(folder, f"trainer_state.pt: {key} is not a {kind.__name__}")
     from safetensors import safe_open
     for weights in folder.glob("*.safetensors"):
         try:
@@ -182,12 +243,16 @@ def load_state(path, mmap: bool = False) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
-        others = sorted(p.name for p in path.parent.parent.glob("step_*") if p != path.parent)
-        hint = f" (others there: {', '.join(others)})" if others else ""
         raise SystemExit(f"error: checkpoint {path.parent}: {path.name} cannot be loaded safely "
                          f"({type(e).__name__}): it is damaged, or holds more than tensors and "
                          f"plain data, which smolrl never unpickles. Resume from another "
-                         f"checkpoint with --resume PATH{hint}.") from None
+                         f"checkpoint with --resume PATH{_others(path.parent)}.") from None
+
+
+def checkpoint_step(folder) -> int:
+    """The step a checkpoint was written after (its driver state's: a folder may be named
+    anything)."""
+    return load_state(Path(folder) / "driver_state.pt")["step"]
 
 
 def _step_of(path: Path) -> int:
@@ -199,4 +264,5 @@ def _run_of(checkpoint: Path) -> str | None:
 
 
 def _checkpoints(folder: Path) -> list[Path]:
-    return [p for p in folder.glob("step_*") if (p / "driver_state.pt").exists()]
+    return [p for p in folder.glob("step_*") if p.name[5:].isdigit()
+            and (p / "driver_state.pt").exists()]

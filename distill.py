@@ -83,6 +83,13 @@ class Config(RLOptions):
         check(0 <= self.lmbda <= 1, f"--lmbda {self.lmbda}: a fraction of steps, in [0, 1]")
         check(not self.fsdp, "--fsdp is not supported by distill.py (the teacher is not sharded)")
 
+    def setup(self, resume_dir: str = "", group=None):
+        """The RL loop's trainer, and its teacher loaded now, with the student: --teacher may
+        lie in this run's own --out, whose model/ the run moves aside before it writes."""
+        trainer = super().setup(resume_dir, group)
+        teacher_of(trainer)
+        return trainer
+
     def workload(self):
         """The RL loop's, and the teacher beside the trainer for the whole run (grading; the
         steps it samples share it)."""
@@ -260,6 +267,10 @@ def check_teacher(cfg):
 
 def main(cfg: Config):
     check_teacher(cfg)  # before the student loads
+    if cfg.lmbda < 1 and not cfg.replay and cfg.on_ray():  # the driver's own copy, for the
+        # steps the teacher samples, read before the run moves anything in --out (in one process
+        # it is the trainer's, loaded by Config.setup)
+        load_teacher(cfg.teacher, pick_device(), DTYPES[cfg.dtype])
     session = start_session(cfg, train_on_rollout, line=format_step)
     run, driver, problems = session.run, session.driver, session.problems
     N, bad_steps, teacher_run = cfg.prompts_per_step, 0, None

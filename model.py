@@ -49,9 +49,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SMOLRL_CACHE", Path.home() / ".cache" / "smolrl"))
 
 
+def default_model_folder() -> Path:
+    """Where the offline default model's HF-format folder is, once converted."""
+    return cache_dir() / "SmolLM2-135M-Instruct"
+
+
 def default_model_path() -> str:
     """The HF-format folder of the offline default model, converting the GGUF file on first use."""
-    target = cache_dir() / "SmolLM2-135M-Instruct"
+    target = default_model_folder()
     if (target / "config.json").exists():
         return str(target)
     # find_spec locates the wheel without importing it (its __init__ needs packages we don't).

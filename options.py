@@ -96,6 +96,9 @@ class RunOptions:
     """write <out>/checkpoints/step_N every N steps (0 = never); the format is checkpoint.py's"""
     keep_last: int = 2
     """checkpoints kept (the oldest are deleted); 0 keeps all"""
+    keep_superseded: int = 2
+    """earlier runs and left branches kept in <out>/superseded/ (the oldest are deleted, said on
+    the first screen); 0 keeps all"""
     resume: str = ""
     """continue a run exactly: `auto` (latest checkpoint in --out) or a checkpoint folder"""
 
@@ -378,6 +381,7 @@ AT_LEAST_ONE = ("batch_size", "prompts_per_step", "max_new_tokens", "max_prompt_
                 "max_turns", "max_episode_tokens", "epochs", "max_length", "max_prompt_length",
                 "builtin_problems")
 NOT_NEGATIVE = ("lr", "warmup_steps", "weight_decay", "eval_every", "save_every", "keep_last",
+                "keep_superseded",
                 "lora_rank", "lora_alpha", "steps", "max_tokens_per_microbatch",
                 "log_samples_every", "eval_pairs")
 

@@ -28,7 +28,7 @@ from model import DTYPES, length_mask, model_path, pack, right_pad
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from reward_models import check_learned_rewards, learned_rewards
 from rollout import Completions, Ready, Sampling
-from rollout_log import FILE as ROLLOUTS, RolloutLog, check_log, detail_index, detail_samples
+from rollout_log import RolloutLog, check_log, detail_index, detail_samples
 from rollout_log import saved_steps
 from session import RunFolder, close_run, open_run, resume_driver, start_log
 from checkpoint import save_checkpoint
@@ -65,9 +65,9 @@ def start_session(cfg, train_step, line=None) -> Session:
     if cfg.memory_plan:
         print(cfg.memory_plan)
     folder = open_run(cfg)
-    if folder.resume_dir and (folder.out / ROLLOUTS).exists():  # (kept up to the checkpoint)
-        check_log(folder.out / ROLLOUTS, "; mend that line, or move the file away to resume "
-                                         "without its samples")
+    if folder.samples and folder.samples.exists():  # (kept up to the checkpoint)
+        check_log(folder.samples, "; mend that line, or move the file away to resume without "
+                                  "its samples")
     replay = replay_steps(cfg)
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     if cfg.memory_plan or cfg.rollout == "vllm":  # (a file's rows; a generated task's prompts
@@ -90,7 +90,7 @@ def start_session(cfg, train_step, line=None) -> Session:
     problems = ProblemStream(train_rows, skip=folder.driver.consumed)
     start_log(folder, cfg, line)
     session = Session(folder, run, problems, eval_rows, reward_fns, grader,
-                      RolloutLog(folder.out, folder.driver.step), replay)
+                      RolloutLog(folder.out, folder.driver.step, folder.samples), replay)
     if cfg.eval_every and eval_rows and folder.driver.step == 0:
         folder.log({"step": 0, **evaluate(session, cfg, 0)})
     return session

@@ -90,23 +90,25 @@ def _floats(xs) -> list[float]:
 
 class RolloutLog:
     """<out>/rollouts.jsonl: a fresh run starts it empty; a run resumed at step s keeps the
-    records of steps up to s (the steps after them are sampled again)."""
+    records of steps up to s (the steps after them are sampled again) from `source`, the log
+    of the run its checkpoint belongs to (default: this one's; session.RunFolder.samples)."""
 
-    def __init__(self, out: Path, resumed_at: int):
+    def __init__(self, out: Path, resumed_at: int, source: Path | None = None):
         self.path, self.seconds = Path(out) / FILE, 0.0  # (seconds: writing, since last asked)
-        if resumed_at and self.path.exists():
-            self._keep(resumed_at)
+        source = source or self.path
+        if resumed_at and source.exists():
+            self._keep(resumed_at, source)
         else:
             self._write([], "w")
 
-    def _keep(self, step: int):
-        """The records of steps up to `step`, byte for byte, in a new file renamed over the old
-        one: a write that fails half way (a full disk) leaves the old log whole."""
+    def _keep(self, step: int, source: Path):
+        """The records of steps up to `step` in `source`, byte for byte, in a new file renamed
+        over the log: a write that fails half way (a full disk) leaves the old log whole."""
         tmp = self.path.with_name(f".{FILE}.resume")
         try:
             tmp.unlink(missing_ok=True)
             with open(tmp, "x") as f:  # ("x": a new file; a link planted there is not followed)
-                f.writelines(line for _, line, r in records(self.path) if r["step"] <= step)
+                f.writelines(line for _, line, r in records(source) if r["step"] <= step)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path)

@@ -1,34 +1,35 @@
 """A run's folder, and the offline loop: what every algorithm does before its first step and after
 its last, and the loop of sft.py, dpo.py and rm.py.
 
-    folder = open_run(cfg)            # seeds; --out; the checkpoint to resume, never another run's
+    folder = open_run(cfg)            # seeds; --out locked; the checkpoint to resume, never another
+                                      # run's; what the run would overwrite; room on the disk
     ... the data checked, the models loaded ...
     resume_driver(folder)             # a resumed run's step, data position, RNGs and metrics
-    start_log(folder, cfg, line)      # the metrics log, the config written to --out
+    start_log(folder, cfg, line)      # the run before moved aside; the metrics log, the config
     offline_loop(folder, cfg, rows, what, train_step, evaluate, save)   # sft.py, dpo.py, rm.py
-    close_run(folder, export, title)  # the model alone in <out>/model, the curves
+    close_run(folder, export, title)  # the model alone in <out>/model, the curves; --out unlocked
 
-The RL loop (rl.py) opens and closes its runs with these too. One rule for every offline
-algorithm: an epoch is ceil(rows / --batch-size) steps, its last batch short (as TRL's data loader
-keeps it), and --steps, TRL's max_steps, overrides --epochs.
+What a run may do to its folder, and never does, is run_folder.py's. The RL loop (rl.py) opens
+and closes its runs with these too. One rule for every offline algorithm: an epoch is
+ceil(rows / --batch-size) steps, its last batch short (as TRL's data loader keeps it), and
+--steps, TRL's max_steps, overrides --epochs.
 """
 
 import json
-import os
 import random
-import stat
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from checkpoint import DriverState, claim_checkpoints, find_checkpoint, load_driver_state
-from checkpoint import move_aside, save_checkpoint
+from checkpoint import DriverState, find_checkpoint, load_driver_state, save_checkpoint
 from data import escaped
 from evaluate import RunLog
 from hardware import machine
-from report import plot_curves, printable, write_report
+from report import plot_curves, write_report
+from run_folder import check_out, check_room, left_behind, lock_out, prune_superseded, read_paths
+from run_folder import release_out, samples_of, set_aside
 
 
 @dataclass
@@ -36,79 +37,35 @@ class RunFolder:
     """A run's folder, as the loops work with it."""
     out: Path
     resume_dir: str  # the checkpoint a resumed run continues from ("": a fresh run)
+    aside: list[Path] = field(default_factory=list)  # what start_log moves to superseded/
+    samples: Path | None = None  # the rollouts.jsonl whose records up to its step a resumed run
+    # keeps (beside its checkpoint; where start_log moved it)
+    reads: list[Path] = field(default_factory=list)  # what the run's flags name: never pruned
     driver: DriverState | None = None  # the step, the data position, the metrics so far
     log: RunLog | None = None  # (start_log: once the models have loaded)
 
 
-# What a run writes in --out, besides checkpoints/ (checkpoint.py): a fresh run moves a finished
-# run's to <out>/superseded/<time>/ (supersede), and refuses anything but a file or nothing where
-# its own files go (check_out).
-RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "report.html", "curves.png", "machine.json")
-RUN_FOLDERS = ("model", "checkpoints", "tensorboard", "wandb")
-
-
 def open_run(cfg) -> RunFolder:
-    """Seeds, --out, and the checkpoint a resumed run continues from (never another run's:
-    checkpoint.claim_checkpoints). Nothing is loaded yet."""
+    """Seeds; --out checked and locked for this run (run_folder.lock_out); the checkpoint a
+    resumed run continues from (checked whole: checkpoint.find_checkpoint), never another run's;
+    what of the run before the first write will move aside (run_folder.left_behind); room on the
+    disk. Nothing is loaded, moved or deleted yet; a run refused here leaves --out unlocked."""
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     check_out(out, cfg.CONFIG_FILE)
     out.mkdir(parents=True, exist_ok=True)
-    resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
-    branched = claim_checkpoints(out, resume_dir)
-    if branched:
-        print(branched)
-    return RunFolder(out, resume_dir)
-
-
-def check_out(out: Path, config_file: str):
-    """--out, before anything is loaded or written: a name the libraries can save under, a
-    folder (or nothing yet), and where the run writes its files, a file or nothing -- a link is
-    never followed (a fresh run would empty its target), a FIFO never opened (the run would
-    block). One line each; nothing is changed."""
+    lock_out(out)
     try:
-        os.path.abspath(out).encode("utf-8")
-    except UnicodeEncodeError as e:
-        byte = ord(e.object[e.start]) - 0xDC00  # (os.fsdecode's stand-in for an undecodable byte)
-        raise SystemExit(f"error: --out {printable(str(out))}: not a UTF-8 name (the byte "
-                         f"0x{byte:02x}), under which the tokenizer library cannot save a model; "
-                         f"choose another --out") from None
-    if out.exists() and not out.is_dir():
-        raise SystemExit(f"error: --out {out} is a file, not a folder; choose another --out")
-    wanted = [(out / name, "a file") for name in (*RUN_FILES, config_file)]
-    for path, want in wanted + [(out / "superseded", "a folder")]:
-        kind = _kind(path)
-        if kind and kind != want:
-            raise SystemExit(f"error: {path} is {kind}, not {want}: a run writes its own files "
-                             f"in --out and follows nothing there; remove it or choose another "
-                             f"--out (nothing was changed)")
-
-
-def _kind(path: Path) -> str:
-    """What is at path, without following a link ("": nothing)."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return ""
-    return ("a file" if stat.S_ISREG(mode) else "a folder" if stat.S_ISDIR(mode) else
-            "a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
-            "a socket" if stat.S_ISSOCK(mode) else "a device")
-
-
-def supersede(out: Path) -> str:
-    """A fresh run's first write: the files and folders a run before it left in --out (its log,
-    metrics, report, curves, config, model: checkpoint.claim_checkpoints has made sure no live
-    checkpoint is among them) moved whole to <out>/superseded/<time>/; the line that says
-    where ("" when there were none)."""
-    found = sorted(p for p in out.iterdir() if p.name in RUN_FILES + RUN_FOLDERS
-                   or p.name.endswith("_config.json"))
-    if not found:
-        return ""
-    aside = move_aside(found, out / "superseded")
-    return (f"{out} held an earlier run: its {', '.join(p.name for p in found)} are moved whole "
-            f"to {aside} (delete it when you no longer need it; --resume continues a run "
-            f"instead)")
+        resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
+        reads = read_paths(cfg) + ([Path(resume_dir).resolve()] if resume_dir else [])
+        folder = RunFolder(out, resume_dir, left_behind(out, resume_dir), samples_of(resume_dir),
+                           reads)
+        check_room(out, cfg, reads, moving=bool(folder.aside))
+    except SystemExit:
+        release_out(out)
+        raise
+    return folder
 
 
 def resume_driver(folder: RunFolder):
@@ -121,12 +78,15 @@ def resume_driver(folder: RunFolder):
 
 
 def start_log(folder: RunFolder, cfg, line=None):
-    """The metrics log (metrics.jsonl and the trackers, a resumed run's history first) and the
-    config, written to <out>/<cfg.CONFIG_FILE>; a fresh run first moves an earlier run's files
-    aside (supersede)."""
-    moved = "" if folder.resume_dir else supersede(folder.out)
-    if moved:
-        print(moved)
+    """The run's first write, once its models have loaded: what it would overwrite or drop moved
+    aside whole (run_folder.set_aside: a fresh run, the run before it; a resumed one, the branch
+    it leaves), superseded/ pruned to --keep-superseded; then the metrics log (metrics.jsonl and
+    the trackers, a resumed run's history first) and the config, written to
+    <out>/<cfg.CONFIG_FILE>."""
+    moved, folder.samples = set_aside(folder.out, folder.aside, folder.resume_dir, folder.samples)
+    for said in (moved, prune_superseded(folder.out, cfg.keep_superseded, folder.reads)):
+        if said:
+            print(said)
     folder.log = RunLog(folder.out, folder.driver.history, cfg.report_to, asdict(cfg), line)
     (folder.out / cfg.CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2))
     (folder.out / "machine.json").write_text(json.dumps(machine(), indent=2))  # (for the report)
@@ -134,8 +94,9 @@ def start_log(folder: RunFolder, cfg, line=None):
 
 def close_run(folder: RunFolder, export, title: str, **plot):
     """After the last step: the model alone (optimizer state lives in checkpoints only) in
-    <out>/model by export(folder), the curves, and the report page (report.py). A picture that
-    cannot be drawn is a warning: the run's model and logs are saved whatever its figures."""
+    <out>/model by export(folder), the curves, and the report page (report.py); --out unlocked.
+    A picture that cannot be drawn is a warning: the run's model and logs are saved whatever its
+    figures."""
     folder.log.close()
     export(str(folder.out / "model"))
     saved = ["metrics.jsonl"]
@@ -145,6 +106,7 @@ def close_run(folder: RunFolder, export, title: str, **plot):
     if _drawn(folder.out / "report.html", lambda: write_report(folder.out)):
         saved.append("report.html (open it in a browser)")
     print(f"saved the model in {folder.out}/model/, {', '.join(saved)} in {folder.out}/")
+    release_out(folder.out)
 
 
 def _drawn(path: Path, draw) -> bool:

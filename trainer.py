@@ -52,6 +52,7 @@ class Trainer:
     weight_layout: list | None = None  # what a weight sync sends, bucket by bucket
     engine_bytes: int = 0  # a vLLM engine in this process: its pool of the same CUDA allocator
     cost: ModelCost | None = None  # N, L, d of the trained model, for its FLOPs (hardware.py)
+    source_dtype: torch.dtype = torch.float32  # what the model came in: its export's dtype
 
     @property
     def sharded(self) -> bool:  # FSDP2 over the trainers
@@ -115,8 +116,10 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
         keep_less(compute)
     if cfg.compile:  # the policy's forward, and the reference's: the same numerics
         compile_layers(compute, *([ref_model] if ref_model is not None else []))
+    # Read now, with the weights: --model may be this run's own --out, whose model/ the run moves
+    # aside before it writes anything (session.start_log).
     return Trainer(model, compute, tokenizer, ref_model, optimizer, scheduler, cfg, device, group,
-                   reference, cost=cost)
+                   reference, cost=cost, source_dtype=source_dtype(start))
 
 
 def resume_trainer(trainer: Trainer, resume_dir: str):
@@ -219,7 +222,7 @@ def refresh_bf16_copy(trainer: Trainer):
 def export_model(trainer: Trainer, folder: str):
     """The run's result: the model alone, in the dtype it came in (no optimizer state, which
     belongs in checkpoints). Every rank calls it; rank 0 writes."""
-    dtype = source_dtype(model_path(trainer.cfg))
+    dtype = trainer.source_dtype
     weights = full_state_dict(trainer.model, dtype)  # (LoRA: merged, only in the saved dtype)
     if trainer.group is None or dist.get_rank() == 0:
         save_model(trainer.model, trainer.tokenizer, folder, weights, dtype=dtype)

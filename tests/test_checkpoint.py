@@ -159,6 +159,58 @@ def test_a_damaged_checkpoint_is_named(tmp_path):
         find_checkpoint(tmp_path, "auto")
 
 
+def _changed(checkpoint, name, **changes):
+    """A state file of `checkpoint` rewritten with `changes` (None: the key dropped)."""
+    state = torch.load(checkpoint / name, weights_only=True)
+    state.update(changes)
+    torch.save({k: v for k, v in state.items() if v is not None}, checkpoint / name)
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda c: (c / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "loss": \n'),
+     r"metrics.jsonl, line 2: not a JSON object"),
+    (lambda c: (c / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n'),
+     r"metrics.jsonl, line 2: not a JSON object"),
+    (lambda c: (c / "metrics.jsonl").write_text('{"step": 9}\n'),
+     r"metrics.jsonl, line 1: step 9, past the checkpoint's step 2"),
+    (lambda c: (c / "metrics.jsonl").write_text('{"loss": 1.0}\n'),
+     r"metrics.jsonl, line 1: no step"),
+    (lambda c: (c / "metrics.jsonl").unlink(), r"no metrics.jsonl"),
+    (lambda c: _changed(c, "driver_state.pt", python_rng=[1, 2]), r"driver_state.pt: python_rng"),
+    (lambda c: _changed(c, "driver_state.pt", numpy_rng=["MT19937", [0], 0]),
+     r"driver_state.pt: numpy_rng"),
+    (lambda c: _changed(c, "driver_state.pt", step="2"), r"driver_state.pt: step"),
+    (lambda c: _changed(c, "driver_state.pt", consumed=None), r"driver_state.pt: consumed"),
+    (lambda c: _changed(c, "driver_state.pt", run_id=7), r"driver_state.pt: run_id"),
+    (lambda c: torch.save([1, 2], c / "driver_state.pt"), r"driver_state.pt: step"),
+    (lambda c: _changed(c, "trainer_state.pt", torch_rng=None), r"trainer_state.pt: torch_rng"),
+    (lambda c: _changed(c, "trainer_state.pt", scheduler=[1]), r"trainer_state.pt: scheduler"),
+])
+def test_a_crafted_checkpoint_that_loads_is_one_line_before_any_model(damage, said, tmp_path):
+    """Issue 67: files that load weights-only but are not what a checkpoint holds -- a damaged
+    metrics.jsonl, a driver state without its RNGs -- once passed the checks and stopped the run
+    with a traceback in resume_driver, after the models had loaded. Now: one line when the
+    checkpoint is found."""
+    _fake_checkpoints(tmp_path, [2], keep_last=0)
+    checkpoint = tmp_path / "checkpoints" / "step_2"
+    damage(checkpoint)
+    with pytest.raises(SystemExit, match=rf"^error: checkpoint {checkpoint}: {said}.*resume from "
+                                         rf"another checkpoint"):
+        find_checkpoint(tmp_path, "auto")
+
+
+def test_a_damaged_checkpoint_stops_a_run_before_its_models_load(tiny_model_dir, tmp_path):
+    _fake_checkpoints(tmp_path, [1], keep_last=0)
+    checkpoint = tmp_path / "checkpoints/step_1"
+    (checkpoint / "metrics.jsonl").write_text("{not json\n")
+    result = run_script("grpo.py", ["--model", tiny_model_dir, "--data", "arith", "--resume",
+                                    str(checkpoint), "--out", str(tmp_path)])
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        f"error: checkpoint {checkpoint}: metrics.jsonl, line 1: not a JSON object")
+    assert "Loading weights" not in result.stderr
+
+
 class _Exploit:
     def __init__(self, marker):
         self.marker = marker
@@ -219,27 +271,34 @@ def test_a_resume_into_another_runs_folder_is_refused_as_a_fresh_run_is(tiny_mod
 
 
 def test_resuming_an_earlier_step_branches_and_keeps_every_checkpoint(tmp_path):
-    """Resumed from step_2 while step_4 exists: step_4 is another branch now, moved whole to
-    checkpoints/superseded/ (said on the first screen); --keep-last 1 never deletes the checkpoint
-    resumed from; --resume auto then picks the newest of the branch that was run (step_3), not the
-    abandoned step_4."""
+    """Resumed from step_2 while step_4 exists: step_4 is another branch now, moved whole with
+    the run's files to superseded/<time>/checkpoints/ (said on the first screen: how to go back);
+    --keep-last 1 never deletes the checkpoint resumed from; --resume auto then picks the newest
+    of the branch that was run (step_3), not the abandoned step_4."""
     from checkpoint import claim_checkpoints, load_driver_state
+    from run_folder import left_behind, set_aside
     _fake_checkpoints(tmp_path, [2, 4], keep_last=0, run_id="this")
     resumed = tmp_path / "checkpoints" / "step_2"
-    line = claim_checkpoints(tmp_path, str(resumed))
-    assert line.startswith("resuming from step_2: this run's later checkpoints (step_4) are another "
-                           "branch of it now, moved whole to ")
-    [aside] = (tmp_path / "checkpoints" / "superseded").iterdir()
-    assert (aside / "step_4" / "trainer_state.pt").exists() and str(aside) in line
+    assert claim_checkpoints(tmp_path, str(resumed)) == [tmp_path / "checkpoints" / "step_4"]
+    line, _ = set_aside(tmp_path, left_behind(tmp_path, str(resumed)), str(resumed), None)
+    assert line.startswith("resuming from step_2: what this run wrote past it, another branch "
+                           "now (checkpoints/step_4, grpo_config.json, metrics.jsonl), is moved "
+                           "whole to ")
+    [aside] = (tmp_path / "superseded").iterdir()
+    back = aside / "checkpoints" / "step_4"
+    assert (back / "trainer_state.pt").exists() and f"--resume {back} goes back to it" in line
+    assert (aside / "metrics.jsonl").exists() and not (tmp_path / "metrics.jsonl").exists()
     driver = load_driver_state(resumed)
     assert driver.run_id == "this" and driver.resumed_from == str(resumed)
     driver.step = 3
+    for name in ("metrics.jsonl", "grpo_config.json"):  # (start_log writes them anew)
+        (tmp_path / name).write_text("")
     save_checkpoint(tmp_path, driver, lambda folder: torch.save(
         {"optimizer": {}, "scheduler": {}, "torch_rng": torch.get_rng_state()},
         Path(folder) / "trainer_state.pt"), keep_last=1)
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
     assert find_checkpoint(tmp_path, "auto") == str(tmp_path / "checkpoints" / "step_3")
-    assert claim_checkpoints(tmp_path, str(tmp_path / "checkpoints" / "step_3")) == ""
+    assert claim_checkpoints(tmp_path, str(tmp_path / "checkpoints" / "step_3")) == []
 
 
 def test_a_fresh_run_moves_a_finished_run_aside_and_says_where(tiny_model_dir, tmp_path):
@@ -249,7 +308,8 @@ def test_a_fresh_run_moves_a_finished_run_aside_and_says_where(tiny_model_dir, t
     nothing."""
     out = tmp_path / "run"
     run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "1"])
-    first = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    first = {p.relative_to(out): p.read_bytes() for p in out.rglob("*")
+             if p.is_file() and p.name != ".smolrl.lock"}  # (the lock stays: run_folder.py)
     assert {Path("rollouts.jsonl"), Path("metrics.jsonl"), Path("report.html"),
             Path("model/config.json")} <= set(first)
     result = run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "2"])

@@ -367,7 +367,9 @@ def _checkpoints(out, steps, run_id):
     (out / "metrics.jsonl").write_text("")
     for step in steps:
         save_checkpoint(out, DriverState(step, consumed=2 * step, run_id=run_id),
-                        lambda folder: torch.save({}, Path(folder) / "trainer_state.pt"), 0)
+                        lambda folder: torch.save({"optimizer": {}, "scheduler": {},
+                                                   "torch_rng": torch.get_rng_state()},
+                                                  Path(folder) / "trainer_state.pt"), 0)
     return out / "checkpoints"
 
 

@@ -408,7 +408,8 @@ def test_replay_and_resume_drop_a_cut_last_line_and_say_so(tiny_model_dir, two_s
     with open(out / "rollouts.jsonl", "a") as f:
         f.write('{"v": 1, "kind": "train", "step": 4, "ind')
     result = run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "3", "--resume", "auto"])
-    assert f"{out / 'rollouts.jsonl'}, line 25: cut short (a killed write): left out" \
+    [aside] = (out / "superseded").iterdir()  # (the finished run, past step_2: run_folder.py)
+    assert f"{aside / 'rollouts.jsonl'}, line 25: cut short (a killed write): left out" \
         in result.stdout
     assert (out / "rollouts.jsonl").read_text() == whole
 

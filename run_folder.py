@@ -1,0 +1,368 @@
+"""What a run may do to its --out, and what it never does: the rules that keep everything a user
+made there, in one place (session.py calls them; docs/long-runs.md says them for users).
+
+    check_out(out, config_file)        before anything: --out, and the names a run writes there
+    lock_out(out) ... release_out(out) one run at a time in --out, for the run's whole life
+    left_behind(out, resume_dir)       what of the run before it a run would overwrite or drop
+    check_room(out, cfg, ...)          room on the disk for the run's model and a checkpoint
+    set_aside(out, paths, ...)         at the first write: those moved whole to superseded/<time>/
+    prune_superseded(out, keep, reads) superseded/ bounded to the newest --keep-superseded folders
+
+1. Nothing moves and nothing is deleted before the run's models have loaded, and everything the
+   run reads -- its models, data, checkpoint -- is read by then: --model (--init-from, --teacher)
+   may name the run's own --out, whose model/ the run moves aside.
+2. One run at a time holds --out: an exclusive flock on <out>/.smolrl.lock, held open for the
+   run's life and released by the kernel however the process ends (kill -9 included). The file
+   names the holder (pid, host, since when, command) for the line that refuses a second run; a
+   name left by a holder that did not release it (killed) is taken over, and said. Under Ray the
+   driver holds it. Over a shared filesystem flock reaches other hosts where the filesystem
+   shares locks (NFS does; Lustre only mounted with -o flock): a filesystem that refuses locks
+   gets a warning, and the run goes on unguarded.
+3. A run moves aside, whole, what it would overwrite or drop: a fresh run, the run before it; a
+   resumed run, the branch it leaves or the run in a folder it resumes into (checkpoint.py says
+   which). Each move is a new folder <out>/superseded/<time>/, laid out as a run folder.
+4. superseded/ keeps its newest --keep-superseded folders (0: all); the run says which it deletes,
+   and never deletes one that holds a path the run's flags name, nor one another run writes in.
+5. Before the models load: room on the disk for what the run must write -- its model and, with
+   --save-every, a checkpoint --, counting what pruning will free; else one line.
+"""
+
+import atexit
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+
+from checkpoint import checkpoint_step, claim_checkpoints, in_checkpoints
+from model import DEFAULT_MODEL, default_model_folder
+from report import printable
+
+# What a run writes in --out, besides checkpoints/ (checkpoint.py) and its lock.
+RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "report.html", "curves.png", "machine.json")
+RUN_FOLDERS = ("model", "checkpoints", "tensorboard", "wandb")
+CONFIG_FILES = tuple(f"{name}_config.json" for name in ("sft", "rm", "dpo", "grpo", "ppo",
+                                                        "distill"))  # (each Config's CONFIG_FILE)
+LOCK = ".smolrl.lock"
+STAMP = re.compile(r"\d{8}-\d{6}\+*")  # a superseded folder's name: the time of its move
+
+
+def check_out(out: Path, config_file: str):
+    """--out, before anything is loaded or written: a name the libraries can save under, a
+    folder (or nothing yet), and where the run writes its files, a file or nothing -- a link is
+    never followed (a fresh run would empty its target), a FIFO never opened (the run would
+    block). One line each; nothing is changed."""
+    try:
+        os.path.abspath(out).encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(e.object[e.start]) - 0xDC00  # (os.fsdecode's stand-in for an undecodable byte)
+        raise SystemExit(f"error: --out {printable(str(out))}: not a UTF-8 name (the byte "
+                         f"0x{byte:02x}), under which the tokenizer library cannot save a model; "
+                         f"choose another --out") from None
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"error: --out {out} is a file, not a folder; choose another --out")
+    wanted = [(out / name, "a file") for name in (*RUN_FILES, config_file, LOCK)]
+    for path, want in wanted + [(out / "superseded", "a folder")]:
+        kind = _kind(path)
+        if kind and kind != want:
+            raise SystemExit(f"error: {path} is {kind}, not {want}: a run writes its own files "
+                             f"in --out and follows nothing there; remove it or choose another "
+                             f"--out (nothing was changed)")
+
+
+def _kind(path: Path) -> str:
+    """What is at path, without following a link ("": nothing)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return ""
+    return ("a file" if stat.S_ISREG(mode) else "a folder" if stat.S_ISDIR(mode) else
+            "a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device")
+
+
+# ---------------------------------------------------------------------------------------------
+# One run at a time (rule 2).
+
+_held: dict[str, int] = {}  # --out (its real path) -> the lock file this process holds open
+
+
+def lock_out(out: Path):
+    """--out for this run alone until release_out or the end of the process (rule 2). A run of
+    this very process before it (a test's, a notebook's) that did not release it hands it on."""
+    key = os.path.realpath(out)
+    if key not in _held:
+        try:
+            fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise SystemExit(f"error: --out {out}: cannot write there ({e.strerror}); choose "
+                             f"another --out") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise SystemExit(f"error: --out {out} is in use by another run ({holder}): wait for "
+                             f"it to end, or choose another --out (nothing was changed)") from None
+        except OSError as e:  # (ENOLCK, EOPNOTSUPP: a filesystem that keeps no locks)
+            print(f"warning: --out {out}: its filesystem cannot lock files ({e.strerror}): a "
+                  f"second run into it at once would not be stopped")
+        else:
+            if os.fstat(fd).st_size:  # (a holder's name, left: it did not release the lock)
+                print(f"--out {out} was held by a run that ended without releasing it "
+                      f"({_holder(fd)}): this run takes it over")
+        _held[key] = fd
+    name = {"pid": os.getpid(), "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(sys.argv)}
+    os.ftruncate(_held[key], 0)
+    os.pwrite(_held[key], json.dumps(name).encode(), 0)
+
+
+def release_out(out: Path):
+    """The end of a run: its name cleared from the lock file, the lock released."""
+    fd = _held.pop(os.path.realpath(out), None)
+    if fd is not None:
+        os.ftruncate(fd, 0)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # (for a forked child's copy of the descriptor, too)
+        except OSError:  # (a filesystem without locks: none was taken)
+            pass
+        os.close(fd)
+
+
+@atexit.register
+def _clear_names():
+    """A process that ends, however it ends short of being killed, leaves no holder's name: a
+    name found by the next run is one a killed run left."""
+    for fd in _held.values():
+        os.ftruncate(fd, 0)
+
+
+def _holder(fd: int) -> str:
+    """The run the lock file names, in words."""
+    text = os.pread(fd, 4096, 0)
+    try:
+        h = json.loads(text)
+        said = f"pid {h['pid']} on {h['host']}, since {h['since']}: {h['command'][:120]}"
+    except (ValueError, TypeError, KeyError):
+        return "whose name is not written yet" if not text else "whose name cannot be read"
+    if h["host"] == socket.gethostname() and not _alive(h["pid"]):
+        said += (f"; pid {h['pid']} is gone, but a process it started holds the lock still "
+                 f"(`fuser -v {LOCK}` in --out names it)")
+    return said
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError, OverflowError):
+        return True
+    return True
+
+
+def _locked(folder: Path) -> bool:
+    """Whether a run holds `folder` as its --out now (this process's own runs included)."""
+    try:
+        fd = os.open(folder / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a run leaves behind, moved aside whole (rule 3), and superseded/ bounded (rule 4).
+
+
+def left_behind(out: Path, resume_dir: str) -> list[Path]:
+    """The paths of --out that the run, at its first write, moves aside whole: a fresh run's, or
+    one's resumed from a checkpoint elsewhere (a superseded branch, another folder): every run
+    file there, checkpoints/ included (claim_checkpoints refuses another run's live ones). A run
+    resumed from one of <out>/checkpoints continues the branch there, so nothing -- unless that
+    branch went further: then the branch it leaves, its later checkpoints and every run file. (A
+    crashed run's steps past its newest checkpoint are taken again, exactly: dropped.)"""
+    later = claim_checkpoints(out, resume_dir)
+    files = sorted(p for p in out.iterdir() if p.name in RUN_FILES + RUN_FOLDERS + CONFIG_FILES)
+    if not (resume_dir and in_checkpoints(out, resume_dir)):
+        return files
+    if not later and not _went_past(out, checkpoint_step(resume_dir)):
+        return []
+    return later + [p for p in files if p.name != "checkpoints"]
+
+
+def _went_past(out: Path, step: int) -> bool:
+    """Whether the run in --out finished past `step`: its final model there, and its metrics
+    past the step (where they cannot be read, assumed so)."""
+    if not (out / "model").exists():
+        return False
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+        return max(json.loads(line)["step"] for line in lines if line.strip()) > step
+    except (OSError, ValueError, TypeError, KeyError):  # (no metrics at all: ValueError)
+        return True
+
+
+def set_aside(out: Path, paths: list[Path], resume_dir: str, samples: Path | None
+              ) -> tuple[str, Path | None]:
+    """`paths` moved whole to a new <out>/superseded/<time>/, each to its place there (nothing
+    copied, nothing deleted): the line that says what went where ("" when nothing), and where
+    `samples` (a resumed run's rollouts.jsonl, which may be among them) lies now."""
+    if not paths:
+        return "", samples
+    moved = {p.resolve(): p.relative_to(out) for p in paths}
+    where = moved.get(samples.resolve()) if samples is not None else None
+    aside = out / "superseded" / time.strftime("%Y%m%d-%H%M%S")
+    while aside.exists():
+        aside = aside.with_name(aside.name + "+")
+    for p in paths:
+        (aside / p.relative_to(out)).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(p, aside / p.relative_to(out))
+    names = ", ".join(p.relative_to(out).as_posix() for p in paths)
+    if not resume_dir:
+        line = (f"{out} held an earlier run: its {names} are moved whole to {aside} (delete it "
+                f"when you no longer need it; --resume continues a run instead)")
+    elif in_checkpoints(out, resume_dir):
+        later = [p for p in paths if p.parent.name == "checkpoints"]
+        back = (f"--resume {aside / 'checkpoints' / later[-1].name} goes back to it" if later
+                else f"its final model is {aside / 'model'}")
+        line = (f"resuming from {Path(resume_dir).name}: what this run wrote past it, another "
+                f"branch now ({names}), is moved whole to {aside} (--resume auto will not pick "
+                f"it; {back})")
+    else:
+        line = (f"{out} held another run, or another branch of this one: its {names} are moved "
+                f"whole to {aside} (delete it when you no longer need it)")
+    return line, aside / where if where is not None else samples
+
+
+def prune_superseded(out: Path, keep: int, reads: list[Path]) -> str:
+    """<out>/superseded/ down to its newest `keep` folders (0: all kept): the line that says which
+    were deleted ("" when none). Never one that holds a path in `reads`, nor another run's --out."""
+    doomed = _doomed(out, keep, reads)
+    failed = []
+    for folder in doomed:
+        try:
+            shutil.rmtree(folder)
+        except OSError as e:
+            failed.append(f"{folder.name} ({e.strerror})")
+    if not doomed:
+        return ""
+    line = (f"{out / 'superseded'} keeps its newest {keep} (--keep-superseded): "
+            f"{', '.join(p.name for p in doomed)} deleted")
+    return line + (f"; warning: not all of {', '.join(failed)}" if failed else "")
+
+
+def _doomed(out: Path, keep: int, reads: list[Path], coming: int = 0) -> list[Path]:
+    """The folders of <out>/superseded that keeping the newest `keep` deletes, with `coming` more
+    to be moved there first: time-named folders only, and none that holds a path in `reads` or
+    that a run holds as its --out."""
+    folder = out / "superseded"
+    if not keep or _kind(folder) != "a folder":
+        return []
+    found = sorted(p for p in folder.iterdir() if STAMP.fullmatch(p.name)
+                   and _kind(p) == "a folder")  # (the names sort as the times do)
+    old = found[:max(0, len(found) + coming - keep)]
+    return [p for p in old if not _locked(p)
+            and not any(p.resolve() == r or p.resolve() in r.parents for r in reads)]
+
+
+READ_FLAGS = ("model", "init_from", "teacher", "critic_from", "reward_model", "judge",
+              "judge_prompt", "data", "eval_data", "replay", "resume")
+
+
+def read_paths(cfg) -> list[Path]:
+    """The files and folders the run's flags name that exist (a `path=weight` list's paths
+    too), resolved: what pruning superseded/ never deletes under the run."""
+    items = [item.rsplit("=", 1)[0].strip() for name in READ_FLAGS
+             for item in str(getattr(cfg, name, None) or "").split(",")]
+    return [Path(item).resolve() for item in items if item and Path(item).exists()]
+
+
+def samples_of(resume_dir: str) -> Path | None:
+    """The rollouts.jsonl of the run folder a checkpoint lies in (<folder>/checkpoints/step_N):
+    the samples a run resumed from it keeps, up to its step (None: a fresh run)."""
+    checkpoint = Path(resume_dir)
+    if resume_dir and checkpoint.parent.name == "checkpoints":
+        return checkpoint.parent.parent / "rollouts.jsonl"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Room on the disk (rule 5).
+
+
+def check_room(out: Path, cfg, reads: list[Path], moving: bool):
+    """Before any model loads: room on --out's disk for its model (the size of the weights the
+    run starts from: its export is the same model, in the dtype it came in) and, with
+    --save-every, a checkpoint (the weights in fp32 and AdamW's two moments; a LoRA run's, its
+    adapters: not counted), counting what pruning superseded/ will free (`moving`: a folder is
+    to be moved there first). One line where there is not; a model not on disk yet (a hub id,
+    the default before its conversion) is not measured."""
+    start = _start_folder(cfg)
+    try:
+        weights = sum(f.stat().st_size for f in start.iterdir()
+                      if f.suffix in (".safetensors", ".bin")) if start else 0
+    except OSError:  # (unreadable: its load says why)
+        weights = 0
+    if not weights:
+        return
+    checkpoint = 3 * weights * 4 // _bytes_per_weight(start) \
+        if cfg.save_every and not cfg.lora_rank else 0
+    freed = sum(_size(p) for p in _doomed(out, cfg.keep_superseded, reads, coming=int(moving)))
+    free = shutil.disk_usage(out).free + freed
+    if free >= weights + checkpoint:
+        return
+    what = f"{_gb(weights)} for its model" + (f", {_gb(checkpoint)} for a checkpoint"
+                                              if checkpoint else "")
+    kept = _size(out / "superseded") - freed
+    hint = (f"; {out / 'superseded'} holds {_gb(kept)} of earlier runs (delete what you no "
+            f"longer need there, or pass a smaller --keep-superseded)" if kept > 0 else "")
+    raise SystemExit(f"error: --out {out}: {_gb(free)} free on its disk"
+                     f"{' once superseded/ is pruned' if freed else ''}, and this run writes "
+                     f"{_gb(weights + checkpoint)} ({what}); make room, or choose another --out"
+                     f"{hint} (nothing was changed)")
+
+
+def _start_folder(cfg) -> Path | None:
+    """The local folder the run's weights start from (a run folder stands for its model/),
+    without converting or downloading anything; None where there is none yet."""
+    name = getattr(cfg, "init_from", "") or cfg.model
+    path = default_model_folder() if name == DEFAULT_MODEL else Path(name)
+    if not (path / "config.json").exists() and (path / "model" / "config.json").exists():
+        path = path / "model"
+    return path if path.is_dir() else None
+
+
+def _bytes_per_weight(folder: Path) -> int:
+    """2 for a model its config says is in bf16 or fp16, else 4."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        dtype = config.get("dtype") or config.get("torch_dtype")
+    except (OSError, ValueError, AttributeError):
+        return 4
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
+def _size(path: Path) -> int:
+    """Bytes of the files under `path` (links not followed)."""
+    if _kind(path) != "a folder":
+        return 0
+    return sum(os.lstat(os.path.join(root, name)).st_size
+               for root, _, names in os.walk(path) for name in names)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"

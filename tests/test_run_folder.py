@@ -1,0 +1,273 @@
+"""A run's folder (session.py, checkpoint.py): nothing a user made is lost. A run reads every model
+before it moves anything in --out; a resume into a folder holding another run, or from an earlier
+checkpoint, moves what it would overwrite aside whole; one run at a time holds --out;
+superseded/ is bounded and the disk is checked before training; a damaged checkpoint is one line."""
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import small_run_args
+from data import parse_config
+
+
+def _earlier_run(out: Path, model_dir: str):
+    """What a finished run leaves in --out: its model, metrics and config (no checkpoints)."""
+    shutil.copytree(model_dir, out / "model")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "grpo_config.json").write_text("{}")
+    return {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+
+def _pairs(path: Path) -> str:
+    path.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": f"{i + 1}",
+                                        "rejected": f"{i + 7}"}) + "\n" for i in range(12)))
+    return str(path)
+
+
+def _conversations(path: Path) -> str:
+    path.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is {i} * 3?"},
+        {"role": "assistant", "content": f"The answer is {3 * i}."}]}) + "\n" for i in range(12)))
+    return str(path)
+
+
+RL = ["--data", "arith", "--steps", "1", "--prompts-per-step", "2", "--num-generations", "2",
+      "--max-new-tokens", "4", "--eval-every", "0", "--dtype", "fp32"]
+OFFLINE = ["--steps", "1", "--batch-size", "4", "--eval-every", "0", "--dtype", "fp32"]
+
+
+def _args(algorithm: str, tiny: str, out: Path, tmp_path: Path) -> list[str]:
+    """A one-step run of `algorithm` whose starting model (or teacher) is the run folder it writes
+    in: --model out, --init-from out, --teacher out."""
+    o = str(out)
+    return {
+        "sft": ["--model", o, "--data", _conversations(tmp_path / "c.jsonl"), "--max-length",
+                "64", *OFFLINE],
+        "rm": ["--model", o, "--data", _pairs(tmp_path / "p.jsonl"), "--micro-batch-size", "2",
+               "--eval-pairs", "2", *OFFLINE],
+        "dpo": ["--model", o, "--data", _pairs(tmp_path / "p.jsonl"), "--micro-batch-size", "2",
+                "--eval-pairs", "2", *OFFLINE],
+        "grpo": ["--model", tiny, "--init-from", o, *RL],
+        "ppo": ["--model", o, *RL],
+        "distill": ["--model", tiny, "--teacher", o, "--lmbda", "0", *RL],  # (the teacher samples)
+    }[algorithm] + ["--out", o]
+
+
+@pytest.mark.parametrize("algorithm", ["sft", "rm", "dpo", "grpo", "ppo", "distill"])
+def test_a_run_started_from_its_own_out_keeps_both_models(algorithm, tiny_model_dir, tmp_path):
+    """`python sft.py --model out/sft` (any algorithm; --init-from, --teacher alike): the earlier
+    model is read before the run moves it to superseded/, and the run saves its own (it once read
+    the moved model again at its export: `Unrecognized model in out/sft`, nothing saved)."""
+    out = tmp_path / "out"
+    earlier = _earlier_run(out, tiny_model_dir)
+    module = importlib.import_module(algorithm)
+    module.main(parse_config(module.Config, _args(algorithm, tiny_model_dir, out, tmp_path)))
+    [aside] = (out / "superseded").iterdir()
+    assert {p.relative_to(aside): p.read_bytes() for p in aside.rglob("*") if p.is_file()} == \
+        earlier
+    assert (out / "model" / "model.safetensors").exists() and (out / "report.html").exists()
+
+
+def _files(folder: Path, skip=()) -> dict:
+    """Every file under `folder` (its lock file, and the folders named in `skip`, left out), by
+    its path there: its bytes."""
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*")
+            if p.is_file() and p.name != ".smolrl.lock"
+            and not any(part in skip for part in p.relative_to(folder).parts)}
+
+
+def _lines(out: Path, name: str) -> list[str]:
+    return (out / name).read_text().splitlines()
+
+
+def test_a_resume_into_a_folder_holding_a_finished_run_moves_that_run_aside(tiny_model_dir,
+                                                                              tmp_path):
+    """--resume A/checkpoints/step_2 --out B, B a finished run without checkpoints (the default):
+    B's run is moved whole to B/superseded/ before anything is written (it once had its metrics
+    rewritten, its rollouts cut and A's appended, its config and model replaced); B then holds
+    A's run so far -- its metrics and samples up to step 2 -- and the resumed steps."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    from conftest import run_grpo
+    run_grpo(small_run_args(tiny_model_dir, a) + ["--steps", "3", "--save-every", "2"])
+    run_grpo(small_run_args(tiny_model_dir, b) + ["--steps", "1"])
+    before = _files(b)
+    result = run_grpo(small_run_args(tiny_model_dir, b) + [
+        "--steps", "3", "--resume", str(a / "checkpoints" / "step_2")])
+    [aside] = (b / "superseded").iterdir()
+    assert _files(aside) == before
+    assert f"moved whole to {aside}" in result.stdout
+    assert _lines(b, "rollouts.jsonl") == _lines(a, "rollouts.jsonl")  # (exact on a CPU)
+    assert [json.loads(line)["step"] for line in _lines(b, "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_branching_from_an_earlier_checkpoint_moves_the_branch_aside_whole(tiny_model_dir,
+                                                                           tmp_path):
+    """A run of 5 steps (checkpoints at 2 and 4) resumed from step_2: the branch it leaves --
+    step_4, and what lies past it only in the run's files: step 5's samples and metrics, the
+    final model, the report -- is moved whole to superseded/<time>/, a run folder of its own (it
+    once lost all but step_4). Resumed from there (the line says how), the branch being run is
+    moved aside in turn: --keep-last prunes only the checkpoints of the branch in --out, and
+    --resume auto picks among them; and the run ends where the first one did, exactly."""
+    from checkpoint import find_checkpoint
+    from conftest import read_metrics, run_grpo
+    out, args = tmp_path / "run", small_run_args(tiny_model_dir, tmp_path / "run")
+    run_grpo(args + ["--steps", "5", "--save-every", "2", "--keep-last", "0"])
+    first = _files(out, skip=("step_2",))
+    first_metrics = read_metrics(out)
+    result = run_grpo(args + ["--steps", "3", "--save-every", "1", "--keep-last", "1",
+                              "--resume", str(out / "checkpoints" / "step_2")])
+    [aside] = (out / "superseded").iterdir()
+    assert _files(aside) == first  # step_4, metrics and samples of steps 1-5, model, report
+    back = aside / "checkpoints" / "step_4"
+    assert f"moved whole to {aside}" in result.stdout and f"--resume {back}" in result.stdout
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    assert read_metrics(out) == first_metrics[:3]
+    assert _lines(out, "rollouts.jsonl") == first[Path("rollouts.jsonl")].decode().splitlines()[
+        :3 * 8]
+    branch = _files(out, skip=("superseded",))
+    result = run_grpo(args + ["--steps", "5", "--save-every", "1", "--keep-last", "1",
+                              "--resume", str(back)])
+    second = sorted(set((out / "superseded").iterdir()) - {aside})
+    assert len(second) == 1 and _files(second[0]) == branch  # steps 2 and 3 kept whole
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_5"]
+    assert find_checkpoint(out, "auto") == str(out / "checkpoints" / "step_5")
+    assert (back / "trainer_state.pt").exists()
+    assert read_metrics(out) == first_metrics
+    assert _lines(out, "rollouts.jsonl") == first[Path("rollouts.jsonl")].decode().splitlines()
+
+
+def test_one_run_at_a_time_holds_its_out_and_a_killed_ones_is_taken_over(tiny_model_dir,
+                                                                         tmp_path):
+    """Two runs into one --out at once (the same command twice, a requeued job): the second stops
+    in one line naming the first (pid, host, since when) and changes nothing -- also when it names
+    the folder through a link (it once moved the live run's logs aside, both wrote into them and
+    both exported to model/). Once the first is killed (kill -9: no chance to clean up), the next
+    run takes the folder over and says so."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import grpo
+    from conftest import ROOT, run_grpo
+    out, link = tmp_path / "out", tmp_path / "link"
+    args = small_run_args(tiny_model_dir, out) + ["--steps", "1"]
+    slow = args[:args.index("--reward") + 1] + ["tests.rewards:slow_reward"] + \
+        args[args.index("--reward") + 2:]
+    first = subprocess.Popen([sys.executable, "grpo.py", *slow], cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (out / "metrics.jsonl").exists() and first.poll() is None:
+            assert time.time() < deadline, "the first run never started"
+            time.sleep(0.2)
+        link.symlink_to(out)
+        before = _files(out)
+        for folder in (out, link):
+            cfg = parse_config(grpo.Config, small_run_args(tiny_model_dir, folder) +
+                               ["--steps", "1"])
+            with pytest.raises(SystemExit, match=rf"^error: --out {folder} is in use by another "
+                                                 rf"run \(pid {first.pid} on "
+                                                 rf"{socket.gethostname()}, since 20"):
+                grpo.main(cfg)
+        assert _files(out) == before and not (out / "superseded").exists()
+    finally:
+        first.kill()  # SIGKILL
+        first.wait()
+    result = run_grpo(args)
+    assert f"was held by a run that ended without releasing it (pid {first.pid} " in \
+        result.stdout
+    [aside] = (out / "superseded").iterdir()  # (the killed run's metrics and config)
+    assert (out / "model" / "model.safetensors").exists()
+    assert (out / ".smolrl.lock").read_text() == ""  # (released at the end)
+
+
+def test_a_filesystem_without_locks_is_a_warning(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+    from run_folder import lock_out, release_out
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock_out(tmp_path)
+    release_out(tmp_path)
+    assert capsys.readouterr().out.startswith(
+        f"warning: --out {tmp_path}: its filesystem cannot lock files (No locks available)")
+
+
+def test_superseded_keeps_the_newest_and_never_what_a_run_reads_or_writes_in(tmp_path, capsys):
+    """Every rerun moves a whole run to superseded/: it once grew until an export found no room.
+    Now the newest --keep-superseded are kept and the oldest deleted, said on the first screen --
+    never a folder holding something the run's flags name (here its --model), nor one another
+    run holds as its --out, nor one whose name is not a move's."""
+    import grpo
+    from run_folder import lock_out, release_out
+    from session import open_run, resume_driver, start_log
+    out = tmp_path / "out"
+    stamps = [f"20260101-00000{i}" for i in range(1, 5)]
+    for stamp in stamps + ["notes"]:
+        (out / "superseded" / stamp / "model").mkdir(parents=True)
+        (out / "superseded" / stamp / "model" / "config.json").write_text("{}")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')  # (a run to move: a fifth folder)
+    lock_out(out / "superseded" / stamps[1])  # (a run writes there: its --out)
+    try:
+        cfg = grpo.Config(out=str(out), keep_superseded=2, data="arith",
+                          model=str(out / "superseded" / stamps[0] / "model"))
+        folder = open_run(cfg)
+        resume_driver(folder)
+        start_log(folder, cfg)
+    finally:
+        release_out(out / "superseded" / stamps[1])
+    kept = sorted(p.name for p in (out / "superseded").iterdir())
+    assert kept[:3] == [stamps[0], stamps[1], stamps[3]] and kept[4] == "notes"
+    assert f"{out / 'superseded'} keeps its newest 2 (--keep-superseded): {stamps[2]} deleted" \
+        in capsys.readouterr().out
+    cfg.keep_superseded = 0  # (keeps all)
+    folder = open_run(cfg)
+    resume_driver(folder)
+    start_log(folder, cfg)
+    assert len(list((out / "superseded").iterdir())) == 6
+
+
+def _free(monkeypatch, free: int):
+    """The disk --out is on, with `free` bytes free."""
+    from types import SimpleNamespace
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(
+        total=usage.total, used=usage.total - free, free=free))
+
+
+def test_a_disk_without_room_for_the_model_stops_the_run_before_it_loads(tiny_model_dir,
+                                                                         tmp_path, monkeypatch):
+    """A run whose export (or checkpoint) would not fit on the disk stops before training, in
+    one line that says how much it needs and what superseded/ holds (a fourth rerun's export once
+    failed for lack of room: its trained model was lost); what pruning superseded/ will free
+    counts as room."""
+    from conftest import run_script
+    weights = (Path(tiny_model_dir) / "model.safetensors").stat().st_size
+    out = tmp_path / "out"
+    (out / "superseded" / "20260101-000001").mkdir(parents=True)
+    with open(out / "superseded" / "20260101-000001" / "big", "wb") as f:
+        f.truncate(4 * weights)  # (sparse: only its size counts)
+    _free(monkeypatch, weights)
+    result = run_script("grpo.py", small_run_args(tiny_model_dir, out) + [
+        "--steps", "1", "--save-every", "1", "--keep-superseded", "0"])
+    mib = f"{weights / 2**20:.0f} MiB"
+    assert result.returncode != 0 and "Loading weights" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: --out {out}: {mib} free on its disk, and this run writes "
+        f"{4 * weights / 2**20:.0f} MiB ({mib} for its model, {3 * weights / 2**20:.0f} MiB for "
+        f"a checkpoint); make room, or choose another --out; {out / 'superseded'} holds "
+        f"{4 * weights / 2**20:.0f} MiB of earlier runs (delete what you no longer need there, "
+        f"or pass a smaller --keep-superseded) (nothing was changed)")
+    import grpo
+    from session import open_run
+    (out / "metrics.jsonl").write_text("")  # (a run to move aside: the old folder is to go)
+    open_run(grpo.Config(out=str(out), model=tiny_model_dir, data="arith", save_every=1,
+                         keep_superseded=1))
+    _free(monkeypatch, 2 * weights)
+    open_run(grpo.Config(out=str(out), model=tiny_model_dir, data="arith"))  # (no checkpoints)
