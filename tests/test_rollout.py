@@ -476,3 +476,27 @@ def test_a_prompt_longer_than_the_vllm_engine_holds_stops_before_any_model_loads
                                          r"template included\), longer than the 64 the vLLM "
                                          r"engine makes room for; pass --max-prompt-tokens"):
         grpo.main(cfg)
+
+
+def test_an_episodes_first_prompt_is_measured_with_the_tools_it_shows(tiny_model_dir, tmp_path,
+                                                                      monkeypatch):
+    """--tools: the first turn's prompt holds the tools' descriptions (here 3x the problem's
+    prompt): it is that prompt the vLLM engine and the memory plan hold, and the check measures.
+    Measured without them, a prompt of 200 tokens passed --max-prompt-tokens 100 and the run
+    stopped mid-episode, at a late turn, when the prompt and its turns outgrew the engine."""
+    import json
+
+    import grpo
+    import rl
+    data = tmp_path / "short.jsonl"
+    data.write_text(json.dumps({"problem": "1 + 1", "answer": "2"}) + "\n")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(rl, "setup_local", no_model)
+    cfg = grpo.Config(model=tiny_model_dir, data=str(data), rollout="vllm", dtype="fp32",
+                      tools="calculator", max_new_tokens=64, max_prompt_tokens=100, eval_every=0,
+                      out=str(tmp_path / "out"))
+    with pytest.raises(SystemExit, match=r"training problem 1 is a prompt of \d{3} tokens \(chat "
+                                         r"template and tools included\), longer than the 100"):
+        grpo.main(cfg)
