@@ -256,6 +256,10 @@ def _update(engine, state, version):
     return engine.update_weights(state, version)
 
 
+def _max_model_len(engine) -> int:
+    return getattr(engine, "max_model_len", 0)
+
+
 def _release_kept(engine):
     release = getattr(engine, "release_kept", None)
     if release:
@@ -303,6 +307,12 @@ class EngineGroup:
     def release_kept(self):
         """Every engine frees what it kept for continuing calls (episodes' keys and values)."""
         self.run(_release_kept)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence, prompt included, every engine holds (vLLM's max_model_len; 0:
+        no limit, the HF engine's): episodes end within it (env.Agent.budget)."""
+        return min(self.run(_max_model_len))
 
     def run(self, fn, *args) -> list:
         """fn(engine, *args) on every engine, e.g. to inspect them."""

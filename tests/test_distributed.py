@@ -444,3 +444,15 @@ def test_a_colocated_engine_sleeps_only_once_its_generation_is_done(engine_pool)
     for generated, slept in engines.run(_times):
         assert slept >= generated
     pending.result()
+
+
+def _engine_of_length(length: int):
+    from types import SimpleNamespace
+    return SimpleNamespace(max_model_len=length)
+
+
+def test_the_engines_on_ray_say_how_long_a_sequence_they_hold(engine_pool):
+    """An episode's turns stay within the engine's max_model_len (env.Agent.budget) on Ray too:
+    the engines behind an EngineGroup tell it (0: no limit, the HF engine)."""
+    assert _again(engine_pool, _engine_of_length, 300).max_model_len == 300
+    assert _again(engine_pool, _nothing).max_model_len == 0
