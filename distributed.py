@@ -334,10 +334,11 @@ class EngineGroup:
 
 def cpus_per_gpu(nodes: list[dict]) -> int:
     """The CPUs a GPU bundle holds: the fewest per GPU on any live node with GPUs (ray.nodes()'s
-    records), so that every such node fits a bundle for each of its GPUs; at least 1."""
+    records), so that every such node fits a bundle for each of its GPUs -- none where a node has
+    fewer CPUs than GPUs (its workers then compute on one thread)."""
     shares = [n["Resources"].get("CPU", 0) // n["Resources"]["GPU"] for n in nodes
               if n.get("Alive", True) and n["Resources"].get("GPU", 0) > 0]
-    return max(1, int(min(shares, default=1)))
+    return int(min(shares, default=1))
 
 
 def _has_gpu() -> bool:
