@@ -76,6 +76,11 @@ class Cluster:
                   f"driver chose from its own hardware (--dtype auto, --rollout auto, the memory "
                   f"settings a GPU's plan would choose) was chosen for a CPU; pass them yourself "
                   f"or start the run on a GPU node")
+        elif not self.use_gpu and _has_gpu():
+            print("note: the driver has a GPU, the Ray cluster none: the workers train on CPUs, "
+                  "but what the driver chose from its own hardware (--dtype auto, --rollout auto, "
+                  "the memory plan's settings) was chosen for a GPU; pass them yourself, or wait "
+                  "for the cluster's GPU nodes")
         self.colocate = colocate
         self.num_trainers, self.num_engines = num_trainers, num_engines
         n = max(num_trainers, num_engines) if colocate else num_trainers + num_engines
