@@ -76,6 +76,11 @@ class Cluster:
                   f"driver chose from its own hardware (--dtype auto, --rollout auto, the memory "
                   f"settings a GPU's plan would choose) was chosen for a CPU; pass them yourself "
                   f"or start the run on a GPU node")
+        elif not self.use_gpu and _has_gpu():
+            print("note: the driver has a GPU, the Ray cluster none: the workers train on CPUs, "
+                  "but what the driver chose from its own hardware (--dtype auto, --rollout auto, "
+                  "the memory plan's settings) was chosen for a GPU; pass them yourself, or wait "
+                  "for the cluster's GPU nodes")
         self.colocate = colocate
         self.num_trainers, self.num_engines = num_trainers, num_engines
         n = max(num_trainers, num_engines) if colocate else num_trainers + num_engines
@@ -256,6 +261,10 @@ def _update(engine, state, version):
     return engine.update_weights(state, version)
 
 
+def _max_model_len(engine) -> int:
+    return getattr(engine, "max_model_len", 0)
+
+
 def _release_kept(engine):
     release = getattr(engine, "release_kept", None)
     if release:
@@ -304,6 +313,12 @@ class EngineGroup:
         """Every engine frees what it kept for continuing calls (episodes' keys and values)."""
         self.run(_release_kept)
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence, prompt included, every engine holds (vLLM's max_model_len; 0:
+        no limit, the HF engine's): episodes end within it (env.Agent.budget)."""
+        return min(self.run(_max_model_len))
+
     def run(self, fn, *args) -> list:
         """fn(engine, *args) on every engine, e.g. to inspect them."""
         return _get(self.submit(fn, [args] * len(self.workers)), "engine")
@@ -324,10 +339,11 @@ class EngineGroup:
 
 def cpus_per_gpu(nodes: list[dict]) -> int:
     """The CPUs a GPU bundle holds: the fewest per GPU on any live node with GPUs (ray.nodes()'s
-    records), so that every such node fits a bundle for each of its GPUs; at least 1."""
+    records), so that every such node fits a bundle for each of its GPUs -- none where a node has
+    fewer CPUs than GPUs (its workers then compute on one thread)."""
     shares = [n["Resources"].get("CPU", 0) // n["Resources"]["GPU"] for n in nodes
               if n.get("Alive", True) and n["Resources"].get("GPU", 0) > 0]
-    return max(1, int(min(shares, default=1)))
+    return int(min(shares, default=1))
 
 
 def _has_gpu() -> bool:

@@ -363,6 +363,14 @@ class Agent:
                 episodes.append(Episode(row, env, prompt, self.chat.prompt_ids(prompt)))
         return episodes
 
+    def budget(self, e: Episode, longest: int) -> int:
+        """The most tokens episode e may hold after its prompt: --max-episode-tokens, and no more
+        than an engine that holds sequences of `longest` tokens (vLLM's max_model_len; 0: no
+        limit) holds beside the prompt -- where the model's positions cut it, or the prompt is
+        longer than measured (an environment's reset text). There the episode ends, truncated: a
+        later turn would ask the engine for more than it holds."""
+        return min(self.max_tokens, longest - len(e.prompt_ids)) if longest else self.max_tokens
+
     def run(self, engine, rows: list[dict], n: int,
             sampling: Sampling) -> tuple[Completions, list[Episode]]:
         """n episodes of each row, played to the end: the turn loop. Each turn is one
@@ -370,6 +378,7 @@ class Agent:
         Returns them as completions (everything after the prompt, the mask of the model's
         tokens, the graded answer as text), and the episodes themselves."""
         episodes, seconds, version, logprobs = self.start(rows, n), 0.0, None, False
+        longest = getattr(engine, "max_model_len", 0)  # (the HF engine has no limit)
         prompt_tokens = cached_tokens = 0
         compute_floor = memory_floor = 0.0
         for turn in range(self.max_turns):
@@ -384,8 +393,9 @@ class Agent:
             # Each episode's room is its own: one generate call, as long as the roomiest needs,
             # and each turn cut to its episode's room (the tokens before a cut are sampled as
             # they would be without it), as TRL truncates each sample.
-            rooms = [max(1, min(self.max_tokens - len(e.ids), seeded.max_new_tokens))
-                     for e in running]
+            budgets = [self.budget(e, longest) for e in running]
+            rooms = [max(1, min(budget - len(e.ids), seeded.max_new_tokens))
+                     for e, budget in zip(running, budgets)]
             out = engine.generate([e.prompt_ids + e.ids for e in running], 1,
                                   replace(seeded, max_new_tokens=max(rooms)))
             seconds += out.seconds
@@ -395,12 +405,12 @@ class Agent:
                 memory_floor + out.memory_floor
             version = out.policy_version if version is None else min(version, out.policy_version)
             logprobs = out.engine_logprobs is not None
-            for i, (e, room) in enumerate(zip(running, rooms)):
+            for i, (e, room, budget) in enumerate(zip(running, rooms, budgets)):
                 tokens = out.completion_ids[i]
                 turn_logprobs = out.engine_logprobs[i] if logprobs else [0.0] * len(tokens)
                 cut = out.truncated[i] or len(tokens) > room
                 _model_turn(self.chat, e, tokens[:room], turn_logprobs[:room], cut,
-                            last=turn + 1 == self.max_turns, max_tokens=self.max_tokens)
+                            last=turn + 1 == self.max_turns, max_tokens=budget)
         release = getattr(engine, "release_kept", None)  # (engines that keep nothing have none)
         if release:
             release()

@@ -70,13 +70,13 @@ def start_session(cfg, train_step, line=None) -> Session:
                                   "its samples")
     replay = replay_steps(cfg)
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
-    if cfg.memory_plan or cfg.rollout == "vllm":  # (a file's rows; a generated task's prompts
-        # are short and alike)
-        check_prompt_room(cfg, {"training": getattr(train_rows, "rows", []),
-                                "held-out": eval_rows})
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
     # episodes (--tools, --env): the model acts, tools and the environment answer
     agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
+    if cfg.memory_plan or cfg.rollout == "vllm":  # (a file's rows; a generated task's prompts
+        # are short and alike)
+        check_prompt_room(cfg, {"training": getattr(train_rows, "rows", []),
+                                "held-out": eval_rows}, agent)
     check_learned_rewards(cfg.reward_model, cfg.judge, cfg.judge_prompt)
     grader = Grader()  # math-verify workers start (untimed) when an answer first needs them
     learned = learned_rewards(cfg.reward_model, cfg.judge, cfg.judge_prompt, cfg.template,
@@ -96,20 +96,24 @@ def start_session(cfg, train_step, line=None) -> Session:
     return session
 
 
-def check_prompt_room(cfg, problems: dict[str, list[dict]]):
+def check_prompt_room(cfg, problems: dict[str, list[dict]], agent=None):
     """On a GPU the memory plan made room for prompts of --max-prompt-tokens (the KV cache of a
     step's batch, the longest sequence a micro-batch holds), and a vLLM engine holds prompts of
     that many tokens (rollout.engine_length): a longer prompt stops the run here, in one line,
-    before any model loads (the tokenizer alone measures them)."""
+    before any model loads (the tokenizer alone measures them). An episode's (agent) is measured
+    as its first turn gets it, the tools' descriptions shown (an environment's reset text, which
+    only its code can tell, left out)."""
     from model import load_tokenizer
     tokenizer = load_tokenizer(model_path(cfg))
     for which, rows in problems.items():
-        lengths = [len(ids) for ids in encode_prompts(tokenizer, rows, cfg.template, cfg.chat)]
+        lengths = [len(agent.chat.prompt_ids(agent.messages(row))) for row in rows] if agent \
+            else [len(ids) for ids in encode_prompts(tokenizer, rows, cfg.template, cfg.chat)]
         longest = max(lengths, default=0)
         if longest > cfg.max_prompt_tokens:
             made = "the GPU memory plan made" if cfg.memory_plan else "the vLLM engine makes"
             raise SystemExit(f"error: {cfg.data}: {which} problem {lengths.index(longest) + 1} is "
-                             f"a prompt of {longest:,} tokens (chat template included), longer "
+                             f"a prompt of {longest:,} tokens (chat template"
+                             f"{' and tools' if agent else ''} included), longer "
                              f"than the {cfg.max_prompt_tokens:,} {made} room for; pass "
                              f"--max-prompt-tokens {longest}"
                              f"{' (--dry-run shows the plan)' if cfg.memory_plan else ''} or "

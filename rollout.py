@@ -715,11 +715,12 @@ class VLLMRollout:
         t0 = time.perf_counter()
         longest = max((len(p) for p in prompt_ids), default=0)
         if longest >= self.max_model_len:  # (vLLM would fail the whole call with a traceback)
+            why = (f" (prompts of up to {self.max_prompt_tokens} tokens, --max-prompt-tokens, and "
+                   f"the tokens after them): raise --max-prompt-tokens or shorten the data's "
+                   f"prompts") if self.max_prompt_tokens < self.max_model_len else \
+                ", the model's positions: shorten the data's prompts"
             raise SystemExit(f"error: a prompt of {longest} tokens does not fit the vLLM engine's "
-                             f"max_model_len of {self.max_model_len} (prompts of up to "
-                             f"{self.max_prompt_tokens} tokens, --max-prompt-tokens, and the "
-                             f"tokens after them): raise --max-prompt-tokens or shorten the "
-                             f"data's prompts")
+                             f"max_model_len of {self.max_model_len}{why}")
         self._wake({"weights", "kv_cache"})
         greedy = sampling.temperature == 0
         # A seed per prompt: vLLM seeds sample k of a request with seed + k, so one seed shared by
@@ -828,17 +829,20 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
         positions = model.config.max_position_embeddings
         max_model_len = engine_length(positions, max_prompt_tokens, max_new_tokens)
         if max_model_len < max_prompt_tokens + max_new_tokens:
+            short = positions - max_new_tokens  # (the longest prompt that leaves all of them)
+            which = f"a prompt longer than {short:,} tokens" if short > 0 else "every prompt"
             print(f"vLLM engine: max_model_len {max_model_len:,}, the model's {positions:,} "
-                  f"positions: a prompt longer than {positions - max_new_tokens:,} tokens leaves "
-                  f"less than the {max_new_tokens:,} tokens asked for after it (those samples "
-                  f"end truncated)")
+                  f"positions: {which} leaves less than the {max_new_tokens:,} tokens asked for "
+                  f"after it (those samples end truncated)"
+                  + (f"; a prompt of {positions:,} tokens or more cannot be held"
+                     if max_prompt_tokens >= positions else ""))
         on_gpu = torch.cuda.is_available()
         before = torch.cuda.memory_allocated() if on_gpu else 0
         # CUDA graphs on a GPU (decoding at small batch is launch-bound without them); eager on
         # the CPU, where there are none.
         engine = VLLMRollout(model.name_or_path, tokenizer, stop_token_ids(model, tokenizer),
                              seed=seed, max_model_len=max_model_len,
-                             max_prompt_tokens=min(max_prompt_tokens, max_model_len - 1),
+                             max_prompt_tokens=max_prompt_tokens,
                              dtype=str(dtype).removeprefix("torch."),
                              gpu_memory_utilization=gpu_memory_utilization,
                              enforce_eager=not on_gpu, max_num_seqs=max_num_seqs)

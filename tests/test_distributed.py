@@ -444,3 +444,28 @@ def test_a_colocated_engine_sleeps_only_once_its_generation_is_done(engine_pool)
     for generated, slept in engines.run(_times):
         assert slept >= generated
     pending.result()
+
+
+def _engine_of_length(length: int):
+    from types import SimpleNamespace
+    return SimpleNamespace(max_model_len=length)
+
+
+def test_the_engines_on_ray_say_how_long_a_sequence_they_hold(engine_pool):
+    """An episode's turns stay within the engine's max_model_len (env.Agent.budget) on Ray too:
+    the engines behind an EngineGroup tell it (0: no limit, the HF engine)."""
+    assert _again(engine_pool, _engine_of_length, 300).max_model_len == 300
+    assert _again(engine_pool, _nothing).max_model_len == 0
+
+
+def test_a_driver_with_a_gpu_says_the_cluster_has_none(cluster, monkeypatch, capsys):
+    """The cluster's resources decide GPU or CPU bundles: a driver on a GPU machine joined to a
+    cluster without GPUs (its GPU nodes not yet up, say) gets CPU workers -- and what it chose
+    from its own hardware (--dtype auto's bf16, --rollout auto's vLLM, a GPU's memory plan) was
+    chosen for a GPU. It says so, as a driver without a GPU on a GPU cluster does; it said
+    nothing, and the run trained on the CPUs."""
+    import distributed
+    monkeypatch.setattr(distributed, "_has_gpu", lambda: True)
+    with pytest.raises(SystemExit, match="needs 6 CPU bundles"):
+        Cluster(num_trainers=3, num_engines=3)
+    assert "note: the driver has a GPU, the Ray cluster none" in capsys.readouterr().out

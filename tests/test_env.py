@@ -316,6 +316,43 @@ def test_each_episode_has_its_own_room(tokenizer):
     assert engine.asked == [turn, max_tokens - (len(roomy.ids) - len(answer))]
 
 
+class SizedEngine(ScriptedEngine):
+    """A ScriptedEngine that holds sequences of at most max_model_len tokens, as vLLM does: a
+    prompt that long fails the call (rollout.VLLMRollout.generate stops the run), a sample stops
+    when its sequence reaches it (truncated)."""
+
+    def __init__(self, tokenizer, turns: list[str], max_model_len: int):
+        super().__init__(tokenizer, turns)
+        self.max_model_len = max_model_len
+
+    def generate(self, prompt_ids, n, sampling):
+        assert max(map(len, prompt_ids)) < self.max_model_len, "a prompt the engine cannot hold"
+        out = super().generate(prompt_ids, n, sampling)
+        rooms = [self.max_model_len - len(p) for p in prompt_ids]
+        out.completion_ids = [ids[:room] for ids, room in zip(out.completion_ids, rooms)]
+        out.truncated = [len(ids) == room for ids, room in zip(out.completion_ids, rooms)]
+        return out
+
+
+def test_an_episode_ends_where_the_engine_can_hold_no_more(tokenizer):
+    """A vLLM engine holds --max-prompt-tokens and --max-episode-tokens after them only as far as
+    the model's positions go (rollout.engine_length; said at start), and an environment's reset
+    text lengthens a prompt beyond what was measured: an episode whose prompt and turns fill the
+    engine ends there, truncated -- a late turn once asked for more than it holds, and the run
+    stopped with "a prompt of N tokens does not fit"."""
+    chat = ToolChat(tokenizer, load_tools("calculator"))
+    agent = Agent(chat, "{problem}", 10, 300)
+    prompt = len(agent.start([{"problem": "1 + 1"}], 1)[0].prompt_ids)
+    call = _call("calculator", {"expression": "1 + 1"})
+    turn = len(tokenizer(call, add_special_tokens=False)["input_ids"]) + 1
+    result = len(chat.observation_ids([("calculator", "2")]))
+    # (the positions' cap: the third turn fits, its tool result does not)
+    engine = SizedEngine(tokenizer, [call] * 10, prompt + 3 * turn + 2 * result + result // 2)
+    _, (episode,) = agent.run(engine, [{"problem": "1 + 1"}], 1, Sampling(48, 1.0))
+    assert episode.truncated and episode.turns == 3
+    assert len(episode.prompt_ids) + len(episode.ids) < engine.max_model_len
+
+
 def test_the_overlong_penalty_of_an_episode_is_against_its_own_budget():
     """--overlong-buffer: a completion is measured against --max-new-tokens, an episode (all its
     turns and tool results) against --max-episode-tokens: a correct 62-token two-turn episode

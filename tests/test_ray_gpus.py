@@ -83,4 +83,11 @@ def test_a_gpu_bundle_holds_the_fewest_cpus_per_gpu_of_any_gpu_node():
     gone = {"Alive": False, "Resources": {"CPU": 2.0, "GPU": 4.0}}
     assert cpus_per_gpu([head, big, small, gone]) == 8
     assert cpus_per_gpu([head, big]) == 12
-    assert cpus_per_gpu([{"Alive": True, "Resources": {"CPU": 4.0, "GPU": 8.0}}]) == 1
+    # A GPU node with fewer CPUs than GPUs (a head node started with --num-cpus 0, say): bundles
+    # of a GPU alone, which it fits -- with a CPU each, 4 of its 8 GPUs could be reserved, and the
+    # run waited for the rest and stopped ("busy cluster?"). Its workers compute on one thread.
+    few = {"Alive": True, "Resources": {"CPU": 4.0, "GPU": 8.0}}
+    for nodes in ([few], [big, few], [{"Alive": True, "Resources": {"GPU": 8.0}}]):
+        share = cpus_per_gpu(nodes)
+        assert all(share * n["Resources"]["GPU"] <= n["Resources"].get("CPU", 0) for n in nodes)
+    assert cpus_per_gpu([few]) == 0

@@ -476,3 +476,54 @@ def test_a_prompt_longer_than_the_vllm_engine_holds_stops_before_any_model_loads
                                          r"template included\), longer than the 64 the vLLM "
                                          r"engine makes room for; pass --max-prompt-tokens"):
         grpo.main(cfg)
+
+
+def test_an_episodes_first_prompt_is_measured_with_the_tools_it_shows(tiny_model_dir, tmp_path,
+                                                                      monkeypatch):
+    """--tools: the first turn's prompt holds the tools' descriptions (here 3x the problem's
+    prompt): it is that prompt the vLLM engine and the memory plan hold, and the check measures.
+    Measured without them, a prompt of 200 tokens passed --max-prompt-tokens 100 and the run
+    stopped mid-episode, at a late turn, when the prompt and its turns outgrew the engine."""
+    import json
+
+    import grpo
+    import rl
+    data = tmp_path / "short.jsonl"
+    data.write_text(json.dumps({"problem": "1 + 1", "answer": "2"}) + "\n")
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(rl, "setup_local", no_model)
+    cfg = grpo.Config(model=tiny_model_dir, data=str(data), rollout="vllm", dtype="fp32",
+                      tools="calculator", max_new_tokens=64, max_prompt_tokens=100, eval_every=0,
+                      out=str(tmp_path / "out"))
+    with pytest.raises(SystemExit, match=r"training problem 1 is a prompt of \d{3} tokens \(chat "
+                                         r"template and tools included\), longer than the 100"):
+        grpo.main(cfg)
+
+
+def test_an_engine_the_models_positions_cut_says_what_a_prompt_gets(tiny_model_dir, monkeypatch,
+                                                                     capsys):
+    """The tiny model has 512 positions. Asked for 1,024 new tokens, every sample gets fewer (the
+    line said "a prompt longer than -512 tokens"); asked for prompts of 600 tokens, one of 550
+    passes the data's check and the engine cannot hold it: the model's positions are the limit,
+    and the run's line says to shorten the prompts (it said to raise --max-prompt-tokens, which
+    changes nothing)."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    import rollout
+    from model import load_model
+    real = rollout.VLLMRollout
+    monkeypatch.setattr(rollout, "VLLMRollout", _SizedEngine)
+    model, tokenizer = load_model(tiny_model_dir)
+    assert model.config.max_position_embeddings == 512
+    rollout.make_rollout("vllm", model, tokenizer, max_prompt_tokens=100, max_new_tokens=1024)
+    said = capsys.readouterr().out
+    assert "-512" not in said and "every prompt leaves less than the 1,024 tokens" in said
+    rollout.make_rollout("vllm", model, tokenizer, max_prompt_tokens=600, max_new_tokens=64)
+    assert "a prompt of 512 tokens or more cannot be held" in capsys.readouterr().out
+    engine = SimpleNamespace(max_model_len=512, max_prompt_tokens=600)
+    with pytest.raises(SystemExit, match=r"a prompt of 550 tokens does not fit the vLLM engine's "
+                                         r"max_model_len of 512, the model's positions: shorten"):
+        real.generate(engine, [[5] * 550], 1, Sampling(8))
