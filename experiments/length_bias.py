@@ -3,35 +3,80 @@ Training: A Critical Perspective", Dr. GRPO).
 
 The claim: GRPO's loss divides each sequence's token terms by its own length (seq-mean), so a long
 wrong answer is pushed down less per token than a short one -- and wrong answers grow longer as
-training goes on; summing tokens over a fixed denominator (Dr. GRPO's seq-sum-norm, with no std
-scaling of the advantage) removes the bias, and DAPO's token-mean mostly does.
+training goes on; summing tokens over a fixed denominator (Dr. GRPO's seq-sum-norm) removes the
+bias.
 
-    python experiments/length_bias.py            # 2 arms x 3 seeds x 12 steps, the default model
+    python experiments/length_bias.py            # 2 arms x 5 seeds x 12 steps, the default model
     python experiments/length_bias.py --tiny     # seconds, on the tests' tiny model
 
-The arms differ in the loss's aggregation alone (and Dr. GRPO's advantage scale; DAPO's
-token-mean, between the two, is a third arm that did not fit a 2-core CPU's hour); the task is
-arith with a 48-token budget, so that a wrong answer has room to grow (24 tokens is the task's
-default: too short to tell), at the task's T = 0.7 (at the paper's T = 1.0 the 135M model is right
-in under 3 % of its samples at first: most groups all wrong, no gradient). 12 steps of 4 prompts x 8. Measured: the
-mean length of the completions graded wrong, step by step, from rollouts.jsonl; and the accuracy,
-so that a longer answer is never mistaken for a better one.
+The arms differ in the loss's aggregation alone: both scale the advantage by the group's std
+(Dr. GRPO also drops that scaling; here it would be a second difference between the arms). The
+task is arith with a 48-token budget, so that a wrong answer has room to grow (48: twice the
+task's default), at the task's T = 0.7 (at T = 1.0 the 135M model is right in under 3 % of its
+samples at first: most groups all wrong, no gradient). Measured over training: the mean length of
+the completions graded wrong, step by step, from rollouts.jsonl; and the accuracy, so that a
+longer answer is never mistaken for a better one. And the mechanism itself, on one shared batch a
+seed (the samples of the seq-mean run's first 3 steps): the starting model updated once by each
+loss (plain SGD, so that Adam's per-weight normalisation does not blur the losses' weighting),
+and, over the wrong answers that carry a gradient, the correlation between an answer's length and
+the change in its tokens' mean log-probability -- positive where a long wrong answer is pushed
+down less. Cost: 10 runs of ~4 min and the mechanism's 2 updates a seed, ~45 min on a 2-core CPU.
 """
 
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import arguments, by_seed, final, mean_spread, per_step, run_arms, samples  # noqa: E402
-from common import write_finding  # noqa: E402
+from common import arguments, by_seed, final, mean_spread, pearson, per_step, run_arms  # noqa: E402
+from common import samples, start_model, term, write_finding  # noqa: E402
 
 ARMS = {"seq-mean (GRPO)": ["--loss-agg", "seq-mean"],
-        "seq-sum-norm (Dr. GRPO)": ["--loss-agg", "seq-sum-norm", "--adv-scale", "none"]}
+        "seq-sum-norm (Dr. GRPO)": ["--loss-agg", "seq-sum-norm"]}
 COMMON = ["--data", "arith", "--max-new-tokens", "48", "--lr", "2e-5", "--eval-every", "0"]
+MECHANISM_LR = 1e-3  # one SGD step: small enough that the change is first order in it
+MINUTES = 45
+TITLE = "Length bias"  # (its heading in docs/findings.md)
+
+
+def mechanism(folder: Path, start: str) -> dict[str, float | None]:
+    """Each aggregation's correlation, over the wrong answers with a non-zero advantage of the
+    run's first 3 steps, between an answer's length and the change of its tokens' mean log-prob
+    after one SGD update of the starting model by that loss on those samples (None: fewer than
+    3 such answers)."""
+    import torch
+    from grpo import group_advantages, grpo_loss
+    from model import completion_logprobs, length_mask, load_model, pack
+    from rl import loss_denominator
+    cfg = json.loads((folder / "grpo_config.json").read_text())
+    batch_samples = sorted((r for r in samples(folder) if r["step"] <= 3),
+                           key=lambda r: (r["step"], r["index"]))
+    advantages = group_advantages(torch.tensor([r["reward"] for r in batch_samples]),
+                                  cfg["num_generations"])
+    wrong = [i for i, r in enumerate(batch_samples) if r["correct"] == 0 and advantages[i] != 0]
+    out = {}
+    for agg in ("seq-mean", "seq-sum-norm"):
+        model, tokenizer = load_model(start, "cpu", torch.float32)
+        batch = pack([r["prompt_ids"] for r in batch_samples],
+                     [r["completion_ids"] for r in batch_samples], tokenizer.pad_token_id)
+        lens = batch.completion_lens
+        before, _ = completion_logprobs(model, batch.input_ids, batch.prompt_lens, lens,
+                                        temperature=cfg["temperature"])  # (B, T)
+        mask = length_mask(lens, before.shape[1])  # (B, T)
+        loss, _ = grpo_loss(before, before.detach(), None, advantages, mask, loss_agg=agg,
+                            num_tokens=loss_denominator(agg, lens, cfg["max_new_tokens"]))
+        loss.backward()
+        torch.optim.SGD(model.parameters(), lr=MECHANISM_LR).step()
+        with torch.no_grad():
+            after, _ = completion_logprobs(model, batch.input_ids, batch.prompt_lens, lens,
+                                           temperature=cfg["temperature"])
+        shift = ((after - before.detach()) * mask).sum(1) / lens  # (B,) mean over its tokens
+        out[agg] = pearson([float(lens[i]) for i in wrong], [float(shift[i]) for i in wrong])
+    return out
 
 
 def main():
-    args = arguments(__doc__, seeds=3, steps=12)
+    args = arguments(__doc__, seeds=5, steps=12)
     runs = run_arms("length_bias", ARMS, args, common=COMMON)
     wrong, accuracy = {}, {}
     for arm, seeds in runs.items():
@@ -39,16 +84,24 @@ def main():
         wrong[arm] = [per_step(log, lambda r: len(r["completion_ids"]),
                                keep=lambda r: r["correct"] == 0) for log in logs]
         accuracy[arm] = [per_step(log, lambda r: float(r["correct"] or 0)) for log in logs]
-    lengths = {arm: mean_spread(final(s)) for arm, s in wrong.items()}
+    shared = [mechanism(f, start_model(args)) for f in runs["seq-mean (GRPO)"].values()]
     write_finding(
         "length_bias", {"length of wrong completions (tokens)": wrong, "accuracy": accuracy},
         args, claim="per-sequence normalisation lets wrong answers grow longer (Dr. GRPO)",
         paper="Liu et al. 2025, Understanding R1-Zero-Like Training",
-        measured={arm: {"wrong_length_last3": m, "spread": s} for arm, (m, s) in lengths.items()},
-        effect_by_seed=by_seed(final(wrong["seq-mean (GRPO)"]),
-                               final(wrong["seq-sum-norm (Dr. GRPO)"])),
-        effect_name="wrong-answer length, seq-mean minus seq-sum-norm "
-                                          "(tokens, mean of the last 3 steps)")
+        measured={arm: {"wrong_length_last3": mean_spread(final(s, args.steps))}
+                  for arm, s in wrong.items()},
+        mechanism={"correlation_of_length_and_logprob_change_by_seed": shared,
+                   "sgd_lr": MECHANISM_LR},
+        title=TITLE, estimated_minutes=MINUTES,
+        terms={"longer": term(by_seed(final(wrong["seq-mean (GRPO)"], args.steps),
+                                      final(wrong["seq-sum-norm (Dr. GRPO)"], args.steps)),
+                              "positive", "wrong-answer length, seq-mean minus seq-sum-norm "
+                              "(tokens, last 3 steps)", margin=1.0),
+               "mechanism": term(by_seed([m["seq-mean"] for m in shared],
+                                         [m["seq-sum-norm"] for m in shared]), "positive",
+                                 "correlation of a wrong answer's length and its log-prob change "
+                                 "after one update, seq-mean minus seq-sum-norm")})
 
 
 if __name__ == "__main__":
