@@ -480,7 +480,7 @@ def draw(name: str, panels: dict, args, title: str, xlabel: str, axes_of: dict):
         for color, (arm, seeds) in zip(colors, arms.items()):
             for s in seeds:
                 ax.plot([x for x, _ in s], [y for _, y in s], color=color, alpha=0.3, lw=0.8,
-                        marker="." if panel in axes_of else None)
+                        marker="o" if panel in axes_of else None, markersize=3)
             if panel in axes_of:  # (no step on the x axis: nothing to average seeds at)
                 ax.plot([], [], color=color, lw=2, label=f"{arm} ({len(seeds)} seeds)")
                 continue

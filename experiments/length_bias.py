@@ -45,34 +45,52 @@ def mechanism(folder: Path, start: str) -> dict[str, float | None]:
     after one SGD update of the starting model by that loss on those samples (None: fewer than
     3 such answers)."""
     import torch
-    from grpo import group_advantages, grpo_loss
-    from model import completion_logprobs, length_mask, load_model, pack
-    from rl import loss_denominator
+    from grpo import group_advantages
     cfg = json.loads((folder / "grpo_config.json").read_text())
-    batch_samples = sorted((r for r in samples(folder) if r["step"] <= 3),
-                           key=lambda r: (r["step"], r["index"]))
-    advantages = group_advantages(torch.tensor([r["reward"] for r in batch_samples]),
+    batch = sorted((r for r in samples(folder) if r["step"] <= 3),
+                   key=lambda r: (r["step"], r["index"]))
+    advantages = group_advantages(torch.tensor([r["reward"] for r in batch]),
                                   cfg["num_generations"])
-    wrong = [i for i, r in enumerate(batch_samples) if r["correct"] == 0 and advantages[i] != 0]
+    wrong = [i for i, r in enumerate(batch) if r["correct"] == 0 and advantages[i] != 0]
+    lengths = [len(batch[i]["completion_ids"]) for i in wrong]
     out = {}
     for agg in ("seq-mean", "seq-sum-norm"):
-        model, tokenizer = load_model(start, "cpu", torch.float32)
-        batch = pack([r["prompt_ids"] for r in batch_samples],
-                     [r["completion_ids"] for r in batch_samples], tokenizer.pad_token_id)
-        lens = batch.completion_lens
-        before, _ = completion_logprobs(model, batch.input_ids, batch.prompt_lens, lens,
-                                        temperature=cfg["temperature"])  # (B, T)
-        mask = length_mask(lens, before.shape[1])  # (B, T)
-        loss, _ = grpo_loss(before, before.detach(), None, advantages, mask, loss_agg=agg,
-                            num_tokens=loss_denominator(agg, lens, cfg["max_new_tokens"]))
-        loss.backward()
-        torch.optim.SGD(model.parameters(), lr=MECHANISM_LR).step()
-        with torch.no_grad():
-            after, _ = completion_logprobs(model, batch.input_ids, batch.prompt_lens, lens,
-                                           temperature=cfg["temperature"])
-        shift = ((after - before.detach()) * mask).sum(1) / lens  # (B,) mean over its tokens
-        out[agg] = pearson([float(lens[i]) for i in wrong], [float(shift[i]) for i in wrong])
+        shift = one_update_shift(start, [r["prompt_ids"] for r in batch],
+                                 [r["completion_ids"] for r in batch], advantages, agg,
+                                 cfg["temperature"], cfg["max_new_tokens"])
+        out[agg] = pearson(lengths, [float(shift[i]) for i in wrong])
     return out
+
+
+def one_update_shift(start: str, prompts: list, completions: list, advantages, loss_agg: str,
+                     temperature: float, max_new_tokens: int, micro_batch: int = 8):
+    """(B,) the change of each sample's mean log-prob per token after one SGD step of the
+    starting model on grpo_loss with this aggregation (on-policy: the ratio 1), the batch's
+    gradient summed over micro-batches against the whole batch's denominator."""
+    import torch
+    from grpo import grpo_loss
+    from model import completion_logprobs, length_mask, load_model, pack
+    from rl import loss_denominator
+    model, tokenizer = load_model(start, "cpu", torch.float32)
+    batch = pack(prompts, completions, tokenizer.pad_token_id)
+    lens = batch.completion_lens
+    denominator = loss_denominator(loss_agg, lens, max_new_tokens)
+    shift = torch.zeros(len(lens))  # (B,)
+    for after in (False, True):  # the gradient and the mean log-probs before; then after
+        for i in range(0, len(lens), micro_batch):
+            rows = slice(i, i + micro_batch)
+            with torch.set_grad_enabled(not after):
+                lp, _ = completion_logprobs(model, batch.input_ids[rows], batch.prompt_lens[rows],
+                                            lens[rows], temperature=temperature)  # (b, T)
+            mask = length_mask(lens[rows], lp.shape[1])  # (b, T)
+            if not after:
+                loss, _ = grpo_loss(lp, lp.detach(), None, advantages[rows], mask,
+                                    loss_agg=loss_agg, num_tokens=denominator)
+                loss.backward()  # (the micro-batches' gradients add up to the batch's)
+            shift[rows] += (1 if after else -1) * (lp.detach() * mask).sum(1) / lens[rows]
+        if not after:
+            torch.optim.SGD(model.parameters(), lr=MECHANISM_LR).step()
+    return shift
 
 
 def main():

@@ -9,7 +9,7 @@ far the model moved on the new task's own prompts: the forward KL, KL(pi_0 || pi
 
 The new task is arith. GRPO: 12 steps at --lr 2e-5 (lenient_verifier.py's lenient arm, whose runs
 serve here). SFT: sft.py on 256 stream problems answered in the template's sentence ("The answer is
-N."), --lr 1e-5, evaluated greedily on the 128 held-out problems after every step; for each seed,
+N."), --lr 2e-5, evaluated greedily on the 128 held-out problems after every step; for each seed,
 the step whose held-out accuracy is nearest that GRPO seed's is run again to that step, and its
 model is the one compared (matched accuracy; both accuracies recorded). Forgetting: the increase
 of the negative log-likelihood per token, over the starting model's, of a fixed held-out chat set
@@ -29,7 +29,7 @@ from common import arguments, by_seed, held_out, mean_spread, metric, pearson  #
 from common import run_arms, run_once, start_model, term, tiny_model, write_finding  # noqa: E402
 
 GRPO = ["--data", "arith", "--lr", "2e-5", "--eval-every", "0", "--reward", "correctness"]
-SFT = ["--eval-data", "arith", "--eval-size", "128", "--lr", "1e-5", "--batch-size", "16"]
+SFT = ["--eval-data", "arith", "--eval-size", "128", "--lr", "2e-5", "--batch-size", "16"]
 TINY_SFT = ["--eval-size", "4", "--batch-size", "2", "--max-new-tokens", "6"]
 SFT_STEPS, SFT_ROWS = 16, 256
 CHAT = [  # the held-out chat set's requests: everyday, nothing of arithmetic

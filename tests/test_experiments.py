@@ -172,3 +172,29 @@ def test_steps_to_a_target_and_a_correlation(monkeypatch):
     assert common.pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
     assert common.pearson([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)  # cov 0.5 / (1 * 1)
     assert common.pearson([1, 2], [1, 2]) is None and common.pearson([1, 2, 3], [5, 5, 5]) is None
+
+
+def test_the_length_bias_mechanism_sees_seq_mean_push_long_wrong_answers_down_less(
+        tmp_path, monkeypatch):
+    """length_bias.one_update_shift on one batch (the tiny model, two groups of 8, one right
+    answer each, wrong ones of 2 to 48 tokens): after one update by seq-mean, a wrong answer's
+    change of log-prob per token rises with its length (it is pushed down less); by seq-sum-norm
+    it does not, and token-mean's changes are seq-sum-norm's scaled (both a fixed denominator)."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import torch
+    import length_bias
+    from common import pearson, tiny_model
+    from grpo import group_advantages
+    torch.manual_seed(0)
+    lens = [2, 4, 8, 16, 24, 32, 40, 48] * 2
+    completions = [torch.randint(100, 5000, (n,)).tolist() for n in lens]
+    rewards = torch.tensor([1.0] + [0.0] * 14 + [1.0])
+    advantages = group_advantages(rewards, 8)
+    wrong = [i for i in range(16) if rewards[i] == 0]
+    shifts = {agg: length_bias.one_update_shift(tiny_model(tmp_path), [[1, 2, 3, 4, 5]] * 16,
+                                                completions, advantages, agg, 1.0, 48)
+              for agg in ("seq-mean", "seq-sum-norm", "token-mean")}
+    corr = {agg: pearson([lens[i] for i in wrong], [float(s[i]) for i in wrong])
+            for agg, s in shifts.items()}
+    assert corr["seq-mean"] > 0.3 > abs(corr["seq-sum-norm"])
+    assert corr["token-mean"] == pytest.approx(corr["seq-sum-norm"], abs=0.01)
