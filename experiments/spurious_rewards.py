@@ -13,9 +13,10 @@ the other families: the claim here is no gain, and the clip's part is measured b
 Arms, each trained 4 times a rollout batch (common.OFF_POLICY: the ratio leaves 1, the clip can
 act; with one update the ratio is exactly 1 and no clip does anything): the correctness reward;
 the random reward, Bernoulli(0.5) a sample, with the clip (eps 0.2); the same without the clip
-(bounds 0.999 and 1e9). The random reward is drawn from torch's generator, which the run seeds
-with --seed: a fresh draw for every sample, whatever its text (a hash of the text would give the
-same text the same reward -- learnable, not random). The format-only arm of the earlier design
+(bounds 0.999 and 1e9). The random reward is drawn from torch's generator after the step's
+sampling (the HF engine seeds it at every step from --seed and the step): a fresh draw for every
+sample, reproducible, whatever the sample says (a hash of the text would give the same text the
+same reward -- learnable, not random). The format-only arm of the earlier design
 did not fit the hour beside these. Measured: held-out greedy accuracy (128 arith problems) at the
 start and the end, graded after the runs, and the training accuracy. Cost: 8 runs of ~5 min (the
 correctness arm's are clip_higher.py's 0.2 arm) and 12 greedy evaluations, ~45 min.
@@ -38,7 +39,8 @@ TITLE = "Spurious rewards"  # (its heading in docs/findings.md)
 
 def random_reward(completions, **_):
     """0 or 1 with probability 1/2 for each sample, blind to its text: drawn from torch's
-    generator, which the run seeds (--seed), so a run draws the same rewards again."""
+    generator, which the HF engine seeds at every step from the run's --seed and the step, so a
+    run draws the same rewards again and no two steps draw the same."""
     import torch
     return [float(x) for x in torch.randint(0, 2, (len(completions),))]
 

@@ -198,3 +198,16 @@ def test_the_length_bias_mechanism_sees_seq_mean_push_long_wrong_answers_down_le
             for agg, s in shifts.items()}
     assert corr["seq-mean"] > 0.3 > abs(corr["seq-sum-norm"])
     assert corr["token-mean"] == pytest.approx(corr["seq-sum-norm"], abs=0.01)
+
+
+def test_the_random_reward_is_a_fair_draw_not_a_function_of_the_text(monkeypatch):
+    """spurious_rewards' control: the same text gets 0 or 1 at random, half the time each (a
+    hash of the text, as it was, gives the same text the same reward -- learnable)."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import torch
+    import spurious_rewards
+    torch.manual_seed(0)
+    rewards = spurious_rewards.random_reward(prompts=None, completions=["The answer is 5."] * 400)
+    assert set(rewards) == {0.0, 1.0} and 0.45 < sum(rewards) / 400 < 0.55
+    torch.manual_seed(0)  # (the engine seeds torch's generator every step: reproducible)
+    assert spurious_rewards.random_reward(prompts=None, completions=["x"] * 400) == rewards
