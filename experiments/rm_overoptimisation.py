@@ -17,7 +17,8 @@ logs whatever the reward); the proxy is the reward model's mean score of them (`
 the KL is the k3 estimate per token (Gao et al. read the sequence's). docs/reward-models.md saw
 the rise and fall once, at 8 x 8 samples a step: here over seeds. Measured, in each run: the
 proxy and the gold over the last third of the steps against the middle third. Cost: rm.py ~2 min,
-6 runs of ~8 min (every sequence trained, a reference and the reward model forward), ~50 min.
+6 runs of ~11 min (every sequence trained, a reference and the reward model's forward), ~70 min
+on a 2-core CPU: over the hour, and the fewest seeds (3) and steps (20) that show the shape.
 """
 
 import json
@@ -32,7 +33,7 @@ ARMS = {"beta 0": ["--beta", "1e-6"], "beta 0.1": ["--beta", "0.1"]}
 COMMON = ["--data", "arith", "--reward", "", "--lr", "2e-5", "--eval-every", "0"]
 TINY_RM = ["--builtin-problems", "4", "--builtin-samples", "2", "--steps", "1", "--batch-size",
            "4", "--eval-every", "0"]
-MINUTES = 50
+MINUTES = 70
 TITLE = "Reward-model over-optimisation"  # (its heading in docs/findings.md)
 
 
