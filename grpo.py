@@ -58,6 +58,9 @@ class Config(RLOptions):
     """advantage scaling: group (GRPO), batch, none (Dr. GRPO)"""
     leave_one_out: bool = False
     """baseline = mean of the *other* samples of the group (RLOO)"""
+    reinforce: Literal["all", "positive", "negative"] = "all"
+    """the samples trained on: all; positive (PSR, Zhu et al. 2025: only those above their
+    group's baseline, the others' advantages set to 0); negative (NSR: only those below)"""
     eps_low: float = 0.2
     """lower clip range: ratio floored at 1 - eps_low"""
     eps_high: float = 0.2
@@ -166,6 +169,21 @@ def group_advantages(rewards, group_size, *, scale="group", leave_one_out=False,
         raise ValueError(f"scale must be group, batch or none, not {scale!r}")
     adv = torch.where(group_std < eps, torch.zeros_like(adv), adv)  # zero-std groups -> 0
     return adv.reshape(-1)  # (N*G,)
+
+
+def keep_sign(advantages, reinforce: str):
+    """(N*G,) advantages with those of the sign not reinforced set to 0 (Zhu et al. 2025, "The
+    Surprising Effectiveness of Negative Reinforcement"): "positive" keeps A > 0 (PSR: the right
+    answers pulled up), "negative" keeps A < 0 (NSR: the wrong ones pushed down), "all" both
+    (GRPO). A sample set to 0 adds nothing to the loss but still counts in its denominator, so the
+    kept samples weigh what they weigh in GRPO."""
+    if reinforce == "positive":
+        return advantages.clamp(min=0)
+    if reinforce == "negative":
+        return advantages.clamp(max=0)
+    if reinforce != "all":
+        raise ValueError(f"reinforce must be all, positive or negative, not {reinforce!r}")
+    return advantages
 
 
 def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, *, eps_low=0.2,
@@ -417,8 +435,9 @@ def main(cfg: Config):
                   "skipped_updates": 0}
         batch = None
         if len(scored.completions):
-            advantages = group_advantages(scored.rewards, G, scale=cfg.adv_scale,
-                                          leave_one_out=cfg.leave_one_out)
+            advantages = keep_sign(group_advantages(scored.rewards, G, scale=cfg.adv_scale,
+                                                    leave_one_out=cfg.leave_one_out),
+                                   cfg.reinforce)
             batch = with_detail(train_batch(scored.completions, advantages, cfg,
                                             run.tokenizer.pad_token_id, cfg.loss_agg,
                                             cfg.overlong_filter), scored.rewards, cfg)

@@ -1,24 +1,34 @@
 """What every finding of the atlas shares (docs/findings.md): its arms -- one command line of an
 algorithm each --, run one after another in this process over the seeds; the series each run
-leaves in its folder (metrics.jsonl, rollouts.jsonl); the picture and the numbers written for it;
-and --tiny, the same experiment on the tests' tiny model in seconds.
+leaves in its folder (metrics.jsonl, rollouts.jsonl); the statistics of an effect over the seeds
+and the verdict they give; the picture and the numbers written for it; and --tiny, the same
+experiment on the tests' tiny model in seconds.
 
 A finding's file is a short story over these:
 
-    args = arguments(__doc__, seeds=3, steps=12)               # --tiny, --seeds, --steps, ...
-    ARMS = {"token-mean": ["--loss-agg", "token-mean"], "seq-mean": ["--loss-agg", "seq-mean"]}
+    args = arguments(__doc__, seeds=5, steps=12)               # --tiny, --seeds, --steps, ...
+    ARMS = {"seq-mean": ["--loss-agg", "seq-mean"], "seq-sum-norm": ["--loss-agg", "seq-sum-norm"]}
     runs = run_arms("length_bias", ARMS, args)                 # {arm: {seed: run folder}}
     lengths = {arm: [metric(f, "completion_len") for f in seeds.values()]
                for arm, seeds in runs.items()}                 # a series a seed
-    write_finding("length_bias", {"length": lengths}, args, claim=..., effect=...)
+    longer = by_seed(final(lengths["seq-mean"], args.steps), final(lengths["seq-sum-norm"], ...))
+    write_finding("length_bias", {"length": lengths}, args, claim=..., paper=...,
+                  terms={"longer": term(longer, "positive", "tokens, seq-mean minus ...", 1.0)})
 
 A run's folder is out/experiments/<finding>/<arm>-s<seed>/ (--runs: another place). A finished
-one is kept: rerunning a finding redraws it (--fresh reruns it). The runs are deterministic for a
-machine and dtype; their seconds are printed for the reader, never held to a target.
+one is kept: rerunning a finding redraws it (--fresh reruns it), and a run of the same config is
+run once for every finding that needs it. The runs are deterministic for a machine and dtype;
+their seconds are printed for the reader, never held to a target.
+
+The verdict of a term is mechanical (`verdict`): the Student-t 95 % interval of its effect over the
+seeds against the sign the paper expects -- reproduced or contradicted only where the interval
+excludes 0, "not at this scale" where it lies within the margin (no effect of the size that would
+count), inconclusive otherwise.
 """
 
 import argparse
 import contextlib
+import hashlib
 import io
 import json
 import math
@@ -34,9 +44,15 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TQDM_DISABLE", "1")  # (a line a run, not progress bars)
 
 FINDINGS = ROOT / "docs" / "findings"  # the pictures and numbers docs/findings.md shows
-# A finding's runs sample 4 prompts x 8 a step (the default run: 8 x 8), so that 3 seeds of each
-# arm fit a 2-core CPU's hour; --prompts-per-step 8 runs them at the default run's size.
+# A finding's runs sample 4 prompts x 8 a step (the default run: 8 x 8), so that a finding's arms
+# x seeds fit a 2-core CPU's hour; --prompts-per-step 8 runs them at the default run's size.
 PROMPTS_PER_STEP = 4
+# The findings whose arms differ only off-policy (clip_higher, surrogates, spurious_rewards): each
+# rollout batch trained on 4 times, so that the ratio leaves 1 and the clip acts (DAPO, too,
+# trains a rollout batch in several mini-batch steps), at a learning rate at which the clipped
+# baseline still learns (5e-5 did not: 0.07 accuracy after 12 steps; one update at 2e-5 reached
+# 0.35). Their runs of one config serve all three.
+OFF_POLICY = ["--data", "arith", "--updates-per-rollout", "4", "--lr", "1e-5", "--eval-every", "0"]
 # The tiny runs' sizes: a few seconds each (the suite runs every finding so, tests/test_experiments)
 TINY = ["--prompts-per-step", "2", "--num-generations", "2", "--max-new-tokens", "6",
         "--eval-size", "4", "--log-samples-every", "0"]
@@ -86,50 +102,114 @@ def tiny_model(runs: Path) -> str:
     return str(folder)
 
 
+def start_model(args) -> str:
+    """The model every arm starts from: the default model, or --tiny's."""
+    from model import DEFAULT_MODEL
+    return tiny_model(args.runs) if args.tiny else DEFAULT_MODEL
+
+
 def run_arms(name: str, arms: dict[str, list[str]], args, script: str = "grpo",
-             common: list[str] = ()) -> dict[str, dict[int, Path]]:
+             common: list[str] = (), every_step=None, seeds=None) -> dict[str, dict[int, Path]]:
     """Each arm's command line (after `common`) for each seed, one run after another in this
     process: {arm: {seed: its run folder}}. A folder whose run finished is kept (--fresh: run it
-    again). --tiny: on the tiny model, at TINY's sizes."""
-    import importlib
-    from data import parse_config
-    module = importlib.import_module(script)
+    again). --tiny: on the tiny model, at TINY's sizes. every_step: a Measure taken of the policy
+    at the end of every step, logged with the step's metrics (a finished run without it is run
+    again). seeds: which (default: range(args.seeds))."""
     runs = {}
     for arm, argv in arms.items():
         runs[arm] = {}
-        for seed in range(args.seeds):
+        for seed in range(args.seeds) if seeds is None else seeds:
             slug = re.sub(r"[^a-z0-9.]+", "-", arm.lower()).strip("-")
             out = args.runs / ("tiny-" + name if args.tiny else name) / f"{slug}-s{seed}"
-            runs[arm][seed] = out
             line = [*common, *argv, "--seed", str(seed), "--steps", str(args.steps),
                     "--prompts-per-step", str(args.prompts_per_step), "--out", str(out)]
             if args.tiny:
                 line = [*line, "--model", tiny_model(args.runs), *TINY]
-            cfg = parse_config(module.Config, line)
-            done = None if args.fresh else finished_run(args.runs, cfg)
-            if done:
-                runs[arm][seed] = done
-                print(f"{name}: {arm}, seed {seed}: done before ({done})")
-                continue
-            t0, printed = time.time(), io.StringIO()
-            with contextlib.redirect_stdout(printed):
-                module.main(cfg)
-            print(f"{name}: {arm}, seed {seed}: {time.time() - t0:.0f} s ({out})", flush=True)
+            runs[arm][seed] = run_once(f"{name}: {arm}, seed {seed}", script, line, args,
+                                       every_step)
     return runs
 
 
-def finished_run(runs: Path, cfg) -> Path | None:
+def run_once(title: str, script: str, line: list[str], args, every_step=None) -> Path:
+    """One run of `script`'s main with this command line (its --out: the folder), or the folder
+    of a finished run of the very same config (any finding's)."""
+    import importlib
+    from data import parse_config
+    module = importlib.import_module(script)
+    cfg = parse_config(module.Config, line)
+    done = None if args.fresh else finished_run(args.runs, cfg, every_step)
+    if done:
+        print(f"{title}: done before ({done})")
+        return done
+    t0, printed = time.time(), io.StringIO()
+    with contextlib.redirect_stdout(printed), measured(module, every_step):
+        module.main(cfg)
+    print(f"{title}: {time.time() - t0:.0f} s ({cfg.out})", flush=True)
+    return Path(cfg.out)
+
+
+def finished_run(runs: Path, cfg, every_step=None) -> Path | None:
     """A finished run of this very config (its --out aside) under `runs`, any finding's: an arm
     two findings share (clip_higher's eps_high 0.2 is surrogates' clip) runs once; a run of other
-    steps or sizes is run again (the run itself moves the old one aside)."""
+    steps or sizes is run again (the run itself moves the old one aside), and so is one whose
+    metrics lack every_step's key."""
     def same(config: dict) -> dict:
         return {k: v for k, v in json.loads(json.dumps(config, default=str)).items() if k != "out"}
     want = same(asdict(cfg))
     for saved in sorted(runs.glob(f"*/*/{cfg.CONFIG_FILE}")):
         if (saved.parent / "model" / "config.json").exists() and \
-                same(json.loads(saved.read_text())) == want:
+                same(json.loads(saved.read_text())) == want and \
+                (every_step is None or metric(saved.parent, every_step.key)):
             return saved.parent
     return None
+
+
+@contextlib.contextmanager
+def measured(module, every_step):
+    """The algorithm's loop as it is, its end of a step (rl.end_step, as `module` imported it)
+    preceded by every_step.measure(session, cfg), logged under every_step.key: the policy as the
+    step's update and weight sync left it. A measure samples with seeds of its own, so the run's
+    own steps are those of a run without it."""
+    if every_step is None:
+        yield
+        return
+    end_step = module.end_step
+
+    def end_step_measured(session, cfg, step, record, *rest, **kw):
+        record[every_step.key] = every_step.measure(session, cfg)
+        return end_step(session, cfg, step, record, *rest, **kw)
+    module.end_step = end_step_measured
+    try:
+        yield
+    finally:
+        module.end_step = end_step
+
+
+class ProbeEntropy:
+    """A Measure: the policy's entropy on a fixed probe set -- its mean over every token it
+    generates for `rows` (n samples each at T = 1.0, a seed of its own), of the entropy of the
+    distribution the token was drawn from: DAPO's "generation entropy", on the same prompts at
+    every step and in every arm, so that no step lacks it and no arm is measured on other
+    problems."""
+    key = "probe_entropy"
+
+    def __init__(self, rows: list[dict], n: int = 4, max_new_tokens: int = 24):
+        self.rows, self.n, self.max_new_tokens = rows, n, max_new_tokens
+
+    def measure(self, session, cfg) -> float:
+        import torch
+        from data import encode_prompts
+        from model import completion_logprobs, pack
+        from rollout import Sampling
+        engine, tokenizer = session.run.rollout, session.run.tokenizer  # (in-process: the policy)
+        prompts = encode_prompts(tokenizer, self.rows, cfg.template, cfg.chat)
+        comps = engine.generate(prompts, self.n, Sampling(self.max_new_tokens, 1.0, seed=12345))
+        batch = pack(comps.prompt_ids, comps.completion_ids, tokenizer.pad_token_id,
+                     next(engine.model.parameters()).device)
+        with torch.no_grad():
+            _, entropy = completion_logprobs(engine.model, batch.input_ids, batch.prompt_lens,
+                                             batch.completion_lens)  # (B, T), 0 past each end
+        return float(entropy.sum() / batch.completion_lens.sum().clamp(min=1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,9 +238,17 @@ def per_step(records: list[dict], value, keep=lambda r: True) -> list[tuple[int,
 
 
 def correct_counts(model: str, rows: list[dict], n: int, temperature: float,
-                   max_new_tokens: int = 24, seed: int = 0) -> list[int]:
+                   max_new_tokens: int = 24, seed: int = 0, cache: Path | None = None
+                   ) -> list[int]:
     """How many of n samples of each row a model (a folder, or a run folder's model) gets right,
-    sampled at `temperature` with the HF engine and graded as grpo.py grades arith (answer-is)."""
+    sampled at `temperature` with the HF engine and graded as grpo.py grades arith (answer-is).
+    cache: a folder where the counts are kept (counts-<key>.json), so that two findings reading
+    the same model on the same problems sample it once."""
+    key = hashlib.sha256(json.dumps([str(model), [r["id"] for r in rows], n, temperature,
+                                     max_new_tokens, seed]).encode()).hexdigest()[:16]
+    kept = cache / f"counts-{key}.json" if cache else None
+    if kept and kept.exists():
+        return json.loads(kept.read_text())["counts"]
     import torch
     from model import DTYPES, choose_dtype, load_model, pick_device
     from evaluate import evaluate_rows
@@ -178,7 +266,27 @@ def correct_counts(model: str, rows: list[dict], n: int, temperature: float,
     counts = {r["id"]: 0 for r in rows}
     for g in graded:
         counts[g["id"]] += g["correct"]
-    return [counts[r["id"]] for r in rows]
+    counts = [counts[r["id"]] for r in rows]
+    if kept:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps({"model": str(model), "ids": [r["id"] for r in rows], "n": n,
+                                    "temperature": temperature, "counts": counts}))
+    return counts
+
+
+def pass_counts(args, folder: Path | None, rows: list[dict], n: int) -> list[int]:
+    """correct_counts at T = 0.7 of a run's model (folder) or of the start model (None), kept in
+    the run's folder (or <runs>/start-counts): sharpening.py and pos_neg.py read the same ones."""
+    model = str(folder / "model") if folder else start_model(args)
+    cache = folder or args.runs / ("tiny-start-counts" if args.tiny else "start-counts")
+    return correct_counts(model, rows, n, 0.7, cache=cache)
+
+
+def pass_curve(counts: list[int], n: int) -> list[tuple[int, float]]:
+    """(k, mean pass@k over the problems) for k = 1, 2, 4, ... n (the unbiased estimator)."""
+    from evaluate import pass_at_k
+    ks = [2 ** i for i in range(n.bit_length()) if 2 ** i <= n]
+    return [(k, sum(pass_at_k(n, c, k) for c in counts) / len(counts)) for k in ks]
 
 
 def held_out(model: str, tiny: bool) -> float:
@@ -193,8 +301,7 @@ def held_out(model: str, tiny: bool) -> float:
 def held_out_gains(runs: dict[str, dict[int, Path]], args, title: str) -> tuple[dict, dict]:
     """Each arm's runs graded on the held-out set at the start and the end: the picture's panels
     (that, and the training accuracy over steps) and each arm's gains, one a seed."""
-    from model import DEFAULT_MODEL
-    start = held_out(tiny_model(args.runs) if args.tiny else DEFAULT_MODEL, args.tiny)
+    start = held_out(start_model(args), args.tiny)
     ends = {arm: [held_out(str(f / "model"), args.tiny) for f in seeds.values()]
             for arm, seeds in runs.items()}
     panels = {title: {arm: [[(0, start), (args.steps, end)] for end in ends[arm]] for arm in runs},
@@ -204,11 +311,24 @@ def held_out_gains(runs: dict[str, dict[int, Path]], args, title: str) -> tuple[
 
 
 # ---------------------------------------------------------------------------------------------
-# The picture and the numbers.
+# The statistics: one number a seed, its interval over the seeds, and the verdict it gives.
+
+# Student's t, the 0.975 quantile, for 1 to 30 degrees of freedom (a 95 % interval of a mean):
+# 12.71 with 2 seeds, 4.30 with 3, 2.78 with 5. (Past 30, 30's: a little wider than the exact.)
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+VERDICTS = ("reproduced", "contradicted", "not at this scale", "inconclusive")
 
 
-def mean_spread(values: list[float]) -> tuple[float | None, float | None]:
-    """Mean and standard deviation across seeds (0 for one seed; None for none)."""
+def present(values: list) -> list[float]:
+    """The values a seed has (None: the seed had none to give -- missing, never a 0)."""
+    return [v for v in values if v is not None]
+
+
+def mean_spread(values: list) -> tuple[float | None, float | None]:
+    """Mean and standard deviation across the seeds that have a value (0 for one; None for none)."""
+    values = present(values)
     if not values:
         return None, None
     m = sum(values) / len(values)
@@ -216,48 +336,129 @@ def mean_spread(values: list[float]) -> tuple[float | None, float | None]:
         if len(values) > 1 else 0.0
 
 
-def final(series: list[list[tuple[int, float]]], last: int = 3) -> list[float]:
-    """Each seed's mean over its last `last` points: one number a seed."""
-    return [sum(v for _, v in s[-last:]) / len(s[-last:]) for s in series if s]
+def ci95(values: list) -> list[float] | None:
+    """The Student-t 95 % interval [low, high] of the mean of the seeds' values (None: fewer than
+    two values, no interval)."""
+    values = present(values)
+    if len(values) < 2:
+        return None
+    m, sd = mean_spread(values)
+    half = T975[min(len(values) - 1, len(T975)) - 1] * sd / math.sqrt(len(values))
+    return [m - half, m + half]
 
 
-def by_seed(a: list[float], b: list[float]) -> list[float]:
-    """a - b seed by seed (the arms' runs of one seed share its problems and its start)."""
-    return [x - y for x, y in zip(a, b)]
+EXPECT = ("positive", "negative", "none", "not positive")
 
 
-def write_finding(name: str, panels: dict[str, dict[str, list]], args, effect_by_seed: list,
-                  effect_name: str, xlabel: str = "step", **record) -> dict:
-    """docs/findings/<name>.png -- one panel a quantity, the arms side by side over steps, each
-    seed a thin line and the arms' means bold -- and <name>.json: the series, the effect (its
-    mean over the seeds, their spread, each seed's: what run_all.py checks a rerun against), and
-    `record` (the claim, the paper, the numbers). panels: {title: {arm: [a seed's [(step,
-    value)], ...]}}."""
+def verdict(ci: list[float] | None, expect: str, margin: float | None = None) -> str:
+    """The verdict an interval gives a claim. expect: "positive" or "negative" (the sign the paper
+    predicts for the effect), "none" (no difference: the effect within +-margin) or "not positive"
+    (no gain: the effect at most +margin).
+
+    positive / negative: reproduced where the interval excludes 0 on the predicted side,
+    contradicted where it excludes 0 on the other; where it includes 0, "not at this scale" if it
+    lies within +-margin (the experiment could have seen an effect of that size, and there was
+    none), else inconclusive. none: reproduced where the interval lies within +-margin,
+    contradicted where it lies wholly outside, inconclusive otherwise. not positive: reproduced
+    where the interval lies below +margin, contradicted where it lies above. No interval (under
+    two seeds): inconclusive."""
+    if expect not in EXPECT:
+        raise ValueError(f"expect must be one of {', '.join(EXPECT)}, not {expect!r}")
+    if expect in ("none", "not positive") and margin is None:
+        raise ValueError(f"a claim of {'no difference' if expect == 'none' else 'no gain'} needs "
+                         f"its margin")
+    if ci is None:
+        return "inconclusive"
+    low, high = ci
+    within = margin is not None and -margin <= low and high <= margin
+    if expect == "none":
+        outside = low > margin or high < -margin
+        return "reproduced" if within else "contradicted" if outside else "inconclusive"
+    if expect == "not positive":
+        return "reproduced" if high <= margin else "contradicted" if low > margin \
+            else "inconclusive"
+    sign = 1 if expect == "positive" else -1
+    if sign * low > 0 and sign * high > 0:
+        return "reproduced"
+    if sign * low < 0 and sign * high < 0:
+        return "contradicted"
+    return "not at this scale" if within else "inconclusive"
+
+
+def term(effect_by_seed: list, expect: str, name: str, margin: float | None = None) -> dict:
+    """One compared quantity of a finding: each seed's effect (None where the seed had none), their
+    mean, spread and 95 % interval over the seeds that have one, how many those are, the sign the
+    paper predicts (or "none", within margin) and the verdict."""
     effect, spread = mean_spread(effect_by_seed)
-    record.update(effect=effect, effect_spread=spread, effect_by_seed=effect_by_seed,
-                  effect_name=effect_name)
-    print(f"{name}: {effect_name}: {effect} (spread {spread}, by seed {effect_by_seed})")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    args.out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, (title, arms) in zip(axes[0], panels.items()):
-        for color, (arm, seeds) in zip(colors, arms.items()):
-            for s in seeds:
-                ax.plot([x for x, _ in s], [y for _, y in s], color=color, alpha=0.3, lw=0.8)
-            steps = sorted({x for s in seeds for x, _ in s})
-            means = [sum(y for s in seeds for x, y in s if x == step) /
-                     max(1, sum(1 for s in seeds for x, _ in s if x == step)) for step in steps]
-            ax.plot(steps, means, color=color, lw=2, label=f"{arm} ({len(seeds)} seeds)")
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel(xlabel)
-        ax.legend(fontsize=8)
-    fig.suptitle(record.get("claim", name), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(args.out / f"{name}.png", dpi=110)
-    plt.close(fig)
+    ci = ci95(effect_by_seed)
+    return {"effect_name": name, "effect": effect, "effect_spread": spread,
+            "effect_by_seed": list(effect_by_seed), "seeds_with_effect":
+            len(present(effect_by_seed)), "ci95": ci, "expect": expect, "margin": margin,
+            "verdict": verdict(ci, expect, margin)}
+
+
+def final(series: list[list[tuple[int, float]]], steps: int, last: int = 3) -> list:
+    """Each seed's mean over the steps (steps - last, steps] of its series -- by step number, not
+    by point: a seed with no value in that window (a step that trained nothing has no entropy) is
+    None, never given the value of an earlier step."""
+    out = []
+    for s in series:
+        window = [v for x, v in s if steps - last < x <= steps]
+        out.append(sum(window) / len(window) if window else None)
+    return out
+
+
+def by_seed(a: list, b: list) -> list:
+    """a - b seed by seed (the arms' runs of one seed share its problems and its start); None
+    where either has none."""
+    return [None if x is None or y is None else x - y for x, y in zip(a, b)]
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    """The correlation of two lists (None: fewer than 3 pairs, or either constant)."""
+    if len(xs) < 3:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sx = math.sqrt(sum((x - mx) ** 2 for x in xs))
+    sy = math.sqrt(sum((y - my) ** 2 for y in ys))
+    if sx == 0 or sy == 0:
+        return None
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / (sx * sy)
+
+
+def steps_to(series: list[tuple[int, float]], target: float, last: int = 3) -> int | None:
+    """The first step whose running mean over the steps (step - last, step] reaches `target`
+    (None: never)."""
+    for step, _ in series:
+        window = [v for x, v in series if step - last < x <= step]
+        if sum(window) / len(window) >= target:
+            return step
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The picture and the numbers.
+
+
+def write_finding(name: str, panels: dict[str, dict[str, list]], args, terms: dict[str, dict],
+                  xlabel: str = "step", axes_of: dict[str, str] | None = None, **record) -> dict:
+    """docs/findings/<name>.png -- one panel a quantity, the arms side by side over steps, each
+    seed a thin line and the arms' means bold (a mean of fewer seeds than the arm has is marked
+    with their number) -- and <name>.json: the series, each term's effect by seed, interval and
+    verdict (the first term's also at the top level: the finding's headline, what run_all.py and
+    the table read first), and `record` (the claim, the paper, the numbers). panels: {title: {arm:
+    [a seed's [(x, value)], ...]}}. axes_of: {title: its x axis} for panels whose x is no step
+    (e.g. the KL): each seed's points joined in order, no mean drawn."""
+    for label, t in terms.items():
+        low_high = "none" if t["ci95"] is None else f"[{t['ci95'][0]:+.3g}, {t['ci95'][1]:+.3g}]"
+        print(f"{name}: {label}: {t['effect_name']}: {t['effect']} (95 % {low_high} over "
+              f"{t['seeds_with_effect']} seeds; by seed {t['effect_by_seed']}): {t['verdict']}")
+    headline = next(iter(terms.values()))
+    record = {**record, **{k: headline[k] for k in ("effect", "effect_spread", "effect_by_seed",
+                                                    "effect_name", "seeds_with_effect", "ci95",
+                                                    "expect", "margin", "verdict")},
+              "terms": terms}
+    draw(name, panels, args, record.get("claim", name), xlabel, axes_of or {})
     numbers = {"finding": name, "tiny": args.tiny, "seeds": args.seeds, "steps": args.steps,
                **record, "series": panels}
     from hardware import machine
@@ -265,3 +466,37 @@ def write_finding(name: str, panels: dict[str, dict[str, list]], args, effect_by
     (args.out / f"{name}.json").write_text(json.dumps(numbers, indent=1))
     print(f"{name}: wrote {args.out / (name + '.png')} and {name}.json")
     return numbers
+
+
+def draw(name: str, panels: dict, args, title: str, xlabel: str, axes_of: dict):
+    """write_finding's picture."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    args.out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (panel, arms) in zip(axes[0], panels.items()):
+        for color, (arm, seeds) in zip(colors, arms.items()):
+            for s in seeds:
+                ax.plot([x for x, _ in s], [y for _, y in s], color=color, alpha=0.3, lw=0.8,
+                        marker="o" if panel in axes_of else None, markersize=3)
+            if panel in axes_of:  # (no step on the x axis: nothing to average seeds at)
+                ax.plot([], [], color=color, lw=2, label=f"{arm} ({len(seeds)} seeds)")
+                continue
+            steps = sorted({x for s in seeds for x, _ in s})
+            at = {step: [y for s in seeds for x, y in s if x == step] for step in steps}
+            means = [sum(at[step]) / len(at[step]) for step in steps]
+            ax.plot(steps, means, color=color, lw=2, label=f"{arm} ({len(seeds)} seeds)")
+            for step, m in zip(steps, means):
+                if len(at[step]) < len(seeds):  # a mean of fewer seeds: say how many
+                    ax.annotate(str(len(at[step])), (step, m), fontsize=6, color=color,
+                                xytext=(0, 3), textcoords="offset points", ha="center")
+        ax.set_title(panel, fontsize=10)
+        ax.set_xlabel(axes_of.get(panel, xlabel))
+        ax.legend(fontsize=8)
+    fig.suptitle(title + " (a bold mean of fewer seeds is marked with their number)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(args.out / f"{name}.png", dpi=110)
+    plt.close(fig)

@@ -1,18 +1,22 @@
-"""Rerun findings of the atlas and check each effect against the one recorded in docs/findings/:
-the same sign, and within the recorded spread across seeds. A benchmark, not a test: each finding
-takes its arms x seeds x steps of real runs (tens of minutes on a 2-core CPU).
+"""Rerun findings of the atlas and say whether each verdict held; write docs/findings.md's table
+from the records. A benchmark, not a test: each finding takes its arms x seeds x steps of real
+runs (up to an hour and a half on a 2-core CPU; each file's docstring says its cost).
 
     python experiments/run_all.py length_bias              # one finding
-    python experiments/run_all.py                          # every finding recorded
+    python experiments/run_all.py                          # every finding
     python experiments/run_all.py length_bias --tiny       # the machinery, in seconds
+    python experiments/run_all.py --table                  # the page's table, from the records
 
 A rerun goes to a folder of its own (--runs, default out/experiments/rerun), so the recorded runs
-are never overwritten. The table: finding, the recorded effect and spread, the rerun's, the
-verdict (same sign and |rerun - recorded| <= the recorded spread, at least TOLERANCE), seconds.
+are never overwritten. The rerun table: finding, each term's recorded effect and 95 % interval,
+the rerun's, and whether the finding held -- every term's verdict (common.verdict) the same again
+-- and the minutes it took. The page's table (--table) is written between its two markers from
+docs/findings/*.json alone: tests/test_experiments.py fails when the page and the records differ.
 """
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -21,7 +25,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "docs" / "findings"
-TOLERANCE = 1e-3  # (an effect recorded with no spread -- one seed -- still allows rounding)
+PAGE = ROOT / "docs" / "findings.md"
+BEGIN = "<!-- the findings table: written by `python experiments/run_all.py --table` from " \
+        "docs/findings/*.json; do not edit by hand -->"
+END = "<!-- end of the findings table -->"
 
 
 def rerun(name: str, runs: Path, tiny: bool) -> tuple[dict, float]:
@@ -34,18 +41,66 @@ def rerun(name: str, runs: Path, tiny: bool) -> tuple[dict, float]:
     return json.loads((out / f"{name}.json").read_text()), time.time() - t0
 
 
-def verdict(recorded: dict, again: dict) -> str:
-    was, spread, now = recorded["effect"], recorded["effect_spread"] or 0.0, again["effect"]
-    if was is None or now is None:
-        return "no effect measured"
-    same_sign = (was > 0) == (now > 0) or abs(was) <= TOLERANCE
-    close = abs(now - was) <= max(spread, TOLERANCE)
-    return "held" if same_sign and close else ("same sign, outside the spread" if same_sign
-                                               else "sign changed")
+def terms(record: dict) -> dict[str, dict]:
+    """A record's terms (one, the headline, for a record that has no others)."""
+    return record.get("terms") or {"effect": {k: record.get(k) for k in (
+        "effect_name", "effect", "effect_by_seed", "ci95", "verdict", "seeds_with_effect")}}
+
+
+def held(recorded: dict, again: dict) -> str:
+    """"held" where every term of the record has the same verdict in the rerun, else what
+    changed."""
+    was, now = terms(recorded), terms(again)
+    changed = [f"{name}: {t['verdict']} -> {now[name]['verdict'] if name in now else 'absent'}"
+               for name, t in was.items() if name not in now or
+               now[name]["verdict"] != t["verdict"]]
+    return "held" if not changed else "not held (" + "; ".join(changed) + ")"
 
 
 def number(x) -> str:
-    return "–" if x is None else f"{x:+.3g}"
+    return "–" if x is None else f"{x:+.3g}".replace("-", "−")
+
+
+def interval(t: dict) -> str:
+    """An effect, its 95 % interval and the seeds that gave it: "+0.34 [−0.38, +1.06], 3
+    seeds"."""
+    ci = t.get("ci95")
+    seeds = t.get("seeds_with_effect", len([v for v in t.get("effect_by_seed") or []
+                                            if v is not None]))
+    return f"{number(t.get('effect'))} [{number(ci[0])}, {number(ci[1])}], {seeds} seeds" \
+        if ci else f"{number(t.get('effect'))}, {seeds} seed{'s' * (seeds != 1)} (no interval)"
+
+
+def table(records: dict[str, dict]) -> str:
+    """docs/findings.md's table: a row a finding, a line a term (its effect, interval and
+    verdict)."""
+    rows = ["| finding | the claim | paper | command | effect [95 % interval], seeds | verdict "
+            "| runs | cost |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in sorted(records.items()):
+        effects = "<br>".join(f"*{label}*: {t['effect_name']}: **{interval(t)}**"
+                              for label, t in terms(r).items())
+        verdicts = "<br>".join(f"*{label}*: **{t['verdict']}**" for label, t in terms(r).items())
+        runs = f"{r['seeds']} seeds x {r['steps']} steps" + (
+            f" ({r['design']})" if r.get("design") else "")
+        cost = f"~{r['estimated_minutes']} min" if r.get("estimated_minutes") else "–"
+        title = r.get("title", name)
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")  # (GitHub's anchor)
+        rows.append(f"| [{title}](#{slug}) | {r['claim']} | "
+                    f"{r['paper']} | `python experiments/{name}.py` | {effects} | {verdicts} | "
+                    f"{runs} | {cost} |")
+    return "\n".join(rows)
+
+
+def recorded() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RECORDED.glob("*.json"))}
+
+
+def page_with_table(page: str, records: dict[str, dict]) -> str:
+    """The page, its table between the markers written anew."""
+    if BEGIN not in page or END not in page:
+        raise SystemExit(f"error: {PAGE}: no table markers ({BEGIN} ... {END})")
+    head, rest = page.split(BEGIN, 1)
+    return head + BEGIN + "\n" + table(records) + "\n" + END + rest.split(END, 1)[1]
 
 
 def main():
@@ -53,21 +108,29 @@ def main():
     parser.add_argument("names", nargs="*", help="findings (default: every one recorded)")
     parser.add_argument("--tiny", action="store_true", help="the tiny model: the machinery only")
     parser.add_argument("--runs", default=str(ROOT / "out" / "experiments" / "rerun"))
+    parser.add_argument("--table", action="store_true", help="write docs/findings.md's table "
+                        "from docs/findings/*.json (and rerun nothing)")
     args = parser.parse_args()
-    names = args.names or sorted(p.stem for p in RECORDED.glob("*.json"))
-    rows = ["| finding | recorded effect ± spread | rerun ± spread | verdict | seconds |",
+    if args.table:
+        PAGE.write_text(page_with_table(PAGE.read_text(), recorded()))
+        print(f"wrote the table of {PAGE}")
+        return
+    names = args.names or sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
+                                 if p.stem not in ("common", "run_all"))
+    rows = ["| finding | recorded: effect [95 % interval] | rerun | held? | minutes |",
             "|---|---|---|---|---|"]
     for name in names:
         path = RECORDED / f"{name}.json"
         if not path.exists():
             raise SystemExit(f"error: {name}: nothing recorded in {path}; run python "
                              f"experiments/{name}.py first")
-        recorded = json.loads(path.read_text())
+        was = json.loads(path.read_text())
         again, seconds = rerun(name, Path(args.runs), args.tiny)
-        rows.append(f"| {name} | {number(recorded['effect'])} ± "
-                    f"{number(recorded['effect_spread'])} | {number(again['effect'])} ± "
-                    f"{number(again['effect_spread'])} | {verdict(recorded, again)} | "
-                    f"{seconds:.0f} |")
+        now = terms(again)
+        rows.append(f"| {name} | " + "<br>".join(f"{label}: {interval(t)}" for label, t in
+                                                 terms(was).items()) + " | " +
+                    "<br>".join(f"{label}: {interval(t)}" for label, t in now.items()) +
+                    f" | {held(was, again)} | {seconds / 60:.0f} |")
         print(rows[-1], flush=True)
     print("\n".join(rows))
 

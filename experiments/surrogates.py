@@ -6,45 +6,81 @@ reasoning chain turns on; CISPO clips the importance weight instead and keeps ev
 gradient (MiniMax-M1: DAPO's accuracy in half the steps); SAPO's soft gate damps off-policy tokens
 without cutting them, and trains more stably than a hard clip.
 
-    python experiments/surrogates.py             # 3 arms x 3 seeds x 12 steps, the default model
+    python experiments/surrogates.py             # a sweep, then 3 terms x 3 seeds x 12 steps
     python experiments/surrogates.py --tiny
 
-The terms differ only off-policy, so each rollout batch is trained on 4 times (--updates-per-rollout
-4) at --lr 5e-5, as in clip_higher.py; CISPO with MiniMax-M1's choice of no floor (--eps-low 1) and
-eps_high 0.28; SAPO with its paper's temperatures (1.0, 1.05). Measured: the accuracy, the entropy
-of the trained tokens, and the share of tokens whose gradient the clip cuts (or, for CISPO, whose
-weight is clipped).
+The terms differ only off-policy, so each rollout batch is trained on 4 times (common.OFF_POLICY);
+CISPO with MiniMax-M1's choice of no floor (--eps-low 1) and eps_high 0.28; SAPO with its paper's
+temperatures (1.0, 1.05). A term's best learning rate differs from the clip's, so each is first run
+at 1e-5 and 3e-5 (seed 0) and kept at the one whose training accuracy over the steps is higher;
+then the terms are compared as MiniMax-M1 compares them, by the steps each takes to a target
+accuracy (0.3, a running mean over 3 steps) -- each term against the clip, seed by seed. A seed
+whose arm never gets there counts as steps + 1 where the other did (a bound: the difference is at
+least that), and has no difference where neither did. Cost: 6 sweep runs and 6 more of ~5 min,
+~55 min on a 2-core CPU (the clip's runs at 1e-5 are clip_higher.py's; 4 seeds: ~70).
 """
 
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import arguments, final, mean_spread, metric, run_arms, write_finding  # noqa: E402
+from common import OFF_POLICY, arguments, final, mean_spread, metric  # noqa: E402
+from common import run_arms, steps_to, term, write_finding  # noqa: E402
 
-ARMS = {"clip": ["--surrogate", "clip"],
-        "cispo": ["--surrogate", "cispo", "--eps-low", "1", "--eps-high", "0.28"],
-        "sapo": ["--surrogate", "sapo"]}
-COMMON = ["--data", "arith", "--updates-per-rollout", "4", "--lr", "5e-5",
-          "--eval-every", "0"]
+TERMS = {"clip": ["--surrogate", "clip"],
+         "cispo": ["--surrogate", "cispo", "--eps-low", "1", "--eps-high", "0.28"],
+         "sapo": ["--surrogate", "sapo"]}
+RATES = ("1e-5", "3e-5")  # the sweep
+TARGET = 0.3  # training accuracy the terms race to
+MINUTES = 55
+TITLE = "CISPO and SAPO"  # (its heading in docs/findings.md)
+
+
+def best_rates(args) -> dict[str, str]:
+    """Each term's learning rate of RATES with the higher mean training accuracy over the steps,
+    seed 0 (OFF_POLICY's own rate replaced)."""
+    sweep = {f"{name} lr {lr}": [*argv, "--lr", lr] for name, argv in TERMS.items()
+             for lr in RATES}
+    runs = run_arms("surrogates", sweep, args, common=OFF_POLICY, seeds=[0])
+    area = {arm: mean_spread([v for _, v in metric(seeds[0], "accuracy")])[0] or 0.0
+            for arm, seeds in runs.items()}
+    return {name: max(RATES, key=lambda lr: area[f"{name} lr {lr}"]) for name in TERMS}
+
+
+def race(against: list, control: list, steps: int) -> list:
+    """control's steps to the target minus the term's, seed by seed (positive: the term is
+    faster); steps + 1 for an arm that never got there, None where neither did."""
+    never = steps + 1
+    return [None if a is None and c is None else
+            (never if c is None else c) - (never if a is None else a)
+            for a, c in zip(against, control)]
 
 
 def main():
     args = arguments(__doc__, seeds=3, steps=12)
-    runs = run_arms("surrogates", ARMS, args, common=COMMON)
+    rates = best_rates(args)
+    arms = {f"{name} (lr {rates[name]})": [*argv, "--lr", rates[name]]
+            for name, argv in TERMS.items()}
+    runs = run_arms("surrogates", arms, args, common=OFF_POLICY)
     panels = {title: {arm: [metric(f, key) for f in seeds.values()] for arm, seeds in runs.items()}
               for title, key in (("accuracy", "accuracy"),
                                  ("entropy of the trained tokens", "entropy_trained"),
                                  ("share clipped at the top", "clip_high"))}
-    accuracy = {arm: mean_spread(final(s)) for arm, s in panels["accuracy"].items()}
+    reached = {arm.split()[0]: [steps_to(s, TARGET) for s in series]
+               for arm, series in panels["accuracy"].items()}
     write_finding("surrogates", panels, args,
                   claim="CISPO and SAPO, which cut no token's gradient, train faster than the clip",
                   paper="Chen et al. 2025 (MiniMax-M1, CISPO); Gao et al. 2025 (SAPO)",
-                  measured={arm: {"accuracy_last3": m, "spread": s}
-                            for arm, (m, s) in accuracy.items()},
-                  effect_by_seed=[max(c, s) - k for c, s, k in zip(
-                      *(final(panels["accuracy"][arm]) for arm in ("cispo", "sapo", "clip")))],
-                  effect_name="accuracy, the better of cispo and sapo minus clip (last 3 steps)")
+                  learning_rates=rates, steps_to_target=reached, target=TARGET,
+                  measured={arm: {"accuracy_last3": mean_spread(final(s, args.steps)),
+                                  "entropy_trained_last3": mean_spread(final(
+                                      panels["entropy of the trained tokens"][arm], args.steps))}
+                            for arm, s in panels["accuracy"].items()},
+                  title=TITLE, estimated_minutes=MINUTES,
+                  terms={f"{name} vs clip": term(race(reached[name], reached["clip"], args.steps),
+                                                 "positive", f"steps to accuracy {TARGET}, clip "
+                                                 f"minus {name} (each at its best lr)", margin=1)
+                         for name in ("cispo", "sapo")})
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ experiments/run_all.py."""
 
 import importlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -15,8 +16,8 @@ FINDINGS = sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
                   if p.stem not in ("common", "run_all"))
 
 
-def test_there_are_eight_findings_or_more():
-    assert len(FINDINGS) >= 8, FINDINGS
+def test_there_are_eleven_findings_or_more():
+    assert len(FINDINGS) >= 11, FINDINGS
 
 
 @pytest.mark.parametrize("name", FINDINGS)
@@ -28,23 +29,185 @@ def test_a_finding_runs_tiny_and_writes_its_picture_and_numbers(name, tmp_path, 
                                       "--out", str(tmp_path / "findings")])
     finding.main()
     numbers = json.loads((tmp_path / "findings" / f"{name}.json").read_text())
-    assert numbers["tiny"] and numbers["claim"] and numbers["paper"] and "effect" in numbers
-    assert numbers["series"] and numbers["machine"]
+    assert numbers["tiny"] and numbers["claim"] and numbers["paper"] and numbers["title"]
+    assert numbers["series"] and numbers["machine"] and numbers["estimated_minutes"]
+    assert numbers["terms"] and "effect" in numbers
+    for t in numbers["terms"].values():
+        assert t["verdict"] in ("reproduced", "contradicted", "not at this scale", "inconclusive")
+        assert {"effect", "effect_by_seed", "ci95", "expect", "margin"} <= set(t)
     assert (tmp_path / "findings" / f"{name}.png").stat().st_size > 10_000
     assert not (ROOT / "docs" / "findings" / f"{name}.json").exists() or \
         json.loads((ROOT / "docs" / "findings" / f"{name}.json").read_text())["tiny"] is False
 
 
-def test_run_all_holds_an_effect_to_its_sign_and_its_recorded_spread(monkeypatch):
+def test_the_pages_table_is_the_records(monkeypatch):
+    """docs/findings.md's table is written from docs/findings/*.json (run_all.py --table): a
+    record changed, or the page edited by hand, and they differ."""
     monkeypatch.syspath_prepend(str(ROOT / "experiments"))
     import run_all
-    recorded = {"effect": 0.36, "effect_spread": 0.17}
-    assert run_all.verdict(recorded, {"effect": 0.36}) == "held"
-    assert run_all.verdict(recorded, {"effect": 0.20}) == "held"  # 0.16 from it: within
-    assert run_all.verdict(recorded, {"effect": 0.60}) == "same sign, outside the spread"
-    assert run_all.verdict(recorded, {"effect": 0.65}) == "same sign, outside the spread"
-    assert run_all.verdict(recorded, {"effect": -0.05}) == "sign changed"
-    assert run_all.verdict(recorded, {"effect": None}) == "no effect measured"
-    # one seed recorded (no spread): rounding only
-    assert run_all.verdict({"effect": 0.5, "effect_spread": None}, {"effect": 0.5004}) == "held"
-    assert run_all.verdict({"effect": 0.5, "effect_spread": None}, {"effect": 0.52}) != "held"
+    records = run_all.recorded()
+    assert set(records) <= set(FINDINGS)  # (a finding not yet run has no record, no row)
+    page = (ROOT / "docs" / "findings.md").read_text()
+    assert run_all.page_with_table(page, records) == page, \
+        "docs/findings.md's table differs from docs/findings/*.json: python " \
+        "experiments/run_all.py --table"
+    for name, r in records.items():  # every verdict on the page is the record's
+        for t in run_all.terms(r).values():
+            assert f"**{t['verdict']}**" in page and run_all.interval(t) in page, (name, t)
+    changed = json.loads(json.dumps(records))
+    changed["one_example"]["terms"]["as much as all"]["verdict"] = "reproduced"
+    assert run_all.page_with_table(page, changed) != page
+
+
+def test_run_all_holds_a_finding_to_every_verdict_it_recorded(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import run_all
+    was = {"terms": {"a": {"verdict": "reproduced"}, "b": {"verdict": "inconclusive"}}}
+    assert run_all.held(was, was) == "held"
+    again = {"terms": {"a": {"verdict": "reproduced"}, "b": {"verdict": "contradicted"}}}
+    assert run_all.held(was, again) == "not held (b: inconclusive -> contradicted)"
+    assert run_all.held(was, {"terms": {"a": {"verdict": "reproduced"}}}) == \
+        "not held (b: inconclusive -> absent)"
+
+
+def test_a_measure_every_step_leaves_the_runs_own_steps_unchanged(tmp_path, monkeypatch):
+    """clip_higher's probe samples the policy after every step with seeds of its own: the run's
+    samples, rewards and updates are those of the same run without it."""
+    common = _common(monkeypatch)
+    from types import SimpleNamespace
+    from data import arith_heldout
+    args = SimpleNamespace(runs=tmp_path, fresh=False, tiny=True)
+    line = lambda out: ["--data", "arith", "--steps", "2", "--seed", "0", "--out",  # noqa: E731
+                        str(tmp_path / "x" / out), "--model", common.tiny_model(tmp_path),
+                        *common.TINY, "--eval-every", "0"]
+    probe = common.ProbeEntropy(arith_heldout(2), n=2, max_new_tokens=4)
+    plain = common.run_once("plain", "grpo", line("plain"), args)
+    probed = common.run_once("probed", "grpo", line("probed"), args, every_step=probe)
+    assert probed != plain  # (a run without the measure is not taken for one with it)
+    assert [s for s, _ in common.metric(probed, "probe_entropy")] == [1, 2]
+    same = ("reward", "accuracy", "completion_len", "loss", "grad_norm", "entropy_trained")
+    rows = [[{k: r[k] for k in same if k in r} for r in map(json.loads, (
+        f / "metrics.jsonl").read_text().splitlines())] for f in (plain, probed)]
+    assert rows[0] == rows[1]
+    assert common.run_once("again", "grpo", line("again"), args, every_step=probe) == probed
+
+
+# ---------------------------------------------------------------------------------------------
+# The statistics (experiments/common.py) against hand-computed values
+
+
+def _common(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import common
+    return common
+
+
+def test_final_averages_the_last_steps_by_number_and_leaves_a_seed_without_them_missing(
+        monkeypatch):
+    common = _common(monkeypatch)
+    # clip-higher's seed 2 of the old record: points at steps 4, 5, 12 (the steps that trained a
+    # token); the last 3 *steps* of 12 are 10-12, where it has one value
+    assert common.final([[(4, 0.9), (5, 0.6), (12, 0.3)]], steps=12) == [0.3]
+    assert common.final([[(9, 1.0), (10, 0.2), (11, 0.4), (12, 0.6)]], 12) == \
+        [pytest.approx(0.4)]
+    # a seed with no value after step 8 has none: missing, not step 8's
+    assert common.final([[(1, 0.5), (8, 0.25)], [(12, 0.1)]], 12) == [None, 0.1]
+    assert common.by_seed([0.5, None, 0.3], [0.25, 0.1, None]) == [0.25, None, None]
+
+
+def test_the_interval_is_students_t_over_the_seeds_that_have_a_value(monkeypatch):
+    common = _common(monkeypatch)
+    # 1, 2, 3: mean 2, sd 1, t(2) = 4.303: 2 +- 4.303 / sqrt(3) = 2 +- 2.4843
+    assert common.ci95([1.0, 2.0, 3.0]) == pytest.approx([2 - 2.48434, 2 + 2.48434], abs=1e-4)
+    # five seeds: t(4) = 2.776; 0, 1, 2, 3, 4: sd 1.5811, half 2.776 * 1.5811 / sqrt(5) = 1.9630
+    assert common.ci95([0.0, 1.0, 2.0, 3.0, 4.0]) == pytest.approx([2 - 1.96297, 2 + 1.96297],
+                                                                  abs=1e-4)
+    assert common.ci95([1.0, None, 3.0]) == pytest.approx([2 - 12.706, 2 + 12.706], abs=1e-3)
+    assert common.ci95([1.0]) is None and common.ci95([None, None]) is None
+    assert common.mean_spread([None, 1.0, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
+
+
+def test_the_verdict_follows_from_the_interval_the_sign_and_the_margin(monkeypatch):
+    verdict = _common(monkeypatch).verdict
+    assert verdict([0.1, 0.5], "positive") == "reproduced"
+    assert verdict([-0.5, -0.1], "positive") == "contradicted"
+    assert verdict([-0.5, -0.1], "negative") == "reproduced"
+    assert verdict([-0.1, 0.5], "positive") == "inconclusive"
+    assert verdict([-0.1, 0.5], "positive", margin=1.0) == "not at this scale"
+    assert verdict([-0.1, 0.5], "positive", margin=0.2) == "inconclusive"
+    assert verdict(None, "positive") == "inconclusive"
+    # a claim of no difference: within the margin, or wholly outside it
+    assert verdict([-0.05, 0.08], "none", margin=0.1) == "reproduced"
+    assert verdict([-0.09, 0.11], "none", margin=0.1) == "inconclusive"
+    assert verdict([0.12, 0.3], "none", margin=0.1) == "contradicted"
+    # a claim of no gain: below the margin, or wholly above it
+    assert verdict([-0.2, 0.04], "not positive", margin=0.05) == "reproduced"
+    assert verdict([0.06, 0.2], "not positive", margin=0.05) == "contradicted"
+    assert verdict([-0.1, 0.2], "not positive", margin=0.05) == "inconclusive"
+    for expect in ("none", "not positive"):
+        with pytest.raises(ValueError, match="margin"):
+            verdict([0.0, 0.1], expect)
+    with pytest.raises(ValueError, match="expect"):
+        verdict([0.0, 0.1], "up")
+
+
+def test_the_old_records_seeds_give_the_verdicts_the_issue_computed(monkeypatch):
+    term = _common(monkeypatch).term
+    # lenient verifier, +0.34 +- 0.29 over 3 seeds: the interval includes 0
+    lenient = term([0.23958, 0.66667, 0.11458], "positive", "share")
+    assert lenient["ci95"] == pytest.approx([-0.3788, 1.0594], abs=1e-3)
+    assert lenient["verdict"] == "inconclusive" and lenient["seeds_with_effect"] == 3
+    # one example, -0.003 +- 0.08: an interval +-0.2 wide cannot show equivalence within 0.1
+    one = term([0.09375, -0.0625, -0.0390625], "none", "gain", margin=0.1)
+    assert one["ci95"][0] < -0.1 < 0.1 < one["ci95"][1] and one["verdict"] == "inconclusive"
+    assert term([1.0, None], "positive", "x")["verdict"] == "inconclusive"  # one seed: no interval
+
+
+def test_steps_to_a_target_and_a_correlation(monkeypatch):
+    common = _common(monkeypatch)
+    steps_to = common.steps_to
+    series = [(1, 0.0), (2, 0.6), (3, 0.3), (4, 0.6), (5, 0.9)]
+    assert steps_to(series, 0.5) == 4  # (0.6 + 0.3 + 0.6) / 3 = 0.5 at step 4
+    assert steps_to(series, 0.95) is None
+    assert common.pearson([1, 2, 3], [2, 4, 6]) == pytest.approx(1.0)
+    assert common.pearson([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)  # cov 0.5 / (1 * 1)
+    assert common.pearson([1, 2], [1, 2]) is None and common.pearson([1, 2, 3], [5, 5, 5]) is None
+
+
+def test_the_length_bias_mechanism_sees_seq_mean_push_long_wrong_answers_down_less(
+        tmp_path, monkeypatch):
+    """length_bias.one_update_shift on one batch (the tiny model, two groups of 8, one right
+    answer each, wrong ones of 2 to 48 tokens): after one update by seq-mean, a wrong answer's
+    change of log-prob per token rises with its length (it is pushed down less); by seq-sum-norm
+    it does not, and token-mean's changes are seq-sum-norm's scaled (both a fixed denominator)."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import torch
+    import length_bias
+    from common import pearson, tiny_model
+    from grpo import group_advantages
+    torch.manual_seed(0)
+    lens = [2, 4, 8, 16, 24, 32, 40, 48] * 2
+    completions = [torch.randint(100, 5000, (n,)).tolist() for n in lens]
+    rewards = torch.tensor([1.0] + [0.0] * 14 + [1.0])
+    advantages = group_advantages(rewards, 8)
+    wrong = [i for i in range(16) if rewards[i] == 0]
+    shifts = {agg: length_bias.one_update_shift(tiny_model(tmp_path), [[1, 2, 3, 4, 5]] * 16,
+                                                completions, advantages, agg, 1.0, 48)
+              for agg in ("seq-mean", "seq-sum-norm", "token-mean")}
+    corr = {agg: pearson([lens[i] for i in wrong], [float(s[i]) for i in wrong])
+            for agg, s in shifts.items()}
+    assert corr["seq-mean"] > 0.3 > abs(corr["seq-sum-norm"])
+    assert corr["token-mean"] == pytest.approx(corr["seq-sum-norm"], abs=0.01)
+
+
+def test_the_random_reward_is_a_fair_draw_not_a_function_of_the_text(monkeypatch):
+    """spurious_rewards' control: the same text gets 0 or 1 at random, half the time each (a
+    hash of the text, as it was, gives the same text the same reward -- learnable)."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import torch
+    import spurious_rewards
+    torch.manual_seed(0)
+    rewards = spurious_rewards.random_reward(prompts=None, completions=["The answer is 5."] * 400)
+    assert set(rewards) == {0.0, 1.0} and 0.45 < sum(rewards) / 400 < 0.55
+    torch.manual_seed(0)  # (the engine seeds torch's generator every step: reproducible)
+    assert spurious_rewards.random_reward(prompts=None, completions=["x"] * 400) == rewards

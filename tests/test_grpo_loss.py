@@ -390,3 +390,34 @@ def test_surrogate_options_are_checked():
         Config(surrogate="sapo", sapo_tau_neg=0.0)
     with pytest.raises(SystemExit, match="--surrogate sapo weighs each token by its own ratio"):
         Config(surrogate="sapo", ratio_level="sequence")
+
+
+def test_reinforce_keeps_only_the_advantages_of_one_sign():
+    # Zhu et al. 2025: PSR trains on the samples above their group's mean only, NSR on those below.
+    # Group (1, 0, 0, 1): advantages (+a, -a, -a, +a), a = 0.5 / std = 0.5 / sqrt(1/3) = 0.866.
+    from grpo import keep_sign
+    a = 0.5 / math.sqrt(1 / 3)
+    adv = torch.tensor([a, -a, -a, a])
+    assert keep_sign(adv, "all").tolist() == pytest.approx([a, -a, -a, a], rel=1e-6)
+    assert keep_sign(adv, "positive").tolist() == pytest.approx([a, 0, 0, a], rel=1e-6)
+    assert keep_sign(adv, "negative").tolist() == pytest.approx([0, -a, -a, 0], rel=1e-6)
+    with pytest.raises(ValueError, match="reinforce"):
+        keep_sign(adv, "both")
+    assert Config(reinforce="negative").reinforce == "negative"
+
+
+def test_the_loss_with_reinforce_trains_only_that_signs_samples():
+    # On-policy (ratio 1), token-mean over 4 sequences of 2 tokens: the gradient of a token's
+    # log-prob is -A / 8 where the sample is kept, exactly 0 where it is not.
+    from grpo import keep_sign
+    a = 0.5 / math.sqrt(1 / 3)
+    adv = torch.tensor([a, -a, -a, a])
+    lp = torch.tensor([[-1.0, -0.5], [-2.0, -0.1], [-0.3, -0.7], [-1.2, -0.4]],
+                      requires_grad=True)
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    for which, kept in (("positive", [a, 0, 0, a]), ("negative", [0, -a, -a, 0])):
+        lp.grad = None
+        loss, _ = grpo_loss(lp, lp.detach(), None, keep_sign(adv, which), mask)
+        loss.backward()
+        assert lp.grad.flatten().tolist() == pytest.approx([-k / 8 for k in kept for _ in range(2)],
+                                                           rel=1e-5)
