@@ -611,23 +611,27 @@ def held_out_html(evals: list[dict]) -> str:
                 f'{mark(after[k])}</b> {html.escape(new)}</div></td></tr>')
     texts = [[text_of(before[k].get("problem") or k[0]), text_of(before[k].get("answer")),
               before[k]["completion"], after[k]["completion"]] for k in keys]
+    changed = sum(right(before[k]) != right(after[k]) for k in keys)
+    acc = lambda side: sum(right(side[k]) for k in keys) / max(len(keys), 1)  # noqa: E731
+    head = (f'<p>{len(keys)} problems; correct {acc(before):.1%} at step {first}, {acc(after):.1%} '
+            f'at step {last}; {changed} changed (first in the table).</p>')
+    table = (f'<div class="scroll"><table id="heldout-table"><tr><th>problem</th>'
+             f'<th>step {first}</th><th>step {last}</th></tr>')
+
+    def note(n: int, cut: int) -> str:
+        left = [f"{cut:,} texts shortened where marked"] if cut else []
+        left += [f"{len(keys) - n:,} problems left out (the last in this order)"] \
+            if n < len(keys) else []
+        return (f'<p class="kept">The page keeps {HELDOUT_BUDGET / 1e6:g} MB of them: '
+                f'{", ".join(left)}; rollouts.jsonl has every one.</p>') if left else ""
     units = [(size_of(row(k, "", "", "", "")), [html_size(t) for t in cells])
              for k, cells in zip(keys, texts)]
-    n, cap = fit(units, HELDOUT_BUDGET - 2_000)  # (2,000: the table's head and what it says)
+    most = size_of(head + note(len(keys) - 1, 4 * len(keys)) + table + "</table></div>")
+    n, cap = fit(units, HELDOUT_BUDGET - most)  # (most: all but the rows, steps of any length)
     rows = [row(k, *(clip(t, cap, html_size) for t in cells))
             for k, cells in zip(keys[:n], texts)]
     cut = sum(size > cap for _, sizes in units[:n] for size in sizes)
-    changed = sum(right(before[k]) != right(after[k]) for k in keys)
-    acc = lambda side: sum(right(side[k]) for k in keys) / max(len(keys), 1)  # noqa: E731
-    left = [f"{cut:,} texts shortened where marked"] if cut else []
-    left += [f"{len(keys) - n:,} problems left out (the last in this order)"] if n < len(keys) \
-        else []
-    left = (f'<p class="kept">The page keeps {HELDOUT_BUDGET / 1e6:g} MB of them: '
-            f'{", ".join(left)}; rollouts.jsonl has every one.</p>') if left else ""
-    return (f'<p>{len(keys)} problems; correct {acc(before):.1%} at step {first}, {acc(after):.1%} '
-            f'at step {last}; {changed} changed (first in the table).</p>{left}'
-            f'<div class="scroll"><table id="heldout-table"><tr><th>problem</th>'
-            f'<th>step {first}</th><th>step {last}</th></tr>{"".join(rows)}</table></div>')
+    return f'{head}{note(n, cut)}{table}{"".join(rows)}</table></div>'
 
 
 def table_html(d: dict, source: str) -> str:

@@ -681,3 +681,18 @@ def test_a_picture_that_fails_on_what_a_log_holds_warns_in_one_printable_line(ca
     said = capsys.readouterr().out
     assert said.count("\n") == 1 and said.strip().isprintable()
     assert "\\x1b]52;c;ZWNobyBwd25lZA==\\x07reward" in said
+
+
+def test_the_held_out_table_counts_its_head_in_its_budget(tmp_path, monkeypatch):
+    """The table's head and its summary say the first and the last step -- four times numbers of
+    up to 4,300 digits (json reads that many) -- within HELDOUT_BUDGET too (they were outside
+    it: 14 kB past a full table)."""
+    report = _budgets(monkeypatch)
+    steps = (10 ** 4000, 10 ** 4000 + 1)
+    out = _folder(tmp_path, [{"step": 1, "reward": 0.5}],
+                  [_eval(s, i, problem="p" * 2_000, completion="x" * 2_000)
+                   for s in steps for i in range(40)])
+    report.write_report(out)
+    heldout = _section((out / "report.html").read_text(), "heldout")
+    assert len(heldout.encode()) <= report.HELDOUT_BUDGET + 100  # (+ its heading)
+    assert "problems left out" in heldout
