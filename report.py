@@ -198,7 +198,9 @@ def svg_lines(series: list[tuple[str, list]], title: str, width=330, height=190)
     x1 = x1 if x1 > x0 else x0 + 1
     left, top, right, bottom = 42, 22, width - 8, height - 40
     half = y1 / 2 - y0 / 2  # (halves: y1 - y0 may overflow)
-    sx = lambda x: left + (x - x0) / (x1 - x0) * (right - left)  # noqa: E731
+    wide = x1 - x0 == math.inf  # (steps -1e308 to 1e308: halves; a tiny span's halves round to 0)
+    sx = lambda x: left + ((x / 2 - x0 / 2) / (x1 / 2 - x0 / 2) if wide else  # noqa: E731
+                           (x - x0) / (x1 - x0)) * (right - left)
     sy = lambda y: bottom - (y / 2 - y0 / 2) / half * (bottom - top)  # noqa: E731
     parts = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" '
              f'aria-label="{html.escape(title)}">',

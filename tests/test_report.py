@@ -323,6 +323,18 @@ def test_svg_chart_draws_any_value_a_metric_can_hold(name):
             assert 42 <= x <= 322 and 22 <= y <= 150, (name, point)
 
 
+
+@pytest.mark.parametrize("steps", [[-1.7e308, 0.0, 1.7e308], [0.0, 5e-324], [1e308, 1.7e308]])
+def test_svg_chart_draws_any_step_a_metric_can_hold(steps):
+    """Steps a crafted metrics.jsonl holds -- any finite number -- drawn inside the frame too (the
+    last step less the first overflowed to inf: every point NaN, an SVG error in the browser)."""
+    from report import svg_chart
+    svg = svg_chart([{"step": s, "reward": i} for i, s in enumerate(steps)], ("reward",), "r")
+    assert "nan" not in svg.lower()
+    for point in re.search(r'points="([^"]*)"', svg)[1].split():
+        x, y = map(float, point.split(","))
+        assert 42 <= x <= 322 and 22 <= y <= 150, (steps, point)
+
 def _figure_of(plot, monkeypatch):
     """The matplotlib figure plot() saves."""
     from matplotlib.figure import Figure
