@@ -279,6 +279,8 @@ STEP_BUDGET = DATA_BUDGET // 4  # one step's most: past it, its texts are shorte
 HELDOUT_BUDGET = 4_000_000  # the held-out table
 CURVES_BUDGET = 3_000_000  # the charts of any metric
 TABLE_BUDGET = 200_000  # the config's table, and the machine's
+STEP_TOKENS = 200_000  # a step's most tokens shown one by one: a span each, drawn whenever a
+# step or a colouring is chosen (a million took 11 s to open)
 MIN_TEXT = 400  # the least a shortened text keeps (its mark included) before samples go
 NAME = 200  # characters of a name shown (a metric's, a reward source's, the title's parts)
 
@@ -480,6 +482,27 @@ GROUP_TEXTS = ("prompt", "template", "answer")
 TOKEN_FIELDS = ("pieces", "series", "mask")
 
 
+def drawn_tokens(entry: dict) -> dict:
+    """A step's entry whose samples show STEP_TOKENS tokens one by one at most, the first in the
+    page's order; the samples past them as plain text, and a note that says how many."""
+    groups, shown, plain = [], 0, 0
+    for g in entry["groups"]:
+        samples = []
+        for x in g["samples"]:
+            shown += len(x.get("pieces", ()))
+            if "pieces" in x and shown > STEP_TOKENS:
+                x, plain = {k: v for k, v in x.items() if k not in TOKEN_FIELDS}, plain + 1
+            samples.append(x)
+        groups.append({**g, "samples": samples})
+    if not plain:
+        return entry
+    total = sum(len(g["samples"]) for g in groups)
+    return {**entry, "groups": groups,
+            "note": f"This step holds more tokens than the page draws one by one "
+                    f"({STEP_TOKENS:,}): {plain:,} of its {total:,} samples shown as plain text; "
+                    f"rollouts.jsonl has every token."}
+
+
 def fit_step(entry: dict, budget: int) -> dict:
     """A step's entry in at most `budget` bytes of the page: whole where it fits; else without
     its token colours, its longest texts cut to one length where marked, and -- where even
@@ -573,7 +596,7 @@ def read_samples(path, said=print) -> tuple[list[dict], list[dict], str]:
             if r["kind"] == "train" and r["step"] in views:
                 views[r["step"]].append((r["group"], *sample_view(r)))
     for s in kept:
-        entry = fit_step(step_entry(s, views.pop(s)), most - 1)  # (- its comma)
+        entry = fit_step(drawn_tokens(step_entry(s, views.pop(s))), most - 1)  # (- its comma)
         size = json_size(entry) + 1
         if used + size <= DATA_BUDGET:  # (always, by the sizes steps_kept took: upper bounds)
             steps.append(entry)
@@ -586,8 +609,8 @@ def read_samples(path, said=print) -> tuple[list[dict], list[dict], str]:
                      f"holds every sample.")
     if any("note" in s for s in steps):
         lines.append(f"Steps whose samples pass {STEP_BUDGET / 1e6:g} MB show no token colours, "
-                     f"and where that is not enough, texts shortened where marked (each such "
-                     f"step says so).")
+                     f"and where that is not enough, texts shortened where marked; steps of more "
+                     f"than {STEP_TOKENS:,} tokens colour their first (each such step says so).")
     evals = first + (last if last and last[0]["step"] != first[0]["step"] else [])
     return steps, evals, " ".join(lines)
 

@@ -708,3 +708,20 @@ def test_the_held_out_table_counts_its_head_in_its_budget(tmp_path, monkeypatch)
     heldout = _section((out / "report.html").read_text(), "heldout")
     assert len(heldout.encode()) <= report.HELDOUT_BUDGET + 100  # (+ its heading)
     assert "problems left out" in heldout
+
+
+def test_a_step_of_more_tokens_than_a_browser_draws_quickly_colours_its_first(tmp_path):
+    """Past 200,000 tokens a step, the samples after them show as plain text and the step says
+    so: the browser draws a span a token, each time a step or a colouring is chosen (a million
+    tokens, pieces only, took 11 s to open; three million, cheapest as empty pieces and well
+    within a step's 10 MB, 66 s)."""
+    from report import write_report
+    records = [_sample(1, i, completion_ids=[4] * 50_000,
+                       tokens={"pieces": ["a"] * 50_000}) for i in range(8)]
+    out = _folder(tmp_path, [{"step": 1, "reward": 0.5}], records)
+    write_report(out)
+    step = _page_data(out)["steps"][0]
+    samples = [x for g in step["groups"] for x in g["samples"]]
+    assert [len(x.get("pieces", [])) for x in samples] == [50_000] * 4 + [0] * 4
+    assert all(x["text"] == "ok" for x in samples)
+    assert "4 of its 8 samples shown as plain text" in step["note"]
