@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data import escaped
 from model import full_optimizer_state, full_state_dict, is_lora, load_optimizer_state
 from model import save_model
 
@@ -113,16 +114,18 @@ def claim_checkpoints(out: Path, resume_dir: str = "") -> str:
         names = ", ".join(p.name for p in foreign)
         how = "continue that run with --resume auto" if not resume_dir else \
             f"resume {resume_dir} into an --out of its own"
-        raise SystemExit(f"error: {out / 'checkpoints'} holds another run's checkpoints ({names}):"
-                         f" {how}, or choose another --out (nothing was changed)")
+        raise SystemExit(escaped(f"error: {out / 'checkpoints'} holds another run's checkpoints "
+                                 f"({names}): {how}, or choose another --out (nothing was "
+                                 f"changed)"))
     later = [p for p in found if resume_dir and _step_of(p) > _step_of(Path(resume_dir))
              and p.resolve() != Path(resume_dir).resolve()]
     if not later:
         return ""
     aside = move_aside(later, out / "checkpoints" / "superseded")
-    return (f"resuming from {Path(resume_dir).name}: this run's later checkpoints "
-            f"({', '.join(p.name for p in later)}) are another branch of it now, moved whole to "
-            f"{aside} (--resume auto will not pick them; --resume {aside}/{later[-1].name} would)")
+    return escaped(f"resuming from {Path(resume_dir).name}: this run's later checkpoints "
+                   f"({', '.join(p.name for p in later)}) are another branch of it now, moved "
+                   f"whole to {aside} (--resume auto will not pick them; --resume "
+                   f"{aside}/{later[-1].name} would)")
 
 
 def move_aside(paths: list[Path], superseded: Path) -> Path:
@@ -170,8 +173,10 @@ def find_checkpoint(out: Path, resume: str) -> str:
             with safe_open(weights, "pt") as f:
                 f.keys()
         except Exception as e:
-            raise SystemExit(f"error: checkpoint {folder}: {weights.name} is damaged ({e}); "
-                             f"resume from another checkpoint with --resume PATH") from None
+            # (escaped: safetensors quotes the header, and a checkpoint may be someone else's)
+            raise SystemExit(escaped(f"error: checkpoint {folder}: {weights.name} is damaged "
+                                     f"({e}); resume from another checkpoint with --resume "
+                                     f"PATH")) from None
     return str(folder)
 
 
@@ -184,10 +189,11 @@ def load_state(path, mmap: bool = False) -> dict:
     except Exception as e:
         others = sorted(p.name for p in path.parent.parent.glob("step_*") if p != path.parent)
         hint = f" (others there: {', '.join(others)})" if others else ""
-        raise SystemExit(f"error: checkpoint {path.parent}: {path.name} cannot be loaded safely "
-                         f"({type(e).__name__}): it is damaged, or holds more than tensors and "
-                         f"plain data, which smolrl never unpickles. Resume from another "
-                         f"checkpoint with --resume PATH{hint}.") from None
+        raise SystemExit(escaped(f"error: checkpoint {path.parent}: {path.name} cannot be "
+                                 f"loaded safely ({type(e).__name__}): it is damaged, or holds "
+                                 f"more than tensors and plain data, which smolrl never "
+                                 f"unpickles. Resume from another checkpoint with --resume "
+                                 f"PATH{hint}.")) from None
 
 
 def _step_of(path: Path) -> int:

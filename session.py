@@ -106,9 +106,9 @@ def supersede(out: Path) -> str:
     if not found:
         return ""
     aside = move_aside(found, out / "superseded")
-    return (f"{out} held an earlier run: its {', '.join(p.name for p in found)} are moved whole "
-            f"to {aside} (delete it when you no longer need it; --resume continues a run "
-            f"instead)")
+    return escaped(f"{out} held an earlier run: its {', '.join(p.name for p in found)} are "
+                   f"moved whole to {aside} (delete it when you no longer need it; --resume "
+                   f"continues a run instead)")  # (escaped: any name a folder holds)
 
 
 def resume_driver(folder: RunFolder):
