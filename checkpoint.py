@@ -32,6 +32,7 @@ import torch
 from data import escaped
 from model import full_optimizer_state, full_state_dict, is_lora, load_optimizer_state
 from model import save_model
+from rollout_log import DamagedLog, json_lines
 
 
 def save_trainer_state(folder, model, tokenizer, optimizer, scheduler, writer: bool = True):
@@ -94,10 +95,22 @@ def load_driver_state(folder) -> DriverState:
     random.setstate(state["python_rng"])
     kind, keys, *rest = state["numpy_rng"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), *rest))
-    history = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    history = saved_history(folder)
     # (a checkpoint from before run ids: the resumed run takes a new one)
     return DriverState(state["step"], state["consumed"], history,
                        state.get("run_id") or uuid.uuid4().hex, resumed_from=str(folder))
+
+
+def saved_history(folder) -> list[dict]:
+    """A checkpoint's metrics.jsonl, the run's records so far; damage stops the run in one line
+    that names the file and the line (a checkpoint may be someone else's)."""
+    path = Path(folder) / "metrics.jsonl"
+    try:
+        return [r for _, _, r in json_lines(path, said=lambda _: None)]
+    except (DamagedLog, OSError) as e:
+        why = e if isinstance(e, DamagedLog) else f"{path}: {e.strerror}"
+        raise SystemExit(f"error: checkpoint {folder}: {why}; resume from another checkpoint "
+                         f"with --resume PATH") from None
 
 
 def claim_checkpoints(out: Path, resume_dir: str = "") -> str:
@@ -167,6 +180,7 @@ def find_checkpoint(out: Path, resume: str) -> str:
         folder = max(found, key=_step_of)
     for name in ("driver_state.pt", "trainer_state.pt"):
         load_state(folder / name, mmap=True)  # reads the structure, not gigabytes of tensors
+    saved_history(folder)
     from safetensors import safe_open
     for weights in folder.glob("*.safetensors"):
         try:

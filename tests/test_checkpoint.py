@@ -193,6 +193,24 @@ def test_a_crafted_checkpoint_is_named_in_one_printable_line(tmp_path):
     moved = supersede(tmp_path)
     assert "moved whole" in moved and "\\x1b]52;c;" in moved and moved.isprintable()
 
+
+@pytest.mark.parametrize("damage, said", [
+    (b'{"step": 1}\n{"step" 2}\n', "line 2: not JSON (Expecting ':' delimiter, column 9)"),
+    (b"\xff\n", "line 1: not UTF-8 (byte 0xff at offset 0)"),
+    (b"[1]\n", "line 1: not a JSON object")])
+def test_a_checkpoint_with_a_damaged_metrics_log_is_named_before_anything_loads(
+        tmp_path, damage, said):
+    """A checkpoint's metrics.jsonl (the run's history it resumes with) is checked with its other
+    files: damage is one line naming it (it was JSONDecodeError's or UnicodeDecodeError's
+    traceback once the reward models had loaded; a list was taken as a step's record)."""
+    _fake_checkpoints(tmp_path, [1], keep_last=0)
+    log = tmp_path / "checkpoints/step_1/metrics.jsonl"
+    log.write_bytes(damage)
+    with pytest.raises(SystemExit) as stop:
+        find_checkpoint(tmp_path, "auto")
+    assert str(stop.value).startswith(f"error: checkpoint {log.parent}: {log}, {said}; "), \
+        str(stop.value)
+
 class _Exploit:
     def __init__(self, marker):
         self.marker = marker
