@@ -725,7 +725,9 @@ def write_report(out) -> Path:
 
 def read_object(path: Path) -> dict:
     """A JSON object from a file the report shows (a config, machine.json); {} where it is
-    missing or is no JSON object."""
+    missing, no file (a FIFO would be waited on forever) or no JSON object."""
+    if not path.is_file():
+        return {}
     try:
         found = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError):

@@ -725,3 +725,28 @@ def test_a_step_of_more_tokens_than_a_browser_draws_quickly_colours_its_first(tm
     assert [len(x.get("pieces", [])) for x in samples] == [50_000] * 4 + [0] * 4
     assert all(x["text"] == "ok" for x in samples)
     assert "4 of its 8 samples shown as plain text" in step["note"]
+
+
+def test_a_fifo_where_the_config_or_machine_json_lies_is_not_read(tmp_path):
+    """A run folder someone shared (a tarball keeps FIFOs) with a FIFO for machine.json or
+    grpo_config.json: the page is written without them (report.py waited for a writer forever)."""
+    import os
+    import signal
+    from report import write_report
+    out = _folder(tmp_path, [{"step": 1, "reward": 0.5}], [_sample(1, 0)])
+    os.mkfifo(out / "machine.json")
+    os.mkfifo(out / "grpo_config.json")
+
+    class Hung(Exception):  # (no OSError: read_object takes those)
+        pass
+
+    def hung(*_):
+        raise Hung("write_report waited on a FIFO")
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        write_report(out)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert "Config and machine" in (out / "report.html").read_text()
