@@ -195,7 +195,8 @@ def svg_lines(series: list[tuple[str, list]], title: str, width=330, height=190)
     xs = [x for _, p in series for x, _ in p]
     x0, x1 = min(xs), max(xs)
     y0, y1 = y_range([y for _, p in series for _, y in p])
-    x1 = x1 if x1 > x0 else x0 + 1
+    # (one step: a step's room; past 2**53, where x0 + 1 == x0, a band around it as for y)
+    x0, x1 = (x0, x1) if x1 > x0 else (x0, x0 + 1) if x0 + 1 > x0 else y_range([x0])
     left, top, right, bottom = 42, 22, width - 8, height - 40
     half = y1 / 2 - y0 / 2  # (halves: y1 - y0 may overflow)
     wide = x1 - x0 == math.inf  # (steps -1e308 to 1e308: halves; a tiny span's halves round to 0)

@@ -324,10 +324,12 @@ def test_svg_chart_draws_any_value_a_metric_can_hold(name):
 
 
 
-@pytest.mark.parametrize("steps", [[-1.7e308, 0.0, 1.7e308], [0.0, 5e-324], [1e308, 1.7e308]])
+@pytest.mark.parametrize("steps", [[-1.7e308, 0.0, 1.7e308], [0.0, 5e-324], [1e308, 1.7e308],
+                                   [1e17], [1.7976931348623157e308]])
 def test_svg_chart_draws_any_step_a_metric_can_hold(steps):
     """Steps a crafted metrics.jsonl holds -- any finite number -- drawn inside the frame too (the
-    last step less the first overflowed to inf: every point NaN, an SVG error in the browser)."""
+    last step less the first overflowed to inf: every point NaN, an SVG error in the browser; one
+    step past 2**53, where step + 1 == step, was ZeroDivisionError)."""
     from report import svg_chart
     svg = svg_chart([{"step": s, "reward": i} for i, s in enumerate(steps)], ("reward",), "r")
     assert "nan" not in svg.lower()
