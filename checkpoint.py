@@ -41,8 +41,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data import escaped
 from model import full_optimizer_state, full_state_dict, is_lora, load_optimizer_state
 from model import save_model
+from rollout_log import DamagedLog, json_lines
 
 
 def save_trainer_state(folder, model, tokenizer, optimizer, scheduler, writer: bool = True):
@@ -131,14 +133,8 @@ def read_driver_state(folder) -> tuple[dict, list[dict]]:
         _refuse(folder, "driver_state.pt: numpy_rng is not a state of numpy's random")
     if not (folder / "metrics.jsonl").is_file():
         _refuse(folder, "no metrics.jsonl (the run so far)")
-    history = []
-    for n, line in enumerate((folder / "metrics.jsonl").read_bytes().splitlines(), start=1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            record = None
-        if not isinstance(record, dict):
-            _refuse(folder, f"metrics.jsonl, line {n}: not a JSON object")
+    history = saved_history(folder)
+    for n, record in enumerate(history, start=1):
         if not _count(record.get("step")):
             _refuse(folder, f"metrics.jsonl, line {n}: no step")
         if record["step"] > state["step"]:
@@ -159,13 +155,26 @@ def _numpy_state(saved) -> tuple:
 
 
 def _refuse(folder: Path, what: str):
-    raise SystemExit(f"error: checkpoint {folder}: {what}; it is damaged, or not smolrl's: "
-                     f"resume from another checkpoint with --resume PATH{_others(folder)}")
+    raise SystemExit(escaped(f"error: checkpoint {folder}: {what}; it is damaged, or not "
+                             f"smolrl's: resume from another checkpoint with --resume "
+                             f"PATH{_others(folder)}"))
 
 
 def _others(folder: Path) -> str:
     others = sorted(p.name for p in folder.parent.glob("step_*") if p != folder)
     return f" (others there: {', '.join(others)})" if others else ""
+
+
+def saved_history(folder) -> list[dict]:
+    """A checkpoint's metrics.jsonl, the run's records so far; damage stops the run in one line
+    that names the file and the line (a checkpoint may be someone else's)."""
+    path = Path(folder) / "metrics.jsonl"
+    try:
+        return [r for _, _, r in json_lines(path, said=lambda _: None)]
+    except (DamagedLog, OSError) as e:
+        why = e if isinstance(e, DamagedLog) else f"{path}: {e.strerror}"
+        raise SystemExit(f"error: checkpoint {folder}: {why}; resume from another checkpoint "
+                         f"with --resume PATH") from None
 
 
 def claim_checkpoints(out: Path, resume_dir: str = "") -> list[Path]:
@@ -182,8 +191,9 @@ def claim_checkpoints(out: Path, resume_dir: str = "") -> list[Path]:
         names = ", ".join(p.name for p in foreign)
         how = "continue that run with --resume auto" if not resume_dir else \
             f"resume {resume_dir} into an --out of its own"
-        raise SystemExit(f"error: {out / 'checkpoints'} holds another run's checkpoints ({names}):"
-                         f" {how}, or choose another --out (nothing was changed)")
+        raise SystemExit(escaped(f"error: {out / 'checkpoints'} holds another run's checkpoints "
+                                 f"({names}): {how}, or choose another --out (nothing was "
+                                 f"changed)"))
     if not resume_dir or not in_checkpoints(out, resume_dir):
         return []
     return [p for p in found if _step_of(p) > checkpoint_step(resume_dir)]
@@ -231,8 +241,10 @@ def find_checkpoint(out: Path, resume: str) -> str:
             with safe_open(weights, "pt") as f:
                 f.keys()
         except Exception as e:
-            raise SystemExit(f"error: checkpoint {folder}: {weights.name} is damaged ({e}); "
-                             f"resume from another checkpoint with --resume PATH") from None
+            # (escaped: safetensors quotes the header, and a checkpoint may be someone else's)
+            raise SystemExit(escaped(f"error: checkpoint {folder}: {weights.name} is damaged "
+                                     f"({e}); resume from another checkpoint with --resume "
+                                     f"PATH")) from None
     return str(folder)
 
 
@@ -243,10 +255,11 @@ def load_state(path, mmap: bool = False) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
-        raise SystemExit(f"error: checkpoint {path.parent}: {path.name} cannot be loaded safely "
-                         f"({type(e).__name__}): it is damaged, or holds more than tensors and "
-                         f"plain data, which smolrl never unpickles. Resume from another "
-                         f"checkpoint with --resume PATH{_others(path.parent)}.") from None
+        raise SystemExit(escaped(f"error: checkpoint {path.parent}: {path.name} cannot be "
+                                 f"loaded safely ({type(e).__name__}): it is damaged, or holds "
+                                 f"more than tensors and plain data, which smolrl never "
+                                 f"unpickles. Resume from another checkpoint with --resume "
+                                 f"PATH{_others(path.parent)}.")) from None
 
 
 def checkpoint_step(folder) -> int:

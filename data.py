@@ -13,6 +13,7 @@ import argparse
 import ast
 import csv
 import inspect
+import io
 import itertools
 import json
 import random
@@ -433,24 +434,46 @@ def load_table(source: str, split: str = "") -> list[dict]:
             rows = _parquet_rows(path, source)
         elif path.suffix == ".csv":
             rows = _csv_rows(path, source)
-        elif path.suffix == ".json" and path.read_text().lstrip().startswith("["):
+        elif path.suffix == ".json" and _text(path, source).lstrip().startswith("["):
             try:
-                rows = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise InputError(f"{source}: not valid JSON ({e.msg}, line {e.lineno})") from None
+                rows = json.loads(_text(path, source))
+            except (ValueError, RecursionError) as e:
+                why = f"{e.msg}, line {e.lineno}" if isinstance(e, json.JSONDecodeError) else \
+                    _unreadable(e)
+                raise InputError(f"{source}: not valid JSON ({why})") from None
         else:
             rows = []
-            for i, line in enumerate(path.read_text().splitlines(), start=1):
+            # (lines end at "\n" alone: a string may hold U+2028 or NEL, where splitlines cuts)
+            for i, line in enumerate(_text(path, source).split("\n"), start=1):
                 if not line.strip():
                     continue
                 try:
                     rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{source}: line {i} is not valid JSON ({e.msg})") from None
+                except (ValueError, RecursionError) as e:
+                    why = e.msg if isinstance(e, json.JSONDecodeError) else _unreadable(e)
+                    raise InputError(f"{source}: line {i} is not valid JSON ({why})") from None
         if not rows:
             raise InputError(f"{source}: no rows")
         return rows
     return _load_hub(source, split)
+
+
+def _text(path: Path, source: str) -> str:
+    """A data file's text, UTF-8 (a byte-order mark left out); one line naming the line where its
+    bytes are not UTF-8 (a CSV saved as Latin-1)."""
+    data = path.read_bytes().removeprefix(b"\xef\xbb\xbf")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise InputError(f"{source}: line {line} is not UTF-8 (byte 0x{data[e.start]:02x}); save "
+                         f"it as UTF-8") from None
+
+
+def _unreadable(e: Exception) -> str:
+    """Why json.loads could not read valid JSON: a number past Python's 4,300 digits, or arrays
+    nested deeper than its recursion goes."""
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0]
 
 
 def _parquet_rows(path: Path, source: str) -> list[dict]:
@@ -467,7 +490,7 @@ def _csv_rows(path: Path, source: str) -> list[dict]:
     """A CSV file's rows; one line naming the row where csv cannot read one (a field longer than
     csv's limit -- often an unclosed quote that swallowed the rest of the file -- or a NUL byte)."""
     rows = []
-    with open(path, newline="") as f:
+    with io.StringIO(_text(path, source), newline="") as f:
         try:
             for row in csv.DictReader(f):
                 rows.append(row)  # row i of the error messages is data row i

@@ -88,7 +88,7 @@ def _declared_tools(value, where: str) -> list[dict] | None:
         return None
     try:
         tools = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # (also a number past 4,300 digits, too deep a nesting)
         raise InputError(f"{where} is not valid JSON") from None
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and isinstance(t.get("function"), dict)
@@ -132,7 +132,7 @@ def _tool_call(call, where: str, tools: set[str]) -> dict:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # (also a number past 4,300 digits, too deep a nesting)
             arguments = None
     if not (isinstance(function, dict) and isinstance(function.get("name"), str)
             and isinstance(arguments, dict) and call.get("type", "function") == "function"):

@@ -221,6 +221,9 @@ def check_reward_head(name: str, flag: str, hint: str = "train one with rm.py") 
         missing = missing_head(path)
     except Exception as e:  # (a damaged weight file, a config transformers cannot read)
         why = (str(e).splitlines() or [""])[0][:200]
+        # (each character not printable escaped, as data.escaped does -- data imports this
+        # module --: the message may quote a weight file's header, and a folder may be anyone's)
+        why = "".join(c if c.isprintable() else repr(c)[1:-1] for c in why)
         raise SystemExit(f"error: {flag} {name}: its weights cannot be read "
                          f"({type(e).__name__}: {why})") from None
     if missing:

@@ -195,10 +195,13 @@ def svg_lines(series: list[tuple[str, list]], title: str, width=330, height=190)
     xs = [x for _, p in series for x, _ in p]
     x0, x1 = min(xs), max(xs)
     y0, y1 = y_range([y for _, p in series for _, y in p])
-    x1 = x1 if x1 > x0 else x0 + 1
+    # (one step: a step's room; past 2**53, where x0 + 1 == x0, a band around it as for y)
+    x0, x1 = (x0, x1) if x1 > x0 else (x0, x0 + 1) if x0 + 1 > x0 else y_range([x0])
     left, top, right, bottom = 42, 22, width - 8, height - 40
     half = y1 / 2 - y0 / 2  # (halves: y1 - y0 may overflow)
-    sx = lambda x: left + (x - x0) / (x1 - x0) * (right - left)  # noqa: E731
+    wide = x1 - x0 == math.inf  # (steps -1e308 to 1e308: halves; a tiny span's halves round to 0)
+    sx = lambda x: left + ((x / 2 - x0 / 2) / (x1 / 2 - x0 / 2) if wide else  # noqa: E731
+                           (x - x0) / (x1 - x0)) * (right - left)
     sy = lambda y: bottom - (y / 2 - y0 / 2) / half * (bottom - top)  # noqa: E731
     parts = [f'<svg class="chart" viewBox="0 0 {width} {height}" role="img" '
              f'aria-label="{html.escape(title)}">',
@@ -277,6 +280,8 @@ STEP_BUDGET = DATA_BUDGET // 4  # one step's most: past it, its texts are shorte
 HELDOUT_BUDGET = 4_000_000  # the held-out table
 CURVES_BUDGET = 3_000_000  # the charts of any metric
 TABLE_BUDGET = 200_000  # the config's table, and the machine's
+STEP_TOKENS = 200_000  # a step's most tokens shown one by one: a span each, drawn whenever a
+# step or a colouring is chosen (a million took 11 s to open)
 MIN_TEXT = 400  # the least a shortened text keeps (its mark included) before samples go
 NAME = 200  # characters of a name shown (a metric's, a reward source's, the title's parts)
 
@@ -478,6 +483,27 @@ GROUP_TEXTS = ("prompt", "template", "answer")
 TOKEN_FIELDS = ("pieces", "series", "mask")
 
 
+def drawn_tokens(entry: dict) -> dict:
+    """A step's entry whose samples show STEP_TOKENS tokens one by one at most, the first in the
+    page's order; the samples past them as plain text, and a note that says how many."""
+    groups, shown, plain = [], 0, 0
+    for g in entry["groups"]:
+        samples = []
+        for x in g["samples"]:
+            shown += len(x.get("pieces", ()))
+            if "pieces" in x and shown > STEP_TOKENS:
+                x, plain = {k: v for k, v in x.items() if k not in TOKEN_FIELDS}, plain + 1
+            samples.append(x)
+        groups.append({**g, "samples": samples})
+    if not plain:
+        return entry
+    total = sum(len(g["samples"]) for g in groups)
+    return {**entry, "groups": groups,
+            "note": f"This step holds more tokens than the page draws one by one "
+                    f"({STEP_TOKENS:,}): {plain:,} of its {total:,} samples shown as plain text; "
+                    f"rollouts.jsonl has every token."}
+
+
 def fit_step(entry: dict, budget: int) -> dict:
     """A step's entry in at most `budget` bytes of the page: whole where it fits; else without
     its token colours, its longest texts cut to one length where marked, and -- where even
@@ -571,7 +597,7 @@ def read_samples(path, said=print) -> tuple[list[dict], list[dict], str]:
             if r["kind"] == "train" and r["step"] in views:
                 views[r["step"]].append((r["group"], *sample_view(r)))
     for s in kept:
-        entry = fit_step(step_entry(s, views.pop(s)), most - 1)  # (- its comma)
+        entry = fit_step(drawn_tokens(step_entry(s, views.pop(s))), most - 1)  # (- its comma)
         size = json_size(entry) + 1
         if used + size <= DATA_BUDGET:  # (always, by the sizes steps_kept took: upper bounds)
             steps.append(entry)
@@ -584,8 +610,8 @@ def read_samples(path, said=print) -> tuple[list[dict], list[dict], str]:
                      f"holds every sample.")
     if any("note" in s for s in steps):
         lines.append(f"Steps whose samples pass {STEP_BUDGET / 1e6:g} MB show no token colours, "
-                     f"and where that is not enough, texts shortened where marked (each such "
-                     f"step says so).")
+                     f"and where that is not enough, texts shortened where marked; steps of more "
+                     f"than {STEP_TOKENS:,} tokens colour their first (each such step says so).")
     evals = first + (last if last and last[0]["step"] != first[0]["step"] else [])
     return steps, evals, " ".join(lines)
 
@@ -611,23 +637,27 @@ def held_out_html(evals: list[dict]) -> str:
                 f'{mark(after[k])}</b> {html.escape(new)}</div></td></tr>')
     texts = [[text_of(before[k].get("problem") or k[0]), text_of(before[k].get("answer")),
               before[k]["completion"], after[k]["completion"]] for k in keys]
+    changed = sum(right(before[k]) != right(after[k]) for k in keys)
+    acc = lambda side: sum(right(side[k]) for k in keys) / max(len(keys), 1)  # noqa: E731
+    head = (f'<p>{len(keys)} problems; correct {acc(before):.1%} at step {first}, {acc(after):.1%} '
+            f'at step {last}; {changed} changed (first in the table).</p>')
+    table = (f'<div class="scroll"><table id="heldout-table"><tr><th>problem</th>'
+             f'<th>step {first}</th><th>step {last}</th></tr>')
+
+    def note(n: int, cut: int) -> str:
+        left = [f"{cut:,} texts shortened where marked"] if cut else []
+        left += [f"{len(keys) - n:,} problems left out (the last in this order)"] \
+            if n < len(keys) else []
+        return (f'<p class="kept">The page keeps {HELDOUT_BUDGET / 1e6:g} MB of them: '
+                f'{", ".join(left)}; rollouts.jsonl has every one.</p>') if left else ""
     units = [(size_of(row(k, "", "", "", "")), [html_size(t) for t in cells])
              for k, cells in zip(keys, texts)]
-    n, cap = fit(units, HELDOUT_BUDGET - 2_000)  # (2,000: the table's head and what it says)
+    most = size_of(head + note(len(keys) - 1, 4 * len(keys)) + table + "</table></div>")
+    n, cap = fit(units, HELDOUT_BUDGET - most)  # (most: all but the rows, steps of any length)
     rows = [row(k, *(clip(t, cap, html_size) for t in cells))
             for k, cells in zip(keys[:n], texts)]
     cut = sum(size > cap for _, sizes in units[:n] for size in sizes)
-    changed = sum(right(before[k]) != right(after[k]) for k in keys)
-    acc = lambda side: sum(right(side[k]) for k in keys) / max(len(keys), 1)  # noqa: E731
-    left = [f"{cut:,} texts shortened where marked"] if cut else []
-    left += [f"{len(keys) - n:,} problems left out (the last in this order)"] if n < len(keys) \
-        else []
-    left = (f'<p class="kept">The page keeps {HELDOUT_BUDGET / 1e6:g} MB of them: '
-            f'{", ".join(left)}; rollouts.jsonl has every one.</p>') if left else ""
-    return (f'<p>{len(keys)} problems; correct {acc(before):.1%} at step {first}, {acc(after):.1%} '
-            f'at step {last}; {changed} changed (first in the table).</p>{left}'
-            f'<div class="scroll"><table id="heldout-table"><tr><th>problem</th>'
-            f'<th>step {first}</th><th>step {last}</th></tr>{"".join(rows)}</table></div>')
+    return f'{head}{note(n, cut)}{table}{"".join(rows)}</table></div>'
 
 
 def table_html(d: dict, source: str) -> str:
@@ -696,7 +726,9 @@ def write_report(out) -> Path:
 
 def read_object(path: Path) -> dict:
     """A JSON object from a file the report shows (a config, machine.json); {} where it is
-    missing or is no JSON object."""
+    missing, no file (a FIFO would be waited on forever) or no JSON object."""
+    if not path.is_file():
+        return {}
     try:
         found = json.loads(path.read_text())
     except (OSError, ValueError, RecursionError):

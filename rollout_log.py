@@ -188,18 +188,20 @@ class DamagedLog(Exception):
 def json_lines(path, said=print) -> Iterator[tuple[int, str, dict]]:
     """(line number, line, object) of each line of a JSON-lines file. A last line cut short (no
     newline, not JSON: a killed write, a full disk) is a crash remnant, no damage: left out, and
-    said(that); any other line that is not a JSON object stops here (DamagedLog)."""
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    said(that); any other line that is not a JSON object (nor UTF-8) stops here (DamagedLog)."""
+    with open(path, "rb") as f:  # (bytes: a line that is not UTF-8 is damage, named as any)
+        for n, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 r = json.loads(line)
-            except (ValueError, RecursionError) as e:
-                if not line.endswith("\n"):
+            except (ValueError, RecursionError) as e:  # (UnicodeDecodeError: a ValueError)
+                if not raw.endswith(b"\n"):
                     said(escaped(f"{path}, line {n}: cut short (a killed write): left out"))
                     return
-                raise DamagedLog(f"{path}, line {n}: not JSON ({_why(e)})") from None
+                what = "UTF-8" if isinstance(e, UnicodeDecodeError) else "JSON"
+                raise DamagedLog(f"{path}, line {n}: not {what} ({_why(e)})") from None
             if not isinstance(r, dict):
                 raise DamagedLog(f"{path}, line {n}: not a JSON object")
             yield n, line if line.endswith("\n") else line + "\n", r
@@ -207,7 +209,10 @@ def json_lines(path, said=print) -> Iterator[tuple[int, str, dict]]:
 
 def _why(e: Exception) -> str:
     """What json.loads found wrong with a line: a syntax error and where, or a number past
-    Python's 4,300 digits, or arrays or objects nested deeper than its recursion allows."""
+    Python's 4,300 digits, or arrays or objects nested deeper than its recursion allows; or the
+    first byte that is not UTF-8, and where."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"byte 0x{e.object[e.start]:02x} at offset {e.start}"
     if isinstance(e, json.JSONDecodeError):
         return f"{e.msg}, column {e.colno}"
     return "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0]

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from checkpoint import checkpoint_step, claim_checkpoints, in_checkpoints
+from data import escaped
 from model import DEFAULT_MODEL, default_model_folder
 from report import printable
 
@@ -148,7 +149,8 @@ def _holder(fd: int) -> str:
     text = os.pread(fd, 4096, 0)
     try:
         h = json.loads(text)
-        said = f"pid {h['pid']} on {h['host']}, since {h['since']}: {h['command'][:120]}"
+        said = escaped(f"pid {h['pid']} on {h['host']}, since {h['since']}: "
+                       f"{h['command'][:120]}")  # (a crafted lock file's text: escaped)
     except (ValueError, TypeError, KeyError):
         return "whose name is not written yet" if not text else "whose name cannot be read"
     if h["host"] == socket.gethostname() and not _alive(h["pid"]):

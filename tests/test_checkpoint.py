@@ -1,6 +1,7 @@
 """Checkpoints (checkpoint.py): exact resume, --keep-last, a kill during a save, --init-from,
 weights-only loading, damaged and crafted files."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,56 @@ def test_a_damaged_checkpoint_stops_a_run_before_its_models_load(tiny_model_dir,
         f"error: checkpoint {checkpoint}: metrics.jsonl, line 1: not a JSON object")
     assert "Loading weights" not in result.stderr
 
+
+OSC52 = "\x1b]52;c;ZWNobyBwd25lZA==\x07"  # a terminal's clipboard write
+
+
+def _crafted_weights(path, dtype: str):
+    """A safetensors file whose header names `dtype` (safetensors quotes it in its error)."""
+    import struct
+    header = json.dumps({"w": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}},
+                        ensure_ascii=False).encode()
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+
+
+def test_a_crafted_checkpoint_is_named_in_one_printable_line(tmp_path):
+    """What a checkpoint folder someone else made quotes -- a weight file's header, a folder's
+    or a file's name beside it -- reaches the refusal, and the line that says what a fresh run
+    moved aside, escaped: an escape sequence there (a clipboard write) shows as text, never
+    reaches the terminal as a command."""
+    from session import supersede
+    _fake_checkpoints(tmp_path, [1, 2], keep_last=0)
+    _crafted_weights(tmp_path / "checkpoints/step_2/model.safetensors", OSC52)
+    with pytest.raises(SystemExit) as stop:
+        find_checkpoint(tmp_path, "auto")
+    assert "model.safetensors is damaged" in str(stop.value)
+    assert "\\x1b]52;c;" in str(stop.value) and str(stop.value).isprintable()
+    (tmp_path / f"checkpoints/step_3{OSC52}").mkdir()
+    (tmp_path / "checkpoints/step_2/driver_state.pt").write_bytes(b"damaged")
+    with pytest.raises(SystemExit) as stop:
+        find_checkpoint(tmp_path, "auto")
+    assert "others there: " in str(stop.value) and str(stop.value).isprintable()
+    (tmp_path / f"{OSC52}_config.json").write_text("{}")
+    moved = supersede(tmp_path)
+    assert "moved whole" in moved and "\\x1b]52;c;" in moved and moved.isprintable()
+
+
+@pytest.mark.parametrize("damage, said", [
+    (b'{"step": 1}\n{"step" 2}\n', "line 2: not JSON (Expecting ':' delimiter, column 9)"),
+    (b"\xff\n", "line 1: not UTF-8 (byte 0xff at offset 0)"),
+    (b"[1]\n", "line 1: not a JSON object")])
+def test_a_checkpoint_with_a_damaged_metrics_log_is_named_before_anything_loads(
+        tmp_path, damage, said):
+    """A checkpoint's metrics.jsonl (the run's history it resumes with) is checked with its other
+    files: damage is one line naming it (it was JSONDecodeError's or UnicodeDecodeError's
+    traceback once the reward models had loaded; a list was taken as a step's record)."""
+    _fake_checkpoints(tmp_path, [1], keep_last=0)
+    log = tmp_path / "checkpoints/step_1/metrics.jsonl"
+    log.write_bytes(damage)
+    with pytest.raises(SystemExit) as stop:
+        find_checkpoint(tmp_path, "auto")
+    assert str(stop.value).startswith(f"error: checkpoint {log.parent}: {log}, {said}; "), \
+        str(stop.value)
 
 class _Exploit:
     def __init__(self, marker):

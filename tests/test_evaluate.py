@@ -156,3 +156,34 @@ def test_a_vllm_engine_is_sized_for_the_longest_prompt_it_will_be_given(tokenize
     episodes = agent.start(rows, 1)
     assert longest_prompt(tokenizer, datasets, cfg, agent) == len(episodes[1].prompt_ids)
     assert len(episodes[1].prompt_ids) > len(plain[1])  # (the tools' description)
+
+
+@pytest.mark.parametrize("name, content, said", [
+    ("a.jsonl", b'{"problem": "1+1", "answer": "2"}\n{"problem": "\xff\x1b]52;c;eA==\x07"}\n',
+     "line 2 is not UTF-8 (byte 0xff)"),
+    ("a.csv", b"problem,answer\n1+1,2\n\xe9t\xe9,2\n", "line 3 is not UTF-8 (byte 0xe9)"),
+    ("a.json", b'[{"problem": "\xff"}]', "line 1 is not UTF-8 (byte 0xff)"),
+    ("a.jsonl", b'{"problem": "1+1", "answer": ' + b"9" * 5000 + b"}\n",
+     "line 1 is not valid JSON (Exceeds the limit (4300 digits)"),
+    ("a.json", b"[" * 100_000 + b"]" * 100_000, "not valid JSON (nested too deeply"),
+    ("a.jsonl", '{"problem": "a\u2028b\x85c", "answer": "2"}\n'.encode(), None),
+    ("a.csv", b"\xef\xbb\xbfproblem,answer\n1+1,2\n", None),
+])
+def test_a_data_file_of_any_bytes_loads_or_is_refused_in_one_line(tmp_path, name, content,
+                                                                  said):
+    """Bytes that are not UTF-8 (a CSV saved as Latin-1), a number json cannot read, arrays
+    nested past its depth: one printable line naming the file and the line (each was a
+    traceback); a line holding U+2028 or NEL inside a string is one row (the
+    lines were split there: "not valid JSON"), and a CSV's byte-order mark no part of its first
+    column's name."""
+    from data import load_table
+    path = tmp_path / name
+    path.write_bytes(content)
+    if said is None:
+        rows = load_table(str(path))
+        assert len(rows) == 1 and rows[0]["answer"] == "2" and "problem" in rows[0]
+        return
+    with pytest.raises(SystemExit) as stop:
+        load_table(str(path))
+    assert str(stop.value).startswith(f"error: {path}: {said}"), str(stop.value)
+    assert str(stop.value).isprintable()

@@ -592,3 +592,18 @@ def test_soft_capped_attention_runs_under_bf16_autocast_with_padding():
     assert torch.isfinite(got).all()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     torch.testing.assert_close(got.float()[mask.bool()], want[mask.bool()], rtol=0, atol=0.05)
+
+
+def test_a_crafted_weight_file_is_named_in_one_printable_line(tmp_path):
+    """A --reward-model (--critic-from) folder whose safetensors header names an escape sequence
+    (a clipboard write), which safetensors quotes: the refusal shows it as text."""
+    import struct
+    from model import check_reward_head
+    header = json.dumps({"w": {"dtype": "\x1b]52;c;ZWNobyBwd25lZA==\x07", "shape": [1],
+                               "data_offsets": [0, 4]}}, ensure_ascii=False).encode()
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header +
+                                                 bytes(4))
+    with pytest.raises(SystemExit) as stop:
+        check_reward_head(str(tmp_path), "--reward-model")
+    assert "its weights cannot be read" in str(stop.value)
+    assert "\\x1b]52;c;" in str(stop.value) and str(stop.value).isprintable()

@@ -323,6 +323,20 @@ def test_svg_chart_draws_any_value_a_metric_can_hold(name):
             assert 42 <= x <= 322 and 22 <= y <= 150, (name, point)
 
 
+
+@pytest.mark.parametrize("steps", [[-1.7e308, 0.0, 1.7e308], [0.0, 5e-324], [1e308, 1.7e308],
+                                   [1e17], [1.7976931348623157e308]])
+def test_svg_chart_draws_any_step_a_metric_can_hold(steps):
+    """Steps a crafted metrics.jsonl holds -- any finite number -- drawn inside the frame too (the
+    last step less the first overflowed to inf: every point NaN, an SVG error in the browser; one
+    step past 2**53, where step + 1 == step, was ZeroDivisionError)."""
+    from report import svg_chart
+    svg = svg_chart([{"step": s, "reward": i} for i, s in enumerate(steps)], ("reward",), "r")
+    assert "nan" not in svg.lower()
+    for point in re.search(r'points="([^"]*)"', svg)[1].split():
+        x, y = map(float, point.split(","))
+        assert 42 <= x <= 322 and 22 <= y <= 150, (steps, point)
+
 def _figure_of(plot, monkeypatch):
     """The matplotlib figure plot() saves."""
     from matplotlib.figure import Figure
@@ -681,3 +695,60 @@ def test_a_picture_that_fails_on_what_a_log_holds_warns_in_one_printable_line(ca
     said = capsys.readouterr().out
     assert said.count("\n") == 1 and said.strip().isprintable()
     assert "\\x1b]52;c;ZWNobyBwd25lZA==\\x07reward" in said
+
+
+def test_the_held_out_table_counts_its_head_in_its_budget(tmp_path, monkeypatch):
+    """The table's head and its summary say the first and the last step -- four times numbers of
+    up to 4,300 digits (json reads that many) -- within HELDOUT_BUDGET too (they were outside
+    it: 14 kB past a full table)."""
+    report = _budgets(monkeypatch)
+    steps = (10 ** 4000, 10 ** 4000 + 1)
+    out = _folder(tmp_path, [{"step": 1, "reward": 0.5}],
+                  [_eval(s, i, problem="p" * 2_000, completion="x" * 2_000)
+                   for s in steps for i in range(40)])
+    report.write_report(out)
+    heldout = _section((out / "report.html").read_text(), "heldout")
+    assert len(heldout.encode()) <= report.HELDOUT_BUDGET + 100  # (+ its heading)
+    assert "problems left out" in heldout
+
+
+def test_a_step_of_more_tokens_than_a_browser_draws_quickly_colours_its_first(tmp_path):
+    """Past 200,000 tokens a step, the samples after them show as plain text and the step says
+    so: the browser draws a span a token, each time a step or a colouring is chosen (a million
+    tokens, pieces only, took 11 s to open; three million, cheapest as empty pieces and well
+    within a step's 10 MB, 66 s)."""
+    from report import write_report
+    records = [_sample(1, i, completion_ids=[4] * 50_000,
+                       tokens={"pieces": ["a"] * 50_000}) for i in range(8)]
+    out = _folder(tmp_path, [{"step": 1, "reward": 0.5}], records)
+    write_report(out)
+    step = _page_data(out)["steps"][0]
+    samples = [x for g in step["groups"] for x in g["samples"]]
+    assert [len(x.get("pieces", [])) for x in samples] == [50_000] * 4 + [0] * 4
+    assert all(x["text"] == "ok" for x in samples)
+    assert "4 of its 8 samples shown as plain text" in step["note"]
+
+
+def test_a_fifo_where_the_config_or_machine_json_lies_is_not_read(tmp_path):
+    """A run folder someone shared (a tarball keeps FIFOs) with a FIFO for machine.json or
+    grpo_config.json: the page is written without them (report.py waited for a writer forever)."""
+    import os
+    import signal
+    from report import write_report
+    out = _folder(tmp_path, [{"step": 1, "reward": 0.5}], [_sample(1, 0)])
+    os.mkfifo(out / "machine.json")
+    os.mkfifo(out / "grpo_config.json")
+
+    class Hung(Exception):  # (no OSError: read_object takes those)
+        pass
+
+    def hung(*_):
+        raise Hung("write_report waited on a FIFO")
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(10)
+    try:
+        write_report(out)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert "Config and machine" in (out / "report.html").read_text()

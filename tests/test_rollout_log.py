@@ -466,3 +466,24 @@ def test_a_crafted_log_is_refused_in_one_printable_line(tmp_path, line, said):
     message = str(stop.value)
     assert message.startswith(f"error: {log}, {said}"), message
     assert message.isprintable()
+
+
+def test_bytes_that_are_not_utf8_are_refused_in_one_line_or_cut_short(tmp_path):
+    """A line of bytes that are not UTF-8 (a crafted log; a disk's damage) is named -- the file,
+    the line, the byte -- in one printable line (it was UnicodeDecodeError's traceback, in
+    report.py, a resume and --replay); a last line cut inside a character (a killed write) is a
+    crash remnant, left out and said."""
+    from rollout_log import check_log, json_lines
+    log = tmp_path / "rollouts.jsonl"
+    line = json.dumps(_record()).encode()
+    log.write_bytes(line + b"\n" + line.replace(b'"c"', b'"\xff\x1b]52;c;eA==\x07"') + b"\n")
+    with pytest.raises(SystemExit) as stop:
+        check_log(log)
+    message = str(stop.value)
+    assert message.startswith(f"error: {log}, line 2: not UTF-8 (byte 0xff at offset "), message
+    assert message.isprintable()
+    last = json.dumps(_record(completion="é"), ensure_ascii=False).encode()
+    log.write_bytes(line + b"\n" + last[:last.index(b"\xc3") + 1])
+    said = []
+    assert [n for n, _, _ in json_lines(log, said.append)] == [1]
+    assert said == [f"{log}, line 2: cut short (a killed write): left out"]

@@ -234,6 +234,11 @@ GOOD = {"messages": CONVERSATION}
     ([{"messages": [CONVERSATION[0], {"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "calculator", "arguments": "{not json"}}]}]}],
      "row 1, 'messages'[1].tool_calls[0] is not "),
+    ([{"messages": [CONVERSATION[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "calculator", "arguments": '{"x": ' + "9" * 5000 + "}"}}]}]}],
+     "row 1, 'messages'[1].tool_calls[0] is not "),  # (json: ValueError, no JSONDecodeError)
+    ([{"messages": CONVERSATION, "tools": "[" * 100_000 + "]" * 100_000}],
+     "row 1, 'tools' is not valid JSON"),  # (json: RecursionError)
     ([{"messages": [{"content": "hi"}]}], "row 1, 'messages'[0] is not a message with a role"),
     ([{"messages": CONVERSATION, "tools": [{"name": "calculator"}]}],
      "row 1, 'tools' is not a list of tool JSON schemas"),
