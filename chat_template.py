@@ -39,8 +39,6 @@ import signal
 import time
 from pathlib import Path
 
-from data import escaped
-
 TEMPLATE_SECONDS = 10.0  # a template, for all the stand-ins (a real one: milliseconds)
 TEMPLATE_MEMORY = 512 * 2**20  # bytes of address space the renders may add
 MAX_RENDER_CHARS = 100_000  # a stand-in rendered
@@ -206,5 +204,6 @@ def _render_all(tokenizer, templates: list[str]) -> str | None:
                 return (f"rendered a short conversation ({given:,} characters) as {len(text):,} "
                         f"characters, more than {MAX_RENDER_CHARS:,}")
         if len(refusals) == len(stand_ins()):  # (the plain question too: it renders no prompt)
-            return f"raises on every conversation smolrl renders ({escaped(refusals[0])})"
+            why = "".join(c if c.isprintable() else repr(c)[1:-1] for c in refusals[0])
+            return f"raises on every conversation smolrl renders ({why})"  # (data.escaped's way)
     return None

@@ -133,14 +133,17 @@ def read_driver_state(folder) -> tuple[dict, list[dict]]:
         _refuse(folder, "driver_state.pt: numpy_rng is not a state of numpy's random")
     if not (folder / "metrics.jsonl").is_file():
         _refuse(folder, "no metrics.jsonl (the run so far)")
-    history = saved_history(folder)
-    for n, record in enumerate(history, start=1):
-        if not _count(record.get("step")):
-            _refuse(folder, f"metrics.jsonl, line {n}: no step")
-        if record["step"] > state["step"]:
-            _refuse(folder, f"metrics.jsonl, line {n}: step {record['step']}, past the "
-                            f"checkpoint's step {state['step']}")
-        history.append(record)
+    history, path = [], folder / "metrics.jsonl"
+    try:
+        for n, _, record in json_lines(path, said=lambda _: None):
+            if not _count(record.get("step")):
+                _refuse(folder, f"{path}, line {n}: no step")
+            if record["step"] > state["step"]:
+                _refuse(folder, f"{path}, line {n}: step {record['step']}, past the "
+                                f"checkpoint's step {state['step']}")
+            history.append(record)
+    except DamagedLog as e:  # (not UTF-8, not JSON, not an object: named by its line)
+        _refuse(folder, str(e))
     return state, history
 
 
@@ -163,18 +166,6 @@ def _refuse(folder: Path, what: str):
 def _others(folder: Path) -> str:
     others = sorted(p.name for p in folder.parent.glob("step_*") if p != folder)
     return f" (others there: {', '.join(others)})" if others else ""
-
-
-def saved_history(folder) -> list[dict]:
-    """A checkpoint's metrics.jsonl, the run's records so far; damage stops the run in one line
-    that names the file and the line (a checkpoint may be someone else's)."""
-    path = Path(folder) / "metrics.jsonl"
-    try:
-        return [r for _, _, r in json_lines(path, said=lambda _: None)]
-    except (DamagedLog, OSError) as e:
-        why = e if isinstance(e, DamagedLog) else f"{path}: {e.strerror}"
-        raise SystemExit(f"error: checkpoint {folder}: {why}; resume from another checkpoint "
-                         f"with --resume PATH") from None
 
 
 def claim_checkpoints(out: Path, resume_dir: str = "") -> list[Path]:

@@ -247,7 +247,7 @@ def set_aside(out: Path, paths: list[Path], resume_dir: str, samples: Path | Non
     else:
         line = (f"{out} held another run, or another branch of this one: its {names} are moved "
                 f"whole to {aside} (delete it when you no longer need it)")
-    return line, aside / where if where is not None else samples
+    return escaped(line), aside / where if where is not None else samples  # (names: escaped)
 
 
 def prune_superseded(out: Path, keep: int, reads: list[Path]) -> str:
@@ -264,7 +264,7 @@ def prune_superseded(out: Path, keep: int, reads: list[Path]) -> str:
         return ""
     line = (f"{out / 'superseded'} keeps its newest {keep} (--keep-superseded): "
             f"{', '.join(p.name for p in doomed)} deleted")
-    return line + (f"; warning: not all of {', '.join(failed)}" if failed else "")
+    return escaped(line + (f"; warning: not all of {', '.join(failed)}" if failed else ""))
 
 
 def _doomed(out: Path, keep: int, reads: list[Path], coming: int = 0) -> list[Path]:

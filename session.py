@@ -86,7 +86,7 @@ def start_log(folder: RunFolder, cfg, line=None):
     moved, folder.samples = set_aside(folder.out, folder.aside, folder.resume_dir, folder.samples)
     for said in (moved, prune_superseded(folder.out, cfg.keep_superseded, folder.reads)):
         if said:
-            print(escaped(said))  # (it names what a folder holds)
+            print(said)
     folder.log = RunLog(folder.out, folder.driver.history, cfg.report_to, asdict(cfg), line)
     (folder.out / cfg.CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2))
     (folder.out / "machine.json").write_text(json.dumps(machine(), indent=2))  # (for the report)

@@ -636,14 +636,14 @@ MUTANTS = [
            EPISODES, pinned=(PIN + "test_each_turn_draws_with_its_own_seed_and_a_good_call_is_no"
                                    "_error",)),
     Mutant("room-unclamped", "env.py",
-           "rooms = [max(1, min(self.max_tokens - len(e.ids), seeded.max_new_tokens))",
-           "rooms = [min(self.max_tokens - len(e.ids), seeded.max_new_tokens)",
+           "rooms = [max(1, min(budget - len(e.ids), seeded.max_new_tokens))",
+           "rooms = [min(budget - len(e.ids), seeded.max_new_tokens)",
            "a turn could be asked for 0 or fewer tokens", EPISODES,
            equivalent="an episode still running has len(ids) < max_tokens (_model_turn ends it "
                       "when ids and the observation reach the budget), so room >= 1 already"),
     Mutant("room-of-the-fullest", "env.py",
-           "rooms = [max(1, min(self.max_tokens - len(e.ids), seeded.max_new_tokens))",
-           "rooms = [max(1, min(self.max_tokens - max(len(r.ids) for r in running), "
+           "rooms = [max(1, min(budget - len(e.ids), seeded.max_new_tokens))",
+           "rooms = [max(1, min(max(budgets) - max(len(r.ids) for r in running), "
            "seeded.max_new_tokens))",
            "every episode's turn cut at the fullest episode's room", EPISODES,
            pinned=("tests/test_env.py::test_each_episode_has_its_own_room",)),

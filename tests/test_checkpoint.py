@@ -169,7 +169,7 @@ def _changed(checkpoint, name, **changes):
 
 @pytest.mark.parametrize("damage, said", [
     (lambda c: (c / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "loss": \n'),
-     r"metrics.jsonl, line 2: not a JSON object"),
+     r"metrics.jsonl, line 2: not JSON \(Expecting value"),
     (lambda c: (c / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n'),
      r"metrics.jsonl, line 2: not a JSON object"),
     (lambda c: (c / "metrics.jsonl").write_text('{"step": 9}\n'),
@@ -195,8 +195,8 @@ def test_a_crafted_checkpoint_that_loads_is_one_line_before_any_model(damage, sa
     _fake_checkpoints(tmp_path, [2], keep_last=0)
     checkpoint = tmp_path / "checkpoints" / "step_2"
     damage(checkpoint)
-    with pytest.raises(SystemExit, match=rf"^error: checkpoint {checkpoint}: {said}.*resume from "
-                                         rf"another checkpoint"):
+    with pytest.raises(SystemExit, match=rf"^error: checkpoint {checkpoint}: (\S*/)?{said}.*"
+                                         rf"resume from another checkpoint"):
         find_checkpoint(tmp_path, "auto")
 
 
@@ -208,7 +208,7 @@ def test_a_damaged_checkpoint_stops_a_run_before_its_models_load(tiny_model_dir,
                                     str(checkpoint), "--out", str(tmp_path)])
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(
-        f"error: checkpoint {checkpoint}: metrics.jsonl, line 1: not a JSON object")
+        f"error: checkpoint {checkpoint}: {checkpoint}/metrics.jsonl, line 1: not JSON")
     assert "Loading weights" not in result.stderr
 
 
@@ -228,7 +228,7 @@ def test_a_crafted_checkpoint_is_named_in_one_printable_line(tmp_path):
     or a file's name beside it -- reaches the refusal, and the line that says what a fresh run
     moved aside, escaped: an escape sequence there (a clipboard write) shows as text, never
     reaches the terminal as a command."""
-    from session import supersede
+    from run_folder import left_behind, set_aside
     _fake_checkpoints(tmp_path, [1, 2], keep_last=0)
     _crafted_weights(tmp_path / "checkpoints/step_2/model.safetensors", OSC52)
     with pytest.raises(SystemExit) as stop:
@@ -240,8 +240,10 @@ def test_a_crafted_checkpoint_is_named_in_one_printable_line(tmp_path):
     with pytest.raises(SystemExit) as stop:
         find_checkpoint(tmp_path, "auto")
     assert "others there: " in str(stop.value) and str(stop.value).isprintable()
-    (tmp_path / f"{OSC52}_config.json").write_text("{}")
-    moved = supersede(tmp_path)
+    out = tmp_path / f"run{OSC52}"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("{}")
+    moved, _ = set_aside(out, left_behind(out, ""), "", None)
     assert "moved whole" in moved and "\\x1b]52;c;" in moved and moved.isprintable()
 
 
