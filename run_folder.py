@@ -194,13 +194,22 @@ def left_behind(out: Path, resume_dir: str) -> list[Path]:
     file there, checkpoints/ included (claim_checkpoints refuses another run's live ones). A run
     resumed from one of <out>/checkpoints continues the branch there, so nothing -- unless that
     branch went further: then the branch it leaves, its later checkpoints and every run file. (A
-    crashed run's steps past its newest checkpoint are taken again, exactly: dropped.)"""
+    crashed run's steps past its newest checkpoint are taken again, exactly: dropped.) Only an
+    earlier run's, which wrote its config there, are moved: anything else is refused (a user's
+    own folder, whose wandb/ or model/ a run must not take for a run's, to delete with
+    superseded/)."""
     later = claim_checkpoints(out, resume_dir)
     files = sorted(p for p in out.iterdir() if p.name in RUN_FILES + RUN_FOLDERS + CONFIG_FILES)
+    if resume_dir and in_checkpoints(out, resume_dir) and not later and \
+            not _went_past(out, checkpoint_step(resume_dir)):
+        return []
+    if files and not any(p.name in CONFIG_FILES for p in files):
+        raise SystemExit(f"error: --out {out} holds {', '.join(p.name for p in files)}, but no "
+                         f"smolrl run's config (a *_config.json): not an earlier run, which a "
+                         f"run would move aside; choose another --out, or move them away "
+                         f"yourself (nothing was changed)")
     if not (resume_dir and in_checkpoints(out, resume_dir)):
         return files
-    if not later and not _went_past(out, checkpoint_step(resume_dir)):
-        return []
     return later + [p for p in files if p.name != "checkpoints"]
 
 
@@ -228,7 +237,8 @@ def set_aside(out: Path, paths: list[Path], resume_dir: str, samples: Path | Non
     aside = out / "superseded" / time.strftime("%Y%m%d-%H%M%S")
     while aside.exists():
         aside = aside.with_name(aside.name + "+")
-    for p in paths:
+    for p in sorted(paths, key=lambda p: p.name in CONFIG_FILES):  # (the config last: a run
+        # killed half way leaves it with the rest, still a run's folder: left_behind)
         (aside / p.relative_to(out)).parent.mkdir(parents=True, exist_ok=True)
         os.replace(p, aside / p.relative_to(out))
     names = ", ".join(p.relative_to(out).as_posix() for p in paths)

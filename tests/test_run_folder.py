@@ -213,6 +213,7 @@ def test_superseded_keeps_the_newest_and_never_what_a_run_reads_or_writes_in(tmp
         (out / "superseded" / stamp / "model").mkdir(parents=True)
         (out / "superseded" / stamp / "model" / "config.json").write_text("{}")
     (out / "metrics.jsonl").write_text('{"step": 1}\n')  # (a run to move: a fifth folder)
+    (out / "grpo_config.json").write_text("{}")
     lock_out(out / "superseded" / stamps[1])  # (a run writes there: its --out)
     try:
         cfg = grpo.Config(out=str(out), keep_superseded=2, data="arith",
@@ -266,8 +267,27 @@ def test_a_disk_without_room_for_the_model_stops_the_run_before_it_loads(tiny_mo
         f"or pass a smaller --keep-superseded) (nothing was changed)")
     import grpo
     from session import open_run
-    (out / "metrics.jsonl").write_text("")  # (a run to move aside: the old folder is to go)
+    (out / "grpo_config.json").write_text("{}")  # (a run to move aside: the old folder is to go)
     open_run(grpo.Config(out=str(out), model=tiny_model_dir, data="arith", save_every=1,
                          keep_superseded=1))
     _free(monkeypatch, 2 * weights)
     open_run(grpo.Config(out=str(out), model=tiny_model_dir, data="arith"))  # (no checkpoints)
+
+
+def test_an_out_holding_what_no_run_wrote_is_refused_not_moved(tmp_path):
+    """`--out .` in a project folder that holds the user's own wandb/, another framework's
+    checkpoints/ and a model/ of theirs, but no run's config: a run once took them for an earlier
+    run, moved them to superseded/ and, two reruns later, deleted them (--keep-superseded). Now
+    it stops in one line before any model loads, and changes nothing."""
+    import grpo
+    from session import open_run
+    out = tmp_path / "project"
+    for name in ("wandb/offline-run-1/run.wandb", "checkpoints/checkpoint-500/model.bin",
+                 "model/config.json", "notes.txt"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(name)
+    before = _files(out)
+    with pytest.raises(SystemExit, match=rf"^error: --out {out} holds checkpoints, model, wandb, "
+                                         rf"but no smolrl run's config \(a \*_config.json\): not an earlier run"):
+        open_run(grpo.Config(out=str(out), model="unused", data="arith"))
+    assert _files(out) == before and not (out / "superseded").exists()
