@@ -199,6 +199,18 @@ def test_a_crafted_checkpoint_that_loads_is_one_line_before_any_model(damage, sa
         find_checkpoint(tmp_path, "auto")
 
 
+def test_a_crafted_checkpoint_beside_the_one_resumed_is_one_line(tmp_path):
+    """--resume step_2 while step_4's driver state loads weights-only but is no dict (crafted):
+    telling whose step_4 is stopped the run with a traceback (AttributeError: 'list' object has
+    no attribute 'get'); now it is a checkpoint of no run of this one: one line."""
+    from checkpoint import claim_checkpoints
+    _fake_checkpoints(tmp_path, [2, 4], keep_last=0)
+    torch.save([1, 2], tmp_path / "checkpoints" / "step_4" / "driver_state.pt")
+    resumed = find_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step_2"))
+    with pytest.raises(SystemExit, match=r"^error: .* holds another run's checkpoints \(step_4\)"):
+        claim_checkpoints(tmp_path, resumed)
+
+
 def test_a_damaged_checkpoint_stops_a_run_before_its_models_load(tiny_model_dir, tmp_path):
     _fake_checkpoints(tmp_path, [1], keep_last=0)
     checkpoint = tmp_path / "checkpoints/step_1"
