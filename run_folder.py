@@ -22,7 +22,8 @@ made there, in one place (session.py calls them; docs/long-runs.md says them for
    resumed run, the branch it leaves or the run in a folder it resumes into (checkpoint.py says
    which). Each move is a new folder <out>/superseded/<time>/, laid out as a run folder.
 4. superseded/ keeps its newest --keep-superseded folders (0: all); the run says which it deletes,
-   and never deletes one that holds a path the run's flags name, nor one another run writes in.
+   and never deletes one that holds a path the run's flags name, nor one another run writes in,
+   nor the one it has just moved there.
 5. Before the models load: room on the disk for what the run must write -- its model and, with
    --save-every, a checkpoint --, counting what pruning will free; else one line.
 """
@@ -226,12 +227,13 @@ def _went_past(out: Path, step: int) -> bool:
 
 
 def set_aside(out: Path, paths: list[Path], resume_dir: str, samples: Path | None
-              ) -> tuple[str, Path | None]:
+              ) -> tuple[str, Path | None, Path | None]:
     """`paths` moved whole to a new <out>/superseded/<time>/, each to its place there (nothing
-    copied, nothing deleted): the line that says what went where ("" when nothing), and where
-    `samples` (a resumed run's rollouts.jsonl, which may be among them) lies now."""
+    copied, nothing deleted): the line that says what went where ("" when nothing), that folder
+    (None when nothing), and where `samples` (a resumed run's rollouts.jsonl, which may be among
+    them) lies now."""
     if not paths:
-        return "", samples
+        return "", None, samples
     moved = {p.resolve(): p.relative_to(out) for p in paths}
     where = moved.get(samples.resolve()) if samples is not None else None
     aside = out / "superseded" / time.strftime("%Y%m%d-%H%M%S")
@@ -255,12 +257,14 @@ def set_aside(out: Path, paths: list[Path], resume_dir: str, samples: Path | Non
     else:
         line = (f"{out} held another run, or another branch of this one: its {names} are moved "
                 f"whole to {aside} (delete it when you no longer need it)")
-    return line, aside / where if where is not None else samples
+    return line, aside, aside / where if where is not None else samples
 
 
 def prune_superseded(out: Path, keep: int, reads: list[Path]) -> str:
     """<out>/superseded/ down to its newest `keep` folders (0: all kept): the line that says which
-    were deleted ("" when none). Never one that holds a path in `reads`, nor another run's --out."""
+    were deleted ("" when none). Never one that holds a path in `reads` (the folder the run has
+    just moved aside among them: its name, a local time, need not sort last), nor another run's
+    --out."""
     doomed = _doomed(out, keep, reads)
     failed = []
     for folder in doomed:

@@ -83,8 +83,10 @@ def start_log(folder: RunFolder, cfg, line=None):
     it leaves), superseded/ pruned to --keep-superseded; then the config, written to
     <out>/<cfg.CONFIG_FILE>, and the metrics log (metrics.jsonl and the trackers, a resumed run's
     history first)."""
-    moved, folder.samples = set_aside(folder.out, folder.aside, folder.resume_dir, folder.samples)
-    for said in (moved, prune_superseded(folder.out, cfg.keep_superseded, folder.reads)):
+    moved, aside, folder.samples = set_aside(folder.out, folder.aside, folder.resume_dir,
+                                             folder.samples)
+    kept = folder.reads + ([aside] if aside else [])  # (never the run just moved aside)
+    for said in (moved, prune_superseded(folder.out, cfg.keep_superseded, kept)):
         if said:
             print(said)
     (folder.out / cfg.CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2))  # (first: what

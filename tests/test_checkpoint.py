@@ -292,7 +292,7 @@ def test_resuming_an_earlier_step_branches_and_keeps_every_checkpoint(tmp_path):
     _fake_checkpoints(tmp_path, [2, 4], keep_last=0, run_id="this")
     resumed = tmp_path / "checkpoints" / "step_2"
     assert claim_checkpoints(tmp_path, str(resumed)) == [tmp_path / "checkpoints" / "step_4"]
-    line, _ = set_aside(tmp_path, left_behind(tmp_path, str(resumed)), str(resumed), None)
+    line, _, _ = set_aside(tmp_path, left_behind(tmp_path, str(resumed)), str(resumed), None)
     assert line.startswith("resuming from step_2: what this run wrote past it, another branch "
                            "now (checkpoints/step_4, grpo_config.json, metrics.jsonl), is moved "
                            "whole to ")

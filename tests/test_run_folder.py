@@ -291,3 +291,25 @@ def test_an_out_holding_what_no_run_wrote_is_refused_not_moved(tmp_path):
                                          rf"but no smolrl run's config \(a \*_config.json\): not an earlier run"):
         open_run(grpo.Config(out=str(out), model="unused", data="arith"))
     assert _files(out) == before and not (out / "superseded").exists()
+
+
+def test_the_run_a_rerun_moves_aside_is_never_the_one_pruned(tmp_path, capsys):
+    """superseded/ keeps the newest folders by their names, the local time of their move: folders
+    named ahead of this machine's clock (another host's time zone on a shared disk, the hour a
+    clock goes back) made the earlier run just moved aside the "oldest", deleted a moment after
+    its move. Now the run never prunes the folder it has just moved (superseded/ holds one more
+    for a while)."""
+    import grpo
+    from session import open_run, resume_driver, start_log
+    out = tmp_path / "out"
+    for stamp in ("20991231-000001", "20991231-000002"):
+        (out / "superseded" / stamp).mkdir(parents=True)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors").write_text("weights")
+    earlier = _earlier_run(out, str(tmp_path / "m"))
+    cfg = grpo.Config(out=str(out), keep_superseded=2, data="arith", model="unused")
+    folder = open_run(cfg)
+    resume_driver(folder)
+    start_log(folder, cfg)
+    [moved] = [p for p in (out / "superseded").iterdir() if not p.name.startswith("2099")]
+    assert _files(moved) == earlier and "deleted" not in capsys.readouterr().out
