@@ -17,7 +17,8 @@ made there, in one place (session.py calls them; docs/long-runs.md says them for
    name left by a holder that did not release it (killed) is taken over, and said. Under Ray the
    driver holds it. Over a shared filesystem flock reaches other hosts where the filesystem
    shares locks (NFS does; Lustre only mounted with -o flock): a filesystem that refuses locks
-   gets a warning, and the run goes on unguarded.
+   gets a warning, and the run goes on unguarded. Nor does a run start inside a running run's
+   --out (its export would replace out/model), nor move a running run's folder aside.
 3. A run moves aside, whole, what it would overwrite or drop: a fresh run, the run before it; a
    resumed run, the branch it leaves or the run in a folder it resumes into (checkpoint.py says
    which). Each move is a new folder <out>/superseded/<time>/, laid out as a run folder.
@@ -97,6 +98,11 @@ def lock_out(out: Path):
     """--out for this run alone until release_out or the end of the process (rule 2). A run of
     this very process before it (a test's, a notebook's) that did not release it hands it on."""
     key = os.path.realpath(out)
+    for folder in Path(key).parents:  # (this process's own stopped runs aside)
+        if str(folder) not in _held and (holder := _running(folder)):
+            raise SystemExit(f"error: --out {out} lies in {folder}, the --out of a run that is "
+                             f"running ({holder}), which would move or replace it; choose "
+                             f"another --out (nothing was changed)")
     if key not in _held:
         try:
             fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -168,21 +174,30 @@ def _alive(pid) -> bool:
     return True
 
 
-def _locked(folder: Path) -> bool:
-    """Whether a run holds `folder` as its --out now (this process's own runs included)."""
+def _running(folder: Path) -> str:
+    """The run that holds `folder` as its --out now, in words (this process's own runs
+    included); "" where none does."""
     try:
         fd = os.open(folder / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return False
+        return ""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
+        return ""
     except BlockingIOError:
-        return True
+        return _holder(fd)
     except OSError:
-        return False
+        return ""
     finally:
         os.close(fd)
+
+
+def _running_in(folder: Path) -> tuple[Path, str] | None:
+    """A folder at or under `folder` that a run holds as its --out now, and that run in words."""
+    for root, _, names in os.walk(folder):  # (links not followed)
+        if LOCK in names and (holder := _running(Path(root))):
+            return Path(root), holder
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,6 +219,10 @@ def left_behind(out: Path, resume_dir: str) -> list[Path]:
     if resume_dir and in_checkpoints(out, resume_dir) and not later and \
             not _went_past(out, checkpoint_step(resume_dir)):
         return []
+    for live in filter(None, map(_running_in, files)):
+        raise SystemExit(f"error: {live[0]} is the --out of a run that is running ({live[1]}), "
+                         f"which this run would move aside; wait for it to end, or choose "
+                         f"another --out (nothing was changed)")
     if files and not any(p.name in CONFIG_FILES for p in files):
         raise SystemExit(f"error: --out {out} holds {', '.join(p.name for p in files)}, but no "
                          f"smolrl run's config (a *_config.json): not an earlier run, which a "
@@ -289,7 +308,7 @@ def _doomed(out: Path, keep: int, reads: list[Path], coming: int = 0) -> list[Pa
     found = sorted(p for p in folder.iterdir() if STAMP.fullmatch(p.name)
                    and _kind(p) == "a folder")  # (the names sort as the times do)
     old = found[:max(0, len(found) + coming - keep)]
-    return [p for p in old if not _locked(p)
+    return [p for p in old if not _running_in(p)
             and not any(p.resolve() == r or p.resolve() in r.parents for r in reads)]
 
 

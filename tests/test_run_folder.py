@@ -313,3 +313,51 @@ def test_the_run_a_rerun_moves_aside_is_never_the_one_pruned(tmp_path, capsys):
     start_log(folder, cfg)
     [moved] = [p for p in (out / "superseded").iterdir() if not p.name.startswith("2099")]
     assert _files(moved) == earlier and "deleted" not in capsys.readouterr().out
+
+
+def _held_by_another_process(folder: Path):
+    """A run of another process holding `folder` as its --out (its lock, as run_folder takes it):
+    the process, to be killed."""
+    import subprocess
+    import sys
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(folder / '.smolrl.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, b'{\"pid\": 1, \"host\": \"h\", \"since\": \"then\", \"command\": \"b\"}')\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_a_run_never_moves_nor_writes_over_another_runs_folder_inside_its_own(tmp_path):
+    """Run B with --out X/model inside run A's X, both running: A's export replaced X/model whole
+    (B's config and samples deleted; B's metrics, checkpoints and model went on into A's exported
+    model), and a rerun into X moved B's live folder aside. Now a run refuses an --out inside a
+    folder a run holds, and a rerun refuses to move a folder a run holds; nothing is changed."""
+    import grpo
+    from session import open_run
+    x = tmp_path / "x"
+    (x / "model").mkdir(parents=True)
+    for name in ("grpo_config.json", "metrics.jsonl", "model/grpo_config.json"):
+        (x / name).write_text("{}")
+    before = _files(x)
+    b = _held_by_another_process(x / "model")
+    try:
+        with pytest.raises(SystemExit, match=rf"^error: {x / 'model'} is the --out of a run that "
+                                             rf"is running \(pid 1 on h, since then: b\)"):
+            open_run(grpo.Config(out=str(x), model="unused", data="arith"))
+    finally:
+        b.kill()
+        b.wait()
+    assert _files(x) == before and not (x / "superseded").exists()
+    a = _held_by_another_process(x)
+    try:
+        with pytest.raises(SystemExit, match=rf"^error: --out {x / 'model'} lies in {x}, the --out "
+                                             rf"of a run that is running \(pid 1 on h"):
+            open_run(grpo.Config(out=str(x / "model"), model="unused", data="arith"))
+    finally:
+        a.kill()
+        a.wait()
+    assert _files(x) == before
