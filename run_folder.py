@@ -215,7 +215,9 @@ def left_behind(out: Path, resume_dir: str) -> list[Path]:
     own folder, whose wandb/ or model/ a run must not take for a run's, to delete with
     superseded/)."""
     later = claim_checkpoints(out, resume_dir)
-    files = sorted(p for p in out.iterdir() if p.name in RUN_FILES + RUN_FOLDERS + CONFIG_FILES)
+    files = sorted(p for p in out.iterdir() if p.name in RUN_FILES + RUN_FOLDERS + CONFIG_FILES
+                   and not (p.is_dir() and not any(p.iterdir())))  # (an empty folder: nothing
+    # of a run's, perhaps a link the user made for this one: checkpoints/ on a bigger disk)
     if resume_dir and in_checkpoints(out, resume_dir) and not later and \
             not _went_past(out, checkpoint_step(resume_dir)):
         return []

@@ -361,3 +361,16 @@ def test_a_run_never_moves_nor_writes_over_another_runs_folder_inside_its_own(tm
         a.kill()
         a.wait()
     assert _files(x) == before
+
+
+def test_an_empty_checkpoints_link_made_for_a_run_is_left_where_it_is(tmp_path):
+    """`ln -s /scratch/run out/checkpoints` before the first run (checkpoints on a bigger disk):
+    an empty folder holds nothing of an earlier run, so it is neither moved aside (the run's
+    checkpoints then went to the small disk) nor taken for a folder of the user's own."""
+    import grpo
+    from session import open_run
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    out.mkdir()
+    scratch.mkdir()
+    (out / "checkpoints").symlink_to(scratch)
+    assert open_run(grpo.Config(out=str(out), model="unused", data="arith")).aside == []
