@@ -230,9 +230,14 @@ def left_behind(out: Path, resume_dir: str) -> list[Path]:
                          f"smolrl run's config (a *_config.json): not an earlier run, which a "
                          f"run would move aside; choose another --out, or move them away "
                          f"yourself (nothing was changed)")
-    if not (resume_dir and in_checkpoints(out, resume_dir)):
-        return files
-    return later + [p for p in files if p.name != "checkpoints"]
+    moving = files if not (resume_dir and in_checkpoints(out, resume_dir)) else \
+        later + [p for p in files if p.name != "checkpoints"]
+    for p in moving:
+        if os.lstat(p).st_dev != os.stat(out).st_dev:  # (through a link: a rename cannot move it)
+            raise SystemExit(f"error: {p} lies on another filesystem than {out}, whose "
+                             f"superseded/ this run would move it to whole; move it away "
+                             f"yourself, or choose another --out (nothing was changed)")
+    return moving
 
 
 def _went_past(out: Path, step: int) -> bool:

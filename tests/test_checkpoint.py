@@ -313,6 +313,24 @@ def test_resuming_an_earlier_step_branches_and_keeps_every_checkpoint(tmp_path):
     assert claim_checkpoints(tmp_path, str(tmp_path / "checkpoints" / "step_3")) == []
 
 
+def test_a_branch_on_another_disk_is_refused_before_the_models_load(tmp_path):
+    """<out>/checkpoints a link to another filesystem (checkpoints on a scratch disk): a branch
+    from step_2 moved step_4 aside with a rename across disks, and stopped with a traceback
+    (OSError: Invalid cross-device link) once the models had loaded. Now: one line, at once."""
+    import os
+    import tempfile
+    from run_folder import left_behind
+    other = Path("/dev/shm")
+    if not other.is_dir() or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second filesystem at /dev/shm")
+    with tempfile.TemporaryDirectory(dir=other) as scratch:
+        (tmp_path / "checkpoints").symlink_to(scratch)
+        _fake_checkpoints(tmp_path, [2, 4], keep_last=0)
+        with pytest.raises(SystemExit, match=rf"^error: {tmp_path / 'checkpoints' / 'step_4'} "
+                                             rf"lies on another filesystem than {tmp_path}"):
+            left_behind(tmp_path, str(tmp_path / "checkpoints" / "step_2"))
+
+
 def test_a_fresh_run_moves_a_finished_run_aside_and_says_where(tiny_model_dir, tmp_path):
     """`python grpo.py` twice (no checkpoints: the default): the first run's log, metrics,
     report, curves, config and model are moved whole to <out>/superseded/<time>/, and the second
