@@ -22,7 +22,9 @@ made there, in one place (session.py calls them; docs/long-runs.md says them for
 3. A run moves aside, whole, what it would overwrite or drop: a fresh run, the run before it; a
    resumed run, the branch it leaves or the run in a folder it resumes into (checkpoint.py says
    which). Each move is a new folder <out>/superseded/<time>/, laid out as a run folder.
-4. superseded/ keeps its newest --keep-superseded folders (0: all); the run says which it deletes,
+4. superseded/ keeps its newest --keep-superseded folders that hold weights (0: all; those
+   without, the logs of a run stopped before it saved any, are all kept: they never push a
+   trained model out); the run says which it deletes,
    and never deletes one that holds a path the run's flags name, nor one another run writes in,
    nor the one it has just moved there.
 5. Before the models load: room on the disk for what the run must write -- its model and, with
@@ -305,16 +307,17 @@ def prune_superseded(out: Path, keep: int, reads: list[Path]) -> str:
     return line + (f"; warning: not all of {', '.join(failed)}" if failed else "")
 
 
-def _doomed(out: Path, keep: int, reads: list[Path], coming: int = 0) -> list[Path]:
-    """The folders of <out>/superseded that keeping the newest `keep` deletes, with `coming` more
-    to be moved there first: time-named folders only, and none that holds a path in `reads` or
-    that a run holds as its --out."""
+def _doomed(out: Path, keep: int, reads: list[Path], coming: list[Path] = ()) -> list[Path]:
+    """The folders of <out>/superseded that keeping the newest `keep` that hold weights deletes,
+    with the paths `coming` to be moved there first: time-named folders only, and none that holds
+    a path in `reads` or that a run holds as its --out."""
     folder = out / "superseded"
     if not keep or _kind(folder) != "a folder":
         return []
     found = sorted(p for p in folder.iterdir() if STAMP.fullmatch(p.name)
-                   and _kind(p) == "a folder")  # (the names sort as the times do)
-    old = found[:max(0, len(found) + coming - keep)]
+                   and _kind(p) == "a folder" and _weights(p.iterdir()))  # (the names sort as
+    # the times do)
+    old = found[:max(0, len(found) + _weights(coming) - keep)]
     return [p for p in old if not _running_in(p)
             and not any(p.resolve() == r or p.resolve() in r.parents for r in reads)]
 
@@ -344,12 +347,19 @@ def samples_of(resume_dir: str) -> Path | None:
 # Room on the disk (rule 5).
 
 
-def check_room(out: Path, cfg, reads: list[Path], moving: bool):
+def _weights(paths) -> bool:
+    """Whether the paths of a run folder (a superseded one's entries, or what is to move there)
+    hold weights: its model/, or checkpoints."""
+    return any(p.name in ("model", "checkpoints") or p.parent.name == "checkpoints"
+               for p in paths)
+
+
+def check_room(out: Path, cfg, reads: list[Path], moving: list[Path]):
     """Before any model loads: room on --out's disk for its model (the size of the weights the
     run starts from: its export is the same model, in the dtype it came in) and, with
     --save-every, a checkpoint (the weights in fp32 and AdamW's two moments; a LoRA run's, its
-    adapters: not counted), counting what pruning superseded/ will free (`moving`: a folder is
-    to be moved there first). One line where there is not; a model not on disk yet (a hub id,
+    adapters: not counted), counting what pruning superseded/ will free (`moving`: what is to
+    be moved there first). One line where there is not; a model not on disk yet (a hub id,
     the default before its conversion) is not measured."""
     start = _start_folder(cfg)
     try:
@@ -361,7 +371,7 @@ def check_room(out: Path, cfg, reads: list[Path], moving: bool):
         return
     checkpoint = 3 * weights * 4 // _bytes_per_weight(start) \
         if cfg.save_every and not cfg.lora_rank else 0
-    freed = sum(_size(p) for p in _doomed(out, cfg.keep_superseded, reads, coming=int(moving)))
+    freed = sum(_size(p) for p in _doomed(out, cfg.keep_superseded, reads, coming=moving))
     free = shutil.disk_usage(out).free + freed
     if free >= weights + checkpoint:
         return

@@ -61,7 +61,7 @@ def open_run(cfg) -> RunFolder:
         reads = read_paths(cfg) + ([Path(resume_dir).resolve()] if resume_dir else [])
         folder = RunFolder(out, resume_dir, left_behind(out, resume_dir), samples_of(resume_dir),
                            reads)
-        check_room(out, cfg, reads, moving=bool(folder.aside))
+        check_room(out, cfg, reads, moving=folder.aside)
     except SystemExit:
         release_out(out)
         raise

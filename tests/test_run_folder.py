@@ -212,7 +212,8 @@ def test_superseded_keeps_the_newest_and_never_what_a_run_reads_or_writes_in(tmp
     for stamp in stamps + ["notes"]:
         (out / "superseded" / stamp / "model").mkdir(parents=True)
         (out / "superseded" / stamp / "model" / "config.json").write_text("{}")
-    (out / "metrics.jsonl").write_text('{"step": 1}\n')  # (a run to move: a fifth folder)
+    (out / "model").mkdir()  # (a run to move: a fifth folder)
+    (out / "model" / "config.json").write_text("{}")
     (out / "grpo_config.json").write_text("{}")
     lock_out(out / "superseded" / stamps[1])  # (a run writes there: its --out)
     try:
@@ -251,8 +252,8 @@ def test_a_disk_without_room_for_the_model_stops_the_run_before_it_loads(tiny_mo
     from conftest import run_script
     weights = (Path(tiny_model_dir) / "model.safetensors").stat().st_size
     out = tmp_path / "out"
-    (out / "superseded" / "20260101-000001").mkdir(parents=True)
-    with open(out / "superseded" / "20260101-000001" / "big", "wb") as f:
+    (out / "superseded" / "20260101-000001" / "model").mkdir(parents=True)
+    with open(out / "superseded" / "20260101-000001" / "model" / "big", "wb") as f:
         f.truncate(4 * weights)  # (sparse: only its size counts)
     _free(monkeypatch, weights)
     result = run_script("grpo.py", small_run_args(tiny_model_dir, out) + [
@@ -268,6 +269,8 @@ def test_a_disk_without_room_for_the_model_stops_the_run_before_it_loads(tiny_mo
     import grpo
     from session import open_run
     (out / "grpo_config.json").write_text("{}")  # (a run to move aside: the old folder is to go)
+    (out / "model").mkdir()
+    (out / "model" / "config.json").write_text("{}")
     open_run(grpo.Config(out=str(out), model=tiny_model_dir, data="arith", save_every=1,
                          keep_superseded=1))
     _free(monkeypatch, 2 * weights)
@@ -303,7 +306,7 @@ def test_the_run_a_rerun_moves_aside_is_never_the_one_pruned(tmp_path, capsys):
     from session import open_run, resume_driver, start_log
     out = tmp_path / "out"
     for stamp in ("20991231-000001", "20991231-000002"):
-        (out / "superseded" / stamp).mkdir(parents=True)
+        (out / "superseded" / stamp / "model").mkdir(parents=True)
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "model.safetensors").write_text("weights")
     earlier = _earlier_run(out, str(tmp_path / "m"))
@@ -374,3 +377,29 @@ def test_an_empty_checkpoints_link_made_for_a_run_is_left_where_it_is(tmp_path):
     scratch.mkdir()
     (out / "checkpoints").symlink_to(scratch)
     assert open_run(grpo.Config(out=str(out), model="unused", data="arith")).aside == []
+
+
+def test_runs_stopped_before_they_saved_weights_never_push_a_trained_model_out(tmp_path,
+                                                                             capsys):
+    """A finished run, then two reruns stopped before they saved any weights (Ctrl-C, a crash
+    at step 1: their metrics, config and samples alone), then a run: the two stopped ones
+    counted as runs, and the third rerun deleted the finished run's trained model. Now
+    --keep-superseded counts the folders that hold weights (a model/, checkpoints/); the others,
+    logs alone, are kept."""
+    import grpo
+    from session import open_run, resume_driver, start_log
+    out = tmp_path / "out"
+    (out / "superseded" / "20260101-000001" / "model").mkdir(parents=True)  # (the trained one)
+    for stamp in ("20260101-000002", "20260101-000003"):
+        (out / "superseded" / stamp).mkdir()
+        (out / "superseded" / stamp / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "grpo_config.json").write_text("{}")
+    (out / "model").mkdir()
+    (out / "model" / "config.json").write_text("{}")  # (a run that finished)
+    cfg = grpo.Config(out=str(out), keep_superseded=2, data="arith", model="unused")
+    folder = open_run(cfg)
+    resume_driver(folder)
+    start_log(folder, cfg)
+    assert (out / "superseded" / "20260101-000001" / "model").is_dir()
+    assert len(list((out / "superseded").iterdir())) == 4 and "deleted" not in \
+        capsys.readouterr().out
