@@ -100,6 +100,8 @@ def lock_out(out: Path):
     """--out for this run alone until release_out or the end of the process (rule 2). A run of
     this very process before it (a test's, a notebook's) that did not release it hands it on."""
     key = os.path.realpath(out)
+    if key in _held and not _same_file(_held[key], out / LOCK):  # (the folder deleted and made
+        release_out(out)  # again since: the lock kept is of a file gone)
     for folder in Path(key).parents:  # (this process's own stopped runs aside)
         if str(folder) not in _held and (holder := _running(folder)):
             raise SystemExit(f"error: --out {out} lies in {folder}, the --out of a run that is "
@@ -150,6 +152,13 @@ def _clear_names():
     name found by the next run is one a killed run left."""
     for fd in _held.values():
         os.ftruncate(fd, 0)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
+    except OSError:
+        return False
 
 
 def _holder(fd: int) -> str:

@@ -403,3 +403,26 @@ def test_runs_stopped_before_they_saved_weights_never_push_a_trained_model_out(t
     assert (out / "superseded" / "20260101-000001" / "model").is_dir()
     assert len(list((out / "superseded").iterdir())) == 4 and "deleted" not in \
         capsys.readouterr().out
+
+
+def test_a_process_that_runs_again_into_a_remade_out_locks_it_anew(tmp_path):
+    """A notebook's run stopped with an error (its process keeps the lock), the user deleted
+    --out and ran again: the run took the kept lock of the deleted folder for its own, and the
+    new folder had none -- a second run into it was not stopped. Now it locks the folder there."""
+    import subprocess
+    import sys
+    from run_folder import lock_out, release_out
+    out = tmp_path / "out"
+    out.mkdir()
+    lock_out(out)
+    shutil.rmtree(out)
+    out.mkdir()
+    lock_out(out)
+    try:
+        other = subprocess.run([sys.executable, "-c", (
+            "import fcntl, os\n"
+            f"fd = os.open({str(out / '.smolrl.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n")], capture_output=True, text=True)
+    finally:
+        release_out(out)
+    assert "BlockingIOError" in other.stderr
