@@ -23,10 +23,9 @@ made there, in one place (session.py calls them; docs/long-runs.md says them for
    resumed run, the branch it leaves or the run in a folder it resumes into (checkpoint.py says
    which). Each move is a new folder <out>/superseded/<time>/, laid out as a run folder.
 4. superseded/ keeps its newest --keep-superseded folders that hold weights (0: all; those
-   without, the logs of a run stopped before it saved any, are all kept: they never push a
-   trained model out); the run says which it deletes,
-   and never deletes one that holds a path the run's flags name, nor one another run writes in,
-   nor the one it has just moved there.
+   without -- the logs of a run stopped before it saved any -- are all kept, and never push a
+   trained model out); the run says which it deletes, and never deletes one that holds a path
+   the run's flags name, nor one another run writes in, nor the one it has just moved there.
 5. Before the models load: room on the disk for what the run must write -- its model and, with
    --save-every, a checkpoint --, counting what pruning will free; else one line.
 """
@@ -298,10 +297,10 @@ def set_aside(out: Path, paths: list[Path], resume_dir: str, samples: Path | Non
 
 
 def prune_superseded(out: Path, keep: int, reads: list[Path]) -> str:
-    """<out>/superseded/ down to its newest `keep` folders (0: all kept): the line that says which
-    were deleted ("" when none). Never one that holds a path in `reads` (the folder the run has
-    just moved aside among them: its name, a local time, need not sort last), nor another run's
-    --out."""
+    """<out>/superseded/ down to its newest `keep` folders with weights (0: all kept; _doomed):
+    the line that says which were deleted ("" when none). Never one that holds a path in `reads`
+    (the folder the run has just moved aside among them: its name, a local time, need not sort
+    last), nor another run's --out."""
     doomed = _doomed(out, keep, reads)
     failed = []
     for folder in doomed:
@@ -331,6 +330,13 @@ def _doomed(out: Path, keep: int, reads: list[Path], coming: list[Path] = ()) ->
             and not any(p.resolve() == r or p.resolve() in r.parents for r in reads)]
 
 
+def _weights(paths) -> bool:
+    """Whether the paths of a run folder (a superseded one's entries, or what is to move there)
+    hold weights: its model/, or checkpoints."""
+    return any(p.name in ("model", "checkpoints") or p.parent.name == "checkpoints"
+               for p in paths)
+
+
 READ_FLAGS = ("model", "init_from", "teacher", "critic_from", "reward_model", "judge",
               "judge_prompt", "data", "eval_data", "replay", "resume")
 
@@ -354,13 +360,6 @@ def samples_of(resume_dir: str) -> Path | None:
 
 # ---------------------------------------------------------------------------------------------
 # Room on the disk (rule 5).
-
-
-def _weights(paths) -> bool:
-    """Whether the paths of a run folder (a superseded one's entries, or what is to move there)
-    hold weights: its model/, or checkpoints."""
-    return any(p.name in ("model", "checkpoints") or p.parent.name == "checkpoints"
-               for p in paths)
 
 
 def check_room(out: Path, cfg, reads: list[Path], moving: list[Path]):
