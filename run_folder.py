@@ -17,8 +17,9 @@ made there, in one place (session.py calls them; docs/long-runs.md says them for
    name left by a holder that did not release it (killed) is taken over, and said. Under Ray the
    driver holds it. Over a shared filesystem flock reaches other hosts where the filesystem
    shares locks (NFS does; Lustre only mounted with -o flock): a filesystem that refuses locks
-   gets a warning, and the run goes on unguarded. Nor does a run start inside a running run's
-   --out (its export would replace out/model), nor move a running run's folder aside.
+   gets a warning, and the run goes on unguarded. Nor does a run start inside another run
+   folder's model/, checkpoints/, superseded/ (which that run replaces, moves or prunes whole),
+   nor move a running run's folder aside.
 3. A run moves aside, whole, what it would overwrite or drop: a fresh run, the run before it; a
    resumed run, the branch it leaves or the run in a folder it resumes into (checkpoint.py says
    which). Each move is a new folder <out>/superseded/<time>/, laid out as a run folder.
@@ -57,9 +58,10 @@ STAMP = re.compile(r"\d{8}-\d{6}\+*")  # a superseded folder's name: the time of
 
 def check_out(out: Path, config_file: str):
     """--out, before anything is loaded or written: a name the libraries can save under, a
-    folder (or nothing yet), and where the run writes its files, a file or nothing -- a link is
-    never followed (a fresh run would empty its target), a FIFO never opened (the run would
-    block). One line each; nothing is changed."""
+    folder (or nothing yet) not inside a run folder's model/, checkpoints/, superseded/ (what
+    that run replaces, moves or prunes whole), and where the run writes its files, a file or
+    nothing -- a link is never followed (a fresh run would empty its target), a FIFO never
+    opened (the run would block). One line each; nothing is changed."""
     try:
         os.path.abspath(out).encode("utf-8")
     except UnicodeEncodeError as e:
@@ -69,6 +71,20 @@ def check_out(out: Path, config_file: str):
                          f"choose another --out") from None
     if out.exists() and not out.is_dir():
         raise SystemExit(f"error: --out {out} is a file, not a folder; choose another --out")
+    real = Path(os.path.realpath(out))
+    for run in real.parents:  # (a run folder above: its model/ it replaces, its superseded/ ...)
+        part = real.relative_to(run).parts[0]
+        if part not in RUN_FOLDERS + ("superseded",):
+            continue
+        if any((run / name).is_file() for name in CONFIG_FILES):
+            raise SystemExit(f"error: --out {out} lies in {run / part}, which the run in {run} "
+                             f"replaces, moves aside or prunes whole; choose an --out of its "
+                             f"own (nothing was changed)")
+        if str(run) not in _held and (holder := _running(run)):  # (a run that has not written
+            # its config yet; this process's own stopped runs aside)
+            raise SystemExit(f"error: --out {out} lies in {run}, the --out of a run that is "
+                             f"running ({holder}), which would move or replace it; choose "
+                             f"another --out (nothing was changed)")
     wanted = [(out / name, "a file") for name in (*RUN_FILES, config_file, LOCK)]
     for path, want in wanted + [(out / "superseded", "a folder")]:
         kind = _kind(path)
@@ -101,11 +117,6 @@ def lock_out(out: Path):
     key = os.path.realpath(out)
     if key in _held and not _same_file(_held[key], out / LOCK):  # (the folder deleted and made
         release_out(out)  # again since: the lock kept is of a file gone)
-    for folder in Path(key).parents:  # (this process's own stopped runs aside)
-        if str(folder) not in _held and (holder := _running(folder)):
-            raise SystemExit(f"error: --out {out} lies in {folder}, the --out of a run that is "
-                             f"running ({holder}), which would move or replace it; choose "
-                             f"another --out (nothing was changed)")
     if key not in _held:
         try:
             fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)

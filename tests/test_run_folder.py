@@ -355,15 +355,18 @@ def test_a_run_never_moves_nor_writes_over_another_runs_folder_inside_its_own(tm
         b.kill()
         b.wait()
     assert _files(x) == before and not (x / "superseded").exists()
-    a = _held_by_another_process(x)
+    y = tmp_path / "y"  # (a run that has not written its config yet: loading its models)
+    y.mkdir()
+    a = _held_by_another_process(y)
     try:
-        with pytest.raises(SystemExit, match=rf"^error: --out {x / 'model'} lies in {x}, the --out "
+        with pytest.raises(SystemExit, match=rf"^error: --out {y / 'model'} lies in {y}, the --out "
                                              rf"of a run that is running \(pid 1 on h"):
-            open_run(grpo.Config(out=str(x / "model"), model="unused", data="arith"))
+            open_run(grpo.Config(out=str(y / "model"), model="unused", data="arith"))
+        open_run(grpo.Config(out=str(y / "sft"), model="unused", data="arith"))  # (beside: fine)
     finally:
         a.kill()
         a.wait()
-    assert _files(x) == before
+    assert not (y / "model").exists()
 
 
 def test_an_empty_checkpoints_link_made_for_a_run_is_left_where_it_is(tmp_path):
@@ -426,3 +429,25 @@ def test_a_process_that_runs_again_into_a_remade_out_locks_it_anew(tmp_path):
     finally:
         release_out(out)
     assert "BlockingIOError" in other.stderr
+
+
+def test_an_out_inside_a_run_folders_model_or_superseded_is_refused(tmp_path):
+    """`--model X/model --out X/model` (fine-tuning a run's model "in place"): once that run was
+    continued (--resume auto), its export replaced X/model whole and deleted the second run --
+    its model, metrics and samples -- without a word. A run's model/, checkpoints/, superseded/
+    (and its trackers' folders) are the run's to replace, move and prune: an --out inside them
+    is refused in one line, and nothing is written."""
+    import grpo
+    from session import open_run
+    x = tmp_path / "x"
+    (x / "model").mkdir(parents=True)
+    (x / "grpo_config.json").write_text("{}")
+    (x / "model" / "config.json").write_text("{}")
+    before = _files(x)
+    for inside in (x / "model", x / "superseded" / "20260101-000001", x / "checkpoints" / "a"):
+        with pytest.raises(SystemExit, match=rf"^error: --out {inside} lies in "
+                                             rf"{x / inside.relative_to(x).parts[0]}, which the "
+                                             rf"run in {x} replaces"):
+            open_run(grpo.Config(out=str(inside), model="unused", data="arith"))
+    assert _files(x) == before and not any(p.name == ".smolrl.lock" for p in x.rglob("*"))
+    open_run(grpo.Config(out=str(x / "sft"), model="unused", data="arith"))  # (beside: fine)
