@@ -264,7 +264,8 @@ def _step_of(path: Path) -> int:
 
 
 def _run_of(checkpoint: Path) -> str | None:
-    return load_state(checkpoint / "driver_state.pt").get("run_id")
+    state = load_state(checkpoint / "driver_state.pt")
+    return state.get("run_id") if isinstance(state, dict) else None  # (crafted: no run's)
 
 
 def _checkpoints(folder: Path) -> list[Path]:

@@ -97,8 +97,8 @@ class RunOptions:
     keep_last: int = 2
     """checkpoints kept (the oldest are deleted); 0 keeps all"""
     keep_superseded: int = 2
-    """earlier runs and left branches kept in <out>/superseded/ (the oldest are deleted, said on
-    the first screen); 0 keeps all"""
+    """earlier runs and left branches with weights (a model/, checkpoints) kept in
+    <out>/superseded/ (the oldest are deleted, said on the first screen); 0 keeps all"""
     resume: str = ""
     """continue a run exactly: `auto` (latest checkpoint in --out) or a checkpoint folder"""
 

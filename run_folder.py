@@ -17,12 +17,16 @@ made there, in one place (session.py calls them; docs/long-runs.md says them for
    name left by a holder that did not release it (killed) is taken over, and said. Under Ray the
    driver holds it. Over a shared filesystem flock reaches other hosts where the filesystem
    shares locks (NFS does; Lustre only mounted with -o flock): a filesystem that refuses locks
-   gets a warning, and the run goes on unguarded.
+   gets a warning, and the run goes on unguarded. Nor does a run start inside another run
+   folder's model/, checkpoints/, superseded/ (which that run replaces, moves or prunes whole),
+   nor move a running run's folder aside.
 3. A run moves aside, whole, what it would overwrite or drop: a fresh run, the run before it; a
    resumed run, the branch it leaves or the run in a folder it resumes into (checkpoint.py says
    which). Each move is a new folder <out>/superseded/<time>/, laid out as a run folder.
-4. superseded/ keeps its newest --keep-superseded folders (0: all); the run says which it deletes,
-   and never deletes one that holds a path the run's flags name, nor one another run writes in.
+4. superseded/ keeps its newest --keep-superseded folders that hold weights (0: all; those
+   without -- the logs of a run stopped before it saved any -- are all kept, and never push a
+   trained model out); the run says which it deletes, and never deletes one that holds a path
+   the run's flags name, nor one another run writes in, nor the one it has just moved there.
 5. Before the models load: room on the disk for what the run must write -- its model and, with
    --save-every, a checkpoint --, counting what pruning will free; else one line.
 """
@@ -55,9 +59,10 @@ STAMP = re.compile(r"\d{8}-\d{6}\+*")  # a superseded folder's name: the time of
 
 def check_out(out: Path, config_file: str):
     """--out, before anything is loaded or written: a name the libraries can save under, a
-    folder (or nothing yet), and where the run writes its files, a file or nothing -- a link is
-    never followed (a fresh run would empty its target), a FIFO never opened (the run would
-    block). One line each; nothing is changed."""
+    folder (or nothing yet) not inside a run folder's model/, checkpoints/, superseded/ (what
+    that run replaces, moves or prunes whole), and where the run writes its files, a file or
+    nothing -- a link is never followed (a fresh run would empty its target), a FIFO never
+    opened (the run would block). One line each; nothing is changed."""
     try:
         os.path.abspath(out).encode("utf-8")
     except UnicodeEncodeError as e:
@@ -67,6 +72,20 @@ def check_out(out: Path, config_file: str):
                          f"choose another --out") from None
     if out.exists() and not out.is_dir():
         raise SystemExit(f"error: --out {out} is a file, not a folder; choose another --out")
+    real = Path(os.path.realpath(out))
+    for run in real.parents:  # (a run folder above: its model/ it replaces, its superseded/ ...)
+        part = real.relative_to(run).parts[0]
+        if part not in RUN_FOLDERS + ("superseded",):
+            continue
+        if any((run / name).is_file() for name in CONFIG_FILES):
+            raise SystemExit(f"error: --out {out} lies in {run / part}, which the run in {run} "
+                             f"replaces, moves aside or prunes whole; choose an --out of its "
+                             f"own (nothing was changed)")
+        if str(run) not in _held and (holder := _running(run)):  # (a run that has not written
+            # its config yet; this process's own stopped runs aside)
+            raise SystemExit(f"error: --out {out} lies in {run}, the --out of a run that is "
+                             f"running ({holder}), which would move or replace it; choose "
+                             f"another --out (nothing was changed)")
     wanted = [(out / name, "a file") for name in (*RUN_FILES, config_file, LOCK)]
     for path, want in wanted + [(out / "superseded", "a folder")]:
         kind = _kind(path)
@@ -97,6 +116,8 @@ def lock_out(out: Path):
     """--out for this run alone until release_out or the end of the process (rule 2). A run of
     this very process before it (a test's, a notebook's) that did not release it hands it on."""
     key = os.path.realpath(out)
+    if key in _held and not _same_file(_held[key], out / LOCK):  # (the folder deleted and made
+        release_out(out)  # again since: the lock kept is of a file gone)
     if key not in _held:
         try:
             fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -144,6 +165,13 @@ def _clear_names():
         os.ftruncate(fd, 0)
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.lstat(path))
+    except OSError:
+        return False
+
+
 def _holder(fd: int) -> str:
     """The run the lock file names, in words."""
     text = os.pread(fd, 4096, 0)
@@ -169,21 +197,30 @@ def _alive(pid) -> bool:
     return True
 
 
-def _locked(folder: Path) -> bool:
-    """Whether a run holds `folder` as its --out now (this process's own runs included)."""
+def _running(folder: Path) -> str:
+    """The run that holds `folder` as its --out now, in words (this process's own runs
+    included); "" where none does."""
     try:
         fd = os.open(folder / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return False
+        return ""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
+        return ""
     except BlockingIOError:
-        return True
+        return _holder(fd)
     except OSError:
-        return False
+        return ""
     finally:
         os.close(fd)
+
+
+def _running_in(folder: Path) -> tuple[Path, str] | None:
+    """A folder at or under `folder` that a run holds as its --out now, and that run in words."""
+    for root, _, names in os.walk(folder):  # (links not followed)
+        if LOCK in names and (holder := _running(Path(root))):
+            return Path(root), holder
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,14 +233,34 @@ def left_behind(out: Path, resume_dir: str) -> list[Path]:
     file there, checkpoints/ included (claim_checkpoints refuses another run's live ones). A run
     resumed from one of <out>/checkpoints continues the branch there, so nothing -- unless that
     branch went further: then the branch it leaves, its later checkpoints and every run file. (A
-    crashed run's steps past its newest checkpoint are taken again, exactly: dropped.)"""
+    crashed run's steps past its newest checkpoint are taken again, exactly: dropped.) Only an
+    earlier run's, which wrote its config there, are moved: anything else is refused (a user's
+    own folder, whose wandb/ or model/ a run must not take for a run's, to delete with
+    superseded/)."""
     later = claim_checkpoints(out, resume_dir)
-    files = sorted(p for p in out.iterdir() if p.name in RUN_FILES + RUN_FOLDERS + CONFIG_FILES)
-    if not (resume_dir and in_checkpoints(out, resume_dir)):
-        return files
-    if not later and not _went_past(out, checkpoint_step(resume_dir)):
+    files = sorted(p for p in out.iterdir() if p.name in RUN_FILES + RUN_FOLDERS + CONFIG_FILES
+                   and not (p.is_dir() and not any(p.iterdir())))  # (an empty folder: nothing
+    # of a run's, perhaps a link the user made for this one: checkpoints/ on a bigger disk)
+    if resume_dir and in_checkpoints(out, resume_dir) and not later and \
+            not _went_past(out, checkpoint_step(resume_dir)):
         return []
-    return later + [p for p in files if p.name != "checkpoints"]
+    for live in filter(None, map(_running_in, files)):
+        raise SystemExit(f"error: {live[0]} is the --out of a run that is running ({live[1]}), "
+                         f"which this run would move aside; wait for it to end, or choose "
+                         f"another --out (nothing was changed)")
+    if files and not any(p.name in CONFIG_FILES for p in files):
+        raise SystemExit(f"error: --out {out} holds {', '.join(p.name for p in files)}, but no "
+                         f"smolrl run's config (a *_config.json): not an earlier run, which a "
+                         f"run would move aside; choose another --out, or move them away "
+                         f"yourself (nothing was changed)")
+    moving = files if not (resume_dir and in_checkpoints(out, resume_dir)) else \
+        later + [p for p in files if p.name != "checkpoints"]
+    for p in moving:
+        if os.lstat(p).st_dev != os.stat(out).st_dev:  # (through a link: a rename cannot move it)
+            raise SystemExit(f"error: {p} lies on another filesystem than {out}, whose "
+                             f"superseded/ this run would move it to whole; move it away "
+                             f"yourself, or choose another --out (nothing was changed)")
+    return moving
 
 
 def _went_past(out: Path, step: int) -> bool:
@@ -219,18 +276,20 @@ def _went_past(out: Path, step: int) -> bool:
 
 
 def set_aside(out: Path, paths: list[Path], resume_dir: str, samples: Path | None
-              ) -> tuple[str, Path | None]:
+              ) -> tuple[str, Path | None, Path | None]:
     """`paths` moved whole to a new <out>/superseded/<time>/, each to its place there (nothing
-    copied, nothing deleted): the line that says what went where ("" when nothing), and where
-    `samples` (a resumed run's rollouts.jsonl, which may be among them) lies now."""
+    copied, nothing deleted): the line that says what went where ("" when nothing), that folder
+    (None when nothing), and where `samples` (a resumed run's rollouts.jsonl, which may be among
+    them) lies now."""
     if not paths:
-        return "", samples
+        return "", None, samples
     moved = {p.resolve(): p.relative_to(out) for p in paths}
     where = moved.get(samples.resolve()) if samples is not None else None
     aside = out / "superseded" / time.strftime("%Y%m%d-%H%M%S")
     while aside.exists():
         aside = aside.with_name(aside.name + "+")
-    for p in paths:
+    for p in sorted(paths, key=lambda p: p.name in CONFIG_FILES):  # (the config last: a run
+        # killed half way leaves it with the rest, still a run's folder: left_behind)
         (aside / p.relative_to(out)).parent.mkdir(parents=True, exist_ok=True)
         os.replace(p, aside / p.relative_to(out))
     names = ", ".join(p.relative_to(out).as_posix() for p in paths)
@@ -247,12 +306,14 @@ def set_aside(out: Path, paths: list[Path], resume_dir: str, samples: Path | Non
     else:
         line = (f"{out} held another run, or another branch of this one: its {names} are moved "
                 f"whole to {aside} (delete it when you no longer need it)")
-    return escaped(line), aside / where if where is not None else samples  # (names: escaped)
+    return escaped(line), aside, aside / where if where is not None else samples  # (names: escaped)
 
 
 def prune_superseded(out: Path, keep: int, reads: list[Path]) -> str:
-    """<out>/superseded/ down to its newest `keep` folders (0: all kept): the line that says which
-    were deleted ("" when none). Never one that holds a path in `reads`, nor another run's --out."""
+    """<out>/superseded/ down to its newest `keep` folders with weights (0: all kept; _doomed):
+    the line that says which were deleted ("" when none). Never one that holds a path in `reads`
+    (the folder the run has just moved aside among them: its name, a local time, need not sort
+    last), nor another run's --out."""
     doomed = _doomed(out, keep, reads)
     failed = []
     for folder in doomed:
@@ -267,18 +328,26 @@ def prune_superseded(out: Path, keep: int, reads: list[Path]) -> str:
     return escaped(line + (f"; warning: not all of {', '.join(failed)}" if failed else ""))
 
 
-def _doomed(out: Path, keep: int, reads: list[Path], coming: int = 0) -> list[Path]:
-    """The folders of <out>/superseded that keeping the newest `keep` deletes, with `coming` more
-    to be moved there first: time-named folders only, and none that holds a path in `reads` or
-    that a run holds as its --out."""
+def _doomed(out: Path, keep: int, reads: list[Path], coming: list[Path] = ()) -> list[Path]:
+    """The folders of <out>/superseded that keeping the newest `keep` that hold weights deletes,
+    with the paths `coming` to be moved there first: time-named folders only, and none that holds
+    a path in `reads` or that a run holds as its --out."""
     folder = out / "superseded"
     if not keep or _kind(folder) != "a folder":
         return []
     found = sorted(p for p in folder.iterdir() if STAMP.fullmatch(p.name)
-                   and _kind(p) == "a folder")  # (the names sort as the times do)
-    old = found[:max(0, len(found) + coming - keep)]
-    return [p for p in old if not _locked(p)
+                   and _kind(p) == "a folder" and _weights(p.iterdir()))  # (the names sort as
+    # the times do)
+    old = found[:max(0, len(found) + _weights(coming) - keep)]
+    return [p for p in old if not _running_in(p)
             and not any(p.resolve() == r or p.resolve() in r.parents for r in reads)]
+
+
+def _weights(paths) -> bool:
+    """Whether the paths of a run folder (a superseded one's entries, or what is to move there)
+    hold weights: its model/, or checkpoints."""
+    return any(p.name in ("model", "checkpoints") or p.parent.name == "checkpoints"
+               for p in paths)
 
 
 READ_FLAGS = ("model", "init_from", "teacher", "critic_from", "reward_model", "judge",
@@ -306,12 +375,12 @@ def samples_of(resume_dir: str) -> Path | None:
 # Room on the disk (rule 5).
 
 
-def check_room(out: Path, cfg, reads: list[Path], moving: bool):
+def check_room(out: Path, cfg, reads: list[Path], moving: list[Path]):
     """Before any model loads: room on --out's disk for its model (the size of the weights the
     run starts from: its export is the same model, in the dtype it came in) and, with
     --save-every, a checkpoint (the weights in fp32 and AdamW's two moments; a LoRA run's, its
-    adapters: not counted), counting what pruning superseded/ will free (`moving`: a folder is
-    to be moved there first). One line where there is not; a model not on disk yet (a hub id,
+    adapters: not counted), counting what pruning superseded/ will free (`moving`: what is to
+    be moved there first). One line where there is not; a model not on disk yet (a hub id,
     the default before its conversion) is not measured."""
     start = _start_folder(cfg)
     try:
@@ -323,7 +392,7 @@ def check_room(out: Path, cfg, reads: list[Path], moving: bool):
         return
     checkpoint = 3 * weights * 4 // _bytes_per_weight(start) \
         if cfg.save_every and not cfg.lora_rank else 0
-    freed = sum(_size(p) for p in _doomed(out, cfg.keep_superseded, reads, coming=int(moving)))
+    freed = sum(_size(p) for p in _doomed(out, cfg.keep_superseded, reads, coming=moving))
     free = shutil.disk_usage(out).free + freed
     if free >= weights + checkpoint:
         return

@@ -61,7 +61,7 @@ def open_run(cfg) -> RunFolder:
         reads = read_paths(cfg) + ([Path(resume_dir).resolve()] if resume_dir else [])
         folder = RunFolder(out, resume_dir, left_behind(out, resume_dir), samples_of(resume_dir),
                            reads)
-        check_room(out, cfg, reads, moving=bool(folder.aside))
+        check_room(out, cfg, reads, moving=folder.aside)
     except SystemExit:
         release_out(out)
         raise
@@ -80,15 +80,18 @@ def resume_driver(folder: RunFolder):
 def start_log(folder: RunFolder, cfg, line=None):
     """The run's first write, once its models have loaded: what it would overwrite or drop moved
     aside whole (run_folder.set_aside: a fresh run, the run before it; a resumed one, the branch
-    it leaves), superseded/ pruned to --keep-superseded; then the metrics log (metrics.jsonl and
-    the trackers, a resumed run's history first) and the config, written to
-    <out>/<cfg.CONFIG_FILE>."""
-    moved, folder.samples = set_aside(folder.out, folder.aside, folder.resume_dir, folder.samples)
-    for said in (moved, prune_superseded(folder.out, cfg.keep_superseded, folder.reads)):
+    it leaves), superseded/ pruned to --keep-superseded; then the config, written to
+    <out>/<cfg.CONFIG_FILE>, and the metrics log (metrics.jsonl and the trackers, a resumed run's
+    history first)."""
+    moved, aside, folder.samples = set_aside(folder.out, folder.aside, folder.resume_dir,
+                                             folder.samples)
+    kept = folder.reads + ([aside] if aside else [])  # (never the run just moved aside)
+    for said in (moved, prune_superseded(folder.out, cfg.keep_superseded, kept)):
         if said:
             print(said)
+    (folder.out / cfg.CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2))  # (first: what
+    # marks a run's folder, run_folder.left_behind)
     folder.log = RunLog(folder.out, folder.driver.history, cfg.report_to, asdict(cfg), line)
-    (folder.out / cfg.CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2))
     (folder.out / "machine.json").write_text(json.dumps(machine(), indent=2))  # (for the report)
 
 

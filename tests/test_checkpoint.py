@@ -200,6 +200,18 @@ def test_a_crafted_checkpoint_that_loads_is_one_line_before_any_model(damage, sa
         find_checkpoint(tmp_path, "auto")
 
 
+def test_a_crafted_checkpoint_beside_the_one_resumed_is_one_line(tmp_path):
+    """--resume step_2 while step_4's driver state loads weights-only but is no dict (crafted):
+    telling whose step_4 is stopped the run with a traceback (AttributeError: 'list' object has
+    no attribute 'get'); now it is a checkpoint of no run of this one: one line."""
+    from checkpoint import claim_checkpoints
+    _fake_checkpoints(tmp_path, [2, 4], keep_last=0)
+    torch.save([1, 2], tmp_path / "checkpoints" / "step_4" / "driver_state.pt")
+    resumed = find_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step_2"))
+    with pytest.raises(SystemExit, match=r"^error: .* holds another run's checkpoints \(step_4\)"):
+        claim_checkpoints(tmp_path, resumed)
+
+
 def test_a_damaged_checkpoint_stops_a_run_before_its_models_load(tiny_model_dir, tmp_path):
     _fake_checkpoints(tmp_path, [1], keep_last=0)
     checkpoint = tmp_path / "checkpoints/step_1"
@@ -243,7 +255,8 @@ def test_a_crafted_checkpoint_is_named_in_one_printable_line(tmp_path):
     out = tmp_path / f"run{OSC52}"
     out.mkdir()
     (out / "metrics.jsonl").write_text("{}")
-    moved, _ = set_aside(out, left_behind(out, ""), "", None)
+    (out / "grpo_config.json").write_text("{}")
+    moved, _, _ = set_aside(out, left_behind(out, ""), "", None)
     assert "moved whole" in moved and "\\x1b]52;c;" in moved and moved.isprintable()
 
 
@@ -333,7 +346,7 @@ def test_resuming_an_earlier_step_branches_and_keeps_every_checkpoint(tmp_path):
     _fake_checkpoints(tmp_path, [2, 4], keep_last=0, run_id="this")
     resumed = tmp_path / "checkpoints" / "step_2"
     assert claim_checkpoints(tmp_path, str(resumed)) == [tmp_path / "checkpoints" / "step_4"]
-    line, _ = set_aside(tmp_path, left_behind(tmp_path, str(resumed)), str(resumed), None)
+    line, _, _ = set_aside(tmp_path, left_behind(tmp_path, str(resumed)), str(resumed), None)
     assert line.startswith("resuming from step_2: what this run wrote past it, another branch "
                            "now (checkpoints/step_4, grpo_config.json, metrics.jsonl), is moved "
                            "whole to ")
@@ -352,6 +365,24 @@ def test_resuming_an_earlier_step_branches_and_keeps_every_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_2", "step_3"]
     assert find_checkpoint(tmp_path, "auto") == str(tmp_path / "checkpoints" / "step_3")
     assert claim_checkpoints(tmp_path, str(tmp_path / "checkpoints" / "step_3")) == []
+
+
+def test_a_branch_on_another_disk_is_refused_before_the_models_load(tmp_path):
+    """<out>/checkpoints a link to another filesystem (checkpoints on a scratch disk): a branch
+    from step_2 moved step_4 aside with a rename across disks, and stopped with a traceback
+    (OSError: Invalid cross-device link) once the models had loaded. Now: one line, at once."""
+    import os
+    import tempfile
+    from run_folder import left_behind
+    other = Path("/dev/shm")
+    if not other.is_dir() or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second filesystem at /dev/shm")
+    with tempfile.TemporaryDirectory(dir=other) as scratch:
+        (tmp_path / "checkpoints").symlink_to(scratch)
+        _fake_checkpoints(tmp_path, [2, 4], keep_last=0)
+        with pytest.raises(SystemExit, match=rf"^error: {tmp_path / 'checkpoints' / 'step_4'} "
+                                             rf"lies on another filesystem than {tmp_path}"):
+            left_behind(tmp_path, str(tmp_path / "checkpoints" / "step_2"))
 
 
 def test_a_fresh_run_moves_a_finished_run_aside_and_says_where(tiny_model_dir, tmp_path):

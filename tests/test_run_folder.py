@@ -212,7 +212,9 @@ def test_superseded_keeps_the_newest_and_never_what_a_run_reads_or_writes_in(tmp
     for stamp in stamps + ["notes"]:
         (out / "superseded" / stamp / "model").mkdir(parents=True)
         (out / "superseded" / stamp / "model" / "config.json").write_text("{}")
-    (out / "metrics.jsonl").write_text('{"step": 1}\n')  # (a run to move: a fifth folder)
+    (out / "model").mkdir()  # (a run to move: a fifth folder)
+    (out / "model" / "config.json").write_text("{}")
+    (out / "grpo_config.json").write_text("{}")
     lock_out(out / "superseded" / stamps[1])  # (a run writes there: its --out)
     try:
         cfg = grpo.Config(out=str(out), keep_superseded=2, data="arith",
@@ -250,8 +252,8 @@ def test_a_disk_without_room_for_the_model_stops_the_run_before_it_loads(tiny_mo
     from conftest import run_script
     weights = (Path(tiny_model_dir) / "model.safetensors").stat().st_size
     out = tmp_path / "out"
-    (out / "superseded" / "20260101-000001").mkdir(parents=True)
-    with open(out / "superseded" / "20260101-000001" / "big", "wb") as f:
+    (out / "superseded" / "20260101-000001" / "model").mkdir(parents=True)
+    with open(out / "superseded" / "20260101-000001" / "model" / "big", "wb") as f:
         f.truncate(4 * weights)  # (sparse: only its size counts)
     _free(monkeypatch, weights)
     result = run_script("grpo.py", small_run_args(tiny_model_dir, out) + [
@@ -266,8 +268,186 @@ def test_a_disk_without_room_for_the_model_stops_the_run_before_it_loads(tiny_mo
         f"or pass a smaller --keep-superseded) (nothing was changed)")
     import grpo
     from session import open_run
-    (out / "metrics.jsonl").write_text("")  # (a run to move aside: the old folder is to go)
+    (out / "grpo_config.json").write_text("{}")  # (a run to move aside: the old folder is to go)
+    (out / "model").mkdir()
+    (out / "model" / "config.json").write_text("{}")
     open_run(grpo.Config(out=str(out), model=tiny_model_dir, data="arith", save_every=1,
                          keep_superseded=1))
     _free(monkeypatch, 2 * weights)
     open_run(grpo.Config(out=str(out), model=tiny_model_dir, data="arith"))  # (no checkpoints)
+
+
+def test_an_out_holding_what_no_run_wrote_is_refused_not_moved(tmp_path):
+    """`--out .` in a project folder that holds the user's own wandb/, another framework's
+    checkpoints/ and a model/ of theirs, but no run's config: a run once took them for an earlier
+    run, moved them to superseded/ and, two reruns later, deleted them (--keep-superseded). Now
+    it stops in one line before any model loads, and changes nothing."""
+    import grpo
+    from session import open_run
+    out = tmp_path / "project"
+    for name in ("wandb/offline-run-1/run.wandb", "checkpoints/checkpoint-500/model.bin",
+                 "model/config.json", "notes.txt"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(name)
+    before = _files(out)
+    with pytest.raises(SystemExit, match=rf"^error: --out {out} holds checkpoints, model, wandb, "
+                                         rf"but no smolrl run's config \(a \*_config.json\): not an earlier run"):
+        open_run(grpo.Config(out=str(out), model="unused", data="arith"))
+    assert _files(out) == before and not (out / "superseded").exists()
+
+
+def test_the_run_a_rerun_moves_aside_is_never_the_one_pruned(tmp_path, capsys):
+    """superseded/ keeps the newest folders by their names, the local time of their move: folders
+    named ahead of this machine's clock (another host's time zone on a shared disk, the hour a
+    clock goes back) made the earlier run just moved aside the "oldest", deleted a moment after
+    its move. Now the run never prunes the folder it has just moved (superseded/ holds one more
+    for a while)."""
+    import grpo
+    from session import open_run, resume_driver, start_log
+    out = tmp_path / "out"
+    for stamp in ("20991231-000001", "20991231-000002"):
+        (out / "superseded" / stamp / "model").mkdir(parents=True)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.safetensors").write_text("weights")
+    earlier = _earlier_run(out, str(tmp_path / "m"))
+    cfg = grpo.Config(out=str(out), keep_superseded=2, data="arith", model="unused")
+    folder = open_run(cfg)
+    resume_driver(folder)
+    start_log(folder, cfg)
+    [moved] = [p for p in (out / "superseded").iterdir() if not p.name.startswith("2099")]
+    assert _files(moved) == earlier and "deleted" not in capsys.readouterr().out
+
+
+def _held_by_another_process(folder: Path):
+    """A run of another process holding `folder` as its --out (its lock, as run_folder takes it):
+    the process, to be killed."""
+    import subprocess
+    import sys
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(folder / '.smolrl.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, b'{\"pid\": 1, \"host\": \"h\", \"since\": \"then\", \"command\": \"b\"}')\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def test_a_run_never_moves_nor_writes_over_another_runs_folder_inside_its_own(tmp_path):
+    """Run B with --out X/model inside run A's X, both running: A's export replaced X/model whole
+    (B's config and samples deleted; B's metrics, checkpoints and model went on into A's exported
+    model), and a rerun into X moved B's live folder aside. Now a run refuses an --out inside a
+    folder a run holds, and a rerun refuses to move a folder a run holds; nothing is changed."""
+    import grpo
+    from session import open_run
+    x = tmp_path / "x"
+    (x / "model").mkdir(parents=True)
+    for name in ("grpo_config.json", "metrics.jsonl", "model/grpo_config.json"):
+        (x / name).write_text("{}")
+    before = _files(x)
+    b = _held_by_another_process(x / "model")
+    try:
+        with pytest.raises(SystemExit, match=rf"^error: {x / 'model'} is the --out of a run that "
+                                             rf"is running \(pid 1 on h, since then: b\)"):
+            open_run(grpo.Config(out=str(x), model="unused", data="arith"))
+    finally:
+        b.kill()
+        b.wait()
+    assert _files(x) == before and not (x / "superseded").exists()
+    y = tmp_path / "y"  # (a run that has not written its config yet: loading its models)
+    y.mkdir()
+    a = _held_by_another_process(y)
+    try:
+        with pytest.raises(SystemExit, match=rf"^error: --out {y / 'model'} lies in {y}, the --out "
+                                             rf"of a run that is running \(pid 1 on h"):
+            open_run(grpo.Config(out=str(y / "model"), model="unused", data="arith"))
+        open_run(grpo.Config(out=str(y / "sft"), model="unused", data="arith"))  # (beside: fine)
+    finally:
+        a.kill()
+        a.wait()
+    assert not (y / "model").exists()
+
+
+def test_an_empty_checkpoints_link_made_for_a_run_is_left_where_it_is(tmp_path):
+    """`ln -s /scratch/run out/checkpoints` before the first run (checkpoints on a bigger disk):
+    an empty folder holds nothing of an earlier run, so it is neither moved aside (the run's
+    checkpoints then went to the small disk) nor taken for a folder of the user's own."""
+    import grpo
+    from session import open_run
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    out.mkdir()
+    scratch.mkdir()
+    (out / "checkpoints").symlink_to(scratch)
+    assert open_run(grpo.Config(out=str(out), model="unused", data="arith")).aside == []
+
+
+def test_runs_stopped_before_they_saved_weights_never_push_a_trained_model_out(tmp_path,
+                                                                             capsys):
+    """A finished run, then two reruns stopped before they saved any weights (Ctrl-C, a crash
+    at step 1: their metrics, config and samples alone), then a run: the two stopped ones
+    counted as runs, and the third rerun deleted the finished run's trained model. Now
+    --keep-superseded counts the folders that hold weights (a model/, checkpoints/); the others,
+    logs alone, are kept."""
+    import grpo
+    from session import open_run, resume_driver, start_log
+    out = tmp_path / "out"
+    (out / "superseded" / "20260101-000001" / "model").mkdir(parents=True)  # (the trained one)
+    for stamp in ("20260101-000002", "20260101-000003"):
+        (out / "superseded" / stamp).mkdir()
+        (out / "superseded" / stamp / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "grpo_config.json").write_text("{}")
+    (out / "model").mkdir()
+    (out / "model" / "config.json").write_text("{}")  # (a run that finished)
+    cfg = grpo.Config(out=str(out), keep_superseded=2, data="arith", model="unused")
+    folder = open_run(cfg)
+    resume_driver(folder)
+    start_log(folder, cfg)
+    assert (out / "superseded" / "20260101-000001" / "model").is_dir()
+    assert len(list((out / "superseded").iterdir())) == 4 and "deleted" not in \
+        capsys.readouterr().out
+
+
+def test_a_process_that_runs_again_into_a_remade_out_locks_it_anew(tmp_path):
+    """A notebook's run stopped with an error (its process keeps the lock), the user deleted
+    --out and ran again: the run took the kept lock of the deleted folder for its own, and the
+    new folder had none -- a second run into it was not stopped. Now it locks the folder there."""
+    import subprocess
+    import sys
+    from run_folder import lock_out, release_out
+    out = tmp_path / "out"
+    out.mkdir()
+    lock_out(out)
+    shutil.rmtree(out)
+    out.mkdir()
+    lock_out(out)
+    try:
+        other = subprocess.run([sys.executable, "-c", (
+            "import fcntl, os\n"
+            f"fd = os.open({str(out / '.smolrl.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n")], capture_output=True, text=True)
+    finally:
+        release_out(out)
+    assert "BlockingIOError" in other.stderr
+
+
+def test_an_out_inside_a_run_folders_model_or_superseded_is_refused(tmp_path):
+    """`--model X/model --out X/model` (fine-tuning a run's model "in place"): once that run was
+    continued (--resume auto), its export replaced X/model whole and deleted the second run --
+    its model, metrics and samples -- without a word. A run's model/, checkpoints/, superseded/
+    (and its trackers' folders) are the run's to replace, move and prune: an --out inside them
+    is refused in one line, and nothing is written."""
+    import grpo
+    from session import open_run
+    x = tmp_path / "x"
+    (x / "model").mkdir(parents=True)
+    (x / "grpo_config.json").write_text("{}")
+    (x / "model" / "config.json").write_text("{}")
+    before = _files(x)
+    for inside in (x / "model", x / "superseded" / "20260101-000001", x / "checkpoints" / "a"):
+        with pytest.raises(SystemExit, match=rf"^error: --out {inside} lies in "
+                                             rf"{x / inside.relative_to(x).parts[0]}, which the "
+                                             rf"run in {x} replaces"):
+            open_run(grpo.Config(out=str(inside), model="unused", data="arith"))
+    assert _files(x) == before and not any(p.name == ".smolrl.lock" for p in x.rglob("*"))
+    open_run(grpo.Config(out=str(x / "sft"), model="unused", data="arith"))  # (beside: fine)
