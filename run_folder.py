@@ -3,6 +3,7 @@ made there, in one place (session.py calls them; docs/long-runs.md says them for
 
     check_out(out, config_file)        before anything: --out, and the names a run writes there
     lock_out(out) ... release_out(out) one run at a time in --out, for the run's whole life
+    recover_export(out)                a run killed inside its export: the model it replaced back
     left_behind(out, resume_dir)       what of the run before it a run would overwrite or drop
     check_room(out, cfg, ...)          room on the disk for the run's model and a checkpoint
     set_aside(out, paths, ...)         at the first write: those moved whole to superseded/<time>/
@@ -110,6 +111,27 @@ def _kind(path: Path) -> str:
 # One run at a time (rule 2).
 
 _held: dict[str, int] = {}  # --out (its real path) -> the lock file this process holds open
+
+
+def recover_export(out: Path) -> str:
+    """What a run killed inside its export or a checkpoint's save left in --out (model.save_model
+    writes beside the folder, then model.replace_folder swaps it in): the model it was replacing,
+    in <out>/.old-model-*/model with no model/ beside it (killed between the two renames), put
+    back; half-written copies (.model-*, checkpoints/..tmp-step_*-*, the .old-* of a swap that
+    finished) deleted. Called with the lock held: no live run writes them. The line that says
+    what was put back ("" when nothing)."""
+    said = ""
+    for old in sorted(out.glob(".old-model-*")):
+        if (old / "model").is_dir() and not os.path.lexists(out / "model"):
+            os.replace(old / "model", out / "model")
+            said = (f"{out / 'model'} put back: a run was stopped while it replaced that model "
+                    f"with its own, which it had not finished writing")
+    halves = [*out.glob(".old-model-*"), *out.glob(".model-*"),
+              *out.glob("checkpoints/..tmp-step_*-*"), *out.glob("checkpoints/.old-.tmp-step_*")]
+    for half in halves:
+        if half.is_dir() and not half.is_symlink():
+            shutil.rmtree(half, ignore_errors=True)
+    return escaped(said)
 
 
 def lock_out(out: Path):

@@ -29,7 +29,7 @@ from evaluate import RunLog
 from hardware import machine
 from report import plot_curves, write_report
 from run_folder import check_out, check_room, left_behind, lock_out, prune_superseded, read_paths
-from run_folder import release_out, samples_of, set_aside
+from run_folder import recover_export, release_out, samples_of, set_aside
 
 
 @dataclass
@@ -57,6 +57,9 @@ def open_run(cfg) -> RunFolder:
     out.mkdir(parents=True, exist_ok=True)
     lock_out(out)
     try:
+        recovered = recover_export(out)
+        if recovered:
+            print(recovered)
         resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
         reads = read_paths(cfg) + ([Path(resume_dir).resolve()] if resume_dir else [])
         folder = RunFolder(out, resume_dir, left_behind(out, resume_dir), samples_of(resume_dir),

@@ -451,3 +451,27 @@ def test_an_out_inside_a_run_folders_model_or_superseded_is_refused(tmp_path):
             open_run(grpo.Config(out=str(inside), model="unused", data="arith"))
     assert _files(x) == before and not any(p.name == ".smolrl.lock" for p in x.rglob("*"))
     open_run(grpo.Config(out=str(x / "sft"), model="unused", data="arith"))  # (beside: fine)
+
+
+def test_a_run_killed_inside_its_export_gets_its_model_back(tmp_path):
+    """model.replace_folder renames the old model/ aside, then the new one into place: a kill
+    between the two left no model/ at all, the old one hidden in .old-model-*/ for good, and
+    every half-written copy (.model-*, a checkpoint's) taking a model's room on the disk. The next
+    run into --out puts the old model back and deletes the halves, saying so."""
+    from run_folder import recover_export
+    out = tmp_path / "out"
+    (out / ".old-model-abc1/model").mkdir(parents=True)
+    (out / ".old-model-abc1/model/config.json").write_text("{}")
+    (out / ".model-xyz2").mkdir()
+    (out / ".model-xyz2/model.safetensors").write_bytes(b"half")
+    (out / "checkpoints/..tmp-step_4-q1").mkdir(parents=True)
+    (out / "checkpoints/step_2").mkdir()
+    said = recover_export(out)
+    assert said.startswith(f"{out / 'model'} put back: a run was stopped while it replaced")
+    assert (out / "model/config.json").read_text() == "{}"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "model"]
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_2"]
+    # A swap that finished: the new model/ stays, the old one's remains go, nothing is said
+    (out / ".old-model-abc3/model").mkdir(parents=True)
+    assert recover_export(out) == "" and not (out / ".old-model-abc3").exists()
+    assert (out / "model/config.json").exists()
