@@ -145,7 +145,10 @@ def _probs(q, k, mask, scaling):
     B, KV, gn, _ = q.shape
     n, m = mask.shape[-2], k.shape[2]
     scores = (q.float() @ k.float().transpose(-1, -2)) * scaling
-    scores = scores.view(B, KV, gn // n, n, m).masked_fill(~mask[:, :, None], MASKED)
+    # (MASKED's value written out: torch.compile cannot trace a module global inside the
+    # autograd.Function SmallAttention whose forward this is)
+    lowest = torch.finfo(torch.float32).min
+    scores = scores.view(B, KV, gn // n, n, m).masked_fill(~mask[:, :, None], lowest)
     return torch.softmax(scores, dim=-1).view(B, KV, gn, m)
 
 
