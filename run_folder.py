@@ -56,6 +56,8 @@ CONFIG_FILES = tuple(f"{name}_config.json" for name in ("sft", "rm", "dpo", "grp
                                                         "distill"))  # (each Config's CONFIG_FILE)
 LOCK = ".smolrl.lock"
 STAMP = re.compile(r"\d{8}-\d{6}\+*")  # a superseded folder's name: the time of its move
+TEMP = re.compile(r"\..+-[a-z0-9_]{8}")  # a folder's name as tempfile.mkdtemp makes it, with a
+# prefix: an export's (.model-, .old-model-) and a checkpoint's (..tmp-step_N-, .old-.tmp-step_N-)
 
 
 def check_out(out: Path, config_file: str):
@@ -114,23 +116,32 @@ _held: dict[str, int] = {}  # --out (its real path) -> the lock file this proces
 
 
 def recover_export(out: Path) -> str:
-    """What a run killed inside its export or a checkpoint's save left in --out (model.save_model
-    writes beside the folder, then model.replace_folder swaps it in): the model it was replacing,
-    in <out>/.old-model-*/model with no model/ beside it (killed between the two renames), put
-    back; half-written copies (.model-*, checkpoints/..tmp-step_*-*, the .old-* of a swap that
-    finished) deleted. Called with the lock held: no live run writes them. The line that says
-    what was put back ("" when nothing)."""
-    said = ""
-    for old in sorted(out.glob(".old-model-*")):
+    """What a run killed inside its export or a checkpoint's save left in its --out
+    (model.save_model writes the whole model beside its folder, then model.replace_folder renames
+    the old one aside and the new one into place): killed between the two renames, the swap
+    finished -- the new model, written whole, in model/ -- or, were there none beside it, the old
+    one put back; half-written copies (.model-*, checkpoints/..tmp-step_*-*, the .old-* of a
+    swap that finished) deleted. Only in a run's folder (its *_config.json), and only names as
+    tempfile.mkdtemp makes them: a user's .model-cache/ is no export's. Called with the lock
+    held: no live run writes them. The line that says what was put in place ("" when nothing)."""
+    if not any((out / name).is_file() for name in CONFIG_FILES):
+        return ""
+    said, made = "", lambda p: TEMP.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+    new = [p for p in out.glob(".model-*") if made(p)]
+    for old in sorted(p for p in out.glob(".old-model-*") if made(p)):
         if (old / "model").is_dir() and not os.path.lexists(out / "model"):
-            os.replace(old / "model", out / "model")
-            said = (f"{out / 'model'} put back: a run was stopped while it replaced that model "
-                    f"with its own, which it had not finished writing")
+            if len(new) == 1:  # (the old one is renamed aside only once the new one is whole)
+                os.replace(new.pop(), out / "model")
+                said = (f"{out / 'model'}: a run was stopped between the two renames of its "
+                        f"export; the model it had written whole is put in place")
+            else:
+                os.replace(old / "model", out / "model")
+                said = (f"{out / 'model'} put back: a run was stopped while it replaced that "
+                        f"model with its own, which it had not finished writing")
     halves = [*out.glob(".old-model-*"), *out.glob(".model-*"),
               *out.glob("checkpoints/..tmp-step_*-*"), *out.glob("checkpoints/.old-.tmp-step_*")]
-    for half in halves:
-        if half.is_dir() and not half.is_symlink():
-            shutil.rmtree(half, ignore_errors=True)
+    for half in filter(made, halves):
+        shutil.rmtree(half, ignore_errors=True)
     return escaped(said)
 
 

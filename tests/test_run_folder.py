@@ -453,25 +453,56 @@ def test_an_out_inside_a_run_folders_model_or_superseded_is_refused(tmp_path):
     open_run(grpo.Config(out=str(x / "sft"), model="unused", data="arith"))  # (beside: fine)
 
 
-def test_a_run_killed_inside_its_export_gets_its_model_back(tmp_path):
-    """model.replace_folder renames the old model/ aside, then the new one into place: a kill
-    between the two left no model/ at all, the old one hidden in .old-model-*/ for good, and
-    every half-written copy (.model-*, a checkpoint's) taking a model's room on the disk. The next
-    run into --out puts the old model back and deletes the halves, saying so."""
+def test_a_run_killed_inside_its_export_keeps_the_model_it_wrote(tmp_path):
+    """model.replace_folder renames the old model/ aside, then the new one -- written whole by
+    then -- into place: a kill between the two left no model/, the old one in .old-model-*/ and
+    the trained one in .model-*/. The next run into --out once put the old model back and deleted
+    the trained one (a run extended from step 2 to 3 then held step 3's metrics beside step 2's
+    model, and step 3's was gone): now it finishes the swap, saying so, and deletes every
+    half-written copy (a checkpoint's)."""
     from run_folder import recover_export
     out = tmp_path / "out"
-    (out / ".old-model-abc1/model").mkdir(parents=True)
-    (out / ".old-model-abc1/model/config.json").write_text("{}")
-    (out / ".model-xyz2").mkdir()
-    (out / ".model-xyz2/model.safetensors").write_bytes(b"half")
-    (out / "checkpoints/..tmp-step_4-q1").mkdir(parents=True)
+    (out / ".old-model-abcd1234/model").mkdir(parents=True)
+    (out / ".old-model-abcd1234/model/config.json").write_text("old")
+    (out / ".model-wxyz5678").mkdir()
+    (out / ".model-wxyz5678/config.json").write_text("trained")
+    (out / "checkpoints/..tmp-step_4-q1w2e3r4").mkdir(parents=True)
     (out / "checkpoints/step_2").mkdir()
+    (out / "grpo_config.json").write_text("{}")
     said = recover_export(out)
-    assert said.startswith(f"{out / 'model'} put back: a run was stopped while it replaced")
-    assert (out / "model/config.json").read_text() == "{}"
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "model"]
+    assert said.startswith(f"{out / 'model'}: a run was stopped between the two renames of its "
+                           f"export; the model it had written whole is put in place")
+    assert (out / "model/config.json").read_text() == "trained"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "grpo_config.json", "model"]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_2"]
+    # No new one beside it (stopped before it was written): the old one goes back
+    (out / ".old-model-efgh9012").mkdir()
+    (out / "model").rename(out / ".old-model-efgh9012/model")
+    assert recover_export(out).startswith(f"{out / 'model'} put back")
+    assert (out / "model").is_dir() and not (out / ".old-model-efgh9012").exists()
     # A swap that finished: the new model/ stays, the old one's remains go, nothing is said
-    (out / ".old-model-abc3/model").mkdir(parents=True)
-    assert recover_export(out) == "" and not (out / ".old-model-abc3").exists()
+    (out / ".old-model-ijkl3456/model").mkdir(parents=True)
+    assert recover_export(out) == "" and not (out / ".old-model-ijkl3456").exists()
     assert (out / "model/config.json").exists()
+
+
+def test_what_looks_like_an_exports_remains_in_a_folder_no_run_wrote_is_left_alone(tmp_path):
+    """`--out .` in a project holding the user's .model-cache/ and .old-model-backup/model: the
+    run took them for an export's remains -- deleted the cache, made the backup ./model and
+    deleted the rest of it -- and then refused the folder, saying "nothing was changed". Now
+    only a run's folder (its *_config.json) is recovered, and only names as an export makes
+    them."""
+    import grpo
+    from run_folder import recover_export
+    from session import open_run
+    out = tmp_path / "project"
+    for name in (".model-cache/weights.bin", ".old-model-backup/model/config.json",
+                 ".old-model-backup/notes.txt", "checkpoints/..tmp-step_1-mine/x", "notes.txt"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(name)
+    before = _files(out)
+    with pytest.raises(SystemExit, match=r"^error: --out .* holds checkpoints, but no smolrl"):
+        open_run(grpo.Config(out=str(out), model="unused", data="arith"))
+    assert _files(out) == before
+    (out / "grpo_config.json").write_text("{}")  # (a run's folder: names not an export's kept)
+    assert recover_export(out) == "" and _files(out, skip=("grpo_config.json",)) == before
