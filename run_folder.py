@@ -25,9 +25,10 @@ made there, in one place (session.py calls them; docs/long-runs.md says them for
    resumed run, the branch it leaves or the run in a folder it resumes into (checkpoint.py says
    which). Each move is a new folder <out>/superseded/<time>/, laid out as a run folder.
 4. superseded/ keeps its newest --keep-superseded folders that hold weights (0: all; those
-   without -- the logs of a run stopped before it saved any -- are all kept, and never push a
-   trained model out); the run says which it deletes, and never deletes one that holds a path
-   the run's flags name, nor one another run writes in, nor the one it has just moved there.
+   without -- the logs of a run stopped before or inside its first save -- are all kept, and
+   never push a trained model out); the run says which it deletes, and never deletes one that
+   holds a path the run's flags name, nor one another run writes in, nor the one it has just
+   moved there.
 5. Before the models load: room on the disk for what the run must write -- its model and, with
    --save-every, a checkpoint --, counting what pruning will free; else one line.
 """
@@ -378,9 +379,13 @@ def _doomed(out: Path, keep: int, reads: list[Path], coming: list[Path] = ()) ->
 
 def _weights(paths) -> bool:
     """Whether the paths of a run folder (a superseded one's entries, or what is to move there)
-    hold weights: its model/, or checkpoints."""
-    return any(p.name in ("model", "checkpoints") or p.parent.name == "checkpoints"
-               for p in paths)
+    hold weights: its model/, or a checkpoint -- a whole one: a save stopped half way (a full
+    disk, Ctrl-C) leaves a .tmp-step_N that nothing resumes from, and is no trained model's
+    match."""
+    def whole(checkpoint: Path) -> bool:
+        return checkpoint.name.startswith("step_") and (checkpoint / "driver_state.pt").is_file()
+    return any(p.name == "model" or (p.parent.name == "checkpoints" and whole(p)) or
+               (p.name == "checkpoints" and any(map(whole, p.glob("step_*")))) for p in paths)
 
 
 READ_FLAGS = ("model", "init_from", "teacher", "critic_from", "reward_model", "judge",

@@ -506,3 +506,29 @@ def test_what_looks_like_an_exports_remains_in_a_folder_no_run_wrote_is_left_alo
     assert _files(out) == before
     (out / "grpo_config.json").write_text("{}")  # (a run's folder: names not an export's kept)
     assert recover_export(out) == "" and _files(out, skip=("grpo_config.json",)) == before
+
+
+def test_runs_stopped_inside_their_first_checkpoint_never_push_a_trained_model_out(tmp_path,
+                                                                                 capsys):
+    """A finished run, then two reruns stopped while they wrote their first checkpoint (a full
+    disk, Ctrl-C, a preempted job: checkpoints/.tmp-step_1 half written, nothing to resume from),
+    then a run: the two counted as folders with weights, and the third rerun deleted the
+    finished run's trained model. Only a model/ or a complete checkpoint counts."""
+    import grpo
+    from session import open_run, resume_driver, start_log
+    out = tmp_path / "out"
+    (out / "superseded" / "20260101-000001" / "model").mkdir(parents=True)  # (the trained one)
+    for stamp in ("20260101-000002", "20260101-000003"):
+        (out / "superseded" / stamp / "checkpoints" / ".tmp-step_1").mkdir(parents=True)
+        (out / "superseded" / stamp / "checkpoints" / ".tmp-step_1" / "model.safetensors"
+         ).write_text("half")
+        (out / "superseded" / stamp / "grpo_config.json").write_text("{}")
+    (out / "grpo_config.json").write_text("{}")
+    (out / "checkpoints" / ".tmp-step_1").mkdir(parents=True)  # (a third, to move aside)
+    cfg = grpo.Config(out=str(out), keep_superseded=2, data="arith", model="unused")
+    folder = open_run(cfg)
+    resume_driver(folder)
+    start_log(folder, cfg)
+    assert (out / "superseded" / "20260101-000001" / "model").is_dir()
+    assert len(list((out / "superseded").iterdir())) == 4 and "deleted" not in \
+        capsys.readouterr().out
