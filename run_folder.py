@@ -103,7 +103,7 @@ def _kind(path: Path) -> str:
     """What is at path, without following a link ("": nothing)."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a file above it: open_run says so)
         return ""
     return ("a file" if stat.S_ISREG(mode) else "a folder" if stat.S_ISDIR(mode) else
             "a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else

@@ -54,7 +54,11 @@ def open_run(cfg) -> RunFolder:
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     check_out(out, cfg.CONFIG_FILE)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # (a file on its path, a folder not the user's, a read-only disk)
+        raise SystemExit(f"error: --out {out}: cannot make that folder ({e.strerror}); choose "
+                         f"another --out") from None
     lock_out(out)
     try:
         recovered = recover_export(out)

@@ -532,3 +532,16 @@ def test_runs_stopped_inside_their_first_checkpoint_never_push_a_trained_model_o
     assert (out / "superseded" / "20260101-000001" / "model").is_dir()
     assert len(list((out / "superseded").iterdir())) == 4 and "deleted" not in \
         capsys.readouterr().out
+
+
+def test_an_out_that_cannot_be_made_is_one_line(tmp_path):
+    """`--out notes.txt/run` (a file where a folder must be made), or a folder the user cannot
+    write in: a NotADirectoryError or PermissionError traceback. Now one line, before anything."""
+    import grpo
+    from session import open_run
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in (tmp_path / "notes.txt" / "run", tmp_path / "notes.txt" / "run" / "deeper"):
+        with pytest.raises(SystemExit, match=rf"^error: --out {out}: cannot make that folder "
+                                             rf"\(Not a directory\); choose another --out"):
+            open_run(grpo.Config(out=str(out), model="unused", data="arith"))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
