@@ -289,6 +289,12 @@ def left_behind(out: Path, resume_dir: str) -> list[Path]:
                          f"yourself (nothing was changed)")
     moving = files if not (resume_dir and in_checkpoints(out, resume_dir)) else \
         later + [p for p in files if p.name != "checkpoints"]
+    if moving and _kind(out / "superseded") == "a folder" and \
+            os.lstat(out / "superseded").st_dev != os.stat(out).st_dev:  # (a mount point)
+        raise SystemExit(f"error: {out / 'superseded'} lies on another filesystem than {out}, "
+                         f"whose run files this run would move there whole, with a rename that "
+                         f"cannot cross disks; make it a folder of {out}'s disk, or choose "
+                         f"another --out (nothing was changed)")
     for p in moving:
         if os.lstat(p).st_dev != os.stat(out).st_dev:  # (through a link: a rename cannot move it)
             raise SystemExit(f"error: {p} lies on another filesystem than {out}, whose "

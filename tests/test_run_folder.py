@@ -545,3 +545,30 @@ def test_an_out_that_cannot_be_made_is_one_line(tmp_path):
                                              rf"\(Not a directory\); choose another --out"):
             open_run(grpo.Config(out=str(out), model="unused", data="arith"))
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_superseded_folder_on_another_disk_is_refused_before_the_models_load(tmp_path,
+                                                                               monkeypatch):
+    """<out>/superseded a mount of a bigger disk (its runs pile up): a rerun moved the run before
+    it there with a rename, and stopped with OSError: Invalid cross-device link once its models
+    had loaded. Now one line, at once, and nothing is changed."""
+    import os
+    import grpo
+    from session import open_run
+    out, model = tmp_path / "out", tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    earlier = _earlier_run(out, str(model))
+    (out / "superseded").mkdir()
+    real = os.lstat
+
+    def lstat(path, *args, **kwargs):  # (superseded/ a mount point: a device of its own)
+        st = real(path, *args, **kwargs)
+        if Path(path) == out / "superseded":
+            return os.stat_result((st[0], st[1], st.st_dev + 1, *tuple(st)[3:]))
+        return st
+    monkeypatch.setattr(os, "lstat", lstat)
+    with pytest.raises(SystemExit, match=rf"^error: {out / 'superseded'} lies on another "
+                                         rf"filesystem than {out}"):
+        open_run(grpo.Config(out=str(out), model="unused", data="arith"))
+    assert _files(out) == earlier
