@@ -428,8 +428,10 @@ def check_room(out: Path, cfg, reads: list[Path], moving: list[Path]):
     the default before its conversion) is not measured."""
     start = _start_folder(cfg)
     try:
-        weights = sum(f.stat().st_size for f in start.iterdir()
-                      if f.suffix in (".safetensors", ".bin")) if start else 0
+        files = list(start.iterdir()) if start else []
+        weights = sum(f.stat().st_size for f in files if f.suffix == ".safetensors") or \
+            sum(f.stat().st_size for f in files if f.suffix == ".bin")  # (a hub snapshot may
+        # hold both: the loader takes the safetensors)
     except OSError:  # (unreadable: its load says why)
         weights = 0
     if not weights:

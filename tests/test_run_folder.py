@@ -572,3 +572,18 @@ def test_a_superseded_folder_on_another_disk_is_refused_before_the_models_load(t
                                          rf"filesystem than {out}"):
         open_run(grpo.Config(out=str(out), model="unused", data="arith"))
     assert _files(out) == earlier
+
+
+def test_the_room_check_counts_a_model_saved_in_two_formats_once(tiny_model_dir, tmp_path,
+                                                                  monkeypatch):
+    """A hub snapshot holds its weights twice, model.safetensors and pytorch_model.bin (the
+    loader takes the first): the room check counted both, and refused a run the disk had room
+    for -- with no way past it. Now the safetensors alone are counted where there are any."""
+    import grpo
+    from session import open_run
+    both = tmp_path / "both"
+    shutil.copytree(tiny_model_dir, both)
+    shutil.copy(both / "model.safetensors", both / "pytorch_model.bin")
+    weights = (both / "model.safetensors").stat().st_size
+    _free(monkeypatch, weights * 3 // 2)
+    open_run(grpo.Config(out=str(tmp_path / "out"), model=str(both), data="arith"))
