@@ -379,8 +379,17 @@ def _doomed(out: Path, keep: int, reads: list[Path], coming: list[Path] = ()) ->
                    and _kind(p) == "a folder" and _weights(p.iterdir()))  # (the names sort as
     # the times do)
     old = found[:max(0, len(found) + _weights(coming) - keep)]
-    return [p for p in old if not _running_in(p)
-            and not any(p.resolve() == r or p.resolve() in r.parents for r in reads)]
+    held = {_identity(q) for r in reads for q in (r, *r.parents)}  # (by what they are, not by
+    # their paths: a folder mounted twice has two)
+    return [p for p in old if not _running_in(p) and _identity(p) not in held]
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _weights(paths) -> bool:

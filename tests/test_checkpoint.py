@@ -433,3 +433,30 @@ def test_every_algorithm_moves_an_earlier_run_aside_at_its_first_write(algorithm
     for name, text in earlier.items():
         assert ((tmp_path if name == "notes.txt" else aside) / name).read_text() == text
     assert (tmp_path / cfg.CONFIG_FILE).exists() and (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_checkpoint_named_through_another_mount_of_its_folder_is_that_folders(tmp_path):
+    """--out /data/run --resume /mnt/data/run/checkpoints/step_2, the one folder mounted twice
+    (a container's bind mount): the resumed run took its own branch for another folder's -- it
+    moved the whole run aside and started its samples empty (the log it keeps lay at a path
+    moved away) -- and superseded/ pruning deleted the folder it was resuming from, named
+    through the other mount. Now a checkpoint is found by what it is, not by its path."""
+    import shutil
+    from types import SimpleNamespace
+    from run_folder import _doomed, read_paths
+    out, bind = tmp_path / "out", tmp_path / "bind"
+    _fake_checkpoints(out, [2, 4], keep_last=0)
+    kept = out / "superseded" / "20260101-000001"
+    shutil.copytree(out / "checkpoints", kept / "checkpoints")
+    (out / "superseded" / "20260101-000002" / "model").mkdir(parents=True)
+    bind.mkdir()
+    if subprocess.run(["mount", "--bind", str(out), str(bind)], capture_output=True).returncode:
+        pytest.skip("no bind mounts here (they need root)")
+    try:
+        assert find_checkpoint(out, str(bind / "checkpoints" / "step_2")) == \
+            str(out / "checkpoints" / "step_2")
+        other = kept.relative_to(out) / "checkpoints" / "step_2"
+        reads = read_paths(SimpleNamespace(resume=str(bind / other)))
+        assert _doomed(out, 1, reads) == []
+    finally:
+        subprocess.run(["umount", str(bind)], check=True)
