@@ -460,3 +460,28 @@ def test_a_checkpoint_named_through_another_mount_of_its_folder_is_that_folders(
         assert _doomed(out, 1, reads) == []
     finally:
         subprocess.run(["umount", str(bind)], check=True)
+
+
+def test_a_resume_in_a_hard_linked_copy_leaves_the_original_as_it_was(tmp_path):
+    """`cp -al run copy` (or a backup by rsync --link-dest: the files hard-linked), then
+    `--resume auto --out copy`: the resumed run wrote its config, machine.json and curves.png
+    through the links -- the original's config then named the copy's --out and flags, its curves
+    the copy's steps. Now what a run writes anew is written beside and renamed over."""
+    import os
+    import shutil
+    import grpo
+    from report import plot_curves
+    from session import open_run, resume_driver, start_log
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    _fake_checkpoints(run, [2], keep_last=0)
+    for name in ("machine.json", "curves.png"):
+        (run / name).write_text(name)
+    shutil.copytree(run, copy, copy_function=os.link)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    cfg = grpo.Config(out=str(copy), resume="auto", data="arith", model="unused")
+    folder = open_run(cfg)
+    resume_driver(folder)
+    start_log(folder, cfg)
+    plot_curves([{"step": 3, "reward": 0.5}], copy / "curves.png")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert json.loads((copy / "grpo_config.json").read_text())["out"] == str(copy)
