@@ -453,9 +453,11 @@ def check_room(out: Path, cfg, reads: list[Path], moving: list[Path]):
         return
     what = f"{_gb(weights)} for its model" + (f", {_gb(checkpoint)} for a checkpoint"
                                               if checkpoint else "")
-    kept = _size(out / "superseded") - freed
+    kept, keep = _size(out / "superseded") - freed, cfg.keep_superseded
+    fewer = (", or pass --keep-superseded 1: 0 keeps all" if not keep else
+             f", or pass --keep-superseded {keep - 1}" if keep > 1 else "")  # (1: the fewest)
     hint = (f"; {out / 'superseded'} holds {_gb(kept)} of earlier runs (delete what you no "
-            f"longer need there, or pass a smaller --keep-superseded)" if kept > 0 else "")
+            f"longer need there{fewer})" if kept > 0 else "")
     raise SystemExit(f"error: --out {out}: {_gb(free)} free on its disk"
                      f"{' once superseded/ is pruned' if freed else ''}, and this run writes "
                      f"{_gb(weights + checkpoint)} ({what}); make room, or choose another --out"

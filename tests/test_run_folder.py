@@ -248,7 +248,8 @@ def test_a_disk_without_room_for_the_model_stops_the_run_before_it_loads(tiny_mo
     """A run whose export (or checkpoint) would not fit on the disk stops before training, in
     one line that says how much it needs and what superseded/ holds (a fourth rerun's export once
     failed for lack of room: its trained model was lost); what pruning superseded/ will free
-    counts as room."""
+    counts as room. The flag it suggests works as written (it said "a smaller
+    --keep-superseded" to a run passing 0, which keeps all)."""
     from conftest import run_script
     weights = (Path(tiny_model_dir) / "model.safetensors").stat().st_size
     out = tmp_path / "out"
@@ -265,7 +266,7 @@ def test_a_disk_without_room_for_the_model_stops_the_run_before_it_loads(tiny_mo
         f"{4 * weights / 2**20:.0f} MiB ({mib} for its model, {3 * weights / 2**20:.0f} MiB for "
         f"a checkpoint); make room, or choose another --out; {out / 'superseded'} holds "
         f"{4 * weights / 2**20:.0f} MiB of earlier runs (delete what you no longer need there, "
-        f"or pass a smaller --keep-superseded) (nothing was changed)")
+        f"or pass --keep-superseded 1: 0 keeps all) (nothing was changed)")
     import grpo
     from session import open_run
     (out / "grpo_config.json").write_text("{}")  # (a run to move aside: the old folder is to go)
