@@ -17,6 +17,7 @@ import io
 import itertools
 import json
 import random
+import re
 import sys
 import types
 import typing
@@ -367,6 +368,9 @@ def prepare_rows(rows: list[dict], task: str) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# Untrusted text as it is printed, and the one line that stops a run on bad input.
+
 def escaped(text) -> str:
     """text as a terminal may print it: each character that is not printable -- ESC, which starts
     the terminal's own commands (ESC ] 52 writes the clipboard), the other control characters, a
@@ -378,6 +382,13 @@ def escaped(text) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def printable(text: str) -> str:
+    """text with each lone surrogate -- os.fsdecode's stand-in for a byte of a name that is not
+    UTF-8 -- as U+FFFD, the mark of a character that could not be read: a page and a PNG's
+    title are UTF-8 (they failed on it)."""
+    return re.sub("[\ud800-\udfff]", "\ufffd", text)
+
+
 class InputError(SystemExit):
     """Bad input (a data file, an option value): exits with one line that names the file, the row
     and the field, or the flag (whatever it quotes escaped: one line, printable)."""
@@ -385,6 +396,9 @@ class InputError(SystemExit):
     def __init__(self, message: str):
         super().__init__(f"error: {escaped(message)}")
 
+
+# ---------------------------------------------------------------------------------------------
+# Problems from a file or a hub dataset, checked row by row; the streams training draws from.
 
 def check_rows(rows: list[dict], source: str, prompt_field: str = "",
                answer_field: str = "answer", need_answers: bool = False) -> list[dict]:

@@ -46,9 +46,8 @@ import time
 from pathlib import Path
 
 from checkpoint import checkpoint_step, claim_checkpoints, in_checkpoints
-from data import escaped
+from data import escaped, printable
 from model import DEFAULT_MODEL, default_model_folder
-from report import printable
 
 # What a run writes in --out, besides checkpoints/ (checkpoint.py) and its lock.
 RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "report.html", "curves.png", "machine.json")

@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from charts import plot_curves
 from checkpoint import DriverState, find_checkpoint, load_driver_state, save_checkpoint
 from data import escaped
 from evaluate import RunLog
 from hardware import machine
-from report import plot_curves, write_report
+from report import write_report
 from run_folder import check_out, check_room, left_behind, lock_out, prune_superseded, read_paths
 from run_folder import recover_export, release_out, samples_of, set_aside
 

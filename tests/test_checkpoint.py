@@ -470,7 +470,7 @@ def test_a_resume_in_a_hard_linked_copy_leaves_the_original_as_it_was(tmp_path):
     import os
     import shutil
     import grpo
-    from report import plot_curves
+    from charts import plot_curves
     from session import open_run, resume_driver, start_log
     run, copy = tmp_path / "run", tmp_path / "copy"
     _fake_checkpoints(run, [2], keep_last=0)

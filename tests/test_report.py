@@ -1,5 +1,5 @@
 """report.py: the run's page, built from its folder alone, looked at in a real browser (headless
-Chromium, Debian's, through selenium); and curves.png's grid."""
+Chromium, Debian's, through selenium); and charts.py: curves.png's grid, the page's SVG charts."""
 
 import json
 import re
@@ -291,7 +291,8 @@ def test_a_folder_or_data_name_that_is_not_utf8_makes_the_page_and_the_curves(tm
     written, the name shown with U+FFFD where its bytes are not text (it was UnicodeEncodeError
     in the page, TypeError in matplotlib's title)."""
     import os
-    from report import plot_curves, write_report
+    from charts import plot_curves
+    from report import write_report
     history = [{"step": 1, "reward": 0.5, "loss": 0.1}, {"step": 2, "reward": 0.7, "loss": 0.0}]
     out = _folder(tmp_path, history, [_sample(1, i) for i in range(4)],
                   name=os.fsdecode(b"run\xff"))
@@ -313,7 +314,7 @@ SERIES = {"huge": [0.0, 1e38] * 5, "constant": [0.25] * 10, "huge constant": [5e
 def test_svg_chart_draws_any_value_a_metric_can_hold(name):
     """Every point drawn inside the chart's frame, no NaN or inf in the SVG (it was
     ZeroDivisionError at 5e37 constant: 5e37 - 0.5 == 5e37)."""
-    from report import svg_chart
+    from charts import svg_chart
     history = [{"step": s, "reward": v} for s, v in enumerate(SERIES[name], 1)]
     svg = svg_chart(history, ("reward",), "reward")
     assert "nan" not in svg.lower() and "inf" not in svg.lower()
@@ -330,7 +331,7 @@ def test_svg_chart_draws_any_step_a_metric_can_hold(steps):
     """Steps a crafted metrics.jsonl holds -- any finite number -- drawn inside the frame too (the
     last step less the first overflowed to inf: every point NaN, an SVG error in the browser; one
     step past 2**53, where step + 1 == step, was ZeroDivisionError)."""
-    from report import svg_chart
+    from charts import svg_chart
     svg = svg_chart([{"step": s, "reward": i} for i, s in enumerate(steps)], ("reward",), "r")
     assert "nan" not in svg.lower()
     for point in re.search(r'points="([^"]*)"', svg)[1].split():
@@ -368,7 +369,7 @@ def test_every_curves_panel_shows_what_it_plots(tmp_path, monkeypatch):
     """A learned reward rising 3.2 -> 5.4 beside a held-out accuracy in [0, 1], a loss below 0 on
     the right axis: each on the chart (the first panel was fixed at 0-1, the loss axis at 0 up);
     a run whose figures are all fractions keeps the first panel's 0-1."""
-    from report import plot_curves
+    from charts import plot_curves
     history = [{"step": s, "reward": 3.2 + 0.22 * s, "eval_accuracy": 0.4 - 0.02 * s,
                 "loss": -0.5 + 0.1 * s, "kl": 0.01 * s, "completion_len": 20.0 + s}
                for s in range(11)]
@@ -382,7 +383,7 @@ def test_every_curves_panel_shows_what_it_plots(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", SERIES)
 def test_curves_png_draws_any_value_a_metric_can_hold(name, tmp_path, monkeypatch):
-    from report import plot_curves
+    from charts import plot_curves
     history = [{"step": s, "reward": v, "loss": v, "entropy_trained": v}
                for s, v in enumerate(SERIES[name], 1)]
     fig = _figure_of(lambda: plot_curves(history, tmp_path / "c.png", loss_keys=("loss",)),
