@@ -42,7 +42,7 @@ from typing import ClassVar
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from data import check, parse_config
+from cli import check, parse_config
 from model import DTYPES, autocast, check_head_logits, head_logits, length_mask
 from model import load_model, load_tokenizer, pick_device, resolve
 from options import RLOptions

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from data import Template, arith_heldout, check, load_table, parse_config
+from cli import check, parse_config
+from data import Template, arith_heldout, load_table
 from evaluate import evaluate_rows
 from formats import check_pairs
 from model import DTYPES, autocast, completion_logprobs, full_weights, length_mask, pack

@@ -26,8 +26,8 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from data import TEMPLATES, Template, check, escaped, flag, dataset_name, encode_prompts
-from data import load_rows, parse_config
+from cli import check, flag, parse_config
+from data import TEMPLATES, Template, escaped, dataset_name, encode_prompts, load_rows
 from reward import Grader, extract_answer, fast_match
 from env import Agent, episode_metrics, load_environment, load_tools
 from rollout import Sampling, tokens_after_prompt

@@ -33,7 +33,8 @@ from typing import ClassVar, Literal
 import torch
 from tqdm import tqdm
 
-from data import ProblemStream, check, parse_config
+from cli import check, parse_config
+from data import ProblemStream
 from evaluate import step_record
 from options import RLOptions
 from reward import Grader, RewardFunctions

@@ -1,5 +1,5 @@
 """The options the algorithms share, declared once: groups of fields that each algorithm's Config
-inherits (its command line, through data.parse_config; docs/options.md, through
+inherits (its command line, through cli.parse_config; docs/options.md, through
 docs/make_options.py, both walk the bases), with the checks and the hardware choices that go with
 them (`settle`: the dtype, the GPU memory plan).
 
@@ -24,7 +24,8 @@ from typing import ClassVar, Literal
 import torch
 
 from checkpoint import recorded_dtype
-from data import Template, apply_task, check, flag
+from cli import check, flag
+from data import Template, apply_task
 from evaluate import TRACKERS
 from gpu_memory import GiB, PROMPT_TOKENS, Workload, plan_memory
 from model import DEFAULT_MODEL, DtypeChoice, choose_dtype, model_path, pick_device

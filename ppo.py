@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from data import check, parse_config
+from cli import check, parse_config
 from grpo import grpo_loss
 from model import autocast, check_reward_head, length_mask, model_path, resolve, share_prompts
 from options import RLOptions

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from jinja2 import TemplateError
 
-from data import InputError, check, load_table, parse_config
+from cli import check, parse_config
+from data import InputError, load_table
 from formats import check_pairs
 from model import DTYPES, load_model, load_tokenizer, model_path
 from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions

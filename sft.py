@@ -40,8 +40,9 @@ from typing import ClassVar
 import torch
 from tqdm import tqdm
 
-from data import DEMONSTRATORS, GENERATED, TASKS, TEMPLATES, InputError, Template, check
-from data import demonstrations, load_rows, load_table, parse_config
+from cli import check, parse_config
+from data import DEMONSTRATORS, GENERATED, TASKS, TEMPLATES, InputError, Template
+from data import demonstrations, load_rows, load_table
 from env import Agent, ToolChat, environment_tools, load_environment, load_tools
 from evaluate import evaluate_held_out
 from formats import Sample, check_samples

@@ -228,7 +228,7 @@ def run_part(part: str, tiny: bool, work: Path) -> dict:
     """One part, in this (child) process: its main, then what it measured."""
     import torch
     sys.path.insert(0, str(ROOT))
-    from data import parse_config
+    from cli import parse_config
     gpu = torch.cuda.is_available()
     module_name, args = part_args(part, tiny, work, gpu)
     module = importlib.import_module(module_name)

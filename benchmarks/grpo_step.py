@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from data import parse_config  # noqa: E402
+from cli import parse_config  # noqa: E402
 from grpo import Config, main  # noqa: E402
 from model import DTYPES, machine  # noqa: E402
 

@@ -114,8 +114,8 @@ def default_text(value) -> str:
 
 
 def rows(cls) -> list[tuple[str, str, str, str, str]]:
-    """(group, flag, values, default, description) per field, as data.parse_config builds them."""
-    from data import _base, _choices, flag
+    """(group, flag, values, default, description) per field, as cli.parse_config builds them."""
+    from cli import _base, _choices, flag
     docs = {name: (group, doc) for group, name, doc in fields_of(cls)}
     out = []
     for name, field in {f.name: f for f in dataclasses.fields(cls)

@@ -134,7 +134,7 @@ def run_once(title: str, script: str, line: list[str], args, every_step=None) ->
     """One run of `script`'s main with this command line (its --out: the folder), or the folder
     of a finished run of the very same config (any finding's)."""
     import importlib
-    from data import parse_config
+    from cli import parse_config
     module = importlib.import_module(script)
     cfg = parse_config(module.Config, line)
     done = None if args.fresh else finished_run(args.runs, cfg, every_step)

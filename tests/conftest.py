@@ -129,7 +129,7 @@ def run_grpo(args):
     leaves it running (the process would exit there): it is shut down after the run, so that the
     next run finds the CPUs free. Returns .stdout, what the run printed."""
     import grpo
-    from data import parse_config
+    from cli import parse_config
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):

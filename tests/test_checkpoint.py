@@ -324,7 +324,7 @@ def test_a_resume_into_another_runs_folder_is_refused_as_a_fresh_run_is(tiny_mod
     before anything is written (it once deleted Y's step_2, wrote X's in its place and rewrote Y's
     metrics.jsonl)."""
     import grpo
-    from data import parse_config
+    from cli import parse_config
     x, y = tmp_path / "x", tmp_path / "y"
     run_grpo(small_run_args(tiny_model_dir, x) + ["--steps", "1", "--save-every", "1"])
     run_grpo(small_run_args(tiny_model_dir, y) + ["--steps", "2", "--save-every", "2"])

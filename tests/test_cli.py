@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from cli import parse_config
 from conftest import run_grpo
-from data import parse_config
 from dpo import Config as DPOConfig
 from evaluate import EvalConfig
 from grpo import Config

@@ -143,7 +143,7 @@ def test_a_teacher_with_another_tokenizer_stops_before_the_student_loads(tiny_mo
         distill.check_teacher(_cfg(tiny_model_dir, str(tmp_path / "empty")))
     with pytest.raises(SystemExit, match="--teacher is missing"):
         distill.Config(data="arith", model=tiny_model_dir)
-    from data import parse_config
+    from cli import parse_config
     with pytest.raises(SystemExit) as stop:  # GRPO's loss options are not distill.py's
         parse_config(distill.Config, ["--teacher", str(other), "--eps-high", "0.28"])
     assert stop.value.code == 2
@@ -153,7 +153,7 @@ def test_a_tiny_student_moves_towards_its_teacher(tiny_model_dir, teacher_dir, t
     """distill.py end to end on CPU: the student samples, the teacher grades every token, the
     reverse KL per token falls; with --lmbda 0 the teacher samples every batch. A checkpoint,
     the config, the curves and an HF folder that grpo.py's --init-from takes are written."""
-    from data import parse_config
+    from cli import parse_config
     args = ["--model", tiny_model_dir, "--teacher", teacher_dir, "--data", "arith",
             "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "6",
             "--eval-every", "0", "--lr", "3e-3", "--dtype", "fp32", "--save-every", "4"]
@@ -191,7 +191,7 @@ def test_one_teacher_is_read_in_the_compute_dtype_and_both_grades_and_samples(to
 
     from transformers import LlamaConfig, LlamaForCausalLM
     from conftest import peak_rss_growth
-    from data import parse_config
+    from cli import parse_config
     torch.manual_seed(0)  # ~45M parameters: a second copy stands far above the noise
     LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=6,

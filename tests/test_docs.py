@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "docs"))
 
 import make_options  # noqa: E402  (docs/make_options.py)
-from data import parse_config  # noqa: E402
+from cli import parse_config  # noqa: E402
 
 PAGES = sorted([ROOT / "README.md", ROOT / "course" / "README.md", *(ROOT / "docs").glob("*.md"),
                 *(ROOT / "course" / "labs").glob("*.md")])

@@ -197,7 +197,7 @@ def test_resume_is_exact(tiny_model_dir, tmp_path, capsys):
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1),
                                         "rejected": str(i + 7)}) + "\n" for i in range(20)))
     import dpo
-    from data import parse_config
+    from cli import parse_config
     common = ["--model", tiny_model_dir, "--data", str(data), "--batch-size", "4",
               "--micro-batch-size", "2", "--epochs", "1", "--eval-every", "2", "--lr", "1e-3",
               "--dtype", "fp32"]  # (in this process: each run seeds itself, a resumed run

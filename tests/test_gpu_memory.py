@@ -74,7 +74,7 @@ def test_activations_measured_on_the_meta_device_match_a_real_forward(tiny_model
 
 def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
     """On a GPU the unset settings come from the plan, which --dry-run prints."""
-    from data import parse_config
+    from cli import parse_config
     from model import DtypeChoice
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 * GB, 80 * GB))
@@ -277,7 +277,7 @@ def test_sft_on_a_gpu_gets_settings_that_fit(qwen_1_5b, monkeypatch):
     micro-batches without checkpointing needs ~29 GB of trainer state and ~13 GB of activations
     (~43 GiB): past a 40 GB card. The plan now picks what fits, and keeps what the user set."""
     import sft
-    from data import parse_config
+    from cli import parse_config
     from model import DtypeChoice
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(options, "choose_dtype", lambda requested, device, recorded: (
@@ -329,7 +329,7 @@ def shapes(tmp_path_factory):
 def _dry_run(algorithm, argv, capsys) -> tuple[int, str]:
     """python ALGORITHM.py ARGV --dry-run, in this process: (exit code, what it printed)."""
     import importlib
-    from data import parse_config
+    from cli import parse_config
     module = importlib.import_module(algorithm)
     with pytest.raises(SystemExit) as done:
         parse_config(module.Config, argv + ["--dry-run"])
@@ -381,7 +381,7 @@ def test_lora_1_5b_on_a_24_gb_card_from_a_laptop(shapes, capsys):
 
 
 def test_gpu_gb_without_dry_run_on_a_machine_without_a_gpu_stops_in_one_line(shapes):
-    from data import parse_config
+    from cli import parse_config
     with pytest.raises(SystemExit, match="--gpu-gb 24: this machine has no GPU, so the plan is "
                                          "all it can give: add --dry-run"):
         parse_config(Config, ["--model", shapes["135m"], "--gpu-gb", "24"])
@@ -492,7 +492,7 @@ def test_the_plan_holds_every_model_a_run_holds(algorithm, tiny_model_dir, tmp_p
     step, within 3 %. ppo.py steps the critic first and frees its gradients before the policy's
     backward: the plan keeps room for them (4 bytes a parameter) at both steps."""
     import importlib
-    from data import parse_config
+    from cli import parse_config
     module = importlib.import_module(algorithm)
     argv = ["--model", tiny_model_dir, "--dtype", "fp32", "--steps", "1", "--lr", "1e-3",
             "--out", str(tmp_path / "out")] + RUNS[algorithm](tiny_model_dir, tmp_path)

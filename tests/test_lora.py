@@ -122,7 +122,7 @@ def test_dpo_with_lora(tiny_model_dir, tmp_path):
 def test_sft_with_lora_writes_a_merged_model_that_dpo_trains_on(tiny_model_dir, tmp_path):
     import dpo
     import sft
-    from data import parse_config
+    from cli import parse_config
     rows = tmp_path / "chats.jsonl"
     rows.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"What is {i} + 1?"},
@@ -187,7 +187,7 @@ def test_sft_with_lora_evaluates_held_out_problems(tiny_model_dir, tmp_path):
     plain names were loaded into it: `Missing key(s)` at the first held-out evaluation of every
     built-in warm start run with --lora-rank."""
     import sft
-    from data import parse_config
+    from cli import parse_config
     history = sft.main(parse_config(sft.Config, [
         "--model", tiny_model_dir, "--demos", "8", "--batch-size", "4", "--lora-rank", "4",
         "--eval-every", "1", "--eval-size", "2", "--max-new-tokens", "30", "--max-turns", "1",

@@ -335,7 +335,7 @@ def test_no_fraction_of_the_machines_limit_passes_one_after_a_busy_start(tiny_mo
     a phase achieved."""
     import grpo
     import hardware
-    from data import parse_config
+    from cli import parse_config
     real = {"peak": hardware._measure_peak, "bandwidth": hardware._measure_bandwidth}
     calls = {"peak": 0, "bandwidth": 0}
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import ppo
+from cli import parse_config
 from conftest import make_batch, read_metrics
-from data import parse_config
 
 
 def _plain_gae(rewards, values, mask, gamma, lam):

@@ -77,7 +77,7 @@ def test_where_async_steps_cannot_overlap_the_run_says_what_the_docs_say(tiny_mo
     from pathlib import Path
 
     import grpo
-    from data import parse_config
+    from cli import parse_config
     from trainer import ASYNC_TURNS, async_turns, setup_local
     docs = _words((Path(__file__).resolve().parents[1] / "docs" / "distributed.md").read_text())
     assert "generates (its KV cache awake) while the trainers train" not in docs

@@ -16,8 +16,8 @@ import torch
 
 import rm
 import reward_models
+from cli import parse_config
 from conftest import assert_close_to_scale, read_metrics
-from data import parse_config
 from formats import check_pairs
 from reward_models import Judge, RewardModel, check_learned_rewards, conversation, reward_model_ids
 

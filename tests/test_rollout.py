@@ -298,7 +298,8 @@ def test_a_ray_engine_is_built_from_what_the_trainers_start_from_and_samples_as_
 
     import grpo
     import trainer
-    from data import arith_heldout, encode_prompts, parse_config
+    from cli import parse_config
+    from data import arith_heldout, encode_prompts
     from transformers import AutoTokenizer
     start = tmp_path / "sft"
     shutil.copytree(tiny_model_dir, start)
@@ -328,7 +329,7 @@ def test_the_one_process_hf_engine_samples_from_the_trainers_own_tensors(dtype, 
     import grpo
     import trainer as trainer_module
     from conftest import make_batch
-    from data import parse_config
+    from cli import parse_config
     from model import full_weights
     cfg = parse_config(grpo.Config, ["--model", tiny_model_dir, "--dtype", dtype, "--lr", "1e-2",
                                      "--max-new-tokens", "8", "--out", str(tmp_path / "out")])
@@ -439,7 +440,7 @@ def test_the_vllm_engine_holds_max_prompt_tokens_and_what_follows(flags, room, t
     import grpo
     import rollout
     import trainer
-    from data import parse_config
+    from cli import parse_config
     from model import load_model
     monkeypatch.setattr(rollout, "VLLMRollout", _SizedEngine)
     cfg = parse_config(grpo.Config, ["--model", tiny_model_dir, "--rollout", "vllm", "--out",

@@ -81,7 +81,7 @@ def test_a_replay_that_cannot_be_stops_in_one_line(tiny_model_dir, tmp_path):
     """No log there, too few steps in it, another group size, its own --out: one line each, before
     any model loads (--model points nowhere: reaching the load would fail otherwise)."""
     import grpo
-    from data import parse_config
+    from cli import parse_config
     original = tmp_path / "original"
     run_grpo(small_run_args(tiny_model_dir, original) + ["--steps", "2"])
     base = small_run_args("no/such/model", tmp_path / "b")
@@ -308,7 +308,7 @@ def test_a_link_or_a_fifo_in_place_of_a_run_file_is_refused(tmp_path, monkeypatc
     model loads, and left as it was."""
     import os
     import grpo
-    from data import parse_config
+    from cli import parse_config
     _no_model(monkeypatch)
     out, target = tmp_path / "out", tmp_path / "precious.txt"
     out.mkdir()
@@ -383,7 +383,7 @@ def test_a_damaged_log_stops_replay_in_one_line_before_any_model_loads(
     vocabulary trained step 1 and crashed at step 2; a missing field, a line that is not an
     object: a crash mid-run)."""
     import grpo
-    from data import parse_config
+    from cli import parse_config
     _no_model(monkeypatch)
     folder, log = _damaged(two_steps, tmp_path, damage)
     args = small_run_args(tiny_model_dir, tmp_path / "replay") + ["--steps", "2", "--replay",
@@ -419,7 +419,7 @@ def test_a_damaged_log_stops_a_resume_in_one_line_before_any_model_loads(
     """A damaged line that is not the last one is no crash remnant: a resume stops at once,
     naming it, and says how to go on without the log."""
     import grpo
-    from data import parse_config
+    from cli import parse_config
     out = tmp_path / "run"
     run_grpo(small_run_args(tiny_model_dir, out) + ["--steps", "2", "--save-every", "2"])
     lines = (out / "rollouts.jsonl").read_text().splitlines(keepends=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from cli import parse_config
 from conftest import small_run_args
-from data import parse_config
 
 
 def _earlier_run(out: Path, model_dir: str):

@@ -13,8 +13,9 @@ import torch
 
 import data
 import sft
+from cli import parse_config
 from conftest import assert_close_to_scale, read_metrics
-from data import DEMONSTRATORS, demonstrations, parse_config
+from data import DEMONSTRATORS, demonstrations
 from env import Agent, GuessTheNumber, ToolChat, calculator, environment_tools, load_tools
 from rollout import Completions, Sampling
 from formats import check_samples

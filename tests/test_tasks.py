@@ -91,6 +91,6 @@ def test_a_task_end_to_end_on_a_tiny_qwen2(task, rows, tmp_path, tokenizer):
 
 @pytest.mark.parametrize("argv", [["--task", "maths"], ["--data", "auto", "--task", "nope"]])
 def test_unknown_tasks_are_refused(argv):
-    from data import parse_config
+    from cli import parse_config
     with pytest.raises(SystemExit):
         parse_config(Config, argv + ["--dry-run"])

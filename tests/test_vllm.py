@@ -255,7 +255,7 @@ def test_lora_weights_reach_the_engine_merged(engine, model_dir, model_and_token
 def test_two_step_grpo_run_with_vllm_from_an_sft_model(tiny_model_dir, tmp_path):
     """vLLM serves the HF folder sft.py writes (one SFT step on the tiny model first)."""
     import sft
-    from data import parse_config
+    from cli import parse_config
     rows = tmp_path / "text.jsonl"
     rows.write_text("".join(json.dumps({"text": f"{i} + 1 = {i + 1}"}) + "\n" for i in range(4)))
     sft.main(parse_config(sft.Config, ["--model", tiny_model_dir, "--data", str(rows),

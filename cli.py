@@ -1,0 +1,140 @@
+"""A Config as a command line: each algorithm's Config is a dataclass with a docstring under
+every field, and parse_config turns it into the script's flags (--max-new-tokens for
+max_new_tokens, --help from the docstrings), a TOML file that sets any of them (--config) and
+--dry-run, which prints the resolved config and exits before anything loads.
+
+A field typed Literal["a", "b"] accepts only those values (listed in --help); range checks live in
+each config's __post_init__ and use `check`, so a bad value stops with one line that names the
+flag before anything loads. docs/make_options.py writes docs/options.md from the same fields.
+"""
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import sys
+import types
+import typing
+from dataclasses import asdict
+
+from data import InputError, task_summary
+
+
+def flag(name: str) -> str:
+    """The command-line spelling of a config field: --max-new-tokens, or -n for a one-letter one."""
+    return "-" + name if len(name) == 1 else "--" + name.replace("_", "-")
+
+
+def check(ok: bool, message: str) -> None:
+    """Refuse an impossible option value with one line that names the flag."""
+    if not ok:
+        raise InputError(message)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not a usage block of fifty options
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _base(kind):
+    """X for a field typed `X | None` (None: "from the task", see grpo.Config), else the type."""
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    return args[0] if typing.get_origin(kind) in (typing.Union, types.UnionType) else kind
+
+
+def _choices(kind):
+    kind = _base(kind)
+    return typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else None
+
+
+# Options that were replaced: the old spelling stops with one line that names the new one.
+REPLACED = {"--bf16": "bf16", "--no-bf16": "fp32"}  # -> --dtype ...
+
+
+def _refuse_replaced(old: str, new: str) -> None:
+    raise InputError(f"{old} was replaced by --dtype auto|bf16|fp32 (auto: bf16 where the "
+                     f"hardware computes it natively, else fp32): use {new}")
+
+
+def parse_config(cls, argv=None, description=None):
+    """A CLI flag per dataclass field (--max-new-tokens for max_new_tokens), help from docstrings.
+
+    `--config FILE.toml` sets any field (keys spelled like the fields, - or _); flags given on the
+    command line override it. `--dry-run` prints the resolved config and exits, loading nothing
+    (with --gpu-gb, on any machine, the memory plan of a GPU that size).
+    """
+    docs = {}
+    for klass in reversed(cls.__mro__):  # a subclass's Config (distill.py's) inherits docstrings
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(inspect.getsource(klass)).body[0].body
+        for a, b in zip(body, body[1:]):
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr):
+                docs[a.target.id] = b.value.value.replace("%", "%%")  # argparse formats with %
+    parser = _Parser(description=description)
+    parser.add_argument("--config", help="TOML file setting any of the options below")
+    parser.add_argument("--dry-run", action="store_true", help="print the config and exit")
+    fields = {f.name: f for f in dataclasses.fields(cls)  # (not ClassVars: no flags)
+              if f.name not in getattr(cls, "NOT_OPTIONS", ())}  # (inherited, not taken)
+    for arg in sys.argv[1:] if argv is None else argv:
+        if arg in REPLACED and "dtype" in fields:
+            _refuse_replaced(arg, f"--dtype {REPLACED[arg]}")
+    for name, field in fields.items():
+        if _base(field.type) is bool:
+            parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=field.default,
+                                help=docs.get(name))
+        else:
+            choices = _choices(field.type)
+            parser.add_argument(flag(name), type=type(choices[0]) if choices else _base(field.type),
+                                choices=choices, default=field.default, help=docs.get(name))
+    first, _ = parser.parse_known_args(argv)
+    if first.config:
+        parser.set_defaults(**read_toml_config(first.config, fields))
+    args = vars(parser.parse_args(argv))
+    config_file, dry_run = args.pop("config"), args.pop("dry_run")
+    if args.get("gpu_gb") and not dry_run:
+        import torch
+        check(torch.cuda.is_available(), f"--gpu-gb {args['gpu_gb']:g}: this machine has no GPU, "
+              f"so the plan is all it can give: add --dry-run")
+    cfg = cls(**args)  # __post_init__ checks the values
+    if dry_run:
+        if hasattr(cfg, "task"):
+            print(f"# {task_summary(cfg)}")
+        if getattr(cfg, "memory_plan", None):
+            print("\n".join(f"# {line}" for line in str(cfg.memory_plan).splitlines()))
+        print(f"# resolved config{' (from ' + config_file + ' and the command line)' if config_file else ''}")
+        for name, value in asdict(cfg).items():
+            print(f"{name} = {json.dumps(value)}")
+        raise SystemExit(0)
+    return cfg
+
+
+def read_toml_config(path: str, fields: dict) -> dict:
+    import tomllib
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise SystemExit(f"error: --config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SystemExit(f"error: --config {path}: not valid TOML ({e})") from None
+    values = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name == "bf16" and "dtype" in fields:
+            _refuse_replaced(f"{path}: '{key}'", f'dtype = "{"bf16" if value else "fp32"}"')
+        if name not in fields:
+            raise SystemExit(f"error: {path}: unknown option '{key}'")
+        kind, choices = _base(fields[name].type), _choices(fields[name].type)
+        if choices:
+            if value not in choices:
+                raise SystemExit(f"error: {path}: '{key}' must be one of {list(choices)}, "
+                                 f"got {value!r}")
+        else:
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind):
+                raise SystemExit(f"error: {path}: '{key}' must be {kind.__name__}, got {value!r}")
+        values[name] = value
+    return values
