@@ -24,14 +24,15 @@ prefix; rm.py runs what a pair's two sequences have in common once, TRL runs it 
 samples, as in most chat preference sets): there only the ~40-token prompt is shared.
 """
 
-import argparse
 import json
 import random
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent))  # vs_trl.py beside it, also under runpy
+from vs_trl import alternate_sides, print_verdict, ran_as_a_side, run_side, step_timer  # noqa: E402
+from vs_trl import tokens_parser, write_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, BATCH, MAX_LENGTH, LR = 8, 8, 512, 1e-5
@@ -61,8 +62,6 @@ def trl_side(model_dir: str, rows_file: str, result_file: str, dtype: str):
     from datasets import Dataset
     from trl import RewardConfig, RewardTrainer
 
-    from vs_trl import step_timer  # (benchmarks/: this script's folder, its working directory)
-
     rows = [json.loads(line) for line in Path(rows_file).read_text().splitlines()]
     times, tokens = [], []
     with tempfile.TemporaryDirectory() as out:
@@ -76,8 +75,8 @@ def trl_side(model_dir: str, rows_file: str, result_file: str, dtype: str):
         trainer = RewardTrainer(model=model_dir, args=config, train_dataset=Dataset.from_list(rows),
                                 callbacks=[step_timer(times, {"num_tokens": tokens})])
         trainer.train()
-    per_step = [b - a for a, b in zip([0.0] + tokens, tokens)]  # num_tokens is cumulative
-    Path(result_file).write_text(json.dumps({"step_seconds": times, "tokens": per_step}))
+    write_steps(result_file, times, [b - a for a, b in zip([0.0] + tokens, tokens)])  # (num_tokens
+    # is cumulative)
 
 
 def smolrl_side(rows_file: str, result_file: str, dtype: str):
@@ -89,13 +88,7 @@ def smolrl_side(rows_file: str, result_file: str, dtype: str):
                               max_length=MAX_LENGTH, lr=LR, warmup_steps=0, eval_every=0,
                               eval_pairs=0, steps=STEPS, dtype=dtype, out=out))
     steps = [r for r in history if r["step"] > 0][:STEPS]
-    Path(result_file).write_text(json.dumps({"step_seconds": [r["step_seconds"] for r in steps],
-                                             "tokens": [r["tokens"] for r in steps]}))
-
-
-def rate(side: dict) -> float:
-    """Median tokens/s of the steps after the first."""
-    return statistics.median(t / s for t, s in zip(side["tokens"][1:], side["step_seconds"][1:]))
+    write_steps(result_file, [r["step_seconds"] for r in steps], [r["tokens"] for r in steps])
 
 
 def main(trl_python: str, rounds: int, kind: str):
@@ -103,48 +96,28 @@ def main(trl_python: str, rounds: int, kind: str):
     from model import choose_dtype, default_model_path, machine, pick_device
     dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
     print(f"machine: {machine()}; dtype {dtype.name} ({dtype.reason})", flush=True)
-    rates = {"TRL": [], "smolrl": []}
     with tempfile.TemporaryDirectory() as tmp:
         rows_file, result = Path(tmp) / "pairs.jsonl", Path(tmp) / "result.json"
         rows_file.write_text("".join(json.dumps(r) + "\n" for r in pair_rows(kind)))
-        for k in range(rounds):
+
+        def ours():
             print(f"smolrl rm.py, {BATCH} pairs a step ...", flush=True)
-            subprocess.run([sys.executable, __file__, "--smolrl-side", str(rows_file),
-                            str(result), dtype.name], check=True)
-            ours = json.loads(result.read_text())
+            return run_side([sys.executable, __file__, "--smolrl-side", str(rows_file),
+                             str(result), dtype.name], result)
+
+        def theirs(_):
             print(f"TRL ({trl_python}), {BATCH} pairs a step ...", flush=True)
-            subprocess.run([trl_python, __file__, "--trl-side", default_model_path(),
-                            str(rows_file), str(result), dtype.name], check=True,
-                           cwd=Path(__file__).parent)
-            trl = json.loads(result.read_text())
-            rates["TRL"].append(rate(trl))
-            rates["smolrl"].append(rate(ours))
-            print(f"round {k + 1}: TRL {rates['TRL'][-1]:.0f} tok/s "
-                  f"({statistics.mean(trl['tokens']):.0f} tokens a step), smolrl "
-                  f"{rates['smolrl'][-1]:.0f} tok/s "
-                  f"({statistics.mean(ours['tokens']):.0f} tokens a step)", flush=True)
-    version = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
-                             capture_output=True, text=True).stdout.strip()
-    trl_rate, our_rate = statistics.median(rates["TRL"]), statistics.median(rates["smolrl"])
-    print(f"\n{BATCH} {kind} preference pairs a step (chosen and rejected ~170 tokens each), "
-          f"{dtype.name}; median tokens/s of steps 2-{STEPS}, median of {rounds} round(s)")
-    print(f"TRL {version} RewardTrainer {trl_rate:8.0f} tokens/s")
-    print(f"smolrl rm.py             {our_rate:8.0f} tokens/s")
-    print(f"rm.py is {our_rate / trl_rate:.2f}x TRL's tokens per second")
+            return run_side([trl_python, __file__, "--trl-side", default_model_path(),
+                             str(rows_file), str(result), dtype.name], result,
+                            cwd=Path(__file__).parent)
+        rates = alternate_sides(rounds, ours, theirs)
+    print_verdict(f"{BATCH} {kind} preference pairs a step (chosen and rejected ~170 tokens each), "
+                  f"{dtype.name}", rates, trl_python, "RewardTrainer", "rm.py", STEPS)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--trl-side"]:  # this script, run by TRL's Python
-        trl_side(*sys.argv[2:6])
-    elif sys.argv[1:2] == ["--smolrl-side"]:
-        smolrl_side(*sys.argv[2:5])
-    else:
-        parser = argparse.ArgumentParser(description=__doc__,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
-        parser.add_argument("--trl-python", default=sys.executable,
-                            help="the Python of an environment with TRL installed (default: "
-                                 "this one)")
-        parser.add_argument("--rounds", type=int, default=1, help="alternate the sides N times")
+    if not ran_as_a_side(trl_side, smolrl_side):
+        parser = tokens_parser(__doc__)
         parser.add_argument("--pairs", choices=("edited", "distinct"), default="edited",
                             help="answers that differ in their last sentence, or in every word")
         args = parser.parse_args()

@@ -21,13 +21,15 @@ token of the step's sequences, padding excluded. --rounds N alternates the sides
 median of each), for a machine other work shares.
 """
 
-import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent))  # vs_trl.py beside it, also under runpy
+from vs_trl import alternate_sides, print_verdict, ran_as_a_side, run_side, step_timer  # noqa: E402
+from vs_trl import tokens_parser, write_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, BATCH, MAX_LENGTH, LR = 8, 8, 1024, 5e-5
@@ -54,8 +56,6 @@ def trl_side(model_dir: str, rows_file: str, template_file: str, result_file: st
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from vs_trl import step_timer  # (benchmarks/: this script's folder, its working directory)
-
     rows = [json.loads(line) for line in Path(rows_file).read_text().splitlines()]
     times, tokens = [], []
 
@@ -71,8 +71,8 @@ def trl_side(model_dir: str, rows_file: str, template_file: str, result_file: st
         trainer = SFTTrainer(model=model_dir, args=config, train_dataset=Dataset.from_list(rows),
                              callbacks=[step_timer(times, {"num_tokens": tokens})])
         trainer.train()
-    per_step = [b - a for a, b in zip([0.0] + tokens, tokens)]  # num_tokens is cumulative
-    Path(result_file).write_text(json.dumps({"step_seconds": times, "tokens": per_step}))
+    write_steps(result_file, times, [b - a for a, b in zip([0.0] + tokens, tokens)])  # (num_tokens
+    # is cumulative)
 
 
 def smolrl_side(rows_file: str, result_file: str, dtype: str, packing: str):
@@ -85,8 +85,7 @@ def smolrl_side(rows_file: str, result_file: str, dtype: str, packing: str):
                               packing=packing == "packing",
                               max_tokens_per_microbatch=BATCH * MAX_LENGTH))  # one pass a step
     steps = [r for r in history if r["step"] > 0][:STEPS]
-    Path(result_file).write_text(json.dumps({"step_seconds": [r["step_seconds"] for r in steps],
-                                             "tokens": [r["tokens"] for r in steps]}))
+    write_steps(result_file, [r["step_seconds"] for r in steps], [r["tokens"] for r in steps])
 
 
 def guess_rows() -> list[dict]:
@@ -105,66 +104,41 @@ def guess_rows() -> list[dict]:
             for r in demonstrations("guess", ROWS, 0, tools_for)]
 
 
-def rate(side: dict) -> float:
-    """Median tokens/s of the steps after the first."""
-    return statistics.median(t / s for t, s in zip(side["tokens"][1:], side["step_seconds"][1:]))
-
-
 def main(trl_python: str, rounds: int, packing: bool):
     sys.path.insert(0, str(ROOT))
     from model import choose_dtype, default_model_path, machine, pick_device
     dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
     print(f"machine: {machine()}; dtype {dtype.name} ({dtype.reason})", flush=True)
     model_dir, mode = default_model_path(), "packing" if packing else "padding"
-    rates = {"TRL": [], "smolrl": []}
     with tempfile.TemporaryDirectory() as tmp:
         rows_file, template = Path(tmp) / "guess.jsonl", Path(tmp) / "template.jinja"
         rows_file.write_text("".join(json.dumps(r) + "\n" for r in guess_rows()))
         template.write_text(trl_template())
         result = Path(tmp) / "result.json"
-        for k in range(rounds):
+
+        def ours():
             print(f"smolrl sft.py, {BATCH} sequences a step ({mode}) ...", flush=True)
-            subprocess.run([sys.executable, __file__, "--smolrl-side", str(rows_file),
-                            str(result), dtype.name, mode], check=True)
-            ours = json.loads(result.read_text())
+            return run_side([sys.executable, __file__, "--smolrl-side", str(rows_file),
+                             str(result), dtype.name, mode], result)
+
+        def theirs(smolrl):
             # TRL's batch counts packed rows: as many as hold smolrl's tokens of a step
-            per_step = max(1, round(statistics.mean(ours["tokens"]) / MAX_LENGTH)) \
+            per_step = max(1, round(statistics.mean(smolrl["tokens"]) / MAX_LENGTH)) \
                 if packing else BATCH
             print(f"TRL ({trl_python}), {per_step} {'packed rows' if packing else 'sequences'} "
                   f"a step ...", flush=True)
-            subprocess.run([trl_python, __file__, "--trl-side", model_dir, str(rows_file),
-                            str(template), str(result), dtype.name, mode, str(per_step)],
-                           check=True, cwd=Path(__file__).parent)
-            trl = json.loads(result.read_text())
-            rates["TRL"].append(rate(trl))
-            rates["smolrl"].append(rate(ours))
-            print(f"round {k + 1}: TRL {rates['TRL'][-1]:.0f} tok/s "
-                  f"({statistics.mean(trl['tokens']):.0f} tokens a step), smolrl "
-                  f"{rates['smolrl'][-1]:.0f} tok/s "
-                  f"({statistics.mean(ours['tokens']):.0f} tokens a step)", flush=True)
-    version = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
-                             capture_output=True, text=True).stdout.strip()
-    trl_rate, our_rate = statistics.median(rates["TRL"]), statistics.median(rates["smolrl"])
+            return run_side([trl_python, __file__, "--trl-side", model_dir, str(rows_file),
+                             str(template), str(result), dtype.name, mode, str(per_step)], result,
+                            cwd=Path(__file__).parent)
+        rates = alternate_sides(rounds, ours, theirs)
     layout = f"packed into rows of {MAX_LENGTH}" if packing else "padded to each step's longest"
-    print(f"\nguess transcripts, {BATCH} a step, {layout}, assistant tokens trained, "
-          f"{dtype.name}; median tokens/s of steps 2-{STEPS}, median of {rounds} round(s)")
-    print(f"TRL {version} SFTTrainer  {trl_rate:8.0f} tokens/s")
-    print(f"smolrl sft.py          {our_rate:8.0f} tokens/s")
-    print(f"sft.py is {our_rate / trl_rate:.2f}x TRL's tokens per second")
+    print_verdict(f"guess transcripts, {BATCH} a step, {layout}, assistant tokens trained, "
+                  f"{dtype.name}", rates, trl_python, "SFTTrainer", "sft.py", STEPS)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--trl-side"]:  # this script, run by TRL's Python
-        trl_side(*sys.argv[2:9])
-    elif sys.argv[1:2] == ["--smolrl-side"]:
-        smolrl_side(*sys.argv[2:6])
-    else:
-        parser = argparse.ArgumentParser(description=__doc__,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
-        parser.add_argument("--trl-python", default=sys.executable,
-                            help="the Python of an environment with TRL installed (default: "
-                                 "this one)")
-        parser.add_argument("--rounds", type=int, default=1, help="alternate the sides N times")
+    if not ran_as_a_side(trl_side, smolrl_side):
+        parser = tokens_parser(__doc__)
         parser.add_argument("--packing", action="store_true",
                             help="pack on both sides (default: pad on both, their defaults)")
         args = parser.parse_args()

@@ -25,6 +25,7 @@ token is printed too. The two sides draw different samples, and one seed's lengt
 a fifth: `--seed` (both sides; default 0) gives another draw.
 """
 
+import argparse
 import itertools
 import json
 import random
@@ -72,7 +73,7 @@ def trl_side(model_dir: str, prompts_file: str, result_file: str, seed: str, dty
 
 def step_timer(times: list, logged: dict[str, list]):
     """A TRL TrainerCallback that appends each optimizer step's seconds to `times`, and each logged
-    value of a key of `logged` to that key's list (benchmarks/sft_vs_trl.py uses it too)."""
+    value of a key of `logged` to that key's list (sft_vs_trl.py and rm_vs_trl.py use it too)."""
     from transformers import TrainerCallback
     t0 = [0.0]
 
@@ -142,8 +143,7 @@ def main(trl_python: str, seed: int, engine: str):
         for kind in ("hf", "vllm") if engine == "both" else (engine,):
             print(f"smolrl, {kind} engine ...", flush=True)
             ours[kind] = smolrl_side(str(prompts_file), seed, dtype.name, kind)
-    version = subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
-                             capture_output=True, text=True).stdout.strip()
+    version = trl_version(trl_python)
     print(f"\n{PROMPTS} prompts x {SAMPLES} samples, <= {MAX_NEW} new tokens, T = 1, {dtype.name}, "
           f"every sequence trained, seed {seed}; median of steps 2-{STEPS} (step 1 warms up)")
     sides = [(f"TRL {version} GRPOTrainer (HF)", trl)]
@@ -161,11 +161,84 @@ def main(trl_python: str, seed: int, engine: str):
               f"completion token")
 
 
+def trl_version(trl_python: str) -> str:
+    return subprocess.run([trl_python, "-c", "import trl; print(trl.__version__)"],
+                          capture_output=True, text=True).stdout.strip()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokens per second, side by side: what sft_vs_trl.py and rm_vs_trl.py share. Each side runs in a
+# process of its own (that script again, with --smolrl-side or --trl-side) and writes each step's
+# seconds and tokens to a JSON file.
+
+
+def ran_as_a_side(trl_side, smolrl_side) -> bool:
+    """Whether this process is one side, started as `script --trl-side ARGS...` (by TRL's Python)
+    or `script --smolrl-side ARGS...`: then that side has run, with ARGS."""
+    side = {"--trl-side": trl_side, "--smolrl-side": smolrl_side}.get((sys.argv + [""])[1])
+    if side:
+        side(*sys.argv[2:])
+    return side is not None
+
+
+def tokens_parser(doc: str) -> argparse.ArgumentParser:
+    """A tokens/s comparison's command line: --trl-python, --rounds; the script adds its own."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trl-python", default=sys.executable,
+                        help="the Python of an environment with TRL installed (default: this one)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate the sides N times")
+    return parser
+
+
+def run_side(argv: list[str], result: Path, **kwargs) -> dict:
+    """One side, in a process of its own: what it wrote to `result`."""
+    subprocess.run(argv, check=True, **kwargs)
+    return json.loads(result.read_text())
+
+
+def write_steps(result_file: str, seconds: list[float], tokens: list[int]):
+    Path(result_file).write_text(json.dumps({"step_seconds": seconds, "tokens": tokens}))
+
+
+def rate(side: dict) -> float:
+    """Median tokens/s of the steps after the first (which warms up)."""
+    return statistics.median(t / s for t, s in zip(side["tokens"][1:], side["step_seconds"][1:]))
+
+
+def alternate_sides(rounds: int, ours, theirs) -> dict[str, list[float]]:
+    """Each side's tokens/s (rate), `rounds` times, smolrl's side first: ours() and theirs(what
+    ours measured) run a side (run_side); a line a round."""
+    rates = {"TRL": [], "smolrl": []}
+    for k in range(rounds):
+        mine = ours()
+        trl = theirs(mine)
+        rates["TRL"].append(rate(trl))
+        rates["smolrl"].append(rate(mine))
+        print(f"round {k + 1}: TRL {rates['TRL'][-1]:.0f} tok/s "
+              f"({statistics.mean(trl['tokens']):.0f} tokens a step), smolrl "
+              f"{rates['smolrl'][-1]:.0f} tok/s "
+              f"({statistics.mean(mine['tokens']):.0f} tokens a step)", flush=True)
+    return rates
+
+
+def print_verdict(setting: str, rates: dict, trl_python: str, trainer: str, script: str,
+                  steps: int):
+    """Each side's median tokens/s over the rounds, and the ratio."""
+    trl, mine = statistics.median(rates["TRL"]), statistics.median(rates["smolrl"])
+    print(f"\n{setting}; median tokens/s of steps 2-{steps}, median of {len(rates['TRL'])} "
+          f"round(s)")
+    names = (f"TRL {trl_version(trl_python)} {trainer}", f"smolrl {script}")
+    width = max(map(len, names))
+    for name, value in zip(names, (trl, mine)):
+        print(f"{name:{width}s} {value:8.0f} tokens/s")
+    print(f"{script} is {mine / trl:.2f}x TRL's tokens per second")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--trl-side"]:  # this script, run by TRL's virtualenv
         trl_side(*sys.argv[2:7])
     else:
-        import argparse
         parser = argparse.ArgumentParser(description=__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
         parser.add_argument("--trl-python", required=True,
