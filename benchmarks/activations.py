@@ -12,7 +12,6 @@ the saved activations and the output); then forward and backward timed, the two 
 interleaved, the medians printed.
 """
 
-import argparse
 import copy
 import statistics
 import sys
@@ -23,19 +22,16 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 
-    from model import DEFAULT_MODEL, check_head_logits, choose_dtype, completion_logprobs
-    from model import load_model, machine, pick_device
+    from benchmarks.model_options import measured_on, model_parser
+    from model import check_head_logits, completion_logprobs, load_model, machine
     from recompute import Made, keep_less
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser = model_parser(__doc__)
     parser.add_argument("--sequences", type=int, default=32, help="completions, 8 a prompt")
     parser.add_argument("--rounds", type=int, default=5, help="timed forward+backward each")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     args = parser.parse_args()
 
-    device = pick_device()
-    dtype = choose_dtype(args.dtype, device)
+    device, dtype = measured_on(args)
     torch.manual_seed(0)
     plain, _ = load_model(args.model, device, dtype.torch)
     check_head_logits(plain)  # (what lets completion_logprobs share the prompts, as a run does)

@@ -16,7 +16,6 @@ embeddings, the cache's concatenation, the embedding, the mask, Python -- assumi
 inside the forward as fast as alone. The loop's sampling (rollout.sample_next) is not in it.
 """
 
-import argparse
 import statistics
 import sys
 import time
@@ -28,22 +27,20 @@ if __name__ == "__main__":
     import torch.nn.functional as F
     from transformers.cache_utils import DynamicCache
 
+    from benchmarks.model_options import measured_on, model_parser
     from hardware import peak_flops
-    from model import DEFAULT_MODEL, choose_dtype, load_model, machine, pick_device
+    from model import load_model, machine
     from rollout import make_rollout
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser = model_parser(__doc__)
     parser.add_argument("--rows", type=int, default=64, help="rows of the decoding step")
     parser.add_argument("--context", type=int, default=60, help="tokens already in the cache")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
     print(f"machine: {machine()}")
-    device = pick_device()
-    choice = choose_dtype(args.dtype, device)
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[choice.name]
+    device, choice = measured_on(args)
+    dtype = choice.torch
     model, tokenizer = load_model(args.model, device)
     engine = make_rollout("hf", model, tokenizer, device=device, dtype=dtype)
     net = engine.model
