@@ -20,6 +20,7 @@ step 1 of the default run) and all of them later (step 8). The default run peaks
 
 import argparse
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -32,33 +33,32 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET_GB, TWO_MODELS_GB = 6.0, 8.0
 
-# (name, the command as the README prints it, its arguments here: {out} is the temporary folder)
+# (name, the command as the README prints it): run here as printed (arguments), its out/ folders
+# under the temporary one, where it writes <name>/.
 COMMANDS = [
-    ("grpo", "python grpo.py", ["grpo.py", "--out", "{out}/grpo"]),
-    ("grpo-eval256", "python grpo.py --steps 30 --eval-every 10 --eval-size 256",
-     ["grpo.py", "--eval-size", "256", "--out", "{out}/grpo-256"]),
-    ("grpo-ray", "python grpo.py --num-trainers 2 --num-engines 1 --colocate",
-     ["grpo.py", "--num-trainers", "2", "--num-engines", "1", "--colocate",
-      "--out", "{out}/grpo-ray"]),
-    ("grpo-multiply", "python grpo.py --data multiply",
-     ["grpo.py", "--data", "multiply", "--out", "{out}/multiply"]),
-    ("grpo-guess", "python grpo.py --data guess",
-     ["grpo.py", "--data", "guess", "--out", "{out}/guess"]),
-    ("sft", "python sft.py", ["sft.py", "--out", "{out}/sft"]),
-    ("grpo-from-sft", "python grpo.py --data multiply --init-from out/sft",
-     ["grpo.py", "--data", "multiply", "--init-from", "{out}/sft", "--out", "{out}/from-sft"]),
-    ("dpo", "python dpo.py", ["dpo.py", "--out", "{out}/dpo"]),
-    ("distill", "python distill.py --teacher out/grpo/model",
-     ["distill.py", "--teacher", "{out}/grpo/model", "--out", "{out}/distill"]),
-    ("rm", "python rm.py", ["rm.py", "--out", "{out}/rm"]),
-    ("grpo-reward-model", 'python grpo.py --reward "" --reward-model out/rm',
-     ["grpo.py", "--reward", "", "--reward-model", "{out}/rm", "--out", "{out}/grpo-rm"]),
-    ("ppo", "python ppo.py", ["ppo.py", "--out", "{out}/ppo"]),
-    ("evaluate", "python evaluate.py --model out/grpo",
-     ["evaluate.py", "--model", "{out}/grpo", "--out", "{out}/eval"]),
+    ("grpo", "python grpo.py"),
+    ("grpo-eval256", "python grpo.py --steps 30 --eval-every 10 --eval-size 256"),
+    ("grpo-ray", "python grpo.py --num-trainers 2 --num-engines 1 --colocate"),
+    ("grpo-multiply", "python grpo.py --data multiply"),
+    ("grpo-guess", "python grpo.py --data guess"),
+    ("sft", "python sft.py"),
+    ("grpo-from-sft", "python grpo.py --data multiply --init-from out/sft"),
+    ("dpo", "python dpo.py"),
+    ("distill", "python distill.py --teacher out/grpo/model"),
+    ("rm", "python rm.py"),
+    ("grpo-reward-model", 'python grpo.py --reward "" --reward-model out/rm'),
+    ("ppo", "python ppo.py"),
+    ("evaluate", "python evaluate.py --model out/grpo"),
 ]
 NEEDS = {"grpo-from-sft": "sft", "distill": "grpo", "grpo-reward-model": "rm", "evaluate": "grpo"}
 TRAINS = {"grpo.py", "sft.py", "dpo.py", "distill.py", "rm.py", "ppo.py"}  # (take --steps)
+
+
+def arguments(name: str, printed: str, out: str) -> list[str]:
+    """A printed command's arguments (the script first) as this table runs it: each out/ folder
+    under `out` (out/sft is <out>/sft, where the row named sft writes), and --out <out>/<name>."""
+    args = [f"{out}/{a[4:]}" if a.startswith("out/") else a for a in shlex.split(printed)[1:]]
+    return args + ["--out", f"{out}/{name}"]
 
 
 def tree_pss(process: psutil.Process) -> dict[str, int]:
@@ -115,9 +115,9 @@ def main():
                         "with the rows whose output they start from (grpo-from-sft: sft)")
     parser.add_argument("--list", action="store_true", help="print the rows' names and commands")
     args = parser.parse_args()
-    names = [name for name, _, _ in COMMANDS]
+    names = [name for name, _ in COMMANDS]
     if args.list:
-        print("\n".join(f"{name:18} {printed}" for name, printed, _ in COMMANDS))
+        print("\n".join(f"{name:18} {printed}" for name, printed in COMMANDS))
         return
     keep = [p for p in args.only.split(",") if p]
     unknown = [p for p in keep if p not in names]
@@ -131,11 +131,11 @@ def main():
     rows = ["| command | driver peak GB | process tree peak GB (PSS, sampled) | budget | seconds |",
             "|---|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory(prefix="peak-memory-") as out:
-        for name, printed, argv in COMMANDS:
+        for name, printed in COMMANDS:
             if keep and name not in keep:
                 continue
-            argv = [a.format(out=out) for a in argv]
-            if argv[0] in TRAINS:
+            argv = arguments(name, printed, out)
+            if argv[0] in TRAINS:  # (after the printed ones: the last of a flag wins)
                 argv += ["--steps", str(args.steps), "--eval-every", str(args.steps)]
             driver, tree, seconds, status, at_peak = measure(argv)
             budget = TWO_MODELS_GB if name == "ppo" else BUDGET_GB
