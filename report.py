@@ -1,14 +1,15 @@
-"""report.html: one page to look at what a run did -- its curves, every step's samples token by
-token, its held-out problems at the first evaluation and the last, its config and machine --
-built from the run folder alone.
+"""report.html: one page to look at what a run did, built from its run folder alone.
+
+Its curves, every step's samples token by token, its held-out problems at the first evaluation
+and the last, its config and machine.
 
     python report.py out/grpo          # writes out/grpo/report.html (every run writes it at its end)
 
 The page is one self-contained file: no server, no network, no script or font from elsewhere; it
 opens from disk on a machine without internet. Here: what the page shows and how much of it
 (every part within its budget of bytes, measured as the page writes it); charts.py draws the
-curves (SVG), report_template.py holds the page's fixed HTML, style and the few lines of script
-that switch steps and colourings. Everything a run wrote -- prompts, completions, tool results,
+curves (SVG), report_template.py holds the page's fixed HTML, its style and the script that
+switches steps and colourings. Everything a run wrote -- prompts, completions, tool results,
 even metric names -- is untrusted text (a dataset's, a model's): it reaches the page escaped, or
 as JSON that the script puts into text nodes, never as markup.
 """
