@@ -130,12 +130,18 @@ def small_attention(q, k, v, mask, scaling, dropout: float):
     return SmallAttention.apply(q, k, v, mask, scaling)
 
 
+def on_cuda(device) -> bool:
+    """Whether tensors on `device` run CUDA's kernels: every choice below that depends on the
+    device asks this (the tests pretend a GPU by answering it)."""
+    return torch.device(device).type == "cuda"
+
+
 def sdpa_takes_gqa(device) -> bool:
     """Whether SDPA with a mask is handed the KV heads as they are (enable_gqa), or one per query
     head. Not on CUDA: FlashAttention takes no mask and the memory-efficient kernel no grouped
     heads, so SDPA would fall back to its math kernel, which keeps the fp32 scores for backward
     (~9.9 GB a layer at 8K tokens, 12 heads); transformers' use_gqa_in_sdpa decides alike."""
-    return torch.device(device).type != "cuda"
+    return not on_cuda(device)
 
 
 def _probs(q, k, mask, scaling):
