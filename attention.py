@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -47,87 +48,144 @@ NAME = "smolrl"
 MASKED = torch.finfo(torch.float32).min
 
 
+class Block(NamedTuple):
+    """One attention call of a packed batch: B rows of n queries, each row against its m keys,
+    all found by flat position in the batch (row * L + position). A row shorter than its block
+    repeats one of its real positions, whose outputs there are never read."""
+    queries: torch.Tensor  # (B, n)
+    keys: torch.Tensor  # (B, m)
+    mask: object  # who sees whom, as SDPA takes it: (B, 1, n, m) bool in a small block; in a
+    #               long one causal -- query i sees the keys up to m - n + i --, None where n == m
+    #               (is_causal), else torch's lower-right CausalBias on CUDA (FlashAttention's own
+    #               causal option: no mask is made) or the (n, m) bool on a CPU
+    small: bool  # run as matmuls (SmallAttention)
+
+
 class PrefixLayout(NamedTuple):
-    """Where a packed batch's prompts and completions sit (model.share_prompts builds it): R
-    prompts of at most P tokens and S completions of at most n tokens, at flat positions
-    (row * L + position; share_prompts packs them all into one row, without padding)."""
-    prompts: torch.Tensor  # (R, P) each prompt's tokens (past its end: its first again)
-    prompt_mask: torch.Tensor  # (R, 1, P, P) bool: causal, within the prompt
-    queries: torch.Tensor  # (S, n) each completion's tokens (padding repeats its first)
-    keys: torch.Tensor  # (S, P + n) the keys it sees: its prompt's, then its own
-    mask: torch.Tensor  # (S, 1, n, P + n) bool: the real prompt keys, its own earlier tokens
-    source: torch.Tensor  # (positions,) each position's output in cat(prompt outputs,
-    #                       completion outputs, one zero row); padding's the zero row
+    """Where a packed batch's prompts and completions sit (model.share_prompts builds it; sft.py
+    too, for packed sequences: prompts without completions), said as the attention calls that
+    compute it."""
+    blocks: tuple  # Block: the prompts, then the completions (one block, or one a prompt)
+    source: torch.Tensor  # (positions,) each position's output in cat(the blocks' outputs,
+    #                       flattened, one zero row); padding's the zero row
 
 
 def prefix_layout(prompt_at: list[tuple[int, int]], completion_at: list[tuple[int, int, int]],
-                  positions: int, device) -> PrefixLayout:
+                  positions: int, device, heads: int = 1) -> PrefixLayout:
     """The layout of `positions` packed positions that hold prompt r at prompt_at[r] = (start,
-    length) and completion s at completion_at[s] = (its prompt, start, length). Built on the
-    host, handed over on `device`."""
-    R, S = len(prompt_at), len(completion_at)
-    P, n = max(m for _, m in prompt_at), max(m for _, _, m in completion_at)
-    i, j = torch.arange(P), torch.arange(n)
+    length) and completion s at completion_at[s] = (its prompt, start, length); `heads`: the
+    query heads, which size each block. Built on the host, handed over on `device`.
+
+    A block too large for matmuls gets no mask where causal attention is exact, and goes to
+    SDPA's causal kernels (FlashAttention on a GPU: no mask, no (P, P) anything): each prompt is
+    causal over its own tokens, all that a real query of it sees (a prompt shorter than the
+    block's longest is padded after its end, which only padding queries see); each completion
+    sees its prompt's P keys, then its own n causally -- causal attention aligned to the lower
+    right, exact where the block's completions all have that one prompt: long completions go a
+    prompt a block."""
+    blocks = [_prompt_block(prompt_at, heads)]  # (each with its rows' (start, length))
+    if completion_at:
+        P = max(prompt_at[r][1] for r, _, _ in completion_at)
+        n = max(m for _, _, m in completion_at)
+        groups = [completion_at] if len(completion_at) * heads * n * (P + n) <= SMALL_SCORES \
+            else [[c for c in completion_at if c[0] == r]
+                  for r in dict.fromkeys(r for r, _, _ in completion_at)]
+        blocks += [_completion_block(prompt_at, group, heads, on_cuda(device)) for group in groups]
+    total = sum(block.queries.numel() for block, _ in blocks)
+    source, offset = torch.full((positions,), total), 0  # (total: the zero row)
+    for block, rows in blocks:
+        width = block.queries.shape[1]
+        for b, (start, length) in enumerate(rows):
+            source[start:start + length] = offset + b * width + torch.arange(length)
+        offset += block.queries.numel()
+    to = lambda x: x.to(device) if type(x) is torch.Tensor else x  # noqa: E731
+    return PrefixLayout(tuple(Block(*map(to, block)) for block, _ in blocks), source.to(device))
+
+
+def _prompt_block(prompt_at: list[tuple[int, int]], heads: int) -> tuple[Block, list]:
+    """Each prompt causal over its own tokens, (R, P) queries and keys; and the rows' (start,
+    length)."""
+    R, P = len(prompt_at), max(m for _, m in prompt_at)
+    i = torch.arange(P)
     start, P_of = (torch.tensor(x) for x in zip(*prompt_at))  # (R,) each
-    of, c_start, n_of = (torch.tensor(x) for x in zip(*completion_at))  # (S,) each
-    prompts = start[:, None] + torch.where(i < P_of[:, None], i, 0)  # (R, P)
+    tokens = start[:, None] + torch.where(i < P_of[:, None], i, 0)  # (R, P)
+    small, mask = R * heads * P * P <= SMALL_SCORES, None
+    if small:
+        mask = ((i[None, :] <= i[:, None])[None] & (i < P_of[:, None])[:, None, :])[:, None]
+    return Block(tokens, tokens, mask, small), list(prompt_at)
+
+
+def _completion_block(prompt_at: list[tuple[int, int]], completions: list[tuple[int, int, int]],
+                      heads: int, cuda: bool) -> tuple[Block, list]:
+    """Each completion against its prompt's keys, then its own: (S, n) queries, (S, P + n) keys,
+    P the longest of their prompts; and the rows' (start, length). Masked where small, or where
+    a prompt is shorter than P (its padding keys would be seen)."""
+    S, n = len(completions), max(m for _, _, m in completions)
+    of, c_start, n_of = (torch.tensor(x) for x in zip(*completions))  # (S,) each
+    p_start, P_of = (torch.tensor(x)[of] for x in zip(*prompt_at))  # (S,) each
+    P = int(P_of.max())
+    i, j = torch.arange(P), torch.arange(n)
+    prompts = p_start[:, None] + torch.where(i < P_of[:, None], i, 0)  # (S, P)
     own = c_start[:, None] + torch.where(j < n_of[:, None], j, 0)  # (S, n)
-    prompt_mask = (i[None, None, :] <= i[None, :, None]) \
-        & (i[None, None, :] < P_of[:, None, None])  # (R, P, P)
-    sees_prompt = (i[None, None, :] < P_of[of][:, None, None]).expand(S, n, P)
-    sees_own = (j[None, None, :] <= j[None, :, None]) \
-        & (j[None, None, :] < n_of[:, None, None])  # (S, n, n)
+    keys = torch.cat([prompts, own], dim=1)  # (S, P + n)
+    if S * heads * n * (P + n) > SMALL_SCORES and bool((P_of == P).all()):
+        causal = causal_lower_right(n, P + n) if cuda else \
+            torch.ones(n, P + n, dtype=torch.bool).tril(P)
+        return Block(own, keys, causal, False), [(s, m) for _, s, m in completions]
+    sees_prompt = (i[None, None, :] < P_of[:, None, None]).expand(S, n, P)
+    sees_own = (j[None, None, :] <= j[None, :, None]) & (j[None, None, :] < n_of[:, None, None])
     mask = torch.cat([sees_prompt, sees_own], dim=-1)[:, None]  # (S, 1, n, P + n)
-    source = torch.full((positions,), R * P + S * n)  # the zero row
-    for r, (s0, m) in enumerate(prompt_at):
-        source[s0:s0 + m] = r * P + torch.arange(m)
-    for s, (_, s0, m) in enumerate(completion_at):
-        source[s0:s0 + m] = R * P + s * n + torch.arange(m)
-    return PrefixLayout(prompts.to(device), prompt_mask[:, None].to(device), own.to(device),
-                        torch.cat([prompts[of], own], dim=1).to(device), mask.to(device),
-                        source.to(device))
+    return Block(own, keys, mask, True), [(s, m) for _, s, m in completions]
+
+
+def _gather(x, index):
+    """The rows of x at `index`, any shape: (*index.shape, *x.shape[1:]). By index_select, whose
+    backward sums the gradients of a row that several read with index_add_ (x[index]'s backward,
+    index_put_, took ~4x as long on a CPU)."""
+    return x.index_select(0, index.flatten()).view(*index.shape, *x.shape[1:])
 
 
 def prefix_shared_attention(query, key, value, layout: PrefixLayout, scaling, dropout: float):
-    """Attention over packed rows of shared prompts (see the module docstring).
+    """Attention over packed rows of shared prompts (see the module docstring), a block at a time.
 
     query (R, H, L, D), key and value (R, KV, L, D) -> (R, L, H, D)."""
     R, H, L, D = query.shape
-    # Gathered by index_select, whose backward sums the gradients of a key that several
-    # completions read with index_add_ (x[index]'s backward, index_put_, took ~4x as long on a CPU)
-    gather = lambda x, index: x.index_select(0, index.flatten()).view(  # noqa: E731
-        *index.shape, *x.shape[1:])
     flat = lambda x: x.transpose(1, 2).reshape(R * L, x.shape[1], D)  # noqa: E731 (R L, heads, D)
     query, key, value = flat(query), flat(key), flat(value)
-    # The prompts, causal among their own tokens: (prompts, H, P, D)
-    head = small_attention(*(gather(x, layout.prompts).transpose(1, 2) for x in (query, key, value)),
-                           layout.prompt_mask, scaling, dropout)
-    # Each completion against its prompt's keys and its own: (S, H, n, D). Its keys and values
-    # (the prompt's copied once for each completion) the backward gathers again (recompute.py).
-    k, v = (remake(gather(x, layout.keys), gather, x, layout.keys) for x in (key, value))
-    tail = small_attention(gather(query, layout.queries).transpose(1, 2), k.transpose(1, 2),
-                           v.transpose(1, 2), layout.mask, scaling, dropout)
-    outputs = torch.cat([head.transpose(1, 2).reshape(-1, H, D),
-                         tail.transpose(1, 2).reshape(-1, H, D), head.new_zeros(1, H, D)])
-    return gather(outputs, layout.source).view(R, L, H, D)
+    outputs = [block_attention(query, key, value, block, scaling, dropout).reshape(-1, H, D)
+               for block in layout.blocks]
+    return _gather(torch.cat(outputs + [outputs[0].new_zeros(1, H, D)]), layout.source).view(
+        R, L, H, D)
 
 
-SMALL_SCORES = 2**22  # attention scores a call may compute (~16 MB in fp32 a layer)
+SMALL_SCORES = 2**22  # attention scores a block may compute as matmuls (~16 MB in fp32 a layer)
 
 
-def small_attention(q, k, v, mask, scaling, dropout: float):
-    """SDPA's result for q (B, H, n, D), k and v (B, KV, m, D), mask (B or 1, 1, n, m) bool.
-    Short rows -- a prompt, a completion against it -- run as two matmuls and a softmax
-    (SmallAttention): SDPA's CPU kernel pays per row block, and its backward took 2-4x as long as
-    the matmuls' in bf16 at such sizes (a 2-core EPYC Zen 4). Long rows keep SDPA."""
-    B, H, n, D = q.shape
-    if B * H * n * k.shape[2] > SMALL_SCORES or dropout:
-        gqa = sdpa_takes_gqa(q.device)
-        if not gqa:  # each query head its own copy of its KV head's keys and values
-            k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))  # (B, H, m, D)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                              enable_gqa=gqa, dropout_p=dropout)
-    return SmallAttention.apply(q, k, v, mask, scaling)
+def block_attention(query, key, value, block: Block, scaling, dropout: float):
+    """One block's attention, from the batch's flat query (positions, H, D), key and value
+    (positions, KV, D) -> (B, n, H, D). A masked block -- a prompt, a completion against it --
+    runs as two matmuls and a softmax (SmallAttention): SDPA's CPU kernel pays per row block, and
+    its backward took 2-4x as long as the matmuls' in bf16 at such sizes (a 2-core EPYC Zen 4).
+    A long one goes to SDPA's causal kernels. Its keys and values (a prompt's copied once for
+    each completion) the backward gathers again (recompute.py), and so it repeats them where a
+    kernel needs one KV head per query head."""
+    H, KV = query.shape[1], key.shape[1]
+    q = _gather(query, block.queries).transpose(1, 2)  # (B, H, n, D)
+    small = block.small and not dropout
+    gqa = small or sdpa_takes_gqa(q, masked=block.small)
+
+    index, copies = block.keys, 1 if gqa else H // KV  # (what the recipe below holds)
+
+    def keys(x):  # (B, KV, m, D), or (B, H, m, D): each query head its own copy
+        x = _gather(x, index).transpose(1, 2)
+        return x if copies == 1 else x.repeat_interleave(copies, dim=1)
+
+    k, v = (remake(keys(x), keys, x) for x in (key, value))
+    if small:
+        return SmallAttention.apply(q, k, v, block.mask, scaling).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=block.mask,
+                                          is_causal=block.mask is None, scale=scaling,
+                                          dropout_p=dropout, enable_gqa=gqa).transpose(1, 2)
 
 
 def on_cuda(device) -> bool:
@@ -136,12 +194,15 @@ def on_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
-def sdpa_takes_gqa(device) -> bool:
-    """Whether SDPA with a mask is handed the KV heads as they are (enable_gqa), or one per query
-    head. Not on CUDA: FlashAttention takes no mask and the memory-efficient kernel no grouped
-    heads, so SDPA would fall back to its math kernel, which keeps the fp32 scores for backward
-    (~9.9 GB a layer at 8K tokens, 12 heads); transformers' use_gqa_in_sdpa decides alike."""
-    return not on_cuda(device)
+def sdpa_takes_gqa(query, masked: bool) -> bool:
+    """Whether SDPA is handed the KV heads as they are (enable_gqa), or one per query head. On a
+    CPU always. On CUDA only FlashAttention takes grouped heads (torch 2.13's sdp_utils: the
+    memory-efficient kernel wants as many KV heads as query heads), and it takes no mask, no fp32
+    and no head over 256 wide: otherwise SDPA given grouped heads falls back to its math kernel,
+    which keeps the fp32 scores for backward (~9.9 GB a layer at 8K tokens, 12 heads);
+    transformers' use_gqa_in_sdpa decides alike."""
+    return not on_cuda(query.device) or (not masked and query.shape[-1] <= 256
+                                         and query.dtype in (torch.float16, torch.bfloat16))
 
 
 def _probs(q, k, mask, scaling):

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from attention import NAME as ATTENTION, PrefixLayout, prefix_layout, takes_layouts
+from attention import NAME as ATTENTION, PrefixLayout, on_cuda, prefix_layout, takes_layouts
 from attention import use_smolrl_attention
 from chat_template import check_chat_template, check_template_files
 
@@ -585,7 +585,7 @@ def _row_blocks(logits, cache_bytes=2**21):
     SmolLM2's head than whole (n, V) passes); on a GPU, whose memory is fast and whose kernel
     launches are not free, all rows at once."""
     n, V = logits.shape
-    rows = n if logits.device.type != "cpu" else max(1, cache_bytes // (4 * V))
+    rows = n if on_cuda(logits.device) else max(1, cache_bytes // (4 * V))
     return [slice(s, s + rows) for s in range(0, n, rows)]
 
 
@@ -717,7 +717,8 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
             at += n
         start = at if by_layout else 0
     if by_layout:  # each completion against its prompt and itself (attention.py)
-        layout = prefix_layout(prompt_at, completion_at, R * L, device)
+        layout = prefix_layout(prompt_at, completion_at, R * L, device,
+                               heads=config.num_attention_heads)
         return SharedPrompts(ids.to(device), positions.to(device),
                              torch.ones(R, L, dtype=torch.long, device=device), layout,
                              row.to(device), state.to(device))
