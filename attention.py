@@ -17,8 +17,10 @@ G n (P + n) pairs; the prompts likewise, each causal over its own P tokens. (Pre
 by its place in a row, every group of a micro-batch goes into one row, end to end: the layers'
 matmuls see no padding (rows of one group each, as long as the longest group, were ~20 % padding
 in the default run's update). Short rows run as matmuls whose backward recomputes the probabilities
-(SmallAttention), long ones through SDPA. And one case SDPA cannot compute: scores soft-capped by
-tanh (Gemma 2's layers) are computed as the model defines them (softcapped_attention).
+(SmallAttention), long ones through SDPA's causal kernels with no mask -- FlashAttention on a GPU,
+nothing kept that grows with the square of a row (issue 69). And one case SDPA cannot compute:
+scores soft-capped by tanh (Gemma 2's layers) are computed as the model defines them, a chunk of
+queries at a time, the backward making the probabilities again (softcapped_attention).
 
     python -c "import attention"      # registers "smolrl" with transformers' AttentionInterface
 
@@ -258,18 +260,21 @@ class SmallAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def decode_attention(query, key, value, attention_mask, scaling):
+def decode_attention(query, key, value, attention_mask, scaling, softcap: float | None = None):
     """A decoding step. Its cost is reading the keys and values: here each KV head's are read
-    once for the query heads that share it (grouped-query attention), with the softmax in fp32.
+    once for the query heads that share it (grouped-query attention), as they are in the cache,
+    with the softmax in fp32 -- and the scores soft-capped where the model caps them (Gemma 2).
     SDPA's CPU kernel took 17 ms a layer for 64 rows of 400 tokens in bf16 -- 70 % of a SmolLM2
     decoding step, ~18x its bytes' time at the measured bandwidth.
 
     query (B, H, 1, D), key and value (B, KV, L, D), attention_mask (B, 1, 1, L) bool (True:
-    attend) or None -> (B, 1, H, D)."""
+    attend) or additive, or None -> (B, 1, H, D)."""
     B, H, _, D = query.shape
     KV, L = key.shape[1], key.shape[2]
     q = query.reshape(B, KV, H // KV, D)  # the query heads of each KV head
     scores = torch.matmul(q, key.transpose(-1, -2)).float() * scaling  # (B, KV, H/KV, L)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         mask = attention_mask[:, :, :, -L:]  # (B, 1, 1, L)
         scores = scores.masked_fill(~mask, MASKED) if mask.dtype == torch.bool \
@@ -279,31 +284,125 @@ def decode_attention(query, key, value, attention_mask, scaling):
     return out.reshape(B, 1, H, D)
 
 
+SOFTCAP_SCORES = 2**22  # scores softcapped_attention computes at once (~16 MB in fp32 each)
+
+
 @torch.autocast("cpu", enabled=False)  # (fp32 scores under a caller's bf16 autocast too: there
 @torch.autocast("cuda", enabled=False)  # the product ran in bf16, which cannot hold MASKED)
 def softcapped_attention(query, key, value, attention_mask, scaling, softcap: float,
-                         dropout: float, training: bool):
+                         dropout: float, training: bool, window: int | None = None):
     """Attention whose scores are soft-capped, s -> cap tanh(s / cap) (Gemma 2's layers), which
     SDPA cannot do: handed to SDPA the cap was dropped (0.29 nats a token from the model's own
     definition on a small Gemma 2). As the model's eager attention computes it, with the scores in
-    fp32 (SDPA's kernels accumulate so).
+    fp32 (SDPA's kernels accumulate so) -- a chunk of queries at a time, and the backward makes
+    each chunk's probabilities again (SoftcappedAttention): it keeps q, k and v, where autograd
+    kept ~10 bytes a score (issue 69: 93 -> 205 KiB a token from 256 to 1,024 tokens, ~130 GiB
+    of scores for an 8K sequence at Gemma-2-2B's shapes). With dropout, autograd keeps them.
 
     query (B, H, n, D), key and value (B, KV, m, D); attention_mask (B or 1, 1, n, m) bool (True:
-    attend) or additive, or None: causal, the n queries the last n of the m positions
-    -> (B, n, H, D)."""
-    B, H, n, D = query.shape
-    KV, m = key.shape[1], key.shape[2]
-    key, value = (x.repeat_interleave(H // KV, dim=1) for x in (key, value))  # (B, H, m, D)
-    scores = (query.float() @ key.float().transpose(-1, -2)) * scaling  # (B, H, n, m)
-    scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is None:
-        attention_mask = torch.ones(n, m, dtype=torch.bool, device=query.device).tril(m - n)
-    if attention_mask.dtype == torch.bool:  # (not -inf: see MASKED)
-        scores = scores.masked_fill(~attention_mask[..., :m], MASKED)
+    attend) or additive, or None: causal, the n queries the last n of the m positions, within
+    `window` positions of each other where given (a sliding layer) -> (B, n, H, D)."""
+    if dropout and training:  # (the backward would need the same random draws)
+        out = _softcapped_chunks(query, key, value, attention_mask, scaling, softcap, window,
+                                 dropout)
     else:
-        scores = scores + attention_mask[..., :m].float()
-    probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout, training=training)
-    return (probs.to(value.dtype) @ value).transpose(1, 2)  # (B, n, H, D)
+        out = SoftcappedAttention.apply(query, key, value, attention_mask, scaling, softcap,
+                                        window)
+    return out.transpose(1, 2)
+
+
+def _chunks(query, m: int) -> list[slice]:
+    """Slices of the n queries, each with at most SOFTCAP_SCORES scores over m keys."""
+    B, H, n, _ = query.shape
+    rows = max(1, SOFTCAP_SCORES // (B * H * m))
+    return [slice(s, min(s + rows, n)) for s in range(0, n, rows)]
+
+
+def _chunk_mask(mask, rows: slice, n: int, m: int, window: int | None, device):
+    """The mask of queries `rows`: the given one's rows (B or 1, 1, c, m), or (1, 1, c, m) bool:
+    causal, query i the position m - n + i, within `window` of it where given."""
+    if mask is not None:
+        return mask[:, :, rows, :m]
+    i = torch.arange(rows.start, rows.stop, device=device)[:, None] + m - n  # (c, 1)
+    j = torch.arange(m, device=device)  # (m,)
+    sees = j <= i
+    if window:
+        sees &= i - j < window
+    return sees[None, None]
+
+
+def _capped_probs(q, k, mask, scaling, cap):
+    """(tanh(s / cap), softmax of cap tanh(s / cap) where `mask` allows), s = q k^T scaling, all
+    fp32: q (B, KV, g, c, D) a chunk of the g query heads of each KV head, k (B, KV, m, D), mask
+    (B or 1, 1, c, m) -> (B, KV, g, c, m) each."""
+    t = torch.tanh((q @ k[:, :, None].transpose(-1, -2)) * scaling / cap)
+    capped = t * cap
+    if mask.dtype == torch.bool:
+        # (MASKED's value written out, as in _probs: traced inside an autograd.Function)
+        capped = capped.masked_fill(~mask[:, :, None], torch.finfo(torch.float32).min)
+    else:
+        capped = capped + mask[:, :, None].float()
+    return t, torch.softmax(capped, dim=-1)
+
+
+def _softcapped_chunks(q, k, v, mask, scaling, cap, window, dropout: float = 0.0):
+    """The soft-capped attention, chunk by chunk, as autograd differentiates it: q (B, H, n, D),
+    k and v (B, KV, m, D) -> (B, H, n, D)."""
+    B, H, n, D = q.shape
+    KV, m = k.shape[1], k.shape[2]
+    k32, out = k.float(), []
+    for rows in _chunks(q, m):
+        q32 = q[:, :, rows].float().reshape(B, KV, H // KV, -1, D)
+        _, p = _capped_probs(q32, k32, _chunk_mask(mask, rows, n, m, window, q.device), scaling,
+                             cap)
+        p = F.dropout(p, p=dropout, training=True) if dropout else p
+        out.append((p.to(v.dtype) @ v[:, :, None]).reshape(B, H, -1, D))
+    return torch.cat(out, dim=2)
+
+
+class SoftcappedAttention(torch.autograd.Function):
+    """softcapped_attention's chunks, whose backward makes each chunk's probabilities again from q
+    and k, as SmallAttention's does, instead of keeping them. The backward of o = p v,
+    p = softmax(c), c = cap tanh(s / cap), s = q k^T scaling:
+
+        dv = p^T do      dp = do v^T      dc = p * (dp - rowsum(dp * p))
+        ds = dc (1 - tanh(s / cap)^2) scaling        dq = ds k      dk = ds^T q
+
+    and a masked score's ds is 0 -- masked_fill passes it no gradient, also in a row whose every
+    key is masked (a left-padding query), where p is uniform."""
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def forward(ctx, q, k, v, mask, scaling, cap, window):
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.scaling, ctx.cap, ctx.window = scaling, cap, window
+        with torch.no_grad():
+            return _softcapped_chunks(q, k, v, mask, scaling, cap, window)
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def backward(ctx, d_out):
+        q, k, v, mask = ctx.saved_tensors
+        B, H, n, D = q.shape
+        KV, m = k.shape[1], k.shape[2]
+        k32, v32 = k.float(), v.float()
+        dq = torch.empty(B, H, n, D, device=q.device)
+        dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+        for rows in _chunks(q, m):
+            q32 = q[:, :, rows].float().reshape(B, KV, H // KV, -1, D)  # (B, KV, g, c, D)
+            sees = _chunk_mask(mask, rows, n, m, ctx.window, q.device)
+            t, p = _capped_probs(q32, k32, sees, ctx.scaling, ctx.cap)  # (B, KV, g, c, m)
+            do = d_out[:, :, rows].float().reshape(q32.shape)
+            dv += (p.transpose(-1, -2) @ do).sum(2)  # (B, KV, m, D): the g heads' sum
+            dp = do @ v32[:, :, None].transpose(-1, -2)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * (1 - t * t) * ctx.scaling
+            if sees.dtype == torch.bool:
+                ds = ds.masked_fill(~sees[:, :, None], 0)
+            dq[:, :, rows] = (ds @ k32[:, :, None]).reshape(B, H, -1, D)
+            dk += (ds.transpose(-1, -2) @ q32).sum(2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def takes_layouts(config) -> bool:
@@ -329,17 +428,33 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
             raise ValueError("a packed row's layout reached a layer with a sliding window, "
                              "soft-capping or sinks: it needs SDPA's mask")
         return prefix_shared_attention(query, key, value, prefix_layout, scaling, dropout), None
+    if query.shape[2] == 1 and key.shape[2] > 1 and getattr(module, "sinks", None) is None:
+        # (a sliding window is in the mask: transformers skips it only within the window)
+        return decode_attention(query, key, value, attention_mask, scaling,
+                                kwargs.get("softcap")), None
     if kwargs.get("softcap"):
         return softcapped_attention(query, key, value, attention_mask, scaling, kwargs["softcap"],
-                                    dropout, module.training), None
-    if query.shape[2] == 1 and key.shape[2] > 1 and not special:
-        return decode_attention(query, key, value, attention_mask, scaling), None
+                                    dropout, module.training, kwargs.get("sliding_window")), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
 
 
+def attention_mask(*, config=None, **kwargs):
+    """The masks smolrl's attention is given: SDPA's (transformers' sdpa_mask) -- but none for a
+    soft-capped model's rows that start with no cache and hold no padding (a training forward),
+    where softcapped_attention makes each chunk's causal and sliding-window mask itself: past
+    the window transformers would make a (T, T) one for the sliding layers."""
+    padding = kwargs.get("attention_mask")
+    if getattr(config, "attn_logit_softcapping", None) and kwargs.get("allow_is_causal_skip") \
+            and kwargs.get("q_offset", 0) == kwargs.get("kv_offset", 0) == 0 \
+            and kwargs["q_length"] == kwargs["kv_length"] \
+            and (padding is None or bool(padding.all())):
+        return None
+    return sdpa_mask(config=config, **kwargs)
+
+
 AttentionInterface.register(NAME, attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)  # (the masks SDPA is given)
+AttentionMaskInterface.register(NAME, attention_mask)
 
 
 def use_smolrl_attention(model) -> bool:
