@@ -38,7 +38,11 @@ ENGINE_WORKSPACE = 1 * GiB  # vLLM's activations and CUDA graphs beside weights,
 # int64 indices per (request, vocabulary entry). At the default 1,024 requests and Qwen's 151,936
 # entries that alone is ~3 GiB: the engine is started with max_num_seqs = one step's samples.
 SAMPLER_BYTES = 20
-LOGITS_BYTES = 8  # per (token, vocabulary entry) of a log-prob chunk: bf16 logits, fp32 softmax
+# Per (token, vocabulary entry) of a log-prob chunk at its peak (model.LinearHeadLogprobs): the
+# bf16 logits 2, and fp32 copies of an eighth of the rows at a time (two in the forward) 1 --
+# measured on a CPU with the GPU's row blocks (tests/test_long_context.py). The backward adds
+# the head's bf16 gradient (vocabulary x hidden), planned apart.
+LOGITS_BYTES = 3
 LOGPROB_CHUNK = 2048  # model.completion_logprobs' chunk_tokens
 # Activations are planned at this many times their estimate: the allocator rounds each saved
 # tensor up to its block size, and a sequence's backward briefly holds a gradient beside them.
@@ -284,8 +288,10 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
         if run.engine != "vllm" or gpu_memory_utilization is None:
             raise SystemExit(f"error: {what}")
         print(f"warning: by the memory plan's estimate, {what}")  # (the user's choice stands)
-    logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES if run.head == "lm" else 0  # (rm.py's
-    # model has a scalar head: no vocabulary)
+    logits = 0.0  # (rm.py's model has a scalar head: no vocabulary)
+    if run.head == "lm":  # a chunk's logits, and the head's gradient unless LoRA freezes it
+        logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES \
+            + (0 if run.lora_rank else 2 * shape.vocab * shape.hidden)
     room = usable - trainer - frozen - kept - logits
     # The policy and ppo.py's critic train one after the other: the larger one's activations.
     full, checkpointed = (max(pair) for pair in zip(*(

@@ -95,11 +95,14 @@ def test_chunked_logprobs_equal_the_models_own(name):
     check_head_logits(model)  # passes for every architecture smolrl knows
 
 
-@pytest.mark.parametrize("name", ["llama", "cohere (logit_scale)", "granite (logits_scaling)"])
+@pytest.mark.parametrize("name", ["llama", "cohere (logit_scale)", "granite (logits_scaling)",
+                                  "gemma2 (final-logit soft-capping)"])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_linear_head_backward_equals_autograd(name, bf16, monkeypatch):
-    """LinearHeadLogprobs writes the head's backward out; autograd through head_logits (the path
-    every other head takes) must give the same log-probs, entropies and gradients."""
+    """LinearHeadLogprobs writes the head's backward out (Gemma 2's soft cap too, issue 69);
+    autograd through head_logits (the path every other head takes) must give the same log-probs,
+    entropies and gradients -- with the rows in cache-sized blocks (a CPU's), in blocks that
+    split a chunk unevenly, and in a GPU's eighths (the device pretended)."""
     import model as model_module
     torch.manual_seed(0)
     model = ARCHITECTURES[name]()
@@ -121,10 +124,13 @@ def test_linear_head_backward_equals_autograd(name, bf16, monkeypatch):
     monkeypatch.setattr(model_module, "_row_blocks", lambda logits: row_blocks(
         logits, cache_bytes=2 * 4 * logits.shape[1]))
     blocked = run()
-    monkeypatch.setattr(model_module, "linear_head", lambda model: (None, 1.0))
+    monkeypatch.setattr(model_module, "_row_blocks", row_blocks)
+    monkeypatch.setattr(model_module, "on_cuda", lambda device: True)
+    eighths = run()
+    monkeypatch.setattr(model_module, "linear_head", lambda model: (None, 1.0, 0.0))
     slow = run()
     tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
-    for run_ in (fast, blocked):
+    for run_ in (fast, blocked, eighths):
         torch.testing.assert_close(run_[0], slow[0], **tol)
         torch.testing.assert_close(run_[1], slow[1], **tol)
         for name in slow[2]:
