@@ -71,6 +71,11 @@ class Workload(NamedTuple):
     microbatch_tokens: int = 0  # the tokens of a micro-batch where the algorithm fixes them
     #                             (dpo.py, rm.py: pairs x 2 sequences x --max-length); 0: planned
     engine_freed: bool = False  # the engine is gone before the first update (rm.py's sampler)
+    packed_row: int = 2048  # the longest row of several sequences a micro-batch packs, whose
+    #                         (row x row) mask a model whose layers take no layout gets (a
+    #                         sliding window, soft-capping: attention.takes_layouts):
+    #                         share_prompts' under SDPA's mask (model.MAX_SHARED_LEN), sft.py
+    #                         --packing's (--max-length); 0: none
 
 
 class Resident(NamedTuple):
@@ -270,6 +275,22 @@ def activation_bytes(path: str, lora_rank: int = 0, bf16: bool = True) -> tuple[
     return outside + shape.layers * kept, inputs + outside + plain
 
 
+def mask_bytes(path: str, packed_row: int) -> tuple[float, float]:
+    """(full, checkpointed) bytes a token's share of the dense masks of packed rows up to
+    `packed_row` long: none where the model's layers take layouts (smolrl's attention finds the
+    sequences by place, and makes no mask longer than a small block); else its row of the
+    bool mask, and on a GPU SDPA's bf16 bias of it, made by every layer and kept for its backward
+    (one layer at a time, checkpointed) -- soft-capped layers keep the bool mask itself."""
+    from transformers import AutoConfig
+    from attention import takes_layouts
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False).get_text_config()
+    if not packed_row or takes_layouts(config):
+        return 0.0, 0.0
+    if getattr(config, "attn_logit_softcapping", None):
+        return float(packed_row), float(packed_row)
+    return packed_row * (1 + 2 * config.num_hidden_layers), packed_row * 3.0
+
+
 def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
                 max_tokens_per_microbatch=None, gpu_memory_utilization=None) -> MemoryPlan:
     """The three settings, those passed as None chosen to fit a GPU of device_bytes, the others
@@ -289,8 +310,12 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
         utilization = gpu_memory_utilization or math.ceil(100 * engine / device_bytes) / 100
         engine, kept = utilization * device_bytes, ENGINE_WORKSPACE  # (asleep: some stays)
     elif run.engine == "hf":  # never sleeps: its weights stay while the trainer trains (unless
-        kept = 0.0 if run.engine_shares_weights else dtype_bytes * P  # they are the trainer's)
-        engine = kept + kv + run.max_num_seqs * shape.vocab * 4  # (+ a decode step's logits)
+        from rollout import PREFILL_TOKENS  # they are the trainer's)
+        kept = 0.0 if run.engine_shares_weights else dtype_bytes * P
+        # + a decode step's logits, and a prefill chunk's mask (its rows x columns x the row's
+        # length) with the bf16 bias a layer makes of it
+        row = run.batch_tokens / max(run.max_num_seqs, 1)
+        engine = kept + kv + run.max_num_seqs * shape.vocab * 4 + 3 * PREFILL_TOKENS * row
     if not run.engine_on_this_gpu:
         engine = kept = 0.0
     if run.engine_freed:
@@ -312,7 +337,8 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
     room = usable - trainer - frozen - kept - logits
     # The policy and ppo.py's critic train one after the other: the larger one's activations.
     full, checkpointed = (max(pair) for pair in zip(*(
-        activation_bytes(path, run.lora_rank, run.bf16)
+        [a + m for a, m in zip(activation_bytes(path, run.lora_rank, run.bf16),
+                               mask_bytes(path, run.packed_row))]
         for path in {run.model, run.critic or run.model})))
     checkpointed, full = ACTIVATION_HEADROOM * checkpointed, ACTIVATION_HEADROOM * full
     tokens = max_tokens_per_microbatch or run.microbatch_tokens or None  # (None: planned)

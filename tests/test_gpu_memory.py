@@ -108,6 +108,31 @@ def test_the_plans_activations_are_what_the_trained_copy_keeps(shape, tmp_path):
     assert 0.8 * kept <= figure <= 1.25 * kept, (figure / 1024, kept / 1024)
 
 
+def test_the_plan_counts_the_dense_masks_of_models_that_take_no_layout(tmp_path, shapes):
+    """Issue 69: packed rows of a model whose layers take no layout (a sliding window, soft-
+    capping: attention.takes_layouts) carry a dense (row x row) mask -- share_prompts' under
+    SDPA's mask, sft.py --packing's -- which SDPA makes a bf16 bias of in every layer on a GPU,
+    kept for its backward: a row's worth of bytes for each of its tokens, which the plan did not
+    count. Now it does (one layer's bias at a time, checkpointed); a Qwen2.5-shaped model, whose
+    rows reach smolrl's attention as layouts, makes no such mask."""
+    import sft
+    from transformers import MistralConfig
+    MistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, sliding_window=4096
+                  ).save_pretrained(tmp_path)
+    assert gpu_memory.mask_bytes(str(tmp_path), 2048) == (2048 * (1 + 2 * 4), 2048 * 3)
+    assert gpu_memory.mask_bytes(shapes["1.5b"], 2048) == (0, 0)
+    packed = sft.Config(model=shapes["1.5b"], packing=True, max_length=4096)
+    assert packed.workload().packed_row == 4096
+    assert sft.Config(model=shapes["1.5b"]).workload().packed_row == 0
+    rl = Config(model=shapes["1.5b"]).workload()  # (share_prompts' rows under SDPA's mask)
+    assert rl.packed_row == 2048
+    with_masks = gpu_memory.plan_memory(rl._replace(model=str(tmp_path)), 80 * GB)
+    without = gpu_memory.plan_memory(rl._replace(model=str(tmp_path), packed_row=0), 80 * GB)
+    assert with_masks.activations_kb * 1024 == pytest.approx(
+        without.activations_kb * 1024 + gpu_memory.ACTIVATION_HEADROOM * 2048 * 9)
+
+
 def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
     """On a GPU the unset settings come from the plan, which --dry-run prints."""
     from data import parse_config

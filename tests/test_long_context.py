@@ -249,12 +249,17 @@ def test_a_long_prefill_runs_in_chunks_without_a_square_mask(arch, tiny_model, m
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-5)
 
 
-def test_packed_rows_attend_within_their_sequences_without_a_square_mask(tiny_model):
+@pytest.mark.parametrize("blocks", ["short", "long"])
+def test_packed_rows_attend_within_their_sequences_without_a_square_mask(blocks, tiny_model,
+                                                                         monkeypatch):
     """Issue 69: sft.py's --packing built a (rows, 1, L, L) mask for the whole step (on CUDA SDPA
     keeps a bf16 bias of it for every layer's backward). Packed rows now reach smolrl's attention
-    as where their sequences are (attention.PrefixLayout): no boolean tensor of the row's square
-    is made, and every sequence's log-probs are those it gets in a row of its own."""
+    as where their sequences are (attention.PrefixLayout): every sequence's log-probs are those
+    it gets in a row of its own -- as matmuls over its own tokens (short), or through SDPA's
+    causal kernel (long: no mask at all, not even a sequence's square)."""
     from sft import Example, best_fit, pack_rows, token_logprobs
+    if blocks == "long":
+        monkeypatch.setattr(attention, "SMALL_SCORES", 0)
     model = tiny_model[0]
     torch.manual_seed(0)
     lengths = [30, 50, 20, 60, 40]
@@ -265,7 +270,8 @@ def test_packed_rows_attend_within_their_sequences_without_a_square_mask(tiny_mo
     with masks.mode:
         packed = pack_rows(examples, L, 0)
         logprobs, _ = token_logprobs(model, packed, "cpu", bf16=False)
-    assert masks.largest < L * L, masks.largest
+    if blocks == "long":
+        assert masks.largest < L * len(lengths), masks.largest
     alone = pack_rows(examples, None, 0)
     apart, _ = token_logprobs(model, alone, "cpu", bf16=False)
     rows = best_fit(lengths, L)  # (pack_rows' own packing)
