@@ -209,12 +209,19 @@ def recorded_dtype(out, resume: str, config_file: str) -> str:
 
 
 def find_checkpoint(out: Path, resume: str) -> str:
-    """--resume auto: the newest complete checkpoint in <out>/checkpoints; or the folder given.
-    Its files are checked here, before any model loads, so a damaged one is named at once."""
+    """--resume auto: the newest complete checkpoint in <out>/checkpoints; or the folder given --
+    named through --out where it is one of <out>/checkpoints reached another way (the folder
+    mounted twice), so that it is the branch in --out (in_checkpoints). Its files are checked
+    here, before any model loads, so a damaged one is named at once."""
     if resume != "auto":
         if not (Path(resume) / "driver_state.pt").exists():
             raise SystemExit(f"error: --resume {resume}: not a checkpoint folder (no driver_state.pt)")
         folder = Path(resume)
+        try:
+            if os.path.samefile(folder.parent, Path(out) / "checkpoints"):
+                folder = Path(out) / "checkpoints" / folder.name
+        except OSError:  # (no <out>/checkpoints)
+            pass
     else:
         found = _checkpoints(out / "checkpoints")
         if not found:

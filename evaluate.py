@@ -425,15 +425,32 @@ def main(argv=None):
         results["datasets"][name] = summary
         all_samples += samples
     grader.close()
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    with open(out / "samples.jsonl", "w") as f:
-        for s in all_samples:
-            f.write(json.dumps(s) + "\n")
+    moved = write_results(out, results, all_samples)
+    if moved:
+        print(moved)
     print(f"template {cfg.template!r} (chat={cfg.chat}): {prompt!r}")
     print(f"n={cfg.n} temperature={cfg.temperature} top_p={cfg.top_p} "
           f"max_new_tokens={cfg.max_new_tokens}  ({time.time() - t0:.0f} s)")
     print(format_table(results["datasets"]))
     print(f"wrote {out / 'results.json'} and {out / 'samples.jsonl'}")
+
+
+def write_results(out: Path, results: dict, samples: list[dict]) -> str:
+    """results.json and samples.jsonl in --out, an earlier evaluation's there first moved whole
+    to <out>/superseded/<time>/ (run_folder.set_aside): nothing is overwritten. The line that
+    says where it went ("" when there was none)."""
+    from run_folder import set_aside
+    earlier = [out / name for name in ("results.json", "samples.jsonl")
+               if os.path.lexists(out / name)]
+    _, aside, _ = set_aside(out, earlier, "", None)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    with open(out / "samples.jsonl", "w") as f:
+        for s in samples:
+            f.write(json.dumps(s) + "\n")
+    if aside is None:
+        return ""
+    return escaped(f"{out} held an earlier evaluation: its {', '.join(p.name for p in earlier)} "
+                   f"are moved to {aside} (delete it when you no longer need it)")
 
 
 def longest_prompt(tokenizer, datasets: dict, cfg, agent=None) -> int:

@@ -150,8 +150,16 @@ def plot_curves(history: list[dict], path, title: str = "",
             ax.grid(alpha=0.3)
             ax.set_xlabel("step", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = Path(path)
+    tmp = path.with_name(f".tmp-{path.name}")  # (its suffix kept: savefig's format)
+    tmp.unlink(missing_ok=True)
+    try:
+        with open(tmp, "xb") as f:  # (a new file: no link there is followed)
+            fig.savefig(f, dpi=110, format=path.suffix[1:] or "png")
+        os.replace(tmp, path)  # (a file there hard-linked to a backup's keeps its bytes)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
 
 
 def _scaled(history: list[dict], keys) -> tuple[float, dict]:

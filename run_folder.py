@@ -25,9 +25,10 @@ made there, in one place (session.py calls them; docs/long-runs.md says them for
    resumed run, the branch it leaves or the run in a folder it resumes into (checkpoint.py says
    which). Each move is a new folder <out>/superseded/<time>/, laid out as a run folder.
 4. superseded/ keeps its newest --keep-superseded folders that hold weights (0: all; those
-   without -- the logs of a run stopped before it saved any -- are all kept, and never push a
-   trained model out); the run says which it deletes, and never deletes one that holds a path
-   the run's flags name, nor one another run writes in, nor the one it has just moved there.
+   without -- the logs of a run stopped before or inside its first save -- are all kept, and
+   never push a trained model out); the run says which it deletes, and never deletes one that
+   holds a path the run's flags name, nor one another run writes in, nor the one it has just
+   moved there.
 5. Before the models load: room on the disk for what the run must write -- its model and, with
    --save-every, a checkpoint --, counting what pruning will free; else one line.
 """
@@ -56,6 +57,8 @@ CONFIG_FILES = tuple(f"{name}_config.json" for name in ("sft", "rm", "dpo", "grp
                                                         "distill"))  # (each Config's CONFIG_FILE)
 LOCK = ".smolrl.lock"
 STAMP = re.compile(r"\d{8}-\d{6}\+*")  # a superseded folder's name: the time of its move
+TEMP = re.compile(r"\..+-[a-z0-9_]{8}")  # a folder's name as tempfile.mkdtemp makes it, with a
+# prefix: an export's (.model-, .old-model-) and a checkpoint's (..tmp-step_N-, .old-.tmp-step_N-)
 
 
 def check_out(out: Path, config_file: str):
@@ -100,7 +103,7 @@ def _kind(path: Path) -> str:
     """What is at path, without following a link ("": nothing)."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (a file above it: open_run says so)
         return ""
     return ("a file" if stat.S_ISREG(mode) else "a folder" if stat.S_ISDIR(mode) else
             "a symbolic link" if stat.S_ISLNK(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
@@ -114,23 +117,32 @@ _held: dict[str, int] = {}  # --out (its real path) -> the lock file this proces
 
 
 def recover_export(out: Path) -> str:
-    """What a run killed inside its export or a checkpoint's save left in --out (model.save_model
-    writes beside the folder, then model.replace_folder swaps it in): the model it was replacing,
-    in <out>/.old-model-*/model with no model/ beside it (killed between the two renames), put
-    back; half-written copies (.model-*, checkpoints/..tmp-step_*-*, the .old-* of a swap that
-    finished) deleted. Called with the lock held: no live run writes them. The line that says
-    what was put back ("" when nothing)."""
-    said = ""
-    for old in sorted(out.glob(".old-model-*")):
+    """What a run killed inside its export or a checkpoint's save left in its --out
+    (model.save_model writes the whole model beside its folder, then model.replace_folder renames
+    the old one aside and the new one into place): killed between the two renames, the swap
+    finished -- the new model, written whole, in model/ -- or, were there none beside it, the old
+    one put back; half-written copies (.model-*, checkpoints/..tmp-step_*-*, the .old-* of a
+    swap that finished) deleted. Only in a run's folder (its *_config.json), and only names as
+    tempfile.mkdtemp makes them: a user's .model-cache/ is no export's. Called with the lock
+    held: no live run writes them. The line that says what was put in place ("" when nothing)."""
+    if not any((out / name).is_file() for name in CONFIG_FILES):
+        return ""
+    said, made = "", lambda p: TEMP.fullmatch(p.name) and p.is_dir() and not p.is_symlink()
+    new = [p for p in out.glob(".model-*") if made(p)]
+    for old in sorted(p for p in out.glob(".old-model-*") if made(p)):
         if (old / "model").is_dir() and not os.path.lexists(out / "model"):
-            os.replace(old / "model", out / "model")
-            said = (f"{out / 'model'} put back: a run was stopped while it replaced that model "
-                    f"with its own, which it had not finished writing")
+            if len(new) == 1:  # (the old one is renamed aside only once the new one is whole)
+                os.replace(new.pop(), out / "model")
+                said = (f"{out / 'model'}: a run was stopped between the two renames of its "
+                        f"export; the model it had written whole is put in place")
+            else:
+                os.replace(old / "model", out / "model")
+                said = (f"{out / 'model'} put back: a run was stopped while it replaced that "
+                        f"model with its own, which it had not finished writing")
     halves = [*out.glob(".old-model-*"), *out.glob(".model-*"),
               *out.glob("checkpoints/..tmp-step_*-*"), *out.glob("checkpoints/.old-.tmp-step_*")]
-    for half in halves:
-        if half.is_dir() and not half.is_symlink():
-            shutil.rmtree(half, ignore_errors=True)
+    for half in filter(made, halves):
+        shutil.rmtree(half, ignore_errors=True)
     return escaped(said)
 
 
@@ -277,6 +289,12 @@ def left_behind(out: Path, resume_dir: str) -> list[Path]:
                          f"yourself (nothing was changed)")
     moving = files if not (resume_dir and in_checkpoints(out, resume_dir)) else \
         later + [p for p in files if p.name != "checkpoints"]
+    if moving and _kind(out / "superseded") == "a folder" and \
+            os.lstat(out / "superseded").st_dev != os.stat(out).st_dev:  # (a mount point)
+        raise SystemExit(f"error: {out / 'superseded'} lies on another filesystem than {out}, "
+                         f"whose run files this run would move there whole, with a rename that "
+                         f"cannot cross disks; make it a folder of {out}'s disk, or choose "
+                         f"another --out (nothing was changed)")
     for p in moving:
         if os.lstat(p).st_dev != os.stat(out).st_dev:  # (through a link: a rename cannot move it)
             raise SystemExit(f"error: {p} lies on another filesystem than {out}, whose "
@@ -361,15 +379,28 @@ def _doomed(out: Path, keep: int, reads: list[Path], coming: list[Path] = ()) ->
                    and _kind(p) == "a folder" and _weights(p.iterdir()))  # (the names sort as
     # the times do)
     old = found[:max(0, len(found) + _weights(coming) - keep)]
-    return [p for p in old if not _running_in(p)
-            and not any(p.resolve() == r or p.resolve() in r.parents for r in reads)]
+    held = {_identity(q) for r in reads for q in (r, *r.parents)}  # (by what they are, not by
+    # their paths: a folder mounted twice has two)
+    return [p for p in old if not _running_in(p) and _identity(p) not in held]
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _weights(paths) -> bool:
     """Whether the paths of a run folder (a superseded one's entries, or what is to move there)
-    hold weights: its model/, or checkpoints."""
-    return any(p.name in ("model", "checkpoints") or p.parent.name == "checkpoints"
-               for p in paths)
+    hold weights: its model/, or a checkpoint -- a whole one: a save stopped half way (a full
+    disk, Ctrl-C) leaves a .tmp-step_N that nothing resumes from, and is no trained model's
+    match."""
+    def whole(checkpoint: Path) -> bool:
+        return checkpoint.name.startswith("step_") and (checkpoint / "driver_state.pt").is_file()
+    return any(p.name == "model" or (p.parent.name == "checkpoints" and whole(p)) or
+               (p.name == "checkpoints" and any(map(whole, p.glob("step_*")))) for p in paths)
 
 
 READ_FLAGS = ("model", "init_from", "teacher", "critic_from", "reward_model", "judge",
@@ -406,8 +437,10 @@ def check_room(out: Path, cfg, reads: list[Path], moving: list[Path]):
     the default before its conversion) is not measured."""
     start = _start_folder(cfg)
     try:
-        weights = sum(f.stat().st_size for f in start.iterdir()
-                      if f.suffix in (".safetensors", ".bin")) if start else 0
+        files = list(start.iterdir()) if start else []
+        weights = sum(f.stat().st_size for f in files if f.suffix == ".safetensors") or \
+            sum(f.stat().st_size for f in files if f.suffix == ".bin")  # (a hub snapshot may
+        # hold both: the loader takes the safetensors)
     except OSError:  # (unreadable: its load says why)
         weights = 0
     if not weights:
@@ -420,9 +453,11 @@ def check_room(out: Path, cfg, reads: list[Path], moving: list[Path]):
         return
     what = f"{_gb(weights)} for its model" + (f", {_gb(checkpoint)} for a checkpoint"
                                               if checkpoint else "")
-    kept = _size(out / "superseded") - freed
+    kept, keep = _size(out / "superseded") - freed, cfg.keep_superseded
+    fewer = (", or pass --keep-superseded 1: 0 keeps all" if not keep else
+             f", or pass --keep-superseded {keep - 1}" if keep > 1 else "")  # (1: the fewest)
     hint = (f"; {out / 'superseded'} holds {_gb(kept)} of earlier runs (delete what you no "
-            f"longer need there, or pass a smaller --keep-superseded)" if kept > 0 else "")
+            f"longer need there{fewer})" if kept > 0 else "")
     raise SystemExit(f"error: --out {out}: {_gb(free)} free on its disk"
                      f"{' once superseded/ is pruned' if freed else ''}, and this run writes "
                      f"{_gb(weights + checkpoint)} ({what}); make room, or choose another --out"

@@ -16,6 +16,7 @@ ceil(rows / --batch-size) steps, its last batch short (as TRL's data loader keep
 """
 
 import json
+import os
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -54,7 +55,11 @@ def open_run(cfg) -> RunFolder:
     torch.manual_seed(cfg.seed)
     out = Path(cfg.out)
     check_out(out, cfg.CONFIG_FILE)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # (a file on its path, a folder not the user's, a read-only disk)
+        raise SystemExit(f"error: --out {out}: cannot make that folder ({e.strerror}); choose "
+                         f"another --out") from None
     lock_out(out)
     try:
         recovered = recover_export(out)
@@ -92,10 +97,21 @@ def start_log(folder: RunFolder, cfg, line=None):
     for said in (moved, prune_superseded(folder.out, cfg.keep_superseded, kept)):
         if said:
             print(said)
-    (folder.out / cfg.CONFIG_FILE).write_text(json.dumps(asdict(cfg), indent=2))  # (first: what
+    write_beside(folder.out / cfg.CONFIG_FILE, json.dumps(asdict(cfg), indent=2))  # (first: what
     # marks a run's folder, run_folder.left_behind)
     folder.log = RunLog(folder.out, folder.driver.history, cfg.report_to, asdict(cfg), line)
-    (folder.out / "machine.json").write_text(json.dumps(machine(), indent=2))  # (for the report)
+    write_beside(folder.out / "machine.json", json.dumps(machine(), indent=2))  # (the report's)
+
+
+def write_beside(path: Path, text: str):
+    """`text` in a new file beside `path`, renamed over it: a resumed run's file hard-linked to
+    another folder's (a copy by `cp -al`, a backup by rsync --link-dest) keeps that one's bytes,
+    and a link there is replaced, never written through."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    with open(tmp, "x") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def close_run(folder: RunFolder, export, title: str, **plot):

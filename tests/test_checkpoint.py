@@ -433,3 +433,55 @@ def test_every_algorithm_moves_an_earlier_run_aside_at_its_first_write(algorithm
     for name, text in earlier.items():
         assert ((tmp_path if name == "notes.txt" else aside) / name).read_text() == text
     assert (tmp_path / cfg.CONFIG_FILE).exists() and (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_checkpoint_named_through_another_mount_of_its_folder_is_that_folders(tmp_path):
+    """--out /data/run --resume /mnt/data/run/checkpoints/step_2, the one folder mounted twice
+    (a container's bind mount): the resumed run took its own branch for another folder's -- it
+    moved the whole run aside and started its samples empty (the log it keeps lay at a path
+    moved away) -- and superseded/ pruning deleted the folder it was resuming from, named
+    through the other mount. Now a checkpoint is found by what it is, not by its path."""
+    import shutil
+    from types import SimpleNamespace
+    from run_folder import _doomed, read_paths
+    out, bind = tmp_path / "out", tmp_path / "bind"
+    _fake_checkpoints(out, [2, 4], keep_last=0)
+    kept = out / "superseded" / "20260101-000001"
+    shutil.copytree(out / "checkpoints", kept / "checkpoints")
+    (out / "superseded" / "20260101-000002" / "model").mkdir(parents=True)
+    bind.mkdir()
+    if subprocess.run(["mount", "--bind", str(out), str(bind)], capture_output=True).returncode:
+        pytest.skip("no bind mounts here (they need root)")
+    try:
+        assert find_checkpoint(out, str(bind / "checkpoints" / "step_2")) == \
+            str(out / "checkpoints" / "step_2")
+        other = kept.relative_to(out) / "checkpoints" / "step_2"
+        reads = read_paths(SimpleNamespace(resume=str(bind / other)))
+        assert _doomed(out, 1, reads) == []
+    finally:
+        subprocess.run(["umount", str(bind)], check=True)
+
+
+def test_a_resume_in_a_hard_linked_copy_leaves_the_original_as_it_was(tmp_path):
+    """`cp -al run copy` (or a backup by rsync --link-dest: the files hard-linked), then
+    `--resume auto --out copy`: the resumed run wrote its config, machine.json and curves.png
+    through the links -- the original's config then named the copy's --out and flags, its curves
+    the copy's steps. Now what a run writes anew is written beside and renamed over."""
+    import os
+    import shutil
+    import grpo
+    from report import plot_curves
+    from session import open_run, resume_driver, start_log
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    _fake_checkpoints(run, [2], keep_last=0)
+    for name in ("machine.json", "curves.png"):
+        (run / name).write_text(name)
+    shutil.copytree(run, copy, copy_function=os.link)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    cfg = grpo.Config(out=str(copy), resume="auto", data="arith", model="unused")
+    folder = open_run(cfg)
+    resume_driver(folder)
+    start_log(folder, cfg)
+    plot_curves([{"step": 3, "reward": 0.5}], copy / "curves.png")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert json.loads((copy / "grpo_config.json").read_text())["out"] == str(copy)

@@ -187,3 +187,20 @@ def test_a_data_file_of_any_bytes_loads_or_is_refused_in_one_line(tmp_path, name
         load_table(str(path))
     assert str(stop.value).startswith(f"error: {path}: {said}"), str(stop.value)
     assert str(stop.value).isprintable()
+
+
+def test_an_earlier_evaluation_in_out_is_moved_aside_not_overwritten(tmp_path, capsys):
+    """`python evaluate.py --model A` then `--model B`, both into the default out/eval: B's
+    results.json and samples.jsonl replaced A's, an evaluation of hours gone without a word. Now
+    A's are moved whole to out/eval/superseded/<time>/ first, and the line says where."""
+    from evaluate import write_results
+    out = tmp_path / "eval"
+    out.mkdir()
+    write_results(out, {"model": "A"}, [{"sample": "a"}])
+    first = {p.name: p.read_bytes() for p in out.iterdir()}
+    said = write_results(out, {"model": "B"}, [{"sample": "b"}])
+    [aside] = (out / "superseded").iterdir()
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == first
+    assert json.loads((out / "results.json").read_text()) == {"model": "B"}
+    assert said == (f"{out} held an earlier evaluation: its results.json, samples.jsonl are "
+                    f"moved to {aside} (delete it when you no longer need it)")

@@ -248,7 +248,8 @@ def test_a_disk_without_room_for_the_model_stops_the_run_before_it_loads(tiny_mo
     """A run whose export (or checkpoint) would not fit on the disk stops before training, in
     one line that says how much it needs and what superseded/ holds (a fourth rerun's export once
     failed for lack of room: its trained model was lost); what pruning superseded/ will free
-    counts as room."""
+    counts as room. The flag it suggests works as written (it said "a smaller
+    --keep-superseded" to a run passing 0, which keeps all)."""
     from conftest import run_script
     weights = (Path(tiny_model_dir) / "model.safetensors").stat().st_size
     out = tmp_path / "out"
@@ -265,7 +266,7 @@ def test_a_disk_without_room_for_the_model_stops_the_run_before_it_loads(tiny_mo
         f"{4 * weights / 2**20:.0f} MiB ({mib} for its model, {3 * weights / 2**20:.0f} MiB for "
         f"a checkpoint); make room, or choose another --out; {out / 'superseded'} holds "
         f"{4 * weights / 2**20:.0f} MiB of earlier runs (delete what you no longer need there, "
-        f"or pass a smaller --keep-superseded) (nothing was changed)")
+        f"or pass --keep-superseded 1: 0 keeps all) (nothing was changed)")
     import grpo
     from session import open_run
     (out / "grpo_config.json").write_text("{}")  # (a run to move aside: the old folder is to go)
@@ -453,25 +454,137 @@ def test_an_out_inside_a_run_folders_model_or_superseded_is_refused(tmp_path):
     open_run(grpo.Config(out=str(x / "sft"), model="unused", data="arith"))  # (beside: fine)
 
 
-def test_a_run_killed_inside_its_export_gets_its_model_back(tmp_path):
-    """model.replace_folder renames the old model/ aside, then the new one into place: a kill
-    between the two left no model/ at all, the old one hidden in .old-model-*/ for good, and
-    every half-written copy (.model-*, a checkpoint's) taking a model's room on the disk. The next
-    run into --out puts the old model back and deletes the halves, saying so."""
+def test_a_run_killed_inside_its_export_keeps_the_model_it_wrote(tmp_path):
+    """model.replace_folder renames the old model/ aside, then the new one -- written whole by
+    then -- into place: a kill between the two left no model/, the old one in .old-model-*/ and
+    the trained one in .model-*/. The next run into --out once put the old model back and deleted
+    the trained one (a run extended from step 2 to 3 then held step 3's metrics beside step 2's
+    model, and step 3's was gone): now it finishes the swap, saying so, and deletes every
+    half-written copy (a checkpoint's)."""
     from run_folder import recover_export
     out = tmp_path / "out"
-    (out / ".old-model-abc1/model").mkdir(parents=True)
-    (out / ".old-model-abc1/model/config.json").write_text("{}")
-    (out / ".model-xyz2").mkdir()
-    (out / ".model-xyz2/model.safetensors").write_bytes(b"half")
-    (out / "checkpoints/..tmp-step_4-q1").mkdir(parents=True)
+    (out / ".old-model-abcd1234/model").mkdir(parents=True)
+    (out / ".old-model-abcd1234/model/config.json").write_text("old")
+    (out / ".model-wxyz5678").mkdir()
+    (out / ".model-wxyz5678/config.json").write_text("trained")
+    (out / "checkpoints/..tmp-step_4-q1w2e3r4").mkdir(parents=True)
     (out / "checkpoints/step_2").mkdir()
+    (out / "grpo_config.json").write_text("{}")
     said = recover_export(out)
-    assert said.startswith(f"{out / 'model'} put back: a run was stopped while it replaced")
-    assert (out / "model/config.json").read_text() == "{}"
-    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "model"]
+    assert said.startswith(f"{out / 'model'}: a run was stopped between the two renames of its "
+                           f"export; the model it had written whole is put in place")
+    assert (out / "model/config.json").read_text() == "trained"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "grpo_config.json", "model"]
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_2"]
+    # No new one beside it (stopped before it was written): the old one goes back
+    (out / ".old-model-efgh9012").mkdir()
+    (out / "model").rename(out / ".old-model-efgh9012/model")
+    assert recover_export(out).startswith(f"{out / 'model'} put back")
+    assert (out / "model").is_dir() and not (out / ".old-model-efgh9012").exists()
     # A swap that finished: the new model/ stays, the old one's remains go, nothing is said
-    (out / ".old-model-abc3/model").mkdir(parents=True)
-    assert recover_export(out) == "" and not (out / ".old-model-abc3").exists()
+    (out / ".old-model-ijkl3456/model").mkdir(parents=True)
+    assert recover_export(out) == "" and not (out / ".old-model-ijkl3456").exists()
     assert (out / "model/config.json").exists()
+
+
+def test_what_looks_like_an_exports_remains_in_a_folder_no_run_wrote_is_left_alone(tmp_path):
+    """`--out .` in a project holding the user's .model-cache/ and .old-model-backup/model: the
+    run took them for an export's remains -- deleted the cache, made the backup ./model and
+    deleted the rest of it -- and then refused the folder, saying "nothing was changed". Now
+    only a run's folder (its *_config.json) is recovered, and only names as an export makes
+    them."""
+    import grpo
+    from run_folder import recover_export
+    from session import open_run
+    out = tmp_path / "project"
+    for name in (".model-cache/weights.bin", ".old-model-backup/model/config.json",
+                 ".old-model-backup/notes.txt", "checkpoints/..tmp-step_1-mine/x", "notes.txt"):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(name)
+    before = _files(out)
+    with pytest.raises(SystemExit, match=r"^error: --out .* holds checkpoints, but no smolrl"):
+        open_run(grpo.Config(out=str(out), model="unused", data="arith"))
+    assert _files(out) == before
+    (out / "grpo_config.json").write_text("{}")  # (a run's folder: names not an export's kept)
+    assert recover_export(out) == "" and _files(out, skip=("grpo_config.json",)) == before
+
+
+def test_runs_stopped_inside_their_first_checkpoint_never_push_a_trained_model_out(tmp_path,
+                                                                                 capsys):
+    """A finished run, then two reruns stopped while they wrote their first checkpoint (a full
+    disk, Ctrl-C, a preempted job: checkpoints/.tmp-step_1 half written, nothing to resume from),
+    then a run: the two counted as folders with weights, and the third rerun deleted the
+    finished run's trained model. Only a model/ or a complete checkpoint counts."""
+    import grpo
+    from session import open_run, resume_driver, start_log
+    out = tmp_path / "out"
+    (out / "superseded" / "20260101-000001" / "model").mkdir(parents=True)  # (the trained one)
+    for stamp in ("20260101-000002", "20260101-000003"):
+        (out / "superseded" / stamp / "checkpoints" / ".tmp-step_1").mkdir(parents=True)
+        (out / "superseded" / stamp / "checkpoints" / ".tmp-step_1" / "model.safetensors"
+         ).write_text("half")
+        (out / "superseded" / stamp / "grpo_config.json").write_text("{}")
+    (out / "grpo_config.json").write_text("{}")
+    (out / "checkpoints" / ".tmp-step_1").mkdir(parents=True)  # (a third, to move aside)
+    cfg = grpo.Config(out=str(out), keep_superseded=2, data="arith", model="unused")
+    folder = open_run(cfg)
+    resume_driver(folder)
+    start_log(folder, cfg)
+    assert (out / "superseded" / "20260101-000001" / "model").is_dir()
+    assert len(list((out / "superseded").iterdir())) == 4 and "deleted" not in \
+        capsys.readouterr().out
+
+
+def test_an_out_that_cannot_be_made_is_one_line(tmp_path):
+    """`--out notes.txt/run` (a file where a folder must be made), or a folder the user cannot
+    write in: a NotADirectoryError or PermissionError traceback. Now one line, before anything."""
+    import grpo
+    from session import open_run
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in (tmp_path / "notes.txt" / "run", tmp_path / "notes.txt" / "run" / "deeper"):
+        with pytest.raises(SystemExit, match=rf"^error: --out {out}: cannot make that folder "
+                                             rf"\(Not a directory\); choose another --out"):
+            open_run(grpo.Config(out=str(out), model="unused", data="arith"))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_superseded_folder_on_another_disk_is_refused_before_the_models_load(tmp_path,
+                                                                               monkeypatch):
+    """<out>/superseded a mount of a bigger disk (its runs pile up): a rerun moved the run before
+    it there with a rename, and stopped with OSError: Invalid cross-device link once its models
+    had loaded. Now one line, at once, and nothing is changed."""
+    import os
+    import grpo
+    from session import open_run
+    out, model = tmp_path / "out", tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    earlier = _earlier_run(out, str(model))
+    (out / "superseded").mkdir()
+    real = os.lstat
+
+    def lstat(path, *args, **kwargs):  # (superseded/ a mount point: a device of its own)
+        st = real(path, *args, **kwargs)
+        if Path(path) == out / "superseded":
+            return os.stat_result((st[0], st[1], st.st_dev + 1, *tuple(st)[3:]))
+        return st
+    monkeypatch.setattr(os, "lstat", lstat)
+    with pytest.raises(SystemExit, match=rf"^error: {out / 'superseded'} lies on another "
+                                         rf"filesystem than {out}"):
+        open_run(grpo.Config(out=str(out), model="unused", data="arith"))
+    assert _files(out) == earlier
+
+
+def test_the_room_check_counts_a_model_saved_in_two_formats_once(tiny_model_dir, tmp_path,
+                                                                  monkeypatch):
+    """A hub snapshot holds its weights twice, model.safetensors and pytorch_model.bin (the
+    loader takes the first): the room check counted both, and refused a run the disk had room
+    for -- with no way past it. Now the safetensors alone are counted where there are any."""
+    import grpo
+    from session import open_run
+    both = tmp_path / "both"
+    shutil.copytree(tiny_model_dir, both)
+    shutil.copy(both / "model.safetensors", both / "pytorch_model.bin")
+    weights = (both / "model.safetensors").stat().st_size
+    _free(monkeypatch, weights * 3 // 2)
+    open_run(grpo.Config(out=str(tmp_path / "out"), model=str(both), data="arith"))

@@ -141,7 +141,10 @@ def test_one_trainer_issues_no_collective_even_inside_a_process_group(tiny_model
     (NCCL on a GPU, where a CPU tensor in a collective fails): a lone trainer must not use it."""
     import torch.distributed as dist
     calls = []
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # An engine started earlier in this worker (test_vllm.py) may have left its group: use it.
+    made_here = not dist.is_initialized()
+    if made_here:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for name in ("all_reduce", "broadcast", "all_gather", "reduce_scatter"):
             monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: calls.append(_name))
@@ -149,7 +152,8 @@ def test_one_trainer_issues_no_collective_even_inside_a_process_group(tiny_model
         finish_metrics([train_on_rollout(trainer, make_batch(PROMPTS, COMPLETIONS, ADVANTAGES))])
     finally:
         monkeypatch.undo()
-        dist.destroy_process_group()
+        if made_here:
+            dist.destroy_process_group()
     assert calls == []
 
 
