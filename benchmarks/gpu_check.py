@@ -10,10 +10,11 @@ install step, nothing carried but the working tree.
 
 Models are random weights at real shapes, written from configs here (nothing is downloaded):
 Qwen2.5-1.5B's for what trains (its positions extended to 32K for the long part), Qwen2.5-7B's
-for distillation's teacher, Gemma-2-2B's for the soft-capped long part. The tokenizer is a byte-level BPE trained here on text the script
-writes (gpu_check_tokenizer.py: ~1 s, ChatML with tools), so the working tree is all there is to
-carry. Each part is one run of an algorithm's own `main`, with the HF engine, in a process of its
-own, within its limit in seconds (LIMITS; --part-timeout N sets every part's):
+for distillation's teacher, Gemma-2-2B's for the soft-capped long part. The tokenizer is a
+byte-level BPE trained here on text the script writes (gpu_check_tokenizer.py: ~1 s, ChatML with
+tools), so the working tree is all there is to carry. Each part is one run of an algorithm's
+own `main`, with the HF engine, in a process of its own, within its limit in seconds (LIMITS;
+--part-timeout N sets every part's):
 
     grpo            50  a GRPO step, 8 x 8 samples of 512 tokens, full fine-tuning, a KL
                         reference, memory settings from the plan (gpu_memory.py)
@@ -42,11 +43,12 @@ own, within its limit in seconds (LIMITS; --part-timeout N sets every part's):
 With preparation's 55 s (the tokenizer, the models, the data files) the limits add up to 470 s;
 with the parent's own start and table, 8 minutes at most: about half the machine's 15, the rest
 for its start and a rerun. None of these seconds is measured yet (no GPU has run this): they are
-estimates from the work each part does (gemma2-8k's 55 s came out of the others' estimates). The teacher keeps Qwen2.5-7B's shape although writing its
-15 GB costs preparation an estimated 15 s: the part's point is a teacher five times the student's
-size resident beside it, as distill.py's docstring runs one; it decodes 256 tokens, not 512, to
-pay for itself. Only what the chosen parts need is written, and each part's output folder is
-deleted once it has reported (the lent disk holds 64 GB).
+estimates from the work each part does (gemma2-8k's 55 s came out of the others' estimates). The
+teacher keeps Qwen2.5-7B's shape although writing its 15 GB costs preparation an estimated 15 s:
+the part's point is a teacher five times the student's size resident beside it, as distill.py's
+docstring runs one; it decodes 256 tokens, not 512, to pay for itself. Only what the chosen
+parts need is written, and each part's output folder is deleted once it has reported (the lent
+disk holds 64 GB).
 
 Each part reports its peak GPU memory against the plan's (MemoryPlan.peak_gb), its seconds,
 tokens/s through the update, its TFLOP/s and MFU against the GPU's datasheet peak (hardware.py),
