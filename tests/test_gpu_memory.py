@@ -1,6 +1,8 @@
 """gpu_memory.plan_memory: a GPU run's memory settings chosen to fit, from the model's config alone
 (no GPU here: the device's size is given, or torch.cuda is stood in for)."""
 
+import contextlib
+import io
 from dataclasses import replace
 
 import pytest
@@ -444,6 +446,31 @@ def test_lora_1_5b_on_a_24_gb_card_from_a_laptop(shapes, capsys):
     assert code == 0, out
     assert "#   policy              5.8 GB  fp32 base under LoRA (the adapters train)" in out
     assert "(checkpointed)" in out and 'rollout = "vllm"' in out
+
+
+def test_docs_gpu_md_shows_what_the_plans_print(shapes, capsys):
+    """docs/gpu.md's plans are what the code prints (issue 69 changed every figure): the 24 GB
+    LoRA plan printed, ppo.py's refusal, and the table of every algorithm at 24 and 80 GB that
+    benchmarks/gpu_plans.py writes -- here from this file's config folders, whose measurements
+    the tests above made (~35 s alone, under a second after them)."""
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "gpu.md").read_text()
+    code, out = _dry_run("grpo", ["--model", shapes["1.5b"], "--lora-rank", "16",
+                                  "--gpu-gb", "24"], capsys)
+    assert code == 0, out
+    plan = [line for line in out.splitlines() if line.startswith("# memory plan") or
+            line.startswith("#   ")]
+    assert "\n".join(plan) in page, "\n".join(plan)
+    code, out = _dry_run("ppo", ["--model", shapes["1.5b"], "--gpu-gb", "24"], capsys)
+    assert code == 1 and out.replace(shapes["1.5b"], "Qwen/Qwen2.5-Math-1.5B") in page, out
+    sys.path.append(str(root / "benchmarks"))
+    import gpu_plans
+    with contextlib.redirect_stdout(io.StringIO()):  # (the settings' own lines)
+        table = gpu_plans.table(shapes)
+    assert gpu_plans.in_page(page, table) == page, \
+        f"docs/gpu.md's table of plans is out of date: run benchmarks/gpu_plans.py --write\n{table}"
 
 
 def test_gpu_gb_without_dry_run_on_a_machine_without_a_gpu_stops_in_one_line(shapes):
