@@ -17,8 +17,10 @@ G n (P + n) pairs; the prompts likewise, each causal over its own P tokens. (Pre
 by its place in a row, every group of a micro-batch goes into one row, end to end: the layers'
 matmuls see no padding (rows of one group each, as long as the longest group, were ~20 % padding
 in the default run's update). Short rows run as matmuls whose backward recomputes the probabilities
-(SmallAttention), long ones through SDPA. And one case SDPA cannot compute: scores soft-capped by
-tanh (Gemma 2's layers) are computed as the model defines them (softcapped_attention).
+(SmallAttention), long ones through SDPA's causal kernels with no mask -- FlashAttention on a GPU,
+nothing kept that grows with the square of a row (issue 69). And one case SDPA cannot compute:
+scores soft-capped by tanh (Gemma 2's layers) are computed as the model defines them, a chunk of
+queries at a time, the backward making the probabilities again (softcapped_attention).
 
     python -c "import attention"      # registers "smolrl" with transformers' AttentionInterface
 
@@ -31,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -47,95 +50,161 @@ NAME = "smolrl"
 MASKED = torch.finfo(torch.float32).min
 
 
+class Block(NamedTuple):
+    """One attention call of a packed batch: B rows of n queries, each row against its m keys,
+    all found by flat position in the batch (row * L + position). A row shorter than its block
+    repeats one of its real positions, whose outputs there are never read."""
+    queries: torch.Tensor  # (B, n)
+    keys: torch.Tensor  # (B, m)
+    mask: object  # who sees whom, as SDPA takes it: (B, 1, n, m) bool in a small block; in a
+    #               long one causal -- query i sees the keys up to m - n + i --, None where n == m
+    #               (is_causal), else torch's lower-right CausalBias on CUDA (FlashAttention's own
+    #               causal option: no mask is made) or the (n, m) bool on a CPU
+    small: bool  # run as matmuls (SmallAttention)
+
+
 class PrefixLayout(NamedTuple):
-    """Where a packed batch's prompts and completions sit (model.share_prompts builds it): R
-    prompts of at most P tokens and S completions of at most n tokens, at flat positions
-    (row * L + position; share_prompts packs them all into one row, without padding)."""
-    prompts: torch.Tensor  # (R, P) each prompt's tokens (past its end: its first again)
-    prompt_mask: torch.Tensor  # (R, 1, P, P) bool: causal, within the prompt
-    queries: torch.Tensor  # (S, n) each completion's tokens (padding repeats its first)
-    keys: torch.Tensor  # (S, P + n) the keys it sees: its prompt's, then its own
-    mask: torch.Tensor  # (S, 1, n, P + n) bool: the real prompt keys, its own earlier tokens
-    source: torch.Tensor  # (positions,) each position's output in cat(prompt outputs,
-    #                       completion outputs, one zero row); padding's the zero row
+    """Where a packed batch's prompts and completions sit (model.share_prompts builds it; sft.py
+    too, for packed sequences: prompts without completions), said as the attention calls that
+    compute it."""
+    blocks: tuple  # Block: the prompts, then the completions (one block, or one a prompt)
+    source: torch.Tensor  # (positions,) each position's output in cat(the blocks' outputs,
+    #                       flattened, one zero row); padding's the zero row
 
 
 def prefix_layout(prompt_at: list[tuple[int, int]], completion_at: list[tuple[int, int, int]],
-                  positions: int, device) -> PrefixLayout:
+                  positions: int, device, heads: int = 1) -> PrefixLayout:
     """The layout of `positions` packed positions that hold prompt r at prompt_at[r] = (start,
-    length) and completion s at completion_at[s] = (its prompt, start, length). Built on the
-    host, handed over on `device`."""
-    R, S = len(prompt_at), len(completion_at)
-    P, n = max(m for _, m in prompt_at), max(m for _, _, m in completion_at)
-    i, j = torch.arange(P), torch.arange(n)
+    length) and completion s at completion_at[s] = (its prompt, start, length); `heads`: the
+    query heads, which size each block. Built on the host, handed over on `device`.
+
+    A block too large for matmuls gets no mask where causal attention is exact, and goes to
+    SDPA's causal kernels (FlashAttention on a GPU: no mask, no (P, P) anything): each prompt is
+    causal over its own tokens, all that a real query of it sees (a prompt shorter than the
+    block's longest is padded after its end, which only padding queries see); each completion
+    sees its prompt's P keys, then its own n causally -- causal attention aligned to the lower
+    right, exact where the block's completions all have that one prompt: long completions go a
+    prompt a block."""
+    blocks = [_prompt_block(prompt_at, heads)]  # (each with its rows' (start, length))
+    if completion_at:
+        P = max(prompt_at[r][1] for r, _, _ in completion_at)
+        n = max(m for _, _, m in completion_at)
+        groups = [completion_at] if len(completion_at) * heads * n * (P + n) <= SMALL_SCORES \
+            else [[c for c in completion_at if c[0] == r]
+                  for r in dict.fromkeys(r for r, _, _ in completion_at)]
+        blocks += [_completion_block(prompt_at, group, heads, on_cuda(device)) for group in groups]
+    total = sum(block.queries.numel() for block, _ in blocks)
+    source, offset = torch.full((positions,), total), 0  # (total: the zero row)
+    for block, rows in blocks:
+        width = block.queries.shape[1]
+        for b, (start, length) in enumerate(rows):
+            source[start:start + length] = offset + b * width + torch.arange(length)
+        offset += block.queries.numel()
+    to = lambda x: x.to(device) if type(x) is torch.Tensor else x  # noqa: E731
+    return PrefixLayout(tuple(Block(*map(to, block)) for block, _ in blocks), source.to(device))
+
+
+def _prompt_block(prompt_at: list[tuple[int, int]], heads: int) -> tuple[Block, list]:
+    """Each prompt causal over its own tokens, (R, P) queries and keys; and the rows' (start,
+    length)."""
+    R, P = len(prompt_at), max(m for _, m in prompt_at)
+    i = torch.arange(P)
     start, P_of = (torch.tensor(x) for x in zip(*prompt_at))  # (R,) each
-    of, c_start, n_of = (torch.tensor(x) for x in zip(*completion_at))  # (S,) each
-    prompts = start[:, None] + torch.where(i < P_of[:, None], i, 0)  # (R, P)
+    tokens = start[:, None] + torch.where(i < P_of[:, None], i, 0)  # (R, P)
+    small, mask = R * heads * P * P <= SMALL_SCORES, None
+    if small:
+        mask = ((i[None, :] <= i[:, None])[None] & (i < P_of[:, None])[:, None, :])[:, None]
+    return Block(tokens, tokens, mask, small), list(prompt_at)
+
+
+def _completion_block(prompt_at: list[tuple[int, int]], completions: list[tuple[int, int, int]],
+                      heads: int, cuda: bool) -> tuple[Block, list]:
+    """Each completion against its prompt's keys, then its own: (S, n) queries, (S, P + n) keys,
+    P the longest of their prompts; and the rows' (start, length). Masked where small, or where
+    a prompt is shorter than P (its padding keys would be seen)."""
+    S, n = len(completions), max(m for _, _, m in completions)
+    of, c_start, n_of = (torch.tensor(x) for x in zip(*completions))  # (S,) each
+    p_start, P_of = (torch.tensor(x)[of] for x in zip(*prompt_at))  # (S,) each
+    P = int(P_of.max())
+    i, j = torch.arange(P), torch.arange(n)
+    prompts = p_start[:, None] + torch.where(i < P_of[:, None], i, 0)  # (S, P)
     own = c_start[:, None] + torch.where(j < n_of[:, None], j, 0)  # (S, n)
-    prompt_mask = (i[None, None, :] <= i[None, :, None]) \
-        & (i[None, None, :] < P_of[:, None, None])  # (R, P, P)
-    sees_prompt = (i[None, None, :] < P_of[of][:, None, None]).expand(S, n, P)
-    sees_own = (j[None, None, :] <= j[None, :, None]) \
-        & (j[None, None, :] < n_of[:, None, None])  # (S, n, n)
+    keys = torch.cat([prompts, own], dim=1)  # (S, P + n)
+    if S * heads * n * (P + n) > SMALL_SCORES and bool((P_of == P).all()):
+        causal = causal_lower_right(n, P + n) if cuda else \
+            torch.ones(n, P + n, dtype=torch.bool).tril(P)
+        return Block(own, keys, causal, False), [(s, m) for _, s, m in completions]
+    sees_prompt = (i[None, None, :] < P_of[:, None, None]).expand(S, n, P)
+    sees_own = (j[None, None, :] <= j[None, :, None]) & (j[None, None, :] < n_of[:, None, None])
     mask = torch.cat([sees_prompt, sees_own], dim=-1)[:, None]  # (S, 1, n, P + n)
-    source = torch.full((positions,), R * P + S * n)  # the zero row
-    for r, (s0, m) in enumerate(prompt_at):
-        source[s0:s0 + m] = r * P + torch.arange(m)
-    for s, (_, s0, m) in enumerate(completion_at):
-        source[s0:s0 + m] = R * P + s * n + torch.arange(m)
-    return PrefixLayout(prompts.to(device), prompt_mask[:, None].to(device), own.to(device),
-                        torch.cat([prompts[of], own], dim=1).to(device), mask.to(device),
-                        source.to(device))
+    return Block(own, keys, mask, True), [(s, m) for _, s, m in completions]
+
+
+def _gather(x, index):
+    """The rows of x at `index`, any shape: (*index.shape, *x.shape[1:]). By index_select, whose
+    backward sums the gradients of a row that several read with index_add_ (x[index]'s backward,
+    index_put_, took ~4x as long on a CPU)."""
+    return x.index_select(0, index.flatten()).view(*index.shape, *x.shape[1:])
 
 
 def prefix_shared_attention(query, key, value, layout: PrefixLayout, scaling, dropout: float):
-    """Attention over packed rows of shared prompts (see the module docstring).
+    """Attention over packed rows of shared prompts (see the module docstring), a block at a time.
 
     query (R, H, L, D), key and value (R, KV, L, D) -> (R, L, H, D)."""
     R, H, L, D = query.shape
-    # Gathered by index_select, whose backward sums the gradients of a key that several
-    # completions read with index_add_ (x[index]'s backward, index_put_, took ~4x as long on a CPU)
-    gather = lambda x, index: x.index_select(0, index.flatten()).view(  # noqa: E731
-        *index.shape, *x.shape[1:])
     flat = lambda x: x.transpose(1, 2).reshape(R * L, x.shape[1], D)  # noqa: E731 (R L, heads, D)
     query, key, value = flat(query), flat(key), flat(value)
-    # The prompts, causal among their own tokens: (prompts, H, P, D)
-    head = small_attention(*(gather(x, layout.prompts).transpose(1, 2) for x in (query, key, value)),
-                           layout.prompt_mask, scaling, dropout)
-    # Each completion against its prompt's keys and its own: (S, H, n, D). Its keys and values
-    # (the prompt's copied once for each completion) the backward gathers again (recompute.py).
-    k, v = (remake(gather(x, layout.keys), gather, x, layout.keys) for x in (key, value))
-    tail = small_attention(gather(query, layout.queries).transpose(1, 2), k.transpose(1, 2),
-                           v.transpose(1, 2), layout.mask, scaling, dropout)
-    outputs = torch.cat([head.transpose(1, 2).reshape(-1, H, D),
-                         tail.transpose(1, 2).reshape(-1, H, D), head.new_zeros(1, H, D)])
-    return gather(outputs, layout.source).view(R, L, H, D)
+    outputs = [block_attention(query, key, value, block, scaling, dropout).reshape(-1, H, D)
+               for block in layout.blocks]
+    return _gather(torch.cat(outputs + [outputs[0].new_zeros(1, H, D)]), layout.source).view(
+        R, L, H, D)
 
 
-SMALL_SCORES = 2**22  # attention scores a call may compute (~16 MB in fp32 a layer)
+SMALL_SCORES = 2**22  # attention scores a block may compute as matmuls (~16 MB in fp32 a layer)
 
 
-def small_attention(q, k, v, mask, scaling, dropout: float):
-    """SDPA's result for q (B, H, n, D), k and v (B, KV, m, D), mask (B or 1, 1, n, m) bool.
-    Short rows -- a prompt, a completion against it -- run as two matmuls and a softmax
-    (SmallAttention): SDPA's CPU kernel pays per row block, and its backward took 2-4x as long as
-    the matmuls' in bf16 at such sizes (a 2-core EPYC Zen 4). Long rows keep SDPA."""
-    B, H, n, D = q.shape
-    if B * H * n * k.shape[2] > SMALL_SCORES or dropout:
-        gqa = sdpa_takes_gqa(q.device)
-        if not gqa:  # each query head its own copy of its KV head's keys and values
-            k, v = (x.repeat_interleave(H // x.shape[1], dim=1) for x in (k, v))  # (B, H, m, D)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling,
-                                              enable_gqa=gqa, dropout_p=dropout)
-    return SmallAttention.apply(q, k, v, mask, scaling)
+def block_attention(query, key, value, block: Block, scaling, dropout: float):
+    """One block's attention, from the batch's flat query (positions, H, D), key and value
+    (positions, KV, D) -> (B, n, H, D). A masked block -- a prompt, a completion against it --
+    runs as two matmuls and a softmax (SmallAttention): SDPA's CPU kernel pays per row block, and
+    its backward took 2-4x as long as the matmuls' in bf16 at such sizes (a 2-core EPYC Zen 4).
+    A long one goes to SDPA's causal kernels. Its keys and values (a prompt's copied once for
+    each completion) the backward gathers again (recompute.py), and so it repeats them where a
+    kernel needs one KV head per query head."""
+    H, KV = query.shape[1], key.shape[1]
+    q = _gather(query, block.queries).transpose(1, 2)  # (B, H, n, D)
+    small = block.small and not dropout
+    gqa = small or sdpa_takes_gqa(q, masked=block.small)
+
+    index, copies = block.keys, 1 if gqa else H // KV  # (what the recipe below holds)
+
+    def keys(x):  # (B, KV, m, D), or (B, H, m, D): each query head its own copy
+        x = _gather(x, index).transpose(1, 2)
+        return x if copies == 1 else x.repeat_interleave(copies, dim=1)
+
+    k, v = (remake(keys(x), keys, x) for x in (key, value))
+    if small:
+        return SmallAttention.apply(q, k, v, block.mask, scaling).transpose(1, 2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=block.mask,
+                                          is_causal=block.mask is None, scale=scaling,
+                                          dropout_p=dropout, enable_gqa=gqa).transpose(1, 2)
 
 
-def sdpa_takes_gqa(device) -> bool:
-    """Whether SDPA with a mask is handed the KV heads as they are (enable_gqa), or one per query
-    head. Not on CUDA: FlashAttention takes no mask and the memory-efficient kernel no grouped
-    heads, so SDPA would fall back to its math kernel, which keeps the fp32 scores for backward
-    (~9.9 GB a layer at 8K tokens, 12 heads); transformers' use_gqa_in_sdpa decides alike."""
-    return torch.device(device).type != "cuda"
+def on_cuda(device) -> bool:
+    """Whether tensors on `device` run CUDA's kernels: every choice below that depends on the
+    device asks this (the tests pretend a GPU by answering it)."""
+    return torch.device(device).type == "cuda"
+
+
+def sdpa_takes_gqa(query, masked: bool) -> bool:
+    """Whether SDPA is handed the KV heads as they are (enable_gqa), or one per query head. On a
+    CPU always. On CUDA only FlashAttention takes grouped heads (torch 2.13's sdp_utils: the
+    memory-efficient kernel wants as many KV heads as query heads), and it takes no mask, no fp32
+    and no head over 256 wide: otherwise SDPA given grouped heads falls back to its math kernel,
+    which keeps the fp32 scores for backward (~9.9 GB a layer at 8K tokens, 12 heads);
+    transformers' use_gqa_in_sdpa decides alike."""
+    return not on_cuda(query.device) or (not masked and query.shape[-1] <= 256
+                                         and query.dtype in (torch.float16, torch.bfloat16))
 
 
 def _probs(q, k, mask, scaling):
@@ -191,18 +260,21 @@ class SmallAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def decode_attention(query, key, value, attention_mask, scaling):
+def decode_attention(query, key, value, attention_mask, scaling, softcap: float | None = None):
     """A decoding step. Its cost is reading the keys and values: here each KV head's are read
-    once for the query heads that share it (grouped-query attention), with the softmax in fp32.
+    once for the query heads that share it (grouped-query attention), as they are in the cache,
+    with the softmax in fp32 -- and the scores soft-capped where the model caps them (Gemma 2).
     SDPA's CPU kernel took 17 ms a layer for 64 rows of 400 tokens in bf16 -- 70 % of a SmolLM2
     decoding step, ~18x its bytes' time at the measured bandwidth.
 
     query (B, H, 1, D), key and value (B, KV, L, D), attention_mask (B, 1, 1, L) bool (True:
-    attend) or None -> (B, 1, H, D)."""
+    attend) or additive, or None -> (B, 1, H, D)."""
     B, H, _, D = query.shape
     KV, L = key.shape[1], key.shape[2]
     q = query.reshape(B, KV, H // KV, D)  # the query heads of each KV head
     scores = torch.matmul(q, key.transpose(-1, -2)).float() * scaling  # (B, KV, H/KV, L)
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         mask = attention_mask[:, :, :, -L:]  # (B, 1, 1, L)
         scores = scores.masked_fill(~mask, MASKED) if mask.dtype == torch.bool \
@@ -212,31 +284,125 @@ def decode_attention(query, key, value, attention_mask, scaling):
     return out.reshape(B, 1, H, D)
 
 
+SOFTCAP_SCORES = 2**22  # scores softcapped_attention computes at once (~16 MB in fp32 each)
+
+
 @torch.autocast("cpu", enabled=False)  # (fp32 scores under a caller's bf16 autocast too: there
 @torch.autocast("cuda", enabled=False)  # the product ran in bf16, which cannot hold MASKED)
 def softcapped_attention(query, key, value, attention_mask, scaling, softcap: float,
-                         dropout: float, training: bool):
+                         dropout: float, training: bool, window: int | None = None):
     """Attention whose scores are soft-capped, s -> cap tanh(s / cap) (Gemma 2's layers), which
     SDPA cannot do: handed to SDPA the cap was dropped (0.29 nats a token from the model's own
     definition on a small Gemma 2). As the model's eager attention computes it, with the scores in
-    fp32 (SDPA's kernels accumulate so).
+    fp32 (SDPA's kernels accumulate so) -- a chunk of queries at a time, and the backward makes
+    each chunk's probabilities again (SoftcappedAttention): it keeps q, k and v, where autograd
+    kept ~10 bytes a score (issue 69: 93 -> 205 KiB a token from 256 to 1,024 tokens, ~130 GiB
+    of scores for an 8K sequence at Gemma-2-2B's shapes). With dropout, autograd keeps them.
 
     query (B, H, n, D), key and value (B, KV, m, D); attention_mask (B or 1, 1, n, m) bool (True:
-    attend) or additive, or None: causal, the n queries the last n of the m positions
-    -> (B, n, H, D)."""
-    B, H, n, D = query.shape
-    KV, m = key.shape[1], key.shape[2]
-    key, value = (x.repeat_interleave(H // KV, dim=1) for x in (key, value))  # (B, H, m, D)
-    scores = (query.float() @ key.float().transpose(-1, -2)) * scaling  # (B, H, n, m)
-    scores = torch.tanh(scores / softcap) * softcap
-    if attention_mask is None:
-        attention_mask = torch.ones(n, m, dtype=torch.bool, device=query.device).tril(m - n)
-    if attention_mask.dtype == torch.bool:  # (not -inf: see MASKED)
-        scores = scores.masked_fill(~attention_mask[..., :m], MASKED)
+    attend) or additive, or None: causal, the n queries the last n of the m positions, within
+    `window` positions of each other where given (a sliding layer) -> (B, n, H, D)."""
+    if dropout and training:  # (the backward would need the same random draws)
+        out = _softcapped_chunks(query, key, value, attention_mask, scaling, softcap, window,
+                                 dropout)
     else:
-        scores = scores + attention_mask[..., :m].float()
-    probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout, training=training)
-    return (probs.to(value.dtype) @ value).transpose(1, 2)  # (B, n, H, D)
+        out = SoftcappedAttention.apply(query, key, value, attention_mask, scaling, softcap,
+                                        window)
+    return out.transpose(1, 2)
+
+
+def _chunks(query, m: int) -> list[slice]:
+    """Slices of the n queries, each with at most SOFTCAP_SCORES scores over m keys."""
+    B, H, n, _ = query.shape
+    rows = max(1, SOFTCAP_SCORES // (B * H * m))
+    return [slice(s, min(s + rows, n)) for s in range(0, n, rows)]
+
+
+def _chunk_mask(mask, rows: slice, n: int, m: int, window: int | None, device):
+    """The mask of queries `rows`: the given one's rows (B or 1, 1, c, m), or (1, 1, c, m) bool:
+    causal, query i the position m - n + i, within `window` of it where given."""
+    if mask is not None:
+        return mask[:, :, rows, :m]
+    i = torch.arange(rows.start, rows.stop, device=device)[:, None] + m - n  # (c, 1)
+    j = torch.arange(m, device=device)  # (m,)
+    sees = j <= i
+    if window:
+        sees &= i - j < window
+    return sees[None, None]
+
+
+def _capped_probs(q, k, mask, scaling, cap):
+    """(tanh(s / cap), softmax of cap tanh(s / cap) where `mask` allows), s = q k^T scaling, all
+    fp32: q (B, KV, g, c, D) a chunk of the g query heads of each KV head, k (B, KV, m, D), mask
+    (B or 1, 1, c, m) -> (B, KV, g, c, m) each."""
+    t = torch.tanh((q @ k[:, :, None].transpose(-1, -2)) * scaling / cap)
+    capped = t * cap
+    if mask.dtype == torch.bool:
+        # (MASKED's value written out, as in _probs: traced inside an autograd.Function)
+        capped = capped.masked_fill(~mask[:, :, None], torch.finfo(torch.float32).min)
+    else:
+        capped = capped + mask[:, :, None].float()
+    return t, torch.softmax(capped, dim=-1)
+
+
+def _softcapped_chunks(q, k, v, mask, scaling, cap, window, dropout: float = 0.0):
+    """The soft-capped attention, chunk by chunk, as autograd differentiates it: q (B, H, n, D),
+    k and v (B, KV, m, D) -> (B, H, n, D)."""
+    B, H, n, D = q.shape
+    KV, m = k.shape[1], k.shape[2]
+    k32, out = k.float(), []
+    for rows in _chunks(q, m):
+        q32 = q[:, :, rows].float().reshape(B, KV, H // KV, -1, D)
+        _, p = _capped_probs(q32, k32, _chunk_mask(mask, rows, n, m, window, q.device), scaling,
+                             cap)
+        p = F.dropout(p, p=dropout, training=True) if dropout else p
+        out.append((p.to(v.dtype) @ v[:, :, None]).reshape(B, H, -1, D))
+    return torch.cat(out, dim=2)
+
+
+class SoftcappedAttention(torch.autograd.Function):
+    """softcapped_attention's chunks, whose backward makes each chunk's probabilities again from q
+    and k, as SmallAttention's does, instead of keeping them. The backward of o = p v,
+    p = softmax(c), c = cap tanh(s / cap), s = q k^T scaling:
+
+        dv = p^T do      dp = do v^T      dc = p * (dp - rowsum(dp * p))
+        ds = dc (1 - tanh(s / cap)^2) scaling        dq = ds k      dk = ds^T q
+
+    and a masked score's ds is 0 -- masked_fill passes it no gradient, also in a row whose every
+    key is masked (a left-padding query), where p is uniform."""
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def forward(ctx, q, k, v, mask, scaling, cap, window):
+        ctx.save_for_backward(q, k, v, mask)
+        ctx.scaling, ctx.cap, ctx.window = scaling, cap, window
+        with torch.no_grad():
+            return _softcapped_chunks(q, k, v, mask, scaling, cap, window)
+
+    @staticmethod
+    @torch.autocast("cpu", enabled=False)
+    @torch.autocast("cuda", enabled=False)
+    def backward(ctx, d_out):
+        q, k, v, mask = ctx.saved_tensors
+        B, H, n, D = q.shape
+        KV, m = k.shape[1], k.shape[2]
+        k32, v32 = k.float(), v.float()
+        dq = torch.empty(B, H, n, D, device=q.device)
+        dk, dv = torch.zeros_like(k32), torch.zeros_like(v32)
+        for rows in _chunks(q, m):
+            q32 = q[:, :, rows].float().reshape(B, KV, H // KV, -1, D)  # (B, KV, g, c, D)
+            sees = _chunk_mask(mask, rows, n, m, ctx.window, q.device)
+            t, p = _capped_probs(q32, k32, sees, ctx.scaling, ctx.cap)  # (B, KV, g, c, m)
+            do = d_out[:, :, rows].float().reshape(q32.shape)
+            dv += (p.transpose(-1, -2) @ do).sum(2)  # (B, KV, m, D): the g heads' sum
+            dp = do @ v32[:, :, None].transpose(-1, -2)
+            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * (1 - t * t) * ctx.scaling
+            if sees.dtype == torch.bool:
+                ds = ds.masked_fill(~sees[:, :, None], 0)
+            dq[:, :, rows] = (ds @ k32[:, :, None]).reshape(B, H, -1, D)
+            dk += (ds.transpose(-1, -2) @ q32).sum(2)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def takes_layouts(config) -> bool:
@@ -262,17 +428,33 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
             raise ValueError("a packed row's layout reached a layer with a sliding window, "
                              "soft-capping or sinks: it needs SDPA's mask")
         return prefix_shared_attention(query, key, value, prefix_layout, scaling, dropout), None
+    if query.shape[2] == 1 and key.shape[2] > 1 and getattr(module, "sinks", None) is None:
+        # (a sliding window is in the mask: transformers skips it only within the window)
+        return decode_attention(query, key, value, attention_mask, scaling,
+                                kwargs.get("softcap")), None
     if kwargs.get("softcap"):
         return softcapped_attention(query, key, value, attention_mask, scaling, kwargs["softcap"],
-                                    dropout, module.training), None
-    if query.shape[2] == 1 and key.shape[2] > 1 and not special:
-        return decode_attention(query, key, value, attention_mask, scaling), None
+                                    dropout, module.training, kwargs.get("sliding_window")), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)
 
 
+def attention_mask(*, config=None, **kwargs):
+    """The masks smolrl's attention is given: SDPA's (transformers' sdpa_mask) -- but none for a
+    soft-capped model's rows that start with no cache and hold no padding (a training forward),
+    where softcapped_attention makes each chunk's causal and sliding-window mask itself: past
+    the window transformers would make a (T, T) one for the sliding layers."""
+    padding = kwargs.get("attention_mask")
+    if getattr(config, "attn_logit_softcapping", None) and kwargs.get("allow_is_causal_skip") \
+            and kwargs.get("q_offset", 0) == kwargs.get("kv_offset", 0) == 0 \
+            and kwargs["q_length"] == kwargs["kv_length"] \
+            and (padding is None or bool(padding.all())):
+        return None
+    return sdpa_mask(config=config, **kwargs)
+
+
 AttentionInterface.register(NAME, attention)
-AttentionMaskInterface.register(NAME, sdpa_mask)  # (the masks SDPA is given)
+AttentionMaskInterface.register(NAME, attention_mask)
 
 
 def use_smolrl_attention(model) -> bool:

@@ -17,9 +17,10 @@ whatever of --gradient-checkpointing, --max-tokens-per-microbatch and --gpu-memo
 the command line left unset (dpo.py and rm.py fix their micro-batch: the plan only checks it, and
 checkpoints when it must). The run prints the plan; --dry-run prints it and stops, and with
 --gpu-gb N it plans a bf16 GPU of N GiB on any machine, one without a GPU included. Every figure
-comes from the models' configs: their parameters are counted, and the activations one token
-saves for backward are measured, on PyTorch's meta device (shapes only, no memory, no weights
-read).
+comes from the models' configs: their parameters are counted on PyTorch's meta device (shapes
+only, no memory, no weights read), and the activations one token saves for backward are measured
+by CPU forwards of a one-layer copy at the model's widths, computing as the trained copy computes
+(its dtype, smolrl's attention, recompute.keep_less).
 """
 
 import functools
@@ -38,7 +39,11 @@ ENGINE_WORKSPACE = 1 * GiB  # vLLM's activations and CUDA graphs beside weights,
 # int64 indices per (request, vocabulary entry). At the default 1,024 requests and Qwen's 151,936
 # entries that alone is ~3 GiB: the engine is started with max_num_seqs = one step's samples.
 SAMPLER_BYTES = 20
-LOGITS_BYTES = 8  # per (token, vocabulary entry) of a log-prob chunk: bf16 logits, fp32 softmax
+# Per (token, vocabulary entry) of a log-prob chunk at its peak (model.LinearHeadLogprobs): the
+# bf16 logits 2, and fp32 copies of an eighth of the rows at a time (two in the forward) 1 --
+# measured on a CPU with the GPU's row blocks (tests/test_long_context.py). The backward adds
+# the head's bf16 gradient (vocabulary x hidden), planned apart.
+LOGITS_BYTES = 3
 LOGPROB_CHUNK = 2048  # model.completion_logprobs' chunk_tokens
 # Activations are planned at this many times their estimate: the allocator rounds each saved
 # tensor up to its block size, and a sequence's backward briefly holds a gradient beside them.
@@ -66,6 +71,11 @@ class Workload(NamedTuple):
     microbatch_tokens: int = 0  # the tokens of a micro-batch where the algorithm fixes them
     #                             (dpo.py, rm.py: pairs x 2 sequences x --max-length); 0: planned
     engine_freed: bool = False  # the engine is gone before the first update (rm.py's sampler)
+    packed_row: int = 2048  # the longest row of several sequences a micro-batch packs, whose
+    #                         (row x row) mask a model whose layers take no layout gets (a
+    #                         sliding window, soft-capping: attention.takes_layouts):
+    #                         share_prompts' under SDPA's mask (model.MAX_SHARED_LEN), sft.py
+    #                         --packing's (--max-length); 0: none
 
 
 class Resident(NamedTuple):
@@ -126,15 +136,13 @@ class ModelShape(NamedTuple):
     layers: int
     vocab: int
     kv_bytes_per_token: int  # the engine's KV cache, bf16
-    activation_bytes_per_token: float  # the whole decoder, saved for backward, bf16
     head_dim: int
 
 
 @functools.cache
 def model_shape(path: str) -> ModelShape:
     """The model of folder/hub id `path` built on the meta device from its config: its parameter
-    count, and the bytes one token saves for backward through the decoder, measured at two
-    sequence lengths (the difference cancels the weights, which backward also holds on to)."""
+    count and the sizes the plan needs."""
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     with torch.device("meta"):
@@ -142,51 +150,71 @@ def model_shape(path: str) -> ModelShape:
     text = model.config.get_text_config()
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    saved = [_saved_bytes(model, T) for T in (32, 64, 128)]
-    # bytes(T) = a + b T + c T^2 on the meta device (its attention keeps the T x T scores, which
-    # a GPU's flash attention does not): b, the per-token part, from three lengths
-    d1, d2 = (saved[1] - saved[0]) / 32, (saved[2] - saved[1]) / 64  # b + 96 c, b + 192 c
-    per_token = 2 * d1 - d2
     return ModelShape(sum(p.numel() for p in model.parameters()), text.hidden_size,
                       text.num_hidden_layers, text.vocab_size,
-                      2 * text.num_hidden_layers * kv_heads * head_dim * 2, per_token, head_dim)
-
-
-def _saved_bytes(model, T: int, device: str = "meta") -> int:
-    """What a forward of T tokens saves for backward. On a real device each storage counts once
-    (a tensor several ops save, as the rotary cos/sin every layer saves, is held once); meta
-    tensors have no storage to tell them apart, so there every save counts (an upper bound)."""
-    saved = {}
-
-    def pack(x):
-        key = x.untyped_storage().data_ptr() if device != "meta" else len(saved)
-        saved[key] = x.untyped_storage().nbytes() if device != "meta" else \
-            x.numel() * x.element_size()
-        return x
-
-    model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        model.get_decoder()(input_ids=torch.zeros(1, T, dtype=torch.long, device=device))
-    return sum(saved.values())
+                      2 * text.num_hidden_layers * kv_heads * head_dim * 2, head_dim)
 
 
 @functools.cache
-def lora_layer_bytes(path: str, rank: int) -> float:
-    """Bytes per token one decoder layer saves for backward as LoRA trains it: fp32 base weights
-    under bf16 autocast, rank-`rank` adapters on every linear. Autocast keeps some tensors fp32
-    (norms, residuals) and casts each linear's input anew (q, k, v and their adapters: one bf16
-    copy each), so the bf16 figure of model_shape is too small by ~1.3x. Autocast has no meta
-    kernels: measured by a CPU forward of a one-layer copy with a small vocabulary."""
+def layer_bytes(path: str, lora_rank: int = 0, bf16: bool = True) -> tuple[float, float, float]:
+    """(outside the layers, one layer as the trained copy keeps it, one layer as a checkpointed
+    backward makes it again): the bytes a token leaves for backward, measured by CPU forwards of
+    copies of the model at `path` with no layer and with one, at its widths and a 256-entry
+    vocabulary, computing as the trainer computes: full fine-tuning on a bf16 copy (fp32 where
+    not bf16), LoRA on fp32 weights with rank-`lora_rank` adapters under bf16 autocast (which
+    keeps some tensors fp32 and casts each linear's input anew: ~1.3x the bf16 figure); smolrl's
+    attention; recompute.keep_less, which makes half of a Llama layer's bytes again in the
+    backward -- but not under checkpointing, whose backward remakes whole layers its own way.
+    Measured on the meta device through the model's own forward (every save counted: meta
+    tensors have no storage to tell them apart; keep_less unseen) the figure was 2.5-2.8x what a
+    Qwen2.5- or SmolLM2-shaped trained copy keeps (issue 69)."""
+    from recompute import keep_less
+    measured = []
+    for layers in (0, 1):
+        model = _copy(path, layers, lora_rank, bf16)
+        autocast = bool(lora_rank) and bf16
+        plain = _kept_per_token(model, autocast)
+        keep_less(model, autocast=autocast)
+        measured.append((plain, _kept_per_token(model, autocast)))
+    (_, outside), (plain, kept) = measured
+    return outside, kept - outside, plain - measured[0][0]
+
+
+def _copy(path: str, layers: int, lora_rank: int, bf16: bool):
+    """The model at `path` with `layers` layers and a 256-entry vocabulary, random weights, on the
+    CPU in the dtype its trained copy computes in, with smolrl's attention (and adapters)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+    from attention import use_smolrl_attention
     from model import add_lora
     config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     text = config.get_text_config()
-    text.num_hidden_layers, text.vocab_size = 1, 256
-    torch.manual_seed(0)
-    model = add_lora(AutoModelForCausalLM.from_config(config, dtype=torch.float32), rank)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        saved = [_saved_bytes(model.get_base_model(), T, "cpu") for T in (32, 64, 128)]
-    d1, d2 = (saved[1] - saved[0]) / 32, (saved[2] - saved[1]) / 64  # as in model_shape
+    text.num_hidden_layers, text.vocab_size = layers, 256
+    if isinstance(getattr(text, "layer_types", None), list):  # (one entry a layer)
+        text.layer_types = text.layer_types[:layers]
+    dtype = torch.bfloat16 if bf16 and not lora_rank else torch.float32
+    with torch.random.fork_rng(devices=[]):  # (the run's own draws stay as they were)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=False)
+    use_smolrl_attention(model)
+    if lora_rank and layers:  # (no layer, no linear to adapt)
+        model = add_lora(model, lora_rank)
+    return model.train()
+
+
+def _kept_per_token(model, autocast: bool) -> float:
+    """Bytes per token a forward of the model's decoder leaves for backward (recompute.Made: the
+    storages its ops made that are still alive, less its output): the linear term of three
+    lengths, so that scores an eager attention keeps (T x T) do not count as per token."""
+    from recompute import Made
+    held = []
+    for T in (32, 64, 128):
+        made = Made()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), made:
+            out = model.get_decoder()(input_ids=torch.zeros(1, T, dtype=torch.long),
+                                      use_cache=False).last_hidden_state
+        held.append(made.held_bytes() - out.untyped_storage().nbytes())
+        del out
+    d1, d2 = (held[1] - held[0]) / 32, (held[2] - held[1]) / 64  # b + 96 c, b + 192 c
     return 2 * d1 - d2
 
 
@@ -235,18 +263,32 @@ def residents(run: Workload) -> list[Resident]:
     return out
 
 
-def _activations(run: Workload, path: str) -> tuple[float, float]:
-    """(full, checkpointed) bytes a token saves for backward through the model at `path`.
-    Checkpointed, backward keeps every layer's input (the residual stream: bf16 on a bf16 copy,
-    fp32 under LoRA's autocast, beside the layers' shared fp32 rotary cos and sin) and recomputes
-    one layer at a time."""
+def activation_bytes(path: str, lora_rank: int = 0, bf16: bool = True) -> tuple[float, float]:
+    """(full, checkpointed) bytes a token saves for backward through the model at `path`, as its
+    trained copy computes (layer_bytes). Checkpointed, backward keeps every layer's input (the
+    residual stream: bf16 on a bf16 copy, fp32 under LoRA's autocast, beside the layers' shared
+    fp32 rotary cos and sin) and makes one layer again at a time."""
     shape = model_shape(path)
-    if run.lora_rank:
-        layer = lora_layer_bytes(path, run.lora_rank)
-        inputs = shape.layers * shape.hidden * 4 + 2 * shape.head_dim * 4
-        return shape.layers * layer, inputs + layer
-    full = shape.activation_bytes_per_token
-    return full, shape.layers * shape.hidden * 2 + full / shape.layers
+    outside, kept, plain = layer_bytes(path, lora_rank, bf16)
+    width = 4 if lora_rank or not bf16 else 2
+    inputs = shape.layers * shape.hidden * width + 2 * shape.head_dim * 4
+    return outside + shape.layers * kept, inputs + outside + plain
+
+
+def mask_bytes(path: str, packed_row: int) -> tuple[float, float]:
+    """(full, checkpointed) bytes a token's share of the dense masks of packed rows up to
+    `packed_row` long: none where the model's layers take layouts (smolrl's attention finds the
+    sequences by place, and makes no mask longer than a small block); else its row of the
+    bool mask, and on a GPU SDPA's bf16 bias of it, made by every layer and kept for its backward
+    (one layer at a time, checkpointed) -- soft-capped layers keep the bool mask itself."""
+    from transformers import AutoConfig
+    from attention import takes_layouts
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False).get_text_config()
+    if not packed_row or takes_layouts(config):
+        return 0.0, 0.0
+    if getattr(config, "attn_logit_softcapping", None):
+        return float(packed_row), float(packed_row)
+    return packed_row * (1 + 2 * config.num_hidden_layers), packed_row * 3.0
 
 
 def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
@@ -268,8 +310,12 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
         utilization = gpu_memory_utilization or math.ceil(100 * engine / device_bytes) / 100
         engine, kept = utilization * device_bytes, ENGINE_WORKSPACE  # (asleep: some stays)
     elif run.engine == "hf":  # never sleeps: its weights stay while the trainer trains (unless
-        kept = 0.0 if run.engine_shares_weights else dtype_bytes * P  # they are the trainer's)
-        engine = kept + kv + run.max_num_seqs * shape.vocab * 4  # (+ a decode step's logits)
+        from rollout import PREFILL_TOKENS  # they are the trainer's)
+        kept = 0.0 if run.engine_shares_weights else dtype_bytes * P
+        # + a decode step's logits, and a prefill chunk's mask (its rows x columns x the row's
+        # length) with the bf16 bias a layer makes of it
+        row = run.batch_tokens / max(run.max_num_seqs, 1)
+        engine = kept + kv + run.max_num_seqs * shape.vocab * 4 + 3 * PREFILL_TOKENS * row
     if not run.engine_on_this_gpu:
         engine = kept = 0.0
     if run.engine_freed:
@@ -284,12 +330,16 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
         if run.engine != "vllm" or gpu_memory_utilization is None:
             raise SystemExit(f"error: {what}")
         print(f"warning: by the memory plan's estimate, {what}")  # (the user's choice stands)
-    logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES if run.head == "lm" else 0  # (rm.py's
-    # model has a scalar head: no vocabulary)
+    logits = 0.0  # (rm.py's model has a scalar head: no vocabulary)
+    if run.head == "lm":  # a chunk's logits, and the head's gradient unless LoRA freezes it
+        logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES \
+            + (0 if run.lora_rank else 2 * shape.vocab * shape.hidden)
     room = usable - trainer - frozen - kept - logits
     # The policy and ppo.py's critic train one after the other: the larger one's activations.
     full, checkpointed = (max(pair) for pair in zip(*(
-        _activations(run, path) for path in {run.model, run.critic or run.model})))
+        [a + m for a, m in zip(activation_bytes(path, run.lora_rank, run.bf16),
+                               mask_bytes(path, run.packed_row))]
+        for path in {run.model, run.critic or run.model})))
     checkpointed, full = ACTIVATION_HEADROOM * checkpointed, ACTIVATION_HEADROOM * full
     tokens = max_tokens_per_microbatch or run.microbatch_tokens or None  # (None: planned)
     # Recomputing activations costs ~30 % more compute: only when micro-batches of a few whole

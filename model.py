@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from attention import NAME as ATTENTION, PrefixLayout, prefix_layout, takes_layouts
+from attention import NAME as ATTENTION, PrefixLayout, on_cuda, prefix_layout, takes_layouts
 from attention import use_smolrl_attention
 from chat_template import check_chat_template, check_template_files
 
@@ -494,11 +494,12 @@ def head_logits(model, hidden):
 
 def chunk_logprobs(model, hidden, targets, temperature):
     """(n,) log-probs of `targets` and (n,) entropies (detached) from final hidden states (n, H).
-    A bias-free linear head -- most models -- goes through LinearHeadLogprobs; any other head
-    through head_logits under autograd, checkpointed so that backward recomputes its logits."""
-    head, scale = linear_head(model)
+    A bias-free linear head -- most models, and Gemma's soft-capped one -- goes through
+    LinearHeadLogprobs; any other head through head_logits under autograd, checkpointed so that
+    backward recomputes its logits."""
+    head, scale, cap = linear_head(model)
     if head is not None:
-        return LinearHeadLogprobs.apply(hidden, head.weight, targets, scale / temperature)
+        return LinearHeadLogprobs.apply(hidden, head.weight, targets, scale, cap, temperature)
     if torch.is_grad_enabled():
         return checkpoint(_logprobs_by_autograd, model, hidden, targets, temperature,
                           use_reentrant=False)
@@ -514,31 +515,56 @@ def _logprobs_by_autograd(model, hidden, targets, temperature):
 
 
 def linear_head(model):
-    """(the LM head, the factor its logits are multiplied by) when the head is one bias-free
-    nn.Linear followed at most by a constant scale; (None, 1.0) otherwise (a bias, soft-capping,
-    adapters on the head)."""
+    """(the LM head, the factor its logits are multiplied by, the soft cap after it or 0) when
+    the head is one bias-free nn.Linear followed at most by a constant scale and a soft cap
+    (Gemma 2's final_logit_softcapping); (None, 1.0, 0.0) otherwise (a bias, adapters on the
+    head)."""
     config, head = model.config.get_text_config(), model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear or head.bias is not None \
-            or getattr(config, "final_logit_softcapping", None):
-        return None, 1.0
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None, 1.0, 0.0
     return head, (getattr(config, "logit_scale", None) or 1.0) / \
-        (getattr(config, "logits_scaling", None) or 1.0)
+        (getattr(config, "logits_scaling", None) or 1.0), \
+        float(getattr(config, "final_logit_softcapping", None) or 0.0)
+
+
+def _sampled_logits(z, scale: float, cap: float, temperature: float):
+    """The logits sampled from, in place on fp32 rows z of h W^T: scale z, soft-capped where the
+    model caps them (cap tanh(z / cap)), over the temperature."""
+    if cap:
+        return z.mul_(scale / cap).tanh_().mul_(cap / temperature)
+    return z.mul_(scale / temperature)
+
+
+def _softmax_stats(logits, targets, scale, cap, temperature):
+    """(log-prob of each row's target, log-sum-exp, entropy), (r,) each, of rows of h W^T (r, V)
+    in the matmul dtype, in fp32 -- two fp32 copies of the rows at a time."""
+    z = _sampled_logits(logits.to(torch.float32, copy=True), scale, cap, temperature)  # (r, V)
+    top = z.amax(-1, keepdim=True)  # (r, 1)
+    target = z.gather(-1, targets[:, None])  # (r, 1)
+    e = z.sub_(top).exp()  # (r, V): z is now logits - max, e = exp of it
+    total = e.sum(-1)  # (r,): log-sum-exp = max + log(total)
+    log_total = total.log()
+    # H = -sum p log p with p = e / total, log p = z - log(total); e z in e's own memory
+    # (linalg.vecdot made the product: a third fp32 copy of the rows)
+    entropy = log_total - e.mul_(z).sum(-1) / total
+    return (target - top).squeeze(-1) - log_total, top.squeeze(-1) + log_total, entropy
 
 
 class LinearHeadLogprobs(torch.autograd.Function):
-    """log softmax(scale * h W^T)[target] and the entropy, with the backward written out.
+    """log softmax(logits)[target] and the entropy, logits = scale * h W^T (soft-capped, cap
+    tanh(. / cap), where the model caps them) over the temperature, with the backward written out.
 
     Autograd would keep or recompute a chain of (n, V) tensors (the cast logits, their scaled
     copy, log_softmax, its exp for the entropy, a zero-filled gather gradient): on a CPU those
-    memory-bound passes cost more than the head's matmul. The derivative needs one of them:
-    d log p_y / d logits = onehot(y) - softmax(logits), so backward recomputes the logits from the
-    saved (n, H) states and subtracts their saved log-sum-exp. The matmuls run in the autocast
-    dtype (bf16), the softmax in fp32, as under autograd; the fp32 work goes a few rows at a time
-    (_row_blocks), so that on a CPU it stays in the core's cache instead of making ~10 passes
-    over a (n, V) fp32 tensor in memory."""
+    memory-bound passes cost more than the head's matmul, and on any device they held ~20 bytes
+    per (token, vocabulary entry) for Gemma's soft-capped head. The derivative needs one of them:
+    d log p_y / d logits = onehot(y) - softmax(logits), so backward recomputes the logits from
+    the saved (n, H) states and subtracts their saved log-sum-exp (and multiplies by the cap's
+    derivative, 1 - tanh^2). The matmuls run in the autocast dtype (bf16), the softmax in fp32, as
+    under autograd; the fp32 work goes a few rows at a time (_row_blocks)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, scale):
+    def forward(ctx, hidden, weight, targets, scale, cap, temperature):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
             else weight.dtype
@@ -547,45 +573,51 @@ class LinearHeadLogprobs(torch.autograd.Function):
         with torch.autocast(device, enabled=False):
             logits = hidden.to(dtype) @ weight.to(dtype).T  # (n, V) in the matmul dtype
             for b in _row_blocks(logits):
-                z = logits[b].to(torch.float32, copy=True).mul_(scale)  # (r, V) fp32
-                top = z.amax(-1, keepdim=True)  # (r, 1)
-                target = z.gather(-1, targets[b, None])  # (r, 1)
-                e = z.sub_(top).exp()  # (r, V): z is now logits - max, e = exp of it
-                total = e.sum(-1)  # (r,): log-sum-exp = max + log(total)
-                log_total = total.log()
-                lse[b] = top.squeeze(-1) + log_total
-                token_logp[b] = (target - top).squeeze(-1) - log_total
-                # H = -sum p log p with p = e / total, log p = z - log(total)
-                entropy[b] = log_total - torch.linalg.vecdot(e, z) / total
+                token_logp[b], lse[b], entropy[b] = _softmax_stats(logits[b], targets[b], scale,
+                                                                   cap, temperature)
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.scale, ctx.dtype = scale, dtype
+        ctx.scale, ctx.cap, ctx.temperature, ctx.dtype = scale, cap, temperature, dtype
         ctx.mark_non_differentiable(entropy)
         return token_logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
         hidden, weight, targets, lse = ctx.saved_tensors
-        g = grad_logp * ctx.scale  # (n,) and through logits = scale * (h W^T)
+        g = grad_logp * ctx.scale / ctx.temperature  # (n,) and through logits = scale h W^T / T
         grad = hidden.to(ctx.dtype) @ weight.to(ctx.dtype).T  # (n, V): logits, then overwritten
         for b in _row_blocks(grad):
-            probs = grad[b].to(torch.float32, copy=True).mul_(ctx.scale)
-            probs.sub_(lse[b, None]).exp_()  # (r, V) softmax
-            probs.mul_(-g[b, None])  # (onehot - softmax) * g ...
-            probs[torch.arange(len(probs), device=grad.device), targets[b]] += g[b]  # ... onehot
-            grad[b] = probs
+            grad[b] = _logits_gradient(grad[b], targets[b], lse[b], g[b], ctx.scale, ctx.cap,
+                                       ctx.temperature)
         need_hidden, need_weight = ctx.needs_input_grad[:2]  # (LoRA: the head is frozen)
         grad_hidden = (grad @ weight.to(ctx.dtype)).to(hidden.dtype) if need_hidden else None
         grad_weight = (grad.T @ hidden.to(ctx.dtype)).to(weight.dtype) if need_weight else None
-        return grad_hidden, grad_weight, None, None  # (n, H), (V, H)
+        return grad_hidden, grad_weight, None, None, None, None  # (n, H), (V, H)
+
+
+def _logits_gradient(logits, targets, lse, g, scale: float, cap: float, temperature: float):
+    """d (g . log p_target) / d logits for rows of h W^T (r, V), fp32: (onehot - softmax) g,
+    times the cap's derivative, 1 - tanh^2, where the model caps -- two fp32 copies of the rows."""
+    probs = _sampled_logits(logits.to(torch.float32, copy=True), scale, cap, temperature)
+    # (from the capped logits z = cap tanh(.) / T: tanh = z T / cap)
+    slope = (probs * (temperature / cap)).square_().neg_().add_(1) if cap else None
+    probs.sub_(lse[:, None]).exp_()  # (r, V) softmax
+    probs.mul_(-g[:, None])  # (onehot - softmax) * g ...
+    probs[torch.arange(len(probs), device=probs.device), targets] += g  # ... onehot
+    return probs if slope is None else probs.mul_(slope)
+
+
+GPU_ROW_BLOCKS = 8  # a chunk's rows go through the fp32 softmax on a GPU in this many blocks
 
 
 def _row_blocks(logits, cache_bytes=2**21):
     """Slices of rows of (n, V) logits: on a CPU, as many rows as fit ~2 MB in fp32 (a core's L2
-    cache), so each row block's chain of element-wise ops reads it from cache (1.8x faster for
-    SmolLM2's head than whole (n, V) passes); on a GPU, whose memory is fast and whose kernel
-    launches are not free, all rows at once."""
+    cache), so that each row block's chain of element-wise ops reads it from cache (1.8x faster
+    for SmolLM2's head than whole (n, V) passes); on a GPU, whose memory is fast and whose kernel
+    launches are not free, an eighth of the rows at a time: their two fp32 copies then add a byte
+    per (row, entry) to the bf16 logits' two -- all rows at once, the forward held 14 (issue 69:
+    4.06 GiB per 2,048-token chunk at Qwen's vocabulary, where the plan counted 2.32)."""
     n, V = logits.shape
-    rows = n if logits.device.type != "cpu" else max(1, cache_bytes // (4 * V))
+    rows = -(-n // GPU_ROW_BLOCKS) if on_cuda(logits.device) else max(1, cache_bytes // (4 * V))
     return [slice(s, s + rows) for s in range(0, n, rows)]
 
 
@@ -717,7 +749,8 @@ def share_prompts(model, input_ids, prompt_lens, completion_lens) -> SharedPromp
             at += n
         start = at if by_layout else 0
     if by_layout:  # each completion against its prompt and itself (attention.py)
-        layout = prefix_layout(prompt_at, completion_at, R * L, device)
+        layout = prefix_layout(prompt_at, completion_at, R * L, device,
+                               heads=config.num_attention_heads)
         return SharedPrompts(ids.to(device), positions.to(device),
                              torch.ones(R, L, dtype=torch.long, device=device), layout,
                              row.to(device), state.to(device))

@@ -212,6 +212,7 @@ def shared_prefix(prompts: list[list[int]]) -> list[int]:
 
 
 HF_BATCH = 256  # samples the HF engine decodes together
+PREFILL_TOKENS = 4096  # prompt tokens the HF engine prefills in one call (rows x columns)
 
 
 @dataclass
@@ -396,8 +397,7 @@ class HFRollout:
         ids, attn = ids.to(self.device), attn.to(self.device)
         # each prompt counts from its first token, the cached ones included
         positions = (attn.cumsum(-1) - 1).clamp(min=0)[:, C:]
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = self._prefill(ids, attn, positions, cache)
         # Each prompt ran once; its cache (every layer's keys and values, or a recurrent state)
         # and its last logits are copied to each of its samples.
         rows = torch.arange(len(prompts), device=self.device).repeat_interleave(copies)
@@ -441,6 +441,23 @@ class HFRollout:
                        full_prompts, copies, tokens, t, last=True)
         return Decoded(tokens.tolist(), logprobs.tolist(), reused,
                        [(h, len(p)) for h, p in zip(held, prompts)], steps, context)
+
+    def _prefill(self, ids, attn, positions, cache):
+        """The forward of left-padded prompts ids (B, P) after a cache of C columns (or none), in
+        chunks of columns of at most PREFILL_TOKENS tokens: the mask transformers makes for a
+        chunk, (B, 1, c, C + P) -- on CUDA SDPA makes a bf16 bias of it in every layer -- grows
+        with the prompts' length, not its square (in one call, (B, 1, P, P): tens of GB for 32
+        prompts of 16K; issue 69). Each chunk attends to what the chunks before it put in the
+        cache: the keys, positions and last logits of one call."""
+        B, P = ids.shape
+        C, width = attn.shape[1] - P, max(1, PREFILL_TOKENS // B)
+        for start in range(0, P, width):
+            end = min(start + width, P)
+            out = self.model(input_ids=ids[:, start:end], attention_mask=attn[:, :C + end],
+                             position_ids=positions[:, start:end], past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+        return out
 
     def _start_cache(self, prompts: list[list[int]], kept: dict, max_new_tokens: int):
         """(a cache to start the prompts from or None, how many of each prompt's first tokens it

@@ -40,6 +40,7 @@ from typing import ClassVar
 import torch
 from tqdm import tqdm
 
+from attention import NAME as ATTENTION, prefix_layout, takes_layouts
 from cli import check, parse_config
 from data import DEMONSTRATORS, GENERATED, TASKS, TEMPLATES, InputError, Template
 from data import demonstrations, load_rows, load_table
@@ -138,7 +139,7 @@ class Config(RunOptions, OfflineOptions, TrainOptions, EpisodeOptions, ModelOpti
         samples = min(self.eval_size, HF_BATCH)
         return Workload(resolve(self.model), self.lora_rank, self.dtype == "bf16", False, 1,
                         "hf" if evaluates else "", True, samples * episode, samples,
-                        self.max_length)
+                        self.max_length, packed_row=self.max_length if self.packing else 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,20 +319,20 @@ class PackedRows:
     lengths: torch.Tensor  # (R,) tokens in each row, padding excluded
     trained: torch.Tensor  # (R, L) bool: in the loss
     positions: torch.Tensor | None = None  # (R, L) position ids, from 0 at every sequence's start
-    attention: torch.Tensor | None = None  # (R, 1, L, L) bool, query x key: the same sequence's
-    # earlier tokens only. Both None when every row holds one sequence: plain causal attention
+    segments: torch.Tensor | None = None  # (R, L) each token's sequence in its row (0, 1, ...),
+    # -1 padding. Both None when every row holds one sequence: plain causal attention
 
     def select(self, idx) -> "PackedRows":
         """Rows idx, cut to the longest of them."""
         L = int(self.lengths[idx].max())
+        cut = lambda t: None if t is None else t[idx, :L]  # noqa: E731
         return PackedRows(self.input_ids[idx, :L], self.lengths[idx], self.trained[idx, :L],
-                          None if self.positions is None else self.positions[idx, :L],
-                          None if self.attention is None else self.attention[idx, :, :L, :L])
+                          cut(self.positions), cut(self.segments))
 
     def to(self, device) -> "PackedRows":
         return PackedRows(*(None if t is None else t.to(device) for t in
                             (self.input_ids, self.lengths, self.trained, self.positions,
-                             self.attention)))
+                             self.segments)))
 
 
 def pack_rows(examples: list[Example], capacity: int | None, pad_id: int) -> PackedRows:
@@ -346,24 +347,47 @@ def pack_rows(examples: list[Example], capacity: int | None, pad_id: int) -> Pac
     if all(len(row) == 1 for row in rows):
         return PackedRows(ids, lengths, trained)
     positions = right_pad([[p for e in row for p in range(len(e.ids))] for row in seqs], 0)
-    segment = right_pad([[s for s, e in enumerate(row) for _ in e.ids] for row in seqs], -1)
-    q, k = segment[:, :, None], segment[:, None, :]  # (R, L, 1), (R, 1, L): each token's sequence
-    L = ids.shape[1]
+    segments = right_pad([[s for s, e in enumerate(row) for _ in e.ids] for row in seqs], -1)
+    return PackedRows(ids, lengths, trained, positions, segments)
+
+
+def row_attention(model, rows: PackedRows, device) -> dict:
+    """How the decoder keeps each packed sequence to itself, as its keyword arguments. Under
+    smolrl's attention, where the model's layers take layouts, the sequences' places
+    (attention.PrefixLayout: each sequence a prompt, causal over itself), and a mask of ones,
+    which keeps transformers from making one from the positions that restart: no (L, L) mask
+    anywhere. Otherwise a dense (R, 1, L, L) mask, which SDPA takes off its fused causal kernel
+    (and on CUDA makes a bf16 bias of in every layer: the memory plan counts it,
+    gpu_memory.Workload.packed_row)."""
+    if rows.segments is None:
+        return {}
+    config = model.config.get_text_config()
+    R, L = rows.segments.shape
+    if config._attn_implementation == ATTENTION and takes_layouts(config):
+        at = []  # (flat start, length) of every sequence
+        for r in range(R):
+            ids, counts = torch.unique_consecutive(rows.segments[r], return_counts=True)
+            starts = torch.cumsum(counts, 0) - counts
+            at += [(r * L + int(s), int(n)) for i, s, n in zip(ids, starts, counts) if i >= 0]
+        layout = prefix_layout(at, [], R * L, device, heads=config.num_attention_heads)
+        return {"attention_mask": torch.ones(R, L, dtype=torch.long, device=device),
+                "prefix_layout": layout}
+    q, k = rows.segments[:, :, None], rows.segments[:, None, :]  # (R, L, 1), (R, 1, L)
     causal = torch.ones(L, L, dtype=torch.bool).tril()  # (L, L)
     # Padding attends to itself only: a query that attends to nothing gives NaN in SDPA.
-    attention = ((q == k) & (q >= 0) & causal) | torch.eye(L, dtype=torch.bool)  # (R, L, L)
-    return PackedRows(ids, lengths, trained, positions, attention[:, None])
+    mask = ((q == k) & (q >= 0) & causal) | torch.eye(L, dtype=torch.bool)  # (R, L, L)
+    return {"attention_mask": mask[:, None].to(device)}
 
 
 def token_logprobs(model, rows: PackedRows, device: str, bf16: bool, chunk_tokens: int = 2048):
     """(R, L) log-probs of every trained token (0 elsewhere) and the entropies (n,) at them: one
     decoder pass over the rows, then the head, fp32 log-softmax, chunk by chunk, on the trained
     positions only (model.chunk_logprobs), so that a (R, L, V) tensor never exists."""
+    attention = row_attention(model, rows, device)  # (from the rows on the host)
     rows = rows.to(device)
     with autocast(device, bf16 and next(model.parameters()).dtype == torch.float32):  # (LoRA)
         hidden = model.get_decoder()(input_ids=rows.input_ids, position_ids=rows.positions,
-                                     attention_mask=rows.attention,
-                                     use_cache=False).last_hidden_state  # (R, L, H)
+                                     use_cache=False, **attention).last_hidden_state  # (R, L, H)
         r, t = rows.trained.nonzero(as_tuple=True)  # (n,), (n,) one entry per trained token
         states = hidden[r, t - 1]  # (n, H): the state at t-1 predicts token t
         targets = rows.input_ids[r, t]  # (n,)

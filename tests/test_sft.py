@@ -160,7 +160,7 @@ def test_packed_loss_and_gradient_equal_the_unpacked_ones(tiny_model):
         return sums["loss"], {n: p.grad.clone() for n, p in model.named_parameters()}
 
     packed_rows = pack_rows(examples, 24, 0)
-    assert packed_rows.input_ids.shape[0] < len(examples) and packed_rows.attention is not None
+    assert packed_rows.input_ids.shape[0] < len(examples) and packed_rows.segments is not None
     assert packed_rows.positions[0].tolist().count(0) > 1  # positions restart in a packed row
     unpacked, g_unpacked = run(_cfg(packing=False, max_tokens_per_microbatch=10_000))
     packed, g_packed = run(_cfg(packing=True, max_length=24, max_tokens_per_microbatch=30))
