@@ -183,6 +183,9 @@ def packed_mask(row=2048) -> int:
 
 
 if __name__ == "__main__":
+    import argparse
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(f"1. shared prompt, one layer's attention kept for backward: CPU path "
           f"{shared_prompt(False):.1f} MiB, CUDA path {shared_prompt(True):.1f} MiB")
     print("2. Gemma 2 soft-capped, kept per token: " + ", ".join(
