@@ -95,12 +95,12 @@ def test_a_node_lost_mid_run_stops_it_in_one_line_and_the_nodes_left_finish_it_e
         grpo.main(parse_config(grpo.Config, args))
     seconds = time.monotonic() - lost["at"]
     ray.shutdown()
-    line = str(stopped.value.code)
-    print(f"stopped {seconds:.1f} s after the node was lost: {line}")
+    line, printed = str(stopped.value.code), capfd.readouterr()
+    print(f"stopped {seconds:.1f} s after the node was lost: {line}")  # (pytest -rP shows it)
     assert seconds < 120
     assert "\n" not in line and line.startswith("error: trainer rank 1 was lost with its node "
                                                 f"{lost['node']}"), line
-    assert "--resume auto" in line and "Traceback" not in capfd.readouterr().err
+    assert "--resume auto" in line and "Traceback" not in printed.out + printed.err
     assert find_checkpoint(tmp_path, "auto") == str(tmp_path / "checkpoints" / "step_1")
 
     alone = tmp_path.parent / f"{tmp_path.name}-alone"  # (a copy, for a second way on)
