@@ -27,6 +27,11 @@ without GPUs; which, the cluster's resources say, not the driver's own hardware)
     object-store   trainer 0 --state dict--> Ray object store --> every engine pulls a copy
     (in place)     a colocated HF engine decodes from its trainer's tensors: nothing to send
 
+Where Ray placed each worker (its node's id, host and IP) is printed at start (Cluster.placement).
+A worker that fails ends the run with one line (_failure): the exception it raised, or the worker
+that died and its node -- a node lost mid-run is named as such, and the run goes on from its last
+checkpoint with --resume auto on the nodes left.
+
 This file knows nothing about GRPO: it places actors, runs the functions it is given on them, and
 turns Ray's failures into messages that say what to change. It never imports grpo.py or dpo.py.
 """
@@ -35,6 +40,7 @@ import dataclasses
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 
 import ray
@@ -42,19 +48,110 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
+# How long a failed call waits for the rest of Ray's news: a collective's other ranks fail as soon
+# as a peer is gone (gloo: "Connection closed by peer"), before Ray reports which peer; and a
+# worker whose connection broke (ActorUnavailableError) is declared dead once its raylet reports
+# the process's exit, or once its node misses Ray's health checks (5, 3 s apart, by default:
+# ~15 s; up to a minute where each check times out).
+PEER_WAIT_S = 10.0
+VERDICT_WAIT_S = 60.0
+
+
+@dataclasses.dataclass
+class Placed:
+    """Who a worker is and where Ray placed it."""
+    who: str  # "trainer rank 1", "engine 0", "trainer rank 0 + engine 0"
+    node: str  # its node's Ray id
+    host: str
+    ip: str
+    pid: int
+    handle: weakref.ref  # the worker (a weak reference: this table must not keep it alive)
+
+
+# Every worker this driver placed, by Ray actor id: the table a run prints at start, and the names
+# in the line a lost worker ends the run with.
+PLACED: dict[str, Placed] = {}
+
+
 def _get(refs, what: str):
-    """ray.get that turns a dead or failing worker into a message instead of a hang or a wall of
-    Ray internals."""
+    """ray.get that turns a failing worker into one line instead of a hang or a wall of Ray
+    internals (_failure)."""
     try:
         return ray.get(refs)
-    except ray.exceptions.RayActorError as e:
-        raise SystemExit(f"error: {'an' if what[0] in 'aeiou' else 'a'} {what} worker died "
-                         f"({type(e).__name__}): {e}\n"
-                         f"  the usual cause is memory: every worker holds its own model copy; "
-                         f"try fewer --num-trainers/--num-engines or --colocate") from None
-    except ray.exceptions.RayTaskError as e:
-        raise SystemExit(f"error: {'an' if what[0] in 'aeiou' else 'a'} {what} worker failed:\n"
-                         f"{e}") from None
+    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+        raise SystemExit(_failure(e, refs, what)) from None
+
+
+def _failure(e, refs, what: str) -> str:
+    """The line a failed call (refs: a ref or a list of them) ends the run with: a worker lost
+    with its node, a worker that died or stopped answering, or the exception a worker raised."""
+    died = e if isinstance(e, ray.exceptions.RayActorError) else _died_among(refs)
+    if died is not None:
+        died = _verdict(died)
+    place = PLACED.get(getattr(died, "actor_id", None))
+    dead_nodes = {n["NodeID"]: n.get("DeathReasonMessage", "") for n in ray.nodes()
+                  if not n["Alive"]}
+    if place is None or place.node not in dead_nodes:  # (a peer lost with its node, say)
+        place = next((p for p in PLACED.values() if p.handle() and p.node in dead_nodes), place)
+    if place is not None and place.node in dead_nodes:
+        return (f"error: {place.who} was lost with its node {place.node} on {place.host} "
+                f"({place.ip}), which left the Ray cluster ({dead_nodes[place.node] or 'dead'}); "
+                f"the checkpoints in --out are whole: go on with --resume auto, on the nodes left "
+                f"(as many --num-trainers and --num-engines as they hold) or in one process")
+    a = "an" if what[0] in "aeiou" else "a"
+    if died is None:  # an exception in the function itself: its traceback says where
+        return f"error: {a} {what} worker failed:\n{e}"
+    where = (f" ({place.who}, pid {place.pid}, node {place.node} on {place.host} "
+             f"({place.ip}))" if place else "")
+    if isinstance(died, ray.exceptions.ActorUnavailableError):  # (no verdict in time)
+        return (f"error: {a} {what} worker stopped answering{where}: {_reason(died)}; is its "
+                f"node cut off from the Ray cluster? The checkpoints in --out are whole: go on "
+                f"with --resume auto")
+    return (f"error: {a} {what} worker died{where}: {_reason(died)}; the usual cause is memory: "
+            f"every worker holds its own model copy; try fewer --num-trainers/--num-engines or "
+            f"--colocate")
+
+
+def _died_among(refs, wait: float = PEER_WAIT_S):
+    """The RayActorError of a worker of this call that died, given `wait` seconds to say so;
+    None if none did."""
+    refs = refs if isinstance(refs, list) else [refs]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            return e
+        except ray.exceptions.RayError:
+            pass
+    return None
+
+
+def _verdict(e, wait: float = VERDICT_WAIT_S):
+    """Ray's word on a worker whose connection broke (ActorUnavailableError): asked again until
+    Ray declares it dead (ActorDiedError), for at most `wait` seconds."""
+    place = PLACED.get(e.actor_id)
+    worker = place.handle() if place else None
+    deadline = time.monotonic() + wait
+    while isinstance(e, ray.exceptions.ActorUnavailableError) and worker is not None and \
+            time.monotonic() < deadline:
+        try:
+            ray.get(worker.where.remote(), timeout=5)
+            break  # it answers again (its call is lost all the same)
+        except ray.exceptions.RayActorError as again:
+            e = again
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.5)
+    return e
+
+
+def _reason(e) -> str:
+    """What Ray says of a dead worker, on one line: its message less the worker's particulars
+    (tab-indented lines) and the generic first line."""
+    lines = str(e).splitlines()
+    told = " ".join(line.strip() for line in lines[1:] if not line.startswith("\t")) or lines[0]
+    return told.rstrip(".")
 
 
 class Cluster:
@@ -63,6 +160,8 @@ class Cluster:
     def __init__(self, num_trainers: int, num_engines: int, *, colocate: bool = False,
                  address: str = "", timeout: float = 60.0):
         repo = str(Path(__file__).resolve().parent)
+        if not ray.is_initialized():  # (a process running several runs: the last one's are gone)
+            PLACED.clear()
         # Workers import grpo/rollout/model from this folder, on every node.
         ray.init(address=None if address in ("", "local") else address, ignore_reinit_error=True,
                  log_to_driver=True,
@@ -95,6 +194,8 @@ class Cluster:
                 f"{' --colocate' if colocate else ''} needs {n} {kind} bundles; the Ray cluster "
                 f"has {have:g} {kind}s. Use fewer workers, --colocate (engines share the "
                 f"trainers' {kind}s), or add nodes with `ray start --address=...`.")
+        # PACK: the bundles on as few nodes as hold them (trainers close to each other for their
+        # all-reduce), spread over more where one node cannot hold them all
         self.pg = placement_group([bundle] * n, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=timeout)
@@ -115,6 +216,7 @@ class Cluster:
     def trainers(self, setup, *args) -> "TrainerGroup":
         """num_trainers workers joined in one torch.distributed group, each running setup(*args)."""
         workers = [Worker.options(**self._options(i)).remote() for i in range(self.num_trainers)]
+        _register(workers, [f"trainer rank {rank}" for rank in range(self.num_trainers)], "trainer")
         addr, port = _get(workers[0].address.remote(), "trainer")
         backend = "nccl" if self.use_gpu else "gloo"
         _get([w.init_process_group.remote(backend, addr, port, rank, self.num_trainers)
@@ -127,6 +229,7 @@ class Cluster:
         first = 0 if self.colocate else self.num_trainers
         workers = [Worker.options(**self._options(first + i)).remote()
                    for i in range(self.num_engines)]
+        _register(workers, [f"engine {i}" for i in range(self.num_engines)], "engine")
         _get([w.setup.remote(setup, *args) for w in workers], "engine")
         return EngineGroup(workers)
 
@@ -134,17 +237,45 @@ class Cluster:
         """num_engines engines (no more than trainers), engine i in trainer i's process:
         setup(trainer_state, *args) returns it."""
         workers = trainers.workers[:self.num_engines]
+        for i, place in enumerate(_placed(workers)):
+            place.who = f"{place.who.split(' + ')[0]} + engine {i}"
         _get([w.attach.remote(setup, *args) for w in workers], "trainer")
         return EngineGroup(workers, on="engine")
+
+    def placement(self) -> str:
+        """Where Ray placed each worker: a line each, with its node's id, host and IP, and its
+        pid (the workers this driver holds)."""
+        placed = [p for p in PLACED.values() if p.handle() is not None]
+        nodes, width = len({p.node for p in placed}), max(len(p.who) for p in placed)
+        return "\n".join([f"Ray placed the workers on {nodes} node{'s' if nodes > 1 else ''}:"] +
+                         [f"  {p.who:<{width}}  node {p.node} on {p.host} ({p.ip})  pid {p.pid}"
+                          for p in placed])
 
     def shutdown(self):
         remove_placement_group(self.pg)
         ray.shutdown()
 
 
+def _register(workers, names: list[str], what: str):
+    """Note who each new worker is and where Ray placed it (PLACED)."""
+    for worker, who, (actor, node, host, ip, pid) in zip(
+            workers, names, _get([w.where.remote() for w in workers], what)):
+        PLACED[actor] = Placed(who, node, host, ip, pid, weakref.ref(worker))
+
+
+def _placed(workers) -> list[Placed]:
+    return [next(p for p in PLACED.values() if p.handle() is w) for w in workers]
+
+
 @ray.remote
 class Worker:
     """A process in a bundle: holds whatever setup() built, runs functions on it."""
+
+    def where(self):
+        """(Ray actor id, node id, host, IP, pid): who and where this worker is."""
+        context = ray.get_runtime_context()
+        return (context.get_actor_id(), context.get_node_id(), socket.gethostname(),
+                ray.util.get_node_ip_address(), os.getpid())
 
     def address(self):
         with socket.socket() as s:

@@ -746,6 +746,7 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
     shared = cfg.engine_shares_weights()  # --colocate: engine i in trainer i's process
     engines = cluster.engines_in(trainers, engine_beside, cfg) if shared else \
         cluster.engines(make_engine, cfg)
+    print(cluster.placement())
     if shared:  # engine i decodes from trainer i's tensors: no copy, nothing to send
         sync_weights = weight_sync_in_place(engines)
     elif cfg.weight_sync == "collective":

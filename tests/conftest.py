@@ -7,7 +7,9 @@ import io
 import json
 import os
 import runpy
+import shutil
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -141,6 +143,36 @@ def run_grpo(args):
             import ray
             ray.shutdown()
     return SimpleNamespace(stdout=printed.getvalue(), returncode=0)
+
+
+@contextlib.contextmanager
+def simulated_nodes(count: int):
+    """A Ray cluster of `count` nodes simulated on this machine (ray.cluster_utils: each node a
+    raylet of its own, with 1 CPU) beside a head node with none, where a driver connects as on a
+    real cluster (Ray refuses to remove the driver's own node). Yields (cluster, its nodes); a
+    run joins it with --ray-address cluster.address. Its files are in a temporary folder of its
+    own (RAY_TMPDIR): Ray writes a cluster's address to <temp>/ray/ray_current_cluster, where a
+    local run's ray.init() in another test file (pytest-xdist) would find it and join this
+    cluster instead of starting its own Ray."""
+    import ray
+    from ray.cluster_utils import Cluster
+    before = os.environ.get("RAY_TMPDIR")
+    # (short: a raylet's socket paths must fit 107 bytes)
+    os.environ["RAY_TMPDIR"] = folder = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        nodes = [cluster.add_node(num_cpus=1) for _ in range(count)]
+        cluster.wait_for_nodes()
+        yield cluster, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        if before is None:
+            del os.environ["RAY_TMPDIR"]
+        else:
+            os.environ["RAY_TMPDIR"] = before
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_script(script, args):

@@ -1,5 +1,6 @@
 """Ray placement groups, torch.distributed (gloo) trainers and sharded engines, on CPU."""
 
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +12,7 @@ ray = pytest.importorskip("ray")
 
 from distributed import Cluster, shard  # noqa: E402
 import conftest  # noqa: E402
-from conftest import rl_trainer, make_batch, record_grads  # noqa: E402
+from conftest import rl_trainer, make_batch, record_grads, simulated_nodes  # noqa: E402
 from grpo import Config, train_on_rollout  # noqa: E402
 from model import completion_logprobs, pack  # noqa: E402
 from trainer import engine_beside, finish_metrics, setup_trainer, weight_sync_by_collective  # noqa: E402
@@ -31,9 +32,13 @@ def test_shard_is_contiguous_and_complete():
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(num_trainers=2, num_engines=2, colocate=True)
-    yield c
-    c.shutdown()
+    """Two nodes simulated on this machine, 1 CPU each: trainer i and engine i share node i's
+    bundle, so every test below has its trainers' process group, and trainer 0's weight group
+    with the engines, span two raylets, as on two machines."""
+    with simulated_nodes(2) as (nodes, _):
+        c = Cluster(num_trainers=2, num_engines=2, colocate=True, address=nodes.address)
+        yield c
+        c.shutdown()
 
 
 # Every worker process imports torch and transformers as it starts (~5-10 s on two cores): the
@@ -80,6 +85,33 @@ def engine_pool(cluster, started):
     if "engines" not in started or not _alive(started["engines"]):
         started["engines"] = cluster.engines(_nothing)
     return started["engines"]
+
+
+def test_the_workers_land_on_both_nodes_and_the_run_says_where(cluster, trainer_pool,
+                                                                engine_pool):
+    """The table a run prints once its workers are up: one line a worker, with its node's Ray id,
+    host and IP, and its pid. Trainer i and engine i share node i's bundle; PACK spreads the
+    bundles over both nodes, which hold one each."""
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")}
+    assert len(nodes) == 2
+    table = cluster.placement()
+    assert table.splitlines()[0] == "Ray placed the workers on 2 nodes:", table
+    landed = {}
+    for who, pool in (("trainer rank", trainer_pool), ("engine", engine_pool)):
+        for i, pid in enumerate(ray.get([w.run.remote(_pid) for w in pool.workers])):
+            line = next(row for row in table.splitlines() if row.strip().split("  ")[0] ==
+                        f"{who} {i}")
+            node = re.search(r"node ([0-9a-f]{56}) on \S+ \((\S+)\)", line)
+            assert node and f"pid {pid}" in line, line
+            assert node[2] == ray.util.get_node_ip_address(), line
+            landed[f"{who} {i}"] = node[1]
+    assert landed["trainer rank 0"] == landed["engine 0"] != landed["trainer rank 1"]
+    assert landed["trainer rank 1"] == landed["engine 1"] and set(landed.values()) == nodes
+
+
+def _pid(state):
+    import os
+    return os.getpid()
 
 
 def _cfg(model_dir):
@@ -272,8 +304,13 @@ def test_unsatisfiable_placement_fails_fast_with_a_clear_message(cluster):
 def test_a_dead_worker_ends_the_run_with_a_message(engine_pool, tiny_model_dir, tokenizer):
     engines = _again(engine_pool, _engine_setup, tiny_model_dir)
     ray.kill(engines.workers[1])
-    with pytest.raises(SystemExit, match="an engine worker died"):
+    with pytest.raises(SystemExit, match="an engine worker died") as died:
         engines.generate([tokenizer("Hi")["input_ids"]] * 2, 1, Sampling(4, temperature=0.0))
+    # one line: which worker, where, what Ray says of it, what to change
+    line = str(died.value)
+    assert "\n" not in line and re.search(r"\(engine 1, pid \d+, node [0-9a-f]{56} on \S+ "
+                                          r"\(\S+\)\): .*ray.kill.*; the usual cause is memory",
+                                          line), line
 
 
 def _perturb(trainer, seed):
