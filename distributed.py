@@ -33,7 +33,9 @@ turns Ray's failures into messages that say what to change. It never imports grp
 
 import dataclasses
 import os
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -41,20 +43,29 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from stopping import asked
+
 
 def _get(refs, what: str):
     """ray.get that turns a dead or failing worker into a message instead of a hang or a wall of
-    Ray internals."""
+    Ray internals. A worker's OSError (a checkpoint its disk had no room for) is the driver's to
+    name: it is raised here as it is."""
+    a = "an" if what[0] in "aeiou" else "a"
     try:
         return ray.get(refs)
     except ray.exceptions.RayActorError as e:
-        raise SystemExit(f"error: {'an' if what[0] in 'aeiou' else 'a'} {what} worker died "
-                         f"({type(e).__name__}): {e}\n"
+        if asked():  # (killed with the run: a scheduler's SIGKILL, Ray's own processes gone)
+            raise SystemExit(f"error: {a} {what} worker ended after the run's signal "
+                             f"{asked()}, before the step under way did: that step is lost; the "
+                             f"last checkpoint in --out is whole: resume with --resume auto") \
+                from None
+        raise SystemExit(f"error: {a} {what} worker died ({type(e).__name__}): {e}\n"
                          f"  the usual cause is memory: every worker holds its own model copy; "
                          f"try fewer --num-trainers/--num-engines or --colocate") from None
     except ray.exceptions.RayTaskError as e:
-        raise SystemExit(f"error: {'an' if what[0] in 'aeiou' else 'a'} {what} worker failed:\n"
-                         f"{e}") from None
+        if isinstance(e.cause, OSError):
+            raise e.cause from None
+        raise SystemExit(f"error: {a} {what} worker failed:\n{e}") from None
 
 
 class Cluster:
@@ -161,6 +172,12 @@ class Worker:
         import torch
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
         torch.set_num_threads(max(1, int(cpus)))
+        # A scheduler that signals every process of the job (SLURM's preemption) would end the
+        # worker in the middle of the driver's step: the driver alone decides when its workers
+        # stop (stopping.py), and Ray ends them with the run. (Ctrl-C never reaches them: Ray
+        # gives each a process group of its own, and blocks SIGINT in it.)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def init_process_group(self, backend, addr, port, rank, world_size):
         import torch.distributed as dist
