@@ -81,9 +81,8 @@ def written():
             raise
         code = re.search(r"os error (\d+)", said)
         said = re.sub(r"\[enforce fail at [^\]]*\][\s.]*", "", said).splitlines()[0]
-        raise OSError(int(code[1]) if code else errno.EIO,
-                      f"{'torch.save' if isinstance(e, RuntimeError) else 'safetensors'}: "
-                      f"{said}") from e
+        writer = "torch.save could not write" if isinstance(e, RuntimeError) else "safetensors"
+        raise OSError(int(code[1]) if code else errno.EIO, f"{writer}: {said}") from e
 
 
 def load_trainer_state(folder, model, optimizer, scheduler):
