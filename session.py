@@ -149,10 +149,14 @@ def after_step(folder: RunFolder, cfg, save, good: bool = True):
     stop (stopping.py; a skipped update's step too: its weights are the last good ones, and
     nothing else would be kept) -- which it then does, in one line naming the checkpoint and the
     command that resumes it, with exit code 128 + the signal's number, as a shell reports it."""
-    signum, step = asked(), folder.driver.step
-    if signum or (cfg.save_every and step % cfg.save_every == 0 and good):
+    step, written = folder.driver.step, False
+    if asked() or (cfg.save_every and step % cfg.save_every == 0 and good):
         write_checkpoint(folder, cfg, save)
+        written = True
+    signum = asked()  # (also one that came during that save: the step's checkpoint is written)
     if signum:
+        if not written:
+            write_checkpoint(folder, cfg, save)
         folder.log.close()
         release_stop_signals()
         release_out(folder.out)

@@ -16,6 +16,9 @@ SIGKILL cuts the run off in silence. The first signal also hands both signals ba
 kernel's default action: a second one ends the process at once, wherever it is (a checkpoint half
 written stays a `.tmp-` folder, which --resume never takes).
 
+A run that stops with an error inside a process that goes on (a notebook, the tests) leaves its
+handlers in place, as it leaves its lock, until the next run there or the process's end.
+
 Under Ray only the driver catches them. Ctrl-C reaches the terminal's process group: the driver
 and the local Ray's own processes, which block SIGINT; the workers have process groups of their
 own. The driver finishes the step and has the trainers write their half of the checkpoint.
