@@ -10,10 +10,12 @@ one run's checkpoints apart from another's and one branch's from another's.
         metrics.jsonl, grpo_config.json (or dpo_config.json)          the run so far
 
 A checkpoint is written to `.tmp-step_N` and renamed into place, so a kill -9 during a save leaves
-the previous one whole. Training state is read with `weights_only=True`: tensors and plain
-containers only, so a checkpoint someone shares can never run code on --resume (transformers'
-Trainer had to learn this: CVE-2026-1839). Every file is checked when the checkpoint is found,
-before any model loads: a damaged one stops the run with one line naming it.
+the previous one whole; a write that fails (a full disk, a file-size limit) deletes what it wrote
+and raises OSError, whoever wrote it (session.write_checkpoint says so in one line). Training
+state is read with `weights_only=True`: tensors and plain containers only, so a checkpoint someone
+shares can never run code on --resume (transformers' Trainer had to learn this: CVE-2026-1839).
+Every file is checked when the checkpoint is found, before any model loads: a damaged one stops
+the run with one line naming it.
 
 Runs and branches. Checkpoints carry their run's id: a run only ever prunes its own, and never the
 one it resumed from. One branch of a run lives in --out at a time -- <out>/checkpoints and the
@@ -30,11 +32,14 @@ and `--resume auto`, which see <out>/checkpoints only, only ever see the branch 
 others stay as long as superseded/ keeps them (--keep-superseded).
 """
 
+import errno
 import json
 import os
 import random
+import re
 import shutil
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,9 +58,31 @@ def save_trainer_state(folder, model, tokenizer, optimizer, scheduler, writer: b
     weights = None if is_lora(model) else full_state_dict(model)  # LoRA: the adapters alone
     optimizer_state = full_optimizer_state(model, optimizer)
     if writer:
-        save_model(model, tokenizer, folder, weights)
-        torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
-                    "torch_rng": torch.get_rng_state()}, Path(folder) / "trainer_state.pt")
+        with written():
+            save_model(model, tokenizer, folder, weights)
+            torch.save({"optimizer": optimizer_state, "scheduler": scheduler.state_dict(),
+                        "torch_rng": torch.get_rng_state()}, Path(folder) / "trainer_state.pt")
+
+
+@contextmanager
+def written():
+    """A write that fails -- a full disk, a file-size limit -- as the OSError it is. torch.save
+    raises RuntimeError then ("[enforce fail at inline_container.cc] unexpected pos ..."), the
+    safetensors writer SafetensorError ("I/O error: File too large (os error 27)"): as OSError it
+    reaches the driver through Ray too (distributed._get), and save_checkpoint's caller names it
+    in one line. Any other error is left as it is: a bug keeps its traceback."""
+    from safetensors import SafetensorError
+    try:
+        yield
+    except (RuntimeError, SafetensorError) as e:
+        said = str(e)
+        if not isinstance(e, SafetensorError) and not re.search(
+                r"inline_container|PytorchStreamWriter|file write failed", said):
+            raise
+        code = re.search(r"os error (\d+)", said)
+        said = re.sub(r"\[enforce fail at [^\]]*\][\s.]*", "", said).splitlines()[0]
+        writer = "torch.save could not write" if isinstance(e, RuntimeError) else "safetensors"
+        raise OSError(int(code[1]) if code else errno.EIO, f"{writer}: {said}") from e
 
 
 def load_trainer_state(folder, model, optimizer, scheduler):
@@ -81,15 +108,21 @@ def save_checkpoint(out: Path, driver: DriverState, save_trainer, keep_last: int
     folder = out / "checkpoints"
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".tmp-step_{driver.step}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_trainer(str(tmp))
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as lists: loadable weights-only
-    torch.save({"step": driver.step, "consumed": driver.consumed, "python_rng": random.getstate(),
-                "numpy_rng": [kind, keys.tolist(), pos, has_gauss, gauss],
-                "run_id": driver.run_id}, tmp / "driver_state.pt")
-    for name in ["metrics.jsonl", *(p.name for p in out.glob("*_config.json"))]:
-        shutil.copy(out / name, tmp / name)  # the run so far, and its config (grpo's or dpo's)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_trainer(str(tmp))
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()  # as lists: weights-only
+        with written():
+            torch.save({"step": driver.step, "consumed": driver.consumed,
+                        "python_rng": random.getstate(),
+                        "numpy_rng": [kind, keys.tolist(), pos, has_gauss, gauss],
+                        "run_id": driver.run_id}, tmp / "driver_state.pt")
+        for name in ["metrics.jsonl", *(p.name for p in out.glob("*_config.json"))]:
+            shutil.copy(out / name, tmp / name)  # the run so far, and its config (grpo's, ...)
+    except BaseException:  # (a full disk, an exit: nothing half-written stays, its room freed)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     final = folder / f"step_{driver.step}"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)  # atomic: the checkpoint exists whole, or not at all
@@ -200,8 +233,7 @@ def recorded_dtype(out, resume: str, config_file: str) -> str:
     a fresh run, or a checkpoint without one): a resumed run keeps it instead of timing again."""
     if not resume:
         return ""
-    folder = Path(resume) if resume != "auto" else max(_checkpoints(Path(out) / "checkpoints"),
-                                                       key=_step_of, default=None)
+    folder = Path(resume) if resume != "auto" else newest_checkpoint(out)
     try:
         return str(json.loads((folder / config_file).read_text()).get("dtype", ""))
     except (OSError, ValueError, TypeError, AttributeError):  # find_checkpoint names the problem
@@ -223,10 +255,9 @@ def find_checkpoint(out: Path, resume: str) -> str:
         except OSError:  # (no <out>/checkpoints)
             pass
     else:
-        found = _checkpoints(out / "checkpoints")
-        if not found:
+        folder = newest_checkpoint(out)
+        if folder is None:
             raise SystemExit(f"error: --resume auto: no checkpoint in {out / 'checkpoints'}")
-        folder = max(found, key=_step_of)
     read_driver_state(folder)  # (the structure, not gigabytes of tensors: mmap)
     trainer = load_state(folder / "trainer_state.pt", mmap=True)
     trainer = trainer if isinstance(trainer, dict) else {}
@@ -244,6 +275,12 @@ def find_checkpoint(out: Path, resume: str) -> str:
                                      f"({e}); resume from another checkpoint with --resume "
                                      f"PATH")) from None
     return str(folder)
+
+
+def newest_checkpoint(out: Path) -> Path | None:
+    """What --resume auto takes: the checkpoint of <out>/checkpoints at the latest step (a folder
+    a save is still writing, or left half-written, is a `.tmp-` one: never this)."""
+    return max(_checkpoints(Path(out) / "checkpoints"), key=_step_of, default=None)
 
 
 def load_state(path, mmap: bool = False) -> dict:

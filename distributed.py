@@ -38,7 +38,9 @@ turns Ray's failures into messages that say what to change. It never imports grp
 
 import dataclasses
 import os
+import signal
 import socket
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -46,6 +48,8 @@ from pathlib import Path
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from stopping import asked
 
 
 # How long a failed call waits for the rest of Ray's news: a collective's other ranks fail as soon
@@ -75,10 +79,20 @@ PLACED: dict[str, Placed] = {}
 
 def _get(refs, what: str):
     """ray.get that turns a failing worker into one line instead of a hang or a wall of Ray
-    internals (_failure)."""
+    internals (_failure). A worker's OSError (a checkpoint its disk had no room for) is the
+    driver's to name: it is raised here as it is."""
     try:
         return ray.get(refs)
-    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, OSError):  # (a checkpoint its disk had no room for: the driver's
+            raise e.cause from None       # to name, session.write_checkpoint)
+        raise SystemExit(_failure(e, refs, what)) from None
+    except ray.exceptions.RayActorError as e:
+        if asked():  # (killed with the run: a scheduler's SIGKILL, Ray's own processes gone)
+            a = "an" if what[0] in "aeiou" else "a"
+            raise SystemExit(f"error: {a} {what} worker ended after the run's signal {asked()}, "
+                             f"before the step under way did: that step is lost; the last "
+                             f"checkpoint in --out is whole: resume with --resume auto") from None
         raise SystemExit(_failure(e, refs, what)) from None
 
 
@@ -292,6 +306,12 @@ class Worker:
         import torch
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1)
         torch.set_num_threads(max(1, int(cpus)))
+        # A scheduler that signals every process of the job (SLURM's preemption) would end the
+        # worker in the middle of the driver's step: the driver alone decides when its workers
+        # stop (stopping.py), and Ray ends them with the run. (Ctrl-C never reaches them: Ray
+        # gives each a process group of its own, and blocks SIGINT in it.)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def init_process_group(self, backend, addr, port, rank, world_size):
         import torch.distributed as dist

@@ -893,21 +893,26 @@ def save_model(model, tokenizer, out_dir, state_dict=None, dtype=None) -> None:
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}-"))
-    if is_lora(model) and state_dict is None:  # a checkpoint of a LoRA run: the adapters alone
-        model.save_pretrained(tmp)
-        state_dict = {}
-    elif is_lora(model):  # merged weights (full_weights) go out as a plain HF model
-        model = model.get_base_model()
-    state_dict = model.state_dict() if state_dict is None else state_dict
-    if dtype is not None and state_dict:
-        state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-    if state_dict:
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-    if dtype is not None and state_dict:  # save_pretrained writes the fp32 params' dtype
-        config = json.loads((tmp / "config.json").read_text())
-        config["dtype"] = str(dtype).removeprefix("torch.")
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    tokenizer.save_pretrained(tmp)
+    try:
+        if is_lora(model) and state_dict is None:  # a LoRA run's checkpoint: the adapters alone
+            model.save_pretrained(tmp)
+            state_dict = {}
+        elif is_lora(model):  # merged weights (full_weights) go out as a plain HF model
+            model = model.get_base_model()
+        state_dict = model.state_dict() if state_dict is None else state_dict
+        if dtype is not None and state_dict:
+            state_dict = {k: v.to(dtype) if v.is_floating_point() else v
+                          for k, v in state_dict.items()}
+        if state_dict:
+            model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
+        if dtype is not None and state_dict:  # save_pretrained writes the fp32 params' dtype
+            config = json.loads((tmp / "config.json").read_text())
+            config["dtype"] = str(dtype).removeprefix("torch.")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tokenizer.save_pretrained(tmp)
+    except BaseException:  # (a full disk: what was written of it goes, and its room with it)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     replace_folder(tmp, out_dir)
 
 

@@ -102,6 +102,10 @@ class RunOptions:
     <out>/superseded/ (the oldest are deleted, said on the first screen); 0 keeps all"""
     resume: str = ""
     """continue a run exactly: `auto` (latest checkpoint in --out) or a checkpoint folder"""
+    stop_grace: float = 25.0
+    """after SIGTERM or Ctrl-C the run ends its step, checkpoints it and exits: the seconds it
+    may take; past them it exits at once, its last checkpoint kept (keep it under the
+    scheduler's grace before SIGKILL, e.g. Kubernetes' 30 s; 0 = no limit)"""
 
     CONFIG_FILE: ClassVar[str] = ""  # written to --out, and read back by a resumed run
 
@@ -382,7 +386,7 @@ AT_LEAST_ONE = ("batch_size", "prompts_per_step", "max_new_tokens", "max_prompt_
                 "max_turns", "max_episode_tokens", "epochs", "max_length", "max_prompt_length",
                 "builtin_problems")
 NOT_NEGATIVE = ("lr", "warmup_steps", "weight_decay", "eval_every", "save_every", "keep_last",
-                "keep_superseded",
+                "keep_superseded", "stop_grace",
                 "lora_rank", "lora_alpha", "steps", "max_tokens_per_microbatch",
                 "log_samples_every", "eval_pairs")
 

@@ -30,8 +30,7 @@ from reward_models import check_learned_rewards, learned_rewards
 from rollout import Completions, Ready, Sampling
 from rollout_log import RolloutLog, check_log, detail_index, detail_samples
 from rollout_log import saved_steps
-from session import RunFolder, close_run, open_run, resume_driver, start_log
-from checkpoint import save_checkpoint
+from session import RunFolder, after_step, close_run, open_run, resume_driver, start_log
 from trainer import count_bad_steps, setup_local, setup_ray
 
 
@@ -153,8 +152,9 @@ def evaluate(session: Session, cfg, step: int) -> dict:
 def end_step(session: Session, cfg, step: int, record: dict, scored: "Scored", pending: int = 0,
              save: bool = True):
     """A step's end: the held-out evaluation when due, the metrics logged, a few samples shown,
-    and the checkpoint when due (save: the step's update was good). pending: problems drawn for a
-    batch that was started but not trained on yet."""
+    and the checkpoint when due (save: the step's update was good) or when a signal asked the
+    run to stop, which it then does (session.after_step). pending: problems drawn for a batch
+    that was started but not trained on yet."""
     run, driver = session.run, session.driver
     if session.eval_rows and cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
         record.update(evaluate(session, cfg, step))
@@ -165,8 +165,7 @@ def end_step(session: Session, cfg, step: int, record: dict, scored: "Scored", p
                                    scored.completions.completion_ids] if scored.episodes
                      else scored.completions.text, scored.rewards)
     driver.step, driver.consumed = step, session.problems.taken - pending
-    if cfg.save_every and step % cfg.save_every == 0 and save:
-        save_checkpoint(session.folder.out, driver, run.save, cfg.keep_last)
+    after_step(session.folder, cfg, run.save, good=save)  # (a signal: stops the run here)
 
 
 def finish_session(session: Session, title: str, **plot):

@@ -6,6 +6,7 @@ made there, in one place (session.py calls them; docs/long-runs.md says them for
     recover_export(out)                a run killed inside its export: the model it replaced back
     left_behind(out, resume_dir)       what of the run before it a run would overwrite or drop
     check_room(out, cfg, ...)          room on the disk for the run's model and a checkpoint
+    room_left(out)                     the same disk's room in words, when a write has failed
     set_aside(out, paths, ...)         at the first write: those moved whole to superseded/<time>/
     prune_superseded(out, keep, reads) superseded/ bounded to the newest --keep-superseded folders
 
@@ -30,7 +31,8 @@ made there, in one place (session.py calls them; docs/long-runs.md says them for
    holds a path the run's flags name, nor one another run writes in, nor the one it has just
    moved there.
 5. Before the models load: room on the disk for what the run must write -- its model and, with
-   --save-every, a checkpoint --, counting what pruning will free; else one line.
+   --save-every, a checkpoint --, counting what pruning will free; else one line. (A disk that
+   fills later, inside a checkpoint, is said with room_left: session.write_checkpoint.)
 """
 
 import atexit
@@ -38,6 +40,7 @@ import fcntl
 import json
 import os
 import re
+import resource
 import shutil
 import socket
 import stat
@@ -461,6 +464,19 @@ def check_room(out: Path, cfg, reads: list[Path], moving: list[Path]):
                      f"{' once superseded/ is pruned' if freed else ''}, and this run writes "
                      f"{_gb(weights + checkpoint)} ({what}); make room, or choose another --out"
                      f"{hint} (nothing was changed)")
+
+
+def room_left(out: Path) -> str:
+    """What a write into --out may take, in words: the free space on its disk, and this
+    process's file-size limit (ulimit -f) where it has one."""
+    try:
+        said = f"its disk has {_gb(shutil.disk_usage(out).free)} free"
+    except OSError:
+        said = "its disk's free space is unknown"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        said += f", and this process may write files of at most {_gb(limit)} (ulimit -f)"
+    return said
 
 
 def _start_folder(cfg) -> Path | None:

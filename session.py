@@ -5,8 +5,11 @@ its last, and the loop of sft.py, dpo.py and rm.py.
                                       # run's; what the run would overwrite; room on the disk
     ... the data checked, the models loaded ...
     resume_driver(folder)             # a resumed run's step, data position, RNGs and metrics
-    start_log(folder, cfg, line)      # the run before moved aside; the metrics log, the config
+    start_log(folder, cfg, line)      # the run before moved aside; the metrics log, the config;
+                                      # from here SIGTERM and Ctrl-C stop it after a step
     offline_loop(folder, cfg, rows, what, train_step, evaluate, save)   # sft.py, dpo.py, rm.py
+    after_step(folder, cfg, save)     # every step's end, in every loop: the checkpoint when due,
+                                      # and when a signal asked the run to stop (then it exits)
     close_run(folder, export, title)  # the model alone in <out>/model, the curves; --out unlocked
 
 What a run may do to its folder, and never does, is run_folder.py's. The RL loop (rl.py) opens
@@ -18,6 +21,8 @@ ceil(rows / --batch-size) steps, its last batch short (as TRL's data loader keep
 import json
 import os
 import random
+import shlex
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -25,13 +30,15 @@ import torch
 from tqdm import tqdm
 
 from charts import plot_curves
-from checkpoint import DriverState, find_checkpoint, load_driver_state, save_checkpoint
+from checkpoint import DriverState, find_checkpoint, load_driver_state, newest_checkpoint
+from checkpoint import save_checkpoint
 from data import escaped
 from evaluate import RunLog
 from hardware import machine
 from report import write_report
 from run_folder import check_out, check_room, left_behind, lock_out, prune_superseded, read_paths
-from run_folder import recover_export, release_out, samples_of, set_aside
+from run_folder import recover_export, release_out, room_left, samples_of, set_aside
+from stopping import asked, catch_stop_signals, exit_now, release_stop_signals
 
 
 @dataclass
@@ -102,6 +109,10 @@ def start_log(folder: RunFolder, cfg, line=None):
     # marks a run's folder, run_folder.left_behind)
     folder.log = RunLog(folder.out, folder.driver.history, cfg.report_to, asdict(cfg), line)
     write_beside(folder.out / "machine.json", json.dumps(machine(), indent=2))  # (the report's)
+    # From here on a signal stops the run after its step, with a checkpoint (after_step). Not
+    # sooner: before this nothing is trained, nothing in --out has changed, and a run loading
+    # its models ends at once; and Ray, started by now, has set SIGTERM handlers of its own.
+    catch_stop_signals(cfg.stop_grace, lambda signum: give_up(folder, cfg, signum))
 
 
 def write_beside(path: Path, text: str):
@@ -130,6 +141,77 @@ def close_run(folder: RunFolder, export, title: str, **plot):
         saved.append("report.html (open it in a browser)")
     print(f"saved the model in {folder.out}/model/, {', '.join(saved)} in {folder.out}/")
     release_out(folder.out)
+    release_stop_signals()
+
+
+def after_step(folder: RunFolder, cfg, save, good: bool = True):
+    """A step's end, in every loop (offline_loop, rl.end_step): its checkpoint every --save-every
+    steps (good: a step whose update was not skipped), and whenever a signal has asked the run to
+    stop (stopping.py; a skipped update's step too: its weights are the last good ones, and
+    nothing else would be kept) -- which it then does, in one line naming the checkpoint and the
+    command that resumes it, with exit code 128 + the signal's number, as a shell reports it."""
+    step, written = folder.driver.step, False
+    if asked() or (cfg.save_every and step % cfg.save_every == 0 and good):
+        write_checkpoint(folder, cfg, save)
+        written = True
+    signum = asked()  # (also one that came during that save: the step's checkpoint is written)
+    if signum:
+        if not written:
+            write_checkpoint(folder, cfg, save)
+        folder.log.close()
+        release_stop_signals()
+        release_out(folder.out)
+        tqdm.write(escaped(f"stopped after step {step} (signal {signum}): checkpoint "
+                           f"{folder.out / 'checkpoints' / f'step_{step}'}; resume with: "
+                           f"{resume_command(cfg)}"), file=sys.stderr)  # (a line of its own,
+        # not glued to the progress bar's)
+        raise SystemExit(128 + signum)
+
+
+def write_checkpoint(folder: RunFolder, cfg, save):
+    """This step's checkpoint (checkpoint.save_checkpoint; save: the trainer's half). A write
+    that fails -- a full disk, a file-size limit -- stops the run in one line: the checkpoint,
+    the disk's room, the previous checkpoint, whole, and the command that resumes from it."""
+    try:
+        save_checkpoint(folder.out, folder.driver, save, cfg.keep_last)
+    except OSError as e:
+        release_stop_signals()  # (the run ends here)
+        last = newest_checkpoint(folder.out)
+        then = (f"The previous checkpoint, {last}, is whole: make room, then resume with: "
+                f"{resume_command(cfg)}" if last else "No checkpoint was written before it: "
+                                                       "make room, then run again")
+        target = folder.out / "checkpoints" / f"step_{folder.driver.step}"
+        raise SystemExit(escaped(f"error: checkpoint {target} could not be written "
+                                 f"({e.strerror or e}; {room_left(folder.out)}); nothing of it "
+                                 f"is kept. {then}")) from None
+
+
+def give_up(folder: RunFolder, cfg, signum: int):
+    """A step that outlasts --stop-grace after a signal (stopping.py's timer, in a thread of its
+    own): one line naming the last checkpoint, whole, and the process ends."""
+    last = newest_checkpoint(folder.out)
+    kept = (f"the last checkpoint, {last}, is whole: resume with: {resume_command(cfg)}" if last
+            else "no checkpoint was written before it (--save-every N writes them)")
+    release_out(folder.out)
+    exit_now(signum, escaped(f"error: the step under way did not end, and save, within "
+                             f"--stop-grace {cfg.stop_grace:g} s of signal {signum}: it is given "
+                             f"up; {kept}"))
+
+
+def resume_command(cfg) -> str:
+    """The command that goes on from the newest checkpoint in --out: the one that started this
+    process (sys.argv, where it is the algorithm's script) with `--resume auto` for any --resume;
+    for a run started otherwise (a notebook, a test), the script and --out."""
+    module = type(cfg).__module__
+    if module in ("__main__", Path(sys.argv[0]).stem):
+        args, argv = [], iter(sys.argv[1:])
+        for arg in argv:
+            if arg == "--resume":
+                next(argv, None)
+            elif not arg.startswith("--resume="):
+                args.append(arg)
+        return f"python {shlex.join([sys.argv[0], *args, '--resume', 'auto'])}"
+    return f"python {module}.py --out {shlex.quote(cfg.out)} --resume auto (and its other options)"
 
 
 def _drawn(path: Path, draw) -> bool:
@@ -176,8 +258,9 @@ def offline_loop(folder: RunFolder, cfg, rows: int, what: str, train_step, evalu
     """The steps of an offline run over `rows` training rows (`what`: the start-up line's
     account of the data): train_step(row indices) -> the step's metrics; evaluate() -> held-out
     metrics, at step 0, every --eval-every steps and at the end; save(folder) writes the
-    trainer's half of a checkpoint every --save-every steps. A resumed run goes on from the step
-    after its checkpoint, over the very batches the run would have taken."""
+    trainer's half of a checkpoint every --save-every steps, and when a signal stops the run
+    (after_step). A resumed run goes on from the step after its checkpoint, over the very
+    batches the run would have taken."""
     batches = epoch_batches(rows, cfg.batch_size, cfg.epochs, cfg.steps, cfg.seed)
     driver, log = folder.driver, folder.log
     print(f"{what}; {len(batches)} steps of {cfg.batch_size}")
@@ -190,7 +273,6 @@ def offline_loop(folder: RunFolder, cfg, rows: int, what: str, train_step, evalu
             record.update(evaluate())
         log(record)
         bar.update(1)
-        if cfg.save_every and batch.step % cfg.save_every == 0:
-            driver.step = driver.consumed = batch.step
-            save_checkpoint(folder.out, driver, save, cfg.keep_last)
+        driver.step = driver.consumed = batch.step
+        after_step(folder, cfg, save)
     bar.close()
