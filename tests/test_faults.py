@@ -52,10 +52,16 @@ def assert_same_run(out: Path, straight):
 
 def start(args, log: Path, hold, **popen) -> subprocess.Popen:
     """python grpo.py ARGS, its stdout and stderr to `log`; hold: the file step 2 waits for, or
-    "stuck" (it waits ten minutes)."""
+    "stuck" (it waits ten minutes). held(log) tells when step 2 has begun to wait."""
     return subprocess.Popen([sys.executable, "grpo.py", *args], cwd=ROOT,
-                            env={**os.environ, "SMOLRL_TEST_HOLD": str(hold)},
+                            env={**os.environ, "SMOLRL_TEST_HOLD": str(hold),
+                                 "SMOLRL_TEST_HELD": f"{log}.held"},
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, **popen)
+
+
+def held(log: Path):
+    """True once step 2 waits for its hold: a signal now lands inside step 2."""
+    return Path(f"{log}.held").exists
 
 
 def wait_for(proc, done, what: str, timeout: float = 300):
@@ -99,7 +105,7 @@ def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_exact(tiny_model_di
     out, go, log = tmp_path / "run", tmp_path / "go", tmp_path / "log"
     args = args_for(tiny_model_dir, out)
     proc = start(args, log, go)
-    wait_for(proc, step_logged(out, 1), "step 1")
+    wait_for(proc, held(log), "step 2")
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     go.touch()
@@ -124,7 +130,7 @@ def test_a_second_ctrl_c_ends_the_run_at_once(tiny_model_dir, tmp_path):
     out, log = tmp_path / "run", tmp_path / "log"
     proc = start(args_for(tiny_model_dir, out, "--save-every", "1"), log, "stuck",
                  start_new_session=True)
-    wait_for(proc, (out / "checkpoints/step_1").exists, "step 1's checkpoint")
+    wait_for(proc, held(log), "step 2")
     os.killpg(proc.pid, signal.SIGINT)
     wait_for(proc, lambda: "a second signal exits at once" in log.read_text(), "the first line")
     signalled = time.monotonic()
@@ -141,7 +147,7 @@ def test_an_offline_run_stops_after_its_step_and_resumes_exactly(tiny_model_dir,
     checkpoints it (--save-every 0), exits 143 and hands the signals' handlers back; --resume
     auto then ends with the metrics of a run never stopped."""
     import sft
-    from data import parse_config
+    from cli import parse_config
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"What is {i} + 1?"},
@@ -176,7 +182,7 @@ def test_a_step_that_outlasts_the_grace_is_given_up_the_last_checkpoint_kept(tin
     out, log = tmp_path / "run", tmp_path / "log"
     args = args_for(tiny_model_dir, out, "--save-every", "1", "--stop-grace", "2")
     proc = start(args, log, "stuck")
-    wait_for(proc, (out / "checkpoints/step_1").exists, "step 1's checkpoint")
+    wait_for(proc, held(log), "step 2")
     signalled = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=60)
@@ -204,7 +210,7 @@ def test_a_ray_run_stops_after_its_step_though_every_process_is_signalled(tiny_m
     args = args_for(tiny_model_dir, out, "--num-trainers", "1", "--num-engines", "1",
                     "--colocate", "--ray-address", "local")
     proc = start(args, log, go, start_new_session=True)
-    wait_for(proc, step_logged(out, 1), "step 1")
+    wait_for(proc, held(log), "step 2")
     os.killpg(proc.pid, signal.SIGINT)
     for pid in [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]:
         try:

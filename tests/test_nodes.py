@@ -88,7 +88,7 @@ def test_a_node_lost_mid_run_stops_it_in_one_line_and_the_nodes_left_finish_it_e
                             allow_graceful=False)
 
     import grpo
-    from data import parse_config
+    from cli import parse_config
     threading.Thread(target=lose_trainer_1s_node, daemon=True).start()
     with pytest.raises(SystemExit) as stopped, contextlib.redirect_stdout(io.StringIO()), \
             fails_after(300):
