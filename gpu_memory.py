@@ -41,8 +41,8 @@ ENGINE_WORKSPACE = 1 * GiB  # vLLM's activations and CUDA graphs beside weights,
 SAMPLER_BYTES = 20
 # Per (token, vocabulary entry) of a log-prob chunk at its peak (model.LinearHeadLogprobs): the
 # bf16 logits 2, and fp32 copies of an eighth of the rows at a time (two in the forward) 1 --
-# measured on a CPU with the GPU's row blocks (tests/test_long_context.py). The backward adds
-# the head's bf16 gradient (vocabulary x hidden), planned apart.
+# measured on a CPU with the GPU's row blocks (tests/test_long_context.py). Beside them a
+# (vocabulary x hidden) tensor: logits_bytes.
 LOGITS_BYTES = 3
 LOGPROB_CHUNK = 2048  # model.completion_logprobs' chunk_tokens
 # Activations are planned at this many times their estimate: the allocator rounds each saved
@@ -291,6 +291,18 @@ def mask_bytes(path: str, packed_row: int) -> tuple[float, float]:
     return packed_row * (1 + 2 * config.num_hidden_layers), packed_row * 3.0
 
 
+def logits_bytes(tokens: int, vocab: int, hidden: int, lora_rank: int, bf16: bool) -> float:
+    """The most a log-prob chunk of `tokens` holds at once (model.LinearHeadLogprobs): its logits
+    in the matmul dtype and the fp32 row blocks (LOGITS_BYTES an entry in bf16; an fp32 run's
+    logits take 2 more), and a (vocabulary, hidden) tensor in that dtype beside them: the head's
+    gradient under full fine-tuning, and under LoRA with bf16 autocast the frozen fp32 head cast
+    to bf16 for the matmul, forward and backward (found by review: unplanned, ~1.4 GiB at
+    Qwen2.5-7B's head). Only fp32 LoRA, whose head is neither cast nor trained, has neither."""
+    width = 2 if bf16 else 4
+    head = 0 if lora_rank and not bf16 else width * vocab * hidden
+    return tokens * vocab * (LOGITS_BYTES - 2 + width) + head
+
+
 def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
                 max_tokens_per_microbatch=None, gpu_memory_utilization=None) -> MemoryPlan:
     """The three settings, those passed as None chosen to fit a GPU of device_bytes, the others
@@ -332,8 +344,7 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
         print(f"warning: by the memory plan's estimate, {what}")  # (the user's choice stands)
     logits = 0.0  # (rm.py's model has a scalar head: no vocabulary)
     if run.head == "lm":  # a chunk's logits, and the head's gradient unless LoRA freezes it
-        logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES \
-            + (0 if run.lora_rank else 2 * shape.vocab * shape.hidden)
+        logits = logits_bytes(LOGPROB_CHUNK, shape.vocab, shape.hidden, run.lora_rank, run.bf16)
     room = usable - trainer - frozen - kept - logits
     # The policy and ppo.py's critic train one after the other: the larger one's activations.
     full, checkpointed = (max(pair) for pair in zip(*(
