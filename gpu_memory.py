@@ -275,15 +275,21 @@ def activation_bytes(path: str, lora_rank: int = 0, bf16: bool = True) -> tuple[
     return outside + shape.layers * kept, inputs + outside + plain
 
 
-def mask_bytes(path: str, packed_row: int) -> tuple[float, float]:
+def mask_bytes(path: str, packed_row: int, seq_len: int = 0) -> tuple[float, float]:
     """(full, checkpointed) bytes a token's share of the dense masks of packed rows up to
     `packed_row` long: none where the model's layers take layouts (smolrl's attention finds the
     sequences by place, and makes no mask longer than a small block); else its row of the
     bool mask, and on a GPU SDPA's bf16 bias of it, made by every layer and kept for its backward
-    (one layer at a time, checkpointed) -- soft-capped layers keep the bool mask itself."""
+    (one layer at a time, checkpointed) -- soft-capped layers keep the bool mask itself. And a
+    sliding window's: an unpacked row of `seq_len` tokens past the window gets transformers'
+    (T x T) mask too (found by review), except a soft-capped model's (softcapped_attention makes
+    its own a chunk at a time)."""
     from transformers import AutoConfig
     from attention import takes_layouts
     config = AutoConfig.from_pretrained(path, trust_remote_code=False).get_text_config()
+    window = getattr(config, "sliding_window", None)
+    if window and seq_len >= window and not getattr(config, "attn_logit_softcapping", None):
+        packed_row = max(packed_row, seq_len)  # (transformers skips the mask within the window)
     if not packed_row or takes_layouts(config):
         return 0.0, 0.0
     if getattr(config, "attn_logit_softcapping", None):
@@ -349,7 +355,7 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
     # The policy and ppo.py's critic train one after the other: the larger one's activations.
     full, checkpointed = (max(pair) for pair in zip(*(
         [a + m for a, m in zip(activation_bytes(path, run.lora_rank, run.bf16),
-                               mask_bytes(path, run.packed_row))]
+                               mask_bytes(path, run.packed_row, run.seq_len))]
         for path in {run.model, run.critic or run.model})))
     checkpointed, full = ACTIVATION_HEADROOM * checkpointed, ACTIVATION_HEADROOM * full
     tokens = max_tokens_per_microbatch or run.microbatch_tokens or None  # (None: planned)
