@@ -41,8 +41,8 @@ ENGINE_WORKSPACE = 1 * GiB  # vLLM's activations and CUDA graphs beside weights,
 SAMPLER_BYTES = 20
 # Per (token, vocabulary entry) of a log-prob chunk at its peak (model.LinearHeadLogprobs): the
 # bf16 logits 2, and fp32 copies of an eighth of the rows at a time (two in the forward) 1 --
-# measured on a CPU with the GPU's row blocks (tests/test_long_context.py). The backward adds
-# the head's bf16 gradient (vocabulary x hidden), planned apart.
+# measured on a CPU with the GPU's row blocks (tests/test_long_context.py). Beside them a
+# (vocabulary x hidden) tensor: logits_bytes.
 LOGITS_BYTES = 3
 LOGPROB_CHUNK = 2048  # model.completion_logprobs' chunk_tokens
 # Activations are planned at this many times their estimate: the allocator rounds each saved
@@ -275,20 +275,38 @@ def activation_bytes(path: str, lora_rank: int = 0, bf16: bool = True) -> tuple[
     return outside + shape.layers * kept, inputs + outside + plain
 
 
-def mask_bytes(path: str, packed_row: int) -> tuple[float, float]:
+def mask_bytes(path: str, packed_row: int, seq_len: int = 0) -> tuple[float, float]:
     """(full, checkpointed) bytes a token's share of the dense masks of packed rows up to
     `packed_row` long: none where the model's layers take layouts (smolrl's attention finds the
     sequences by place, and makes no mask longer than a small block); else its row of the
     bool mask, and on a GPU SDPA's bf16 bias of it, made by every layer and kept for its backward
-    (one layer at a time, checkpointed) -- soft-capped layers keep the bool mask itself."""
+    (one layer at a time, checkpointed) -- soft-capped layers keep the bool mask itself. And a
+    sliding window's: an unpacked row of `seq_len` tokens past the window gets transformers'
+    (T x T) mask too (found by review), except a soft-capped model's (softcapped_attention makes
+    its own a chunk at a time)."""
     from transformers import AutoConfig
     from attention import takes_layouts
     config = AutoConfig.from_pretrained(path, trust_remote_code=False).get_text_config()
+    window = getattr(config, "sliding_window", None)
+    if window and seq_len >= window and not getattr(config, "attn_logit_softcapping", None):
+        packed_row = max(packed_row, seq_len)  # (transformers skips the mask within the window)
     if not packed_row or takes_layouts(config):
         return 0.0, 0.0
     if getattr(config, "attn_logit_softcapping", None):
         return float(packed_row), float(packed_row)
     return packed_row * (1 + 2 * config.num_hidden_layers), packed_row * 3.0
+
+
+def logits_bytes(tokens: int, vocab: int, hidden: int, lora_rank: int, bf16: bool) -> float:
+    """The most a log-prob chunk of `tokens` holds at once (model.LinearHeadLogprobs): its logits
+    in the matmul dtype and the fp32 row blocks (LOGITS_BYTES an entry in bf16; an fp32 run's
+    logits take 2 more), and a (vocabulary, hidden) tensor in that dtype beside them: the head's
+    gradient under full fine-tuning, and under LoRA with bf16 autocast the frozen fp32 head cast
+    to bf16 for the matmul, forward and backward (found by review: unplanned, ~1.4 GiB at
+    Qwen2.5-7B's head). Only fp32 LoRA, whose head is neither cast nor trained, has neither."""
+    width = 2 if bf16 else 4
+    head = 0 if lora_rank and not bf16 else width * vocab * hidden
+    return tokens * vocab * (LOGITS_BYTES - 2 + width) + head
 
 
 def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
@@ -332,13 +350,12 @@ def plan_memory(run: Workload, device_bytes: int, gradient_checkpointing=None,
         print(f"warning: by the memory plan's estimate, {what}")  # (the user's choice stands)
     logits = 0.0  # (rm.py's model has a scalar head: no vocabulary)
     if run.head == "lm":  # a chunk's logits, and the head's gradient unless LoRA freezes it
-        logits = LOGPROB_CHUNK * shape.vocab * LOGITS_BYTES \
-            + (0 if run.lora_rank else 2 * shape.vocab * shape.hidden)
+        logits = logits_bytes(LOGPROB_CHUNK, shape.vocab, shape.hidden, run.lora_rank, run.bf16)
     room = usable - trainer - frozen - kept - logits
     # The policy and ppo.py's critic train one after the other: the larger one's activations.
     full, checkpointed = (max(pair) for pair in zip(*(
         [a + m for a, m in zip(activation_bytes(path, run.lora_rank, run.bf16),
-                               mask_bytes(path, run.packed_row))]
+                               mask_bytes(path, run.packed_row, run.seq_len))]
         for path in {run.model, run.critic or run.model})))
     checkpointed, full = ACTIVATION_HEADROOM * checkpointed, ACTIVATION_HEADROOM * full
     tokens = max_tokens_per_microbatch or run.microbatch_tokens or None  # (None: planned)

@@ -135,6 +135,35 @@ def test_the_plan_counts_the_dense_masks_of_models_that_take_no_layout(tmp_path,
         without.activations_kb * 1024 + gpu_memory.ACTIVATION_HEADROOM * 2048 * 9)
 
 
+def test_the_plan_counts_the_mask_of_an_unpacked_row_longer_than_the_window(tmp_path):
+    """(found by review) A sliding-window model without soft-capping (Mistral, Qwen2's sliding
+    layers, Gemma 3) gets transformers' (T x T) bool mask for an unpacked training row longer
+    than its window -- and on a GPU SDPA's bf16 bias of it in every layer, kept for backward --
+    however short the packed rows: the plan counted masks only up to packed_row (2,048) whatever
+    the sequences trained. The mask a tiny Mistral's training forward makes past its window,
+    per token, is within what the plan counts for a workload of that sequence length."""
+    import transformers
+    from attention import use_smolrl_attention
+    from test_long_context import BoolTensors
+    T, window = 64, 8
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, sliding_window=window)
+    config.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert use_smolrl_attention(model)
+    masks = BoolTensors()
+    with masks.mode:  # (as completion_logprobs runs rows: right-padded, no attention mask)
+        model.get_decoder()(input_ids=torch.randint(3, 256, (1, T)), use_cache=False)
+    assert masks.largest == T * T  # the square the plan must count
+    full, checkpointed = gpu_memory.mask_bytes(str(tmp_path), packed_row=16, seq_len=T)
+    assert checkpointed >= masks.largest * 3 / T  # its bool row and one layer's bf16 bias
+    assert full >= masks.largest * (1 + 2 * 2) / T
+    # within the window no mask is made, and none is counted beyond the packed rows'
+    assert gpu_memory.mask_bytes(str(tmp_path), packed_row=0, seq_len=window - 1) == (0.0, 0.0)
+
+
 def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
     """On a GPU the unset settings come from the plan, which --dry-run prints."""
     from cli import parse_config

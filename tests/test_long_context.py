@@ -214,6 +214,32 @@ def test_a_log_prob_chunk_peaks_within_what_the_plan_assumes(cap, pretend_cuda):
                                                          backward.peak / (n * V))
 
 
+@pytest.mark.parametrize("run", ["lora-bf16", "full-fp32"])
+def test_a_log_prob_chunk_of_lora_or_fp32_peaks_within_what_the_plan_assumes(run, pretend_cuda):
+    """(found by review) Under LoRA the head is the frozen fp32 base, and LinearHeadLogprobs casts
+    it to bf16 for its matmul, forward and backward: vocabulary x hidden x 2 bytes beside the
+    chunk's logits, which the plan counted only under full fine-tuning (as the head's gradient):
+    6 bytes an entry here against the plan's 3, ~1.4 GiB at Qwen2.5-7B's head. And an fp32 run's
+    logits are fp32. The peak, forward and backward, within gpu_memory.logits_bytes."""
+    torch.manual_seed(0)
+    n, V, H = 256, 16384, 512
+    lora = run.startswith("lora")
+    hidden = torch.randn(n, H, dtype=torch.bfloat16 if lora else torch.float32,
+                         requires_grad=True)
+    weight = (torch.randn(V, H) * 0.02).requires_grad_(not lora)  # fp32 either way
+    targets = torch.randint(0, V, (n,))
+    forward = NewStorages()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=lora), forward.mode:
+        logp, _ = model_module.LinearHeadLogprobs.apply(hidden, weight, targets, 1.0, 0.0, 0.7)
+    backward = NewStorages()
+    with backward.mode:
+        logp.sum().backward()
+    planned = gpu_memory.logits_bytes(n, V, H, lora_rank=16 if lora else 0, bf16=lora)
+    assert max(forward.peak, backward.peak) <= planned, (forward.peak / (n * V),
+                                                         backward.peak / (n * V),
+                                                         planned / (n * V))
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. No square mask in the HF engine's prefill or sft.py's packed rows
 
