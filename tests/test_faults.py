@@ -141,7 +141,7 @@ def test_an_offline_run_stops_after_its_step_and_resumes_exactly(tiny_model_dir,
     checkpoints it (--save-every 0), exits 143 and hands the signals' handlers back; --resume
     auto then ends with the metrics of a run never stopped."""
     import sft
-    from data import parse_config
+    from cli import parse_config
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": f"What is {i} + 1?"},
