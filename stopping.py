@@ -60,7 +60,8 @@ def _asked(signum, frame):
     # inside a print to the same buffered stream
     os.write(2, f"\nstopping after this step (signal {signum}); a second signal exits at "
                 f"once\n".encode())
-    if _state["grace"]:
+    if 0 < _state["grace"] < threading.TIMEOUT_MAX / 2:  # (one past what a timer can wait,
+        # --stop-grace inf: no limit, as 0 is)
         timer = threading.Timer(_state["grace"], _state["give_up"], (signum,))
         timer.daemon = True
         timer.start()

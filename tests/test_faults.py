@@ -292,3 +292,22 @@ def test_a_run_that_fails_after_a_signal_leaves_no_grace_timer_and_the_handlers_
         stopping.release_stop_signals()  # (a failed check: not this process's end 30 s later)
         for s, handler in before.items():
             signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("grace", [float("inf"), 1e12])
+def test_a_grace_beyond_any_timer_is_no_limit(grace, monkeypatch):
+    """--stop-grace inf (or one past what a timer can wait) is no limit, as 0 is: the signal is
+    taken, with no traceback from the timer's thread in the middle of the run's output."""
+    import threading
+    import stopping
+    failed = []
+    monkeypatch.setattr(threading, "excepthook", failed.append)
+    before = {s: signal.getsignal(s) for s in stopping.SIGNALS}
+    stopping.catch_stop_signals(grace, lambda signum: failed.append("given up"))
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)
+        assert stopping.asked() == signal.SIGTERM and failed == []
+    finally:
+        stopping.release_stop_signals()
+    assert {s: signal.getsignal(s) for s in before} == before
