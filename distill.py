@@ -48,6 +48,7 @@ from model import load_model, load_tokenizer, pick_device, resolve
 from options import RLOptions
 from rl import after_update, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import replayed, train_batch, with_detail
+from session import one_run
 from rollout import HFRollout
 from trainer import UpdateStats, any_rank_trains
 from trainer import micro_batches, optimizer_step
@@ -265,6 +266,7 @@ def check_teacher(cfg):
 # The loop: the RL loop (rl.py), with the teacher in place of advantages.
 
 
+@one_run
 def main(cfg: Config):
     check_teacher(cfg)  # before the student loads
     if cfg.lmbda < 1 and not cfg.replay and cfg.on_ray():  # the driver's own copy, for the

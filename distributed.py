@@ -37,6 +37,7 @@ turns Ray's failures into messages that say what to change. It never imports grp
 """
 
 import dataclasses
+import errno
 import os
 import signal
 import socket
@@ -60,6 +61,10 @@ from stopping import asked
 PEER_WAIT_S = 10.0
 VERDICT_WAIT_S = 60.0
 
+# What a write that found no room raises: a full disk, a full quota, a file-size limit (and
+# checkpoint.written's torch.save failure, which names no errno: EIO).
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+
 
 @dataclasses.dataclass
 class Placed:
@@ -79,13 +84,14 @@ PLACED: dict[str, Placed] = {}
 
 def _get(refs, what: str):
     """ray.get that turns a failing worker into one line instead of a hang or a wall of Ray
-    internals (_failure). A worker's OSError (a checkpoint its disk had no room for) is the
-    driver's to name: it is raised here as it is."""
+    internals (_failure). A worker's disk that is full, or a file-size limit it met (a
+    checkpoint it could not write), is the driver's to name: that OSError is raised here as it
+    is. Any other (a model's folder missing on the worker's node) is the worker's failure."""
     try:
         return ray.get(refs)
     except ray.exceptions.RayTaskError as e:
-        if isinstance(e.cause, OSError):  # (a checkpoint its disk had no room for: the driver's
-            raise e.cause from None       # to name, session.write_checkpoint)
+        if isinstance(e.cause, OSError) and e.cause.errno in DISK_FULL:  # (named by session.
+            raise e.cause from None                                       # write_checkpoint)
         raise SystemExit(_failure(e, refs, what)) from None
     except ray.exceptions.RayActorError as e:
         if asked():  # (killed with the run: a scheduler's SIGKILL, Ray's own processes gone)

@@ -40,7 +40,7 @@ from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, Train
 from pairs import ANSWER_TOKENS, Pair, builtin_pairs, tokenize_pairs
 from reward import Grader
 from rollout import HFRollout, Sampling
-from session import close_run, offline_loop, open_run, resume_driver, start_log
+from session import close_run, offline_loop, one_run, open_run, resume_driver, start_log
 from trainer import export_model, optimizer_step, resume_trainer
 from trainer import save_trainer, setup_trainer
 
@@ -178,6 +178,7 @@ def batch_loss(model, pairs, refs, cfg, device, num_pairs):
 # The loop.
 
 
+@one_run
 def main(cfg: Config):
     folder = open_run(cfg)
     # Every row is checked before the model loads: a bad file fails in a second, not a minute.

@@ -40,6 +40,7 @@ from options import RLOptions
 from reward import Grader, RewardFunctions
 from rl import Scored, end_step, finish_session, sampling_seed, score, start_rollout
 from rl import log_rollouts, replayed, start_session, train_batch, with_detail
+from session import one_run
 from rollout import policy_lag
 from trainer import Trainer, UpdateStats, any_rank_trains, count_bad_steps
 from trainer import engine_correction, frozen_logprobs, micro_batches, optimizer_step
@@ -404,6 +405,7 @@ def train_on_rollout(trainer: Trainer, batch) -> dict:
 # The loop.
 
 
+@one_run
 def main(cfg: Config):
     session = start_session(cfg, train_on_rollout)
     run, driver, problems = session.run, session.driver, session.problems

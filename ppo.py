@@ -46,6 +46,7 @@ from model import autocast, check_reward_head, length_mask, model_path, resolve,
 from options import RLOptions
 from rl import after_update, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import replayed, train_batch, with_detail
+from session import one_run
 from rollout import policy_lag
 from trainer import UpdateStats, any_rank_trains
 from trainer import engine_correction, logprobs_after_update
@@ -339,6 +340,7 @@ def explained_variance(returns: list, values: list, masks: list, group) -> float
 # The loop: the RL loop (rl.py), with the critic's GAE in place of the group's baseline.
 
 
+@one_run
 def main(cfg: Config):
     if cfg.critic_from:  # no model there, or no trained head: one line, before any model loads
         check_reward_head(cfg.critic_from, "--critic-from", hint="start it from a reward model "

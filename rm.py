@@ -46,7 +46,7 @@ from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, Train
 from pairs import Pair, builtin_pairs
 from reward_models import common_prefix, reward_model_ids, scores
 from rollout import HFRollout
-from session import close_run, offline_loop, open_run, resume_driver, start_log
+from session import close_run, offline_loop, one_run, open_run, resume_driver, start_log
 from trainer import export_model, optimizer_step, resume_trainer
 from trainer import save_trainer, setup_trainer
 
@@ -247,6 +247,7 @@ def held_out_evaluation(trainer, pairs: list[Pair], cfg: Config):
 # The loop.
 
 
+@one_run
 def main(cfg: Config):
     folder = open_run(cfg)
     # Every row is checked, and rendered, before the model loads: a bad file fails in a second.

@@ -12,12 +12,16 @@ its last, and the loop of sft.py, dpo.py and rm.py.
                                       # and when a signal asked the run to stop (then it exits)
     close_run(folder, export, title)  # the model alone in <out>/model, the curves; --out unlocked
 
+    @one_run                          # each algorithm's main: a run that fails leaves no signal
+    def main(cfg): ...                # handler or grace timer behind it in a process that goes on
+
 What a run may do to its folder, and never does, is run_folder.py's. The RL loop (rl.py) opens
 and closes its runs with these too. One rule for every offline algorithm: an epoch is
 ceil(rows / --batch-size) steps, its last batch short (as TRL's data loader keeps it), and
 --steps, TRL's max_steps, overrides --epochs.
 """
 
+import functools
 import json
 import os
 import random
@@ -52,6 +56,20 @@ class RunFolder:
     reads: list[Path] = field(default_factory=list)  # what the run's flags name: never pruned
     driver: DriverState | None = None  # the step, the data position, the metrics so far
     log: RunLog | None = None  # (start_log: once the models have loaded)
+
+
+def one_run(main):
+    """An algorithm's main(cfg), which hands the signals back however the run ends: one that
+    fails -- after a signal, say, its step raising -- leaves no grace timer (stopping.py) to
+    end the process that goes on (a notebook) a while later, and the handlers from before it
+    back. (Its --out lock stays until the next run there or the process's end: run_folder.py.)"""
+    @functools.wraps(main)
+    def run(cfg):
+        try:
+            return main(cfg)
+        finally:
+            release_stop_signals()
+    return run
 
 
 def open_run(cfg) -> RunFolder:

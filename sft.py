@@ -53,7 +53,7 @@ from model import right_pad
 from options import EpisodeOptions, ModelOptions, OfflineOptions, RunOptions, TrainOptions, settle
 from reward import Grader
 from rollout import HF_BATCH, HFRollout
-from session import close_run, offline_loop, open_run, resume_driver, start_log
+from session import close_run, offline_loop, one_run, open_run, resume_driver, start_log
 from trainer import export_model, micro_batches, optimizer_step, save_trainer
 from trainer import setup_trainer
 
@@ -444,6 +444,7 @@ def train_step(trainer, examples: list[Example], cfg: Config) -> dict:
 # The loop.
 
 
+@one_run
 def main(cfg: Config):
     folder = open_run(cfg)
     # The data first, every row checked, rendered and measured: a bad file stops in seconds, before

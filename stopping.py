@@ -16,8 +16,8 @@ SIGKILL cuts the run off in silence. The first signal also hands both signals ba
 kernel's default action: a second one ends the process at once, wherever it is (a checkpoint half
 written stays a `.tmp-` folder, which --resume never takes).
 
-A run that stops with an error inside a process that goes on (a notebook, the tests) leaves its
-handlers in place, as it leaves its lock, until the next run there or the process's end.
+A run that stops with an error inside a process that goes on (a notebook, the tests) hands them
+back as well (session.one_run, around each algorithm's main), its grace timer stopped.
 
 Under Ray only the driver catches them. Ctrl-C reaches the terminal's process group: the driver
 and the local Ray's own processes, which block SIGINT; the workers have process groups of their
@@ -45,11 +45,10 @@ def catch_stop_signals(grace: float, give_up):
     handlers: a run started in another one (a notebook's worker thread) stops as it always did."""
     if threading.current_thread() is not threading.main_thread():
         return
-    _state.update(signum=0, grace=grace, give_up=give_up, timer=None)
+    release_stop_signals()  # (a run before this one in the process that did not hand them back)
+    _state.update(grace=grace, give_up=give_up)
     for signum in SIGNALS:
-        handler = signal.getsignal(signum)
-        if handler is not _asked:  # (a run before this one in the process that did not end
-            _state["before"][signum] = handler  # cleanly left ours: keep what was there first)
+        _state["before"][signum] = signal.getsignal(signum)
         signal.signal(signum, _asked)
 
 
@@ -61,7 +60,8 @@ def _asked(signum, frame):
     # inside a print to the same buffered stream
     os.write(2, f"\nstopping after this step (signal {signum}); a second signal exits at "
                 f"once\n".encode())
-    if _state["grace"]:
+    if 0 < _state["grace"] < threading.TIMEOUT_MAX / 2:  # (one past what a timer can wait,
+        # --stop-grace inf: no limit, as 0 is)
         timer = threading.Timer(_state["grace"], _state["give_up"], (signum,))
         timer.daemon = True
         timer.start()

@@ -1,5 +1,6 @@
 """Ray placement groups, torch.distributed (gloo) trainers and sharded engines, on CPU."""
 
+import os
 import re
 import sys
 from dataclasses import replace
@@ -311,6 +312,34 @@ def test_a_dead_worker_ends_the_run_with_a_message(engine_pool, tiny_model_dir, 
     assert "\n" not in line and re.search(r"\(engine 1, pid \d+, node [0-9a-f]{56} on \S+ "
                                           r"\(\S+\)\): .*ray.kill.*; the usual cause is memory",
                                           line), line
+
+
+def test_a_workers_oserror_outside_a_checkpoint_is_a_failed_worker_not_a_traceback(monkeypatch):
+    """Only a full disk (or a file-size limit) is the driver's to name as such (a checkpoint's
+    write, session.write_checkpoint): any other OSError a worker raises -- the model's folder
+    missing on its node, which transformers raises as OSError -- ends the run as a failed
+    worker does, its traceback (which worker, which file) kept, not as a bare OSError raised in
+    the driver."""
+    import errno
+    import distributed
+    cause = OSError(f"Incorrect path_or_model_id: '/data/model'. Please provide the path of a "
+                    f"local folder")
+    failed = ray.exceptions.RayTaskError("Worker.setup", "Traceback (most recent call last):\n"
+                                         "  File \"model.py\", line 1, in load_model\n"
+                                         f"OSError: {cause}", cause)
+
+    def get(refs, **_):
+        raise failed
+    monkeypatch.setattr(distributed.ray, "get", get)
+    monkeypatch.setattr(distributed, "_died_among", lambda refs: None)
+    monkeypatch.setattr(distributed.ray, "nodes", lambda: [])
+    with pytest.raises(SystemExit, match=r"a trainer worker failed:\n(.|\n)*path_or_model_id"):
+        distributed._get([], "trainer")
+    for code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):  # (a disk full: the driver names it)
+        failed = ray.exceptions.RayTaskError("Worker.run", "", OSError(code, os.strerror(code)))
+        with pytest.raises(OSError) as raised:
+            distributed._get([], "trainer")
+        assert raised.value.errno == code
 
 
 def _perturb(trainer, seed):

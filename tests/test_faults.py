@@ -262,3 +262,58 @@ def test_a_disk_that_fills_during_a_checkpoint_stops_in_one_line(tiny_model_dir,
         assert find_checkpoint(out, "auto") == str(out / "checkpoints/step_1")
     run_grpo(args + ["--resume", "auto"])
     assert_same_run(out, straight)
+
+
+def test_a_run_that_fails_after_a_signal_leaves_no_grace_timer_and_the_handlers_before_it(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """In a process that goes on (a notebook, whose "interrupt" is SIGINT): a signal inside a
+    step that then fails. The error reaches the caller as it is, and the run leaves nothing
+    armed behind it: no grace timer that would end the process --stop-grace seconds later, as
+    a step given up, and the signals' handlers from before the run back (a second signal had
+    left SIGINT at the kernel's default, which kills the process instead of interrupting it)."""
+    import sft
+    import stopping
+    from cli import parse_config
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"What is {i} + 1?"},
+        {"role": "assistant", "content": f"The answer is {i + 1}."}]}) + "\n" for i in range(4)))
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def interrupted_then_failed(trainer, loss):
+        os.kill(os.getpid(), signal.SIGINT)
+        raise RuntimeError("out of memory (a test's)")
+
+    monkeypatch.setattr(sft, "optimizer_step", interrupted_then_failed)
+    cfg = parse_config(sft.Config, ["--model", tiny_model_dir, "--data", str(rows), "--batch-size",
+                                    "4", "--epochs", "1", "--eval-every", "0", "--dtype", "fp32",
+                                    "--stop-grace", "30", "--out", str(tmp_path / "run")])
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            sft.main(cfg)
+        timer = stopping._state["timer"]
+        assert timer is None or not timer.is_alive()
+        assert {s: signal.getsignal(s) for s in before} == before
+    finally:
+        stopping.release_stop_signals()  # (a failed check: not this process's end 30 s later)
+        for s, handler in before.items():
+            signal.signal(s, handler)
+
+
+@pytest.mark.parametrize("grace", [float("inf"), 1e12])
+def test_a_grace_beyond_any_timer_is_no_limit(grace, monkeypatch):
+    """--stop-grace inf (or one past what a timer can wait) is no limit, as 0 is: the signal is
+    taken, with no traceback from the timer's thread in the middle of the run's output."""
+    import threading
+    import stopping
+    failed = []
+    monkeypatch.setattr(threading, "excepthook", failed.append)
+    before = {s: signal.getsignal(s) for s in stopping.SIGNALS}
+    stopping.catch_stop_signals(grace, lambda signum: failed.append("given up"))
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.3)
+        assert stopping.asked() == signal.SIGTERM and failed == []
+    finally:
+        stopping.release_stop_signals()
+    assert {s: signal.getsignal(s) for s in before} == before
