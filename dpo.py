@@ -35,7 +35,9 @@ from cli import check, parse_config
 from data import Template, arith_heldout, load_table
 from evaluate import evaluate_rows
 from formats import check_pairs
-from model import DTYPES, autocast, completion_logprobs, full_weights, length_mask, pack
+from hardware import DTYPES, autocast
+from logprobs import completion_logprobs, length_mask, pack
+from model import full_weights
 from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions
 from pairs import ANSWER_TOKENS, Pair, builtin_pairs, tokenize_pairs
 from reward import Grader

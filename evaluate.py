@@ -395,7 +395,8 @@ def main(argv=None):
                 for src in cfg.data.split(",")}
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # before the model, too
     agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
-    from model import choose_dtype, load_model, pick_device
+    from hardware import choose_dtype, pick_device
+    from model import load_model
     from rollout import make_rollout
     device = pick_device()
     dtype = choose_dtype(cfg.dtype, device)

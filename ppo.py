@@ -42,7 +42,9 @@ from tqdm import tqdm
 
 from cli import check, parse_config
 from grpo import grpo_loss
-from model import autocast, check_reward_head, length_mask, model_path, resolve, share_prompts
+from hardware import autocast
+from logprobs import length_mask, share_prompts
+from model import check_reward_head, model_path, resolve
 from options import RLOptions
 from rl import after_update, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import replayed, train_batch, with_detail
@@ -202,8 +204,8 @@ def value_loss(values, old_values, returns, mask, clip: float, num_tokens: float
 def token_values(critic, batch, idx, device, bf16: bool):
     """(b, T) V(s_t) for micro-batch `idx`: the critic's scalar head on the state before each
     completion token t -- position prompt_len + t - 1, the state the policy's log-prob of token t
-    comes from (model.completion_logprobs reads the same one) -- with a group's prompt run once
-    where model.share_prompts allows, as for the policy."""
+    comes from (logprobs.completion_logprobs reads the same one) -- with a group's prompt run once
+    where logprobs.share_prompts allows, as for the policy."""
     base = critic.get_base_model() if hasattr(critic, "peft_config") else critic
     decoder = getattr(base, base.base_model_prefix)
     mb = batch.select(idx)

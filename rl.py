@@ -24,7 +24,9 @@ import torch
 from data import TEMPLATES, ProblemStream, encode_prompts, load_problems, task_summary
 from env import Agent, Episode, load_environment, load_tools
 from evaluate import evaluate_held_out, show_samples, step_record
-from model import DTYPES, length_mask, model_path, pack, right_pad
+from hardware import DTYPES
+from logprobs import length_mask, pack, right_pad
+from model import model_path
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from reward_models import check_learned_rewards, learned_rewards
 from rollout import Completions, Ready, Sampling

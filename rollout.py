@@ -267,7 +267,7 @@ class HFRollout:
     leaves the batch at its stop token, so the steps after it cost less.
 
     Generation runs on a copy of the policy in the run's compute dtype (bf16 or fp32, as the
-    trainer computes: model.choose_dtype): autocast would re-cast every fp32 weight at every
+    trainer computes: hardware.choose_dtype): autocast would re-cast every fp32 weight at every
     decoding step (in bf16 on CPU the copy is ~1.3x faster). Its own copy, which update_weights
     refreshes, as a vLLM engine holds its own -- or, in a trainer's process, the very tensors the
     trainer computes with (shares_weights; trainer.setup_local).
@@ -466,7 +466,7 @@ class HFRollout:
         prompt starts with (a chat template's system prompt, an instruction) run once, in one row,
         and their cache is copied to every prompt: arith's 256 held-out prompts share 27 of their
         53 tokens. Only for models verified to give a token the same log-probs whatever else
-        shares its row (model.check_head_logits): the prompts' padding sits between the cache and
+        shares its row (logprobs.check_head_logits): the prompts' padding sits between the cache and
         their tokens. Not where that padding could push a sliding window's (Gemma 2's layers)
         earliest keys out: the mask counts it, in columns, as tokens -- unless the whole row, its
         tokens to come included, fits in the window."""
@@ -831,7 +831,7 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
     """The engine named by --rollout / --backend: "hf" or "vllm" (loads the folder `model` came
     from, then takes the trainer's current weights; it holds prompts of max_prompt_tokens and
     max_new_tokens after them, tokens_after_prompt), computing in `dtype` (the run's: see
-    model.choose_dtype). vLLM always returns the log-probs it sampled with; HF when asked
+    hardware.choose_dtype). vLLM always returns the log-probs it sampled with; HF when asked
     (`logprobs`). shares_weights: the HF engine samples from `model`'s own tensors where they are
     in `dtype` (HFRollout)."""
     if kind == "hf":

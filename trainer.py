@@ -24,11 +24,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoint import load_trainer_state, save_trainer_state
-from hardware import ModelCost, model_cost, peak_flops, processed_tokens, train_flops_per_token
-from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
-from model import add_lora, full_state_dict, full_weights, is_lora, load_adapters, load_model
-from model import pick_device
-from model import DTYPES, cast_copy, model_path, save_model, shard_model, source_dtype
+from hardware import DTYPES, ModelCost, autocast, model_cost, peak_flops, pick_device
+from hardware import processed_tokens, train_flops_per_token
+from logprobs import check_head_logits, completion_logprobs
+from model import adamw_with_warmup, add_lora, cast_copy, full_state_dict, full_weights, is_lora
+from model import load_adapters, load_model, model_path, save_model, shard_model, source_dtype
 from recompute import keep_less
 from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, tokens_after_prompt
 from rollout import weight_layout

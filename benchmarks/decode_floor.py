@@ -28,8 +28,8 @@ if __name__ == "__main__":
     from transformers.cache_utils import DynamicCache
 
     from benchmarks.model_options import measured_on, model_parser
-    from hardware import peak_flops
-    from model import load_model, machine
+    from hardware import hardware_line, peak_flops
+    from model import load_model
     from rollout import make_rollout
 
     parser = model_parser(__doc__)
@@ -38,7 +38,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
-    print(f"machine: {machine()}")
+    print(f"machine: {hardware_line()}")
     device, choice = measured_on(args)
     dtype = choice.torch
     model, tokenizer = load_model(args.model, device)

@@ -199,7 +199,7 @@ class ProbeEntropy:
     def measure(self, session, cfg) -> float:
         import torch
         from data import encode_prompts
-        from model import completion_logprobs, pack
+        from logprobs import completion_logprobs, pack
         from rollout import Sampling
         engine, tokenizer = session.run.rollout, session.run.tokenizer  # (in-process: the policy)
         prompts = encode_prompts(tokenizer, self.rows, cfg.template, cfg.chat)
@@ -250,7 +250,8 @@ def correct_counts(model: str, rows: list[dict], n: int, temperature: float,
     if kept and kept.exists():
         return json.loads(kept.read_text())["counts"]
     import torch
-    from model import DTYPES, choose_dtype, load_model, pick_device
+    from hardware import DTYPES, choose_dtype, pick_device
+    from model import load_model
     from evaluate import evaluate_rows
     from reward import Grader
     from rollout import HFRollout, Sampling

@@ -155,7 +155,7 @@ class Probe:
 
     def logprobs(self, model, comps):
         import torch
-        from model import completion_logprobs, length_mask, pack
+        from logprobs import completion_logprobs, length_mask, pack
         batch = pack(comps.prompt_ids, comps.completion_ids, self.tokenizer.pad_token_id)
         with torch.no_grad():
             lp, _ = completion_logprobs(model, batch.input_ids, batch.prompt_lens,

@@ -14,7 +14,7 @@ from distributed import Cluster, shard  # noqa: E402
 import conftest  # noqa: E402
 from conftest import rl_trainer, make_batch, record_grads, simulated_nodes  # noqa: E402
 from grpo import Config, train_on_rollout  # noqa: E402
-from model import completion_logprobs, pack  # noqa: E402
+from logprobs import completion_logprobs, pack  # noqa: E402
 from trainer import engine_beside, finish_metrics, setup_trainer, weight_sync_by_collective  # noqa: E402
 from trainer import weight_sync_in_place, weights_of  # noqa: E402
 from rollout import HFRollout, Sampling, policy_lag  # noqa: E402
@@ -325,7 +325,7 @@ def _sent_logprobs(trainer, ids, pl, cl):
     """Log-probs under rank 0's weights as a sync sends them (in the run's compute dtype, so
     rounded to bf16 in a bf16 run), computed in fp32 like the test engines."""
     import copy
-    from model import DTYPES
+    from hardware import DTYPES
     model = copy.deepcopy(trainer.model)
     with torch.no_grad():
         for p in model.parameters():

@@ -9,7 +9,8 @@ import torch
 
 from conftest import rl_trainer, ROOT, make_batch, read_metrics, run_grpo, small_run_args
 from grpo import Config, train_on_rollout
-from model import completion_logprobs, is_lora, pack
+from logprobs import completion_logprobs, pack
+from model import is_lora
 from rollout import HFRollout
 from trainer import finish_metrics, weights_of
 

