@@ -41,7 +41,8 @@ from model import full_weights
 from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions
 from pairs import ANSWER_TOKENS, Pair, builtin_pairs, tokenize_pairs
 from reward import Grader
-from rollout import HFRollout, Sampling
+from rollout import HFRollout
+from sampling import Sampling
 from session import close_run, offline_loop, open_run, resume_driver, start_log
 from trainer import export_model, optimizer_step, resume_trainer
 from trainer import save_trainer, setup_trainer

@@ -30,7 +30,8 @@ from cli import check, flag, parse_config
 from data import TEMPLATES, Template, escaped, dataset_name, encode_prompts, load_rows
 from reward import Grader, extract_answer, fast_match
 from env import Agent, episode_metrics, load_environment, load_tools
-from rollout import Sampling, tokens_after_prompt
+from rollout import tokens_after_prompt
+from sampling import Sampling
 
 # ---------------------------------------------------------------------------------------------
 # Metrics

@@ -48,7 +48,7 @@ from model import check_reward_head, model_path, resolve
 from options import RLOptions
 from rl import after_update, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import replayed, train_batch, with_detail
-from rollout import policy_lag
+from sampling import policy_lag
 from trainer import UpdateStats, any_rank_trains
 from trainer import engine_correction, logprobs_after_update
 from trainer import frozen_logprobs, micro_batches, optimizer_step, policy_logprobs

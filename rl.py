@@ -29,9 +29,9 @@ from logprobs import length_mask, pack, right_pad
 from model import model_path
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from reward_models import check_learned_rewards, learned_rewards
-from rollout import Completions, Ready, Sampling
 from rollout_log import RolloutLog, check_log, detail_index, detail_samples
 from rollout_log import saved_steps
+from sampling import Completions, Ready, Sampling
 from session import RunFolder, close_run, open_run, resume_driver, start_log
 from checkpoint import save_checkpoint
 from trainer import count_bad_steps, setup_local, setup_ray

@@ -13,7 +13,7 @@ run's dtype -- and so the highest fraction of the bound any decoding loop of the
 reach. The second splits one step of the HF engine's forward (hidden states, then the LM head):
 "the rest" is the decoder's time less its matmuls timed alone -- attention, norms, rotary
 embeddings, the cache's concatenation, the embedding, the mask, Python -- assuming the matmuls run
-inside the forward as fast as alone. The loop's sampling (rollout.sample_next) is not in it.
+inside the forward as fast as alone. The loop's sampling (sampling.sample_next) is not in it.
 """
 
 import statistics

@@ -151,7 +151,8 @@ def prefill_mask(prompts=16, longest=1024) -> int:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rollout import HFRollout, Sampling
+    from rollout import HFRollout
+    from sampling import Sampling
     torch.manual_seed(0)
     net = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
                                        num_hidden_layers=2, num_attention_heads=2,

@@ -19,7 +19,8 @@ if __name__ == "__main__":
     from hardware import hardware_line, pick_device
     from model import DEFAULT_MODEL, load_model
     print(f"machine: {hardware_line()}")
-    from rollout import Sampling, make_rollout
+    from rollout import make_rollout
+    from sampling import Sampling
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)

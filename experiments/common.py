@@ -200,7 +200,7 @@ class ProbeEntropy:
         import torch
         from data import encode_prompts
         from logprobs import completion_logprobs, pack
-        from rollout import Sampling
+        from sampling import Sampling
         engine, tokenizer = session.run.rollout, session.run.tokenizer  # (in-process: the policy)
         prompts = encode_prompts(tokenizer, self.rows, cfg.template, cfg.chat)
         comps = engine.generate(prompts, self.n, Sampling(self.max_new_tokens, 1.0, seed=12345))
@@ -254,7 +254,8 @@ def correct_counts(model: str, rows: list[dict], n: int, temperature: float,
     from model import load_model
     from evaluate import evaluate_rows
     from reward import Grader
-    from rollout import HFRollout, Sampling
+    from rollout import HFRollout
+    from sampling import Sampling
     dtype = DTYPES[choose_dtype("auto", pick_device()).name]
     policy, tokenizer = load_model(model, pick_device(), dtype)
     engine = HFRollout(policy, tokenizer, device=pick_device(), dtype=dtype, shares_weights=True)

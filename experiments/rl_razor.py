@@ -126,7 +126,8 @@ class Probe:
         import torch
         from data import arith_heldout, encode_prompts
         from model import load_model
-        from rollout import HFRollout, Sampling
+        from rollout import HFRollout
+        from sampling import Sampling
         self.start = start_model(args)
         model, self.tokenizer = load_model(self.start, "cpu", torch.float32)
         engine = HFRollout(model, self.tokenizer, dtype=torch.float32, shares_weights=True)

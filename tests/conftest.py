@@ -238,7 +238,7 @@ def check_an_episode_on(engine, model, tokenizer, monkeypatch, atol: float):
     tokens and are 0 on the environment's; the mask is True on exactly the sampled tokens."""
     from env import Agent, ToolChat, load_tools
     from logprobs import completion_logprobs, pack
-    from rollout import Sampling
+    from sampling import Sampling
     chat = ToolChat(tokenizer, load_tools("calculator"))
     call = {"type": "function", "function": {"name": "calculator",
                                              "arguments": {"expression": "2 + 3"}}}

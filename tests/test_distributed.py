@@ -15,9 +15,10 @@ import conftest  # noqa: E402
 from conftest import rl_trainer, make_batch, record_grads, simulated_nodes  # noqa: E402
 from grpo import Config, train_on_rollout  # noqa: E402
 from logprobs import completion_logprobs, pack  # noqa: E402
-from trainer import engine_beside, finish_metrics, setup_trainer, weight_sync_by_collective  # noqa: E402
-from trainer import weight_sync_in_place, weights_of  # noqa: E402
-from rollout import HFRollout, Sampling, policy_lag  # noqa: E402
+from trainer import engine_beside, finish_metrics, setup_trainer  # noqa: E402
+from rollout import HFRollout  # noqa: E402
+from sampling import Sampling, policy_lag  # noqa: E402
+from weight_sync import weight_sync_by_collective, weight_sync_in_place, weights_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Helpers defined here run on Ray workers, which cannot import this test module: ship them by value.
@@ -451,7 +452,7 @@ class _SlowEngine:
 
     def generate(self, prompt_ids, n, sampling):
         import time
-        from rollout import Completions
+        from sampling import Completions
         time.sleep(1.0)
         self.generated = time.time()
         return Completions([], [], [], [])

@@ -11,7 +11,8 @@ import rl
 from conftest import rl_trainer, check_an_episode_on, read_metrics, run_grpo
 from data import TASKS
 from env import Agent, GuessTheNumber, ToolChat, calculator, load_environment, load_tools
-from rollout import Completions, HFRollout, Sampling
+from rollout import HFRollout
+from sampling import Completions, Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -228,7 +228,8 @@ def test_a_long_prefill_runs_in_chunks_without_a_square_mask(arch, tiny_model, m
     from types import SimpleNamespace
 
     import rollout as rollout_module
-    from rollout import HFRollout, Sampling
+    from rollout import HFRollout
+    from sampling import Sampling
     from test_rollout import _tiny_gemma2
     model = _tiny_gemma2(window=6) if arch == "gemma2" else tiny_model[0]
     tok = SimpleNamespace(pad_token_id=0, eos_token_id=2,

@@ -311,7 +311,8 @@ def test_generations_roofline_floors_are_a_hand_count_of_the_tiny_llama(tiny_mod
     FLOP/s and 1 byte/s the floors are the counts themselves."""
     import rollout
     from hardware import Floors, decode_bytes, decode_cost
-    from rollout import HFRollout, Sampling
+    from rollout import HFRollout
+    from sampling import Sampling
     model, tokenizer = tiny_model
     V = model.config.vocab_size
     N = V * 128 + 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) + 5 * 128

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from logprobs import completion_logprobs, length_mask, pack
-from rollout import (CDF_BLOCK, HFRollout, Sampling, cut_at_stop, group_batches, inverse_cdf,
-                     sample_next)
+from rollout import HFRollout, group_batches
+from sampling import CDF_BLOCK, Sampling, cut_at_stop, inverse_cdf, sample_next
 
 
 def test_cut_at_stop_keeps_the_stop_token():

@@ -190,8 +190,8 @@ def test_the_format_round_trips_what_replay_needs(tmp_path, tokenizer):
     the engine's float32 log-probs to the bit --, rewards, scores and which samples were kept."""
     from types import SimpleNamespace
     from rl import Scored, replayed
-    from rollout import Completions
     from rollout_log import RolloutLog, saved_steps
+    from sampling import Completions
     lps = torch.randn(4, 3).tolist()  # float32 values, as an engine returns them
     comps = Completions([[1, 2]] * 4, [[5, 6, 7]] * 4, [False, True, False, False],
                         ["a", "b", "c", "d"], lps, policy_version=3,
