@@ -38,6 +38,8 @@ copy). A start that shares the cores with another job measures them low; no frac
 pass 1, so they are the best seen in the process: measured again whenever a phase did better than
 them, and raised at least to what it did. A CPU's are also measured again once a minute, the best
 reading kept: a low one would otherwise inflate every fraction of the run over it.
+
+And what an update held: peak_memory_gb, the trainer's GPU memory or the process's resident memory.
 """
 
 import functools
@@ -357,6 +359,16 @@ def processed_tokens(input_ids, prompt_lens, completion_lens, rows, shares_promp
         total += int(completion_lens[i])
         last = prompt
     return total
+
+
+def peak_memory_gb(device: str, engine_bytes: int = 0) -> float:
+    """Peak memory of the trainer: GPU memory allocated by PyTorch less a vLLM engine's pool in
+    this process (allocated through the same allocator, and counted as allocated even asleep), or
+    the process's resident host memory on a CPU."""
+    if torch.device(device).type == "cuda":
+        return (torch.cuda.max_memory_allocated() - engine_bytes) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def peak_flops(device_type: str, dtype: torch.dtype, achieved: float = 0.0) -> tuple[float, str]:

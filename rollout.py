@@ -630,7 +630,7 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
                              gpu_memory_utilization=gpu_memory_utilization,
                              enforce_eager=not on_gpu, max_num_seqs=max_num_seqs)
         # Its weights, KV cache and workspace: a pool of this process's CUDA allocator, which
-        # the trainer's memory figures leave out (trainer.peak_memory_gb).
+        # the trainer's memory figures leave out (hardware.peak_memory_gb).
         engine.memory_bytes = torch.cuda.memory_allocated() - before if on_gpu else 0
         engine.decode_cost = decode_cost(model, dtype)
         engine.update_weights(full_weights(model))  # the trainer's weights, whatever is on disk

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoint import load_trainer_state, save_trainer_state
-from hardware import DTYPES, ModelCost, autocast, model_cost, peak_flops, pick_device
-from hardware import processed_tokens, train_flops_per_token
+from hardware import DTYPES, ModelCost, autocast, model_cost, peak_flops, peak_memory_gb
+from hardware import pick_device, processed_tokens, train_flops_per_token
 from logprobs import check_head_logits, completion_logprobs
 from model import adamw_with_warmup, add_lora, cast_copy, full_state_dict, is_lora, load_adapters
 from model import load_model, model_path, save_model, shard_model, source_dtype
@@ -358,16 +358,6 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-def peak_memory_gb(device: str, engine_bytes: int = 0) -> float:
-    """Peak memory of the trainer: GPU memory allocated by PyTorch less a vLLM engine's pool in
-    this process (allocated through the same allocator, and counted as allocated even asleep), or
-    the process's resident host memory on a CPU."""
-    if torch.device(device).type == "cuda":
-        return (torch.cuda.max_memory_allocated() - engine_bytes) / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
 def update_flops(trainer, batch, keep) -> float:
     """The model FLOPs of one update over rows `keep` (hardware.py's count): the policy's forward
     and backward over the tokens its forward runs, and the KL reference's forward. Not counted:
@@ -397,9 +387,8 @@ class UpdateStats:
                     "seqs": len(batch.completion_lens),
                     "trained_tokens": int((batch.prompt_lens + batch.completion_lens)[keep].sum()),
                     "lr": trainer.scheduler.get_last_lr()[0],
-                    "model_flops": update_flops(trainer, batch, keep)}  # (an update's)
-        # the peak is read when the update is over, raised to what the update achieved if more
-        # (hardware.peak_flops: a busy start measures it low)
+                    "model_flops": 0.0}  # (result: what the machine did, counted once at the end)
+        self._update = (trainer, batch, keep)
         self.dtype, self.started = next(trainer.compute.parameters()).dtype, time.perf_counter()
         self.mismatch = self.raw["mismatch"]
         self.update_loss, self._sums, self._tokens = 0.0, {}, 0  # of the update in progress
@@ -440,8 +429,11 @@ class UpdateStats:
         self.update_loss, self._sums, self._tokens = 0.0, {}, 0
 
     def result(self) -> dict:
-        self.raw["model_flops"] *= self.raw["applied_updates"]
+        """The sums, and what the update asked of the machine: its model FLOPs (update_flops),
+        the device's peak -- raised to what the update achieved if more (hardware.peak_flops: a
+        busy start measures it low) -- and the peak memory."""
         seconds = time.perf_counter() - self.started - self.raw.get("detail_seconds", 0.0)
+        self.raw["model_flops"] = update_flops(*self._update) * self.raw["applied_updates"]
         self.raw["peak_flops"] = peak_flops(
             torch.device(self.device).type, self.dtype,
             achieved=self.raw["model_flops"] / seconds if seconds > 0 else 0.0)[0]

@@ -28,7 +28,7 @@ def one(model_dir, length, checkpointing, budget, lora_rank=0):
     from grpo import Config, train_on_rollout
     from rl import TrainBatch, loss_denominator
     from logprobs import pack
-    from trainer import peak_memory_gb
+    from hardware import peak_memory_gb
     from trainer import setup_trainer
     cfg = Config(data="arith", model=model_dir, beta=0.0, gradient_checkpointing=checkpointing,
                  max_tokens_per_microbatch=budget, max_new_tokens=length, lora_rank=lora_rank)
