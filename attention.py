@@ -4,7 +4,7 @@ mask can say it.
     a decoding step (one query a row)      each KV head's keys and values read once for the query
                                            heads that share it, the softmax in fp32 (the engine)
     a packed row of a shared prompt        each completion against its prompt's keys and its own,
-    (model.share_prompts)                  never against the other completions of the row
+    (logprobs.share_prompts)                  never against the other completions of the row
 
 The second is what makes prompt sharing pay on long rows. A GRPO group packed as one row -- its
 prompt once, then its G completions -- is P + G n tokens long; SDPA given the row's mask still
@@ -64,7 +64,7 @@ class Block(NamedTuple):
 
 
 class PrefixLayout(NamedTuple):
-    """Where a packed batch's prompts and completions sit (model.share_prompts builds it; sft.py
+    """Where a packed batch's prompts and completions sit (logprobs.share_prompts builds it; sft.py
     too, for packed sequences: prompts without completions), said as the attention calls that
     compute it."""
     blocks: tuple  # Block: the prompts, then the completions (one block, or one a prompt)

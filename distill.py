@@ -43,8 +43,9 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from cli import check, parse_config
-from model import DTYPES, autocast, check_head_logits, head_logits, length_mask
-from model import load_model, load_tokenizer, pick_device, resolve
+from hardware import DTYPES, autocast, pick_device
+from logprobs import check_head_logits, head_logits, length_mask
+from model import load_model, load_tokenizer, resolve
 from options import RLOptions
 from rl import after_update, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import replayed, train_batch, with_detail

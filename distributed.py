@@ -22,7 +22,7 @@ without GPUs; which, the cluster's resources say, not the driver's own hardware)
 
     after each step, the weights (--weight-sync):
     collective     trainer 0 ==broadcast, bucket by bucket==> engine 0, engine 1, ...
-                   a process group of their own (rollout.WeightGroup): NCCL GPU to GPU, gloo on
+                   a process group of their own (weight_sync.WeightGroup): NCCL GPU to GPU, gloo on
                    CPU or when an engine shares its trainer's GPU; bf16, <= 256 MB per bucket
     object-store   trainer 0 --state dict--> Ray object store --> every engine pulls a copy
     (in place)     a colocated HF engine decodes from its trainer's tensors: nothing to send
@@ -410,7 +410,7 @@ def _shard_sampling(sampling, first: int):
     keeps the seed: one engine on Ray samples what one in the driver's process does.)"""
     if sampling.seed is None or first == 0:
         return sampling
-    from rollout import request_seed
+    from sampling import request_seed
     return dataclasses.replace(sampling, seed=request_seed(sampling.seed, first))
 
 

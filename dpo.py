@@ -35,11 +35,14 @@ from cli import check, parse_config
 from data import Template, arith_heldout, load_table
 from evaluate import evaluate_rows
 from formats import check_pairs
-from model import DTYPES, autocast, completion_logprobs, full_weights, length_mask, pack
+from hardware import DTYPES, autocast
+from logprobs import completion_logprobs, length_mask, pack
+from model import full_weights
 from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions
 from pairs import ANSWER_TOKENS, Pair, builtin_pairs, tokenize_pairs
 from reward import Grader
-from rollout import HFRollout, Sampling
+from rollout import HFRollout
+from sampling import Sampling
 from session import close_run, offline_loop, one_run, open_run, resume_driver, start_log
 from trainer import export_model, optimizer_step, resume_trainer
 from trainer import save_trainer, setup_trainer

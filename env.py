@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from reward import load_function, run_coroutine
-from rollout import Completions, Sampling, request_seed
+from sampling import Completions, Sampling, request_seed
 from sandbox import check_sandbox, run_python
 
 # ---------------------------------------------------------------------------------------------

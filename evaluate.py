@@ -30,7 +30,8 @@ from cli import check, flag, parse_config
 from data import TEMPLATES, Template, escaped, dataset_name, encode_prompts, load_rows
 from reward import Grader, extract_answer, fast_match
 from env import Agent, episode_metrics, load_environment, load_tools
-from rollout import Sampling, tokens_after_prompt
+from rollout import tokens_after_prompt
+from sampling import Sampling
 
 # ---------------------------------------------------------------------------------------------
 # Metrics
@@ -395,7 +396,8 @@ def main(argv=None):
                 for src in cfg.data.split(",")}
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # before the model, too
     agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
-    from model import choose_dtype, load_model, pick_device
+    from hardware import choose_dtype, pick_device
+    from model import load_model
     from rollout import make_rollout
     device = pick_device()
     dtype = choose_dtype(cfg.dtype, device)

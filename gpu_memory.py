@@ -39,12 +39,12 @@ ENGINE_WORKSPACE = 1 * GiB  # vLLM's activations and CUDA graphs beside weights,
 # int64 indices per (request, vocabulary entry). At the default 1,024 requests and Qwen's 151,936
 # entries that alone is ~3 GiB: the engine is started with max_num_seqs = one step's samples.
 SAMPLER_BYTES = 20
-# Per (token, vocabulary entry) of a log-prob chunk at its peak (model.LinearHeadLogprobs): the
+# Per (token, vocabulary entry) of a log-prob chunk at its peak (logprobs.LinearHeadLogprobs): the
 # bf16 logits 2, and fp32 copies of an eighth of the rows at a time (two in the forward) 1 --
 # measured on a CPU with the GPU's row blocks (tests/test_long_context.py). Beside them a
 # (vocabulary x hidden) tensor: logits_bytes.
 LOGITS_BYTES = 3
-LOGPROB_CHUNK = 2048  # model.completion_logprobs' chunk_tokens
+LOGPROB_CHUNK = 2048  # logprobs.completion_logprobs' chunk_tokens
 # Activations are planned at this many times their estimate: the allocator rounds each saved
 # tensor up to its block size, and a sequence's backward briefly holds a gradient beside them.
 ACTIVATION_HEADROOM = 1.1
@@ -74,7 +74,7 @@ class Workload(NamedTuple):
     packed_row: int = 2048  # the longest row of several sequences a micro-batch packs, whose
     #                         (row x row) mask a model whose layers take no layout gets (a
     #                         sliding window, soft-capping: attention.takes_layouts):
-    #                         share_prompts' under SDPA's mask (model.MAX_SHARED_LEN), sft.py
+    #                         share_prompts' under SDPA's mask (logprobs.MAX_SHARED_LEN), sft.py
     #                         --packing's (--max-length); 0: none
 
 

@@ -40,8 +40,8 @@ from options import RLOptions
 from reward import Grader, RewardFunctions
 from rl import Scored, end_step, finish_session, sampling_seed, score, start_rollout
 from rl import log_rollouts, replayed, start_session, train_batch, with_detail
+from sampling import policy_lag
 from session import one_run
-from rollout import policy_lag
 from trainer import Trainer, UpdateStats, any_rank_trains, count_bad_steps
 from trainer import engine_correction, frozen_logprobs, micro_batches, optimizer_step
 from trainer import logprobs_after_update, policy_logprobs, reference_logprobs, same_pass_count

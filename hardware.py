@@ -1,6 +1,13 @@
-"""What a model asks of the machine, and what the machine can give: the model FLOPs a trained token
-costs, counted from the model's config as nanoGPT and PaLM count them, and a GPU's dense peak
-from its vendor's datasheet. Their ratio is the model-FLOPs utilisation (MFU):
+"""What a model asks of the machine, and what the machine can give.
+
+The device and the compute dtype, decided in one place and printed: bf16 where the hardware
+multiplies it natively (a recent GPU; a CPU whose timed bf16 matmul beats its fp32 one), fp32
+where bf16 is emulated (most laptops, ~50x slower) -- choose_dtype, on a CPU from matmul_rate.
+hardware_line() names the machine in one line for every measurement.
+
+The model FLOPs a trained token costs, counted from the model's config as nanoGPT and PaLM count
+them, and a GPU's dense peak from its vendor's datasheet. Their ratio is the model-FLOPs
+utilisation (MFU):
 
     MFU = model FLOPs per token x tokens / seconds / peak FLOP/s
 
@@ -31,15 +38,144 @@ copy). A start that shares the cores with another job measures them low; no frac
 pass 1, so they are the best seen in the process: measured again whenever a phase did better than
 them, and raised at least to what it did. A CPU's are also measured again once a minute, the best
 reading kept: a low one would otherwise inflate every fraction of the run over it.
+
+And what an update held: peak_memory_gb, the trainer's GPU memory or the process's resident memory.
 """
 
+import functools
+import itertools
 import math
+import os
 import time
+from contextlib import nullcontext
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from model import machine as hardware_line, matmul_rate
+
+# ---------------------------------------------------------------------------------------------
+# The device, and the machine in one line.
+
+
+def pick_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def hardware_line() -> str:
+    """The hardware a figure was measured on, in one line: GPU, or CPU model, torch's CPU kernels
+    (AVX2, AVX512, ...) and threads."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    return (f"{cpu_name()}, torch kernels {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} threads")
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------------------------------------
+# The compute dtype. Master weights and optimizer state are always fp32; forward and backward run
+# in bf16 only where the hardware multiplies bf16 natively. On a CPU without AMX or AVX512-BF16
+# (AMD before Zen 4, Intel laptops, Apple M1) bf16 matmuls are emulated: measured 0.9-1.3 GFLOP/s
+# against 46-82 for fp32 on one AVX2 core. Capability flags cannot be trusted alone (a CPU may have
+# AMX that torch's kernels are told not to use), so on a CPU we time both: once, ~0.1 s.
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# bf16 on a CPU only when its timed matmul is this many times faster than fp32's. Native bf16 is
+# 3-4x faster (AMX: 1,312 vs 338 GFLOP/s), emulated bf16 ~50x slower: between the two lies noise --
+# on a loaded machine both rates once read 14.2, and a bare `bf16 > fp32` flipped between launches.
+BF16_MARGIN = 1.5
+# Makes `auto` choose this dtype without timing: the test suite pins it (tests/conftest.py), and a
+# developer on an AVX2 machine can run the bf16 path with SMOLRL_AUTO_DTYPE=bf16.
+AUTO_DTYPE_ENV = "SMOLRL_AUTO_DTYPE"
+
+
+class DtypeChoice(NamedTuple):
+    name: str  # "bf16" or "fp32"
+    reason: str  # one line: why, with the measured rates on a CPU
+
+    @property
+    def torch(self) -> torch.dtype:
+        return DTYPES[self.name]
+
+
+def choose_dtype(requested: str = "auto", device: str = "cpu", recorded: str = "") -> DtypeChoice:
+    """--dtype: bf16 or fp32 as asked; for `auto`, the dtype a resumed run recorded (`recorded`,
+    from its config file: a run never changes dtype half-way), else what this device computes
+    fastest."""
+    if requested != "auto":
+        return DtypeChoice(requested, "as --dtype asked")
+    if recorded in DTYPES:
+        return DtypeChoice(recorded, "as the resumed run recorded it: not timed again")
+    forced = os.environ.get(AUTO_DTYPE_ENV, "")
+    if forced:
+        if forced not in DTYPES:
+            raise SystemExit(f"error: {AUTO_DTYPE_ENV}={forced}: choose one of {', '.join(DTYPES)}")
+        return DtypeChoice(forced, f"{AUTO_DTYPE_ENV}={forced} in the environment")
+    if torch.device(device).type == "cuda":
+        name = torch.cuda.get_device_name()
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return DtypeChoice("bf16", f"{name} computes bf16 natively")
+        return DtypeChoice("fp32", f"{name} has no native bf16 (compute capability < 8.0)")
+    return cpu_dtype()
+
+
+@functools.cache
+def cpu_dtype() -> DtypeChoice:
+    """bf16 when this CPU's bf16 matmul is BF16_MARGIN times faster than its fp32 one, else fp32:
+    timed once per process, on one thread -- threads that wait for each other on a busy machine
+    made both rates crawl to a tie (14 vs 20 GFLOP/s on an AMX Xeon whose one thread does 560
+    vs 168)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32, bf16 = matmul_rate(torch.float32), matmul_rate(torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    name = "bf16" if bf16 >= BF16_MARGIN * fp32 else "fp32"
+    return DtypeChoice(name, f"{cpu_name()}, torch kernels {torch.backends.cpu.get_cpu_capability()}"
+                             f": one-thread matmul bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s; bf16 "
+                             f"only if >= {BF16_MARGIN:g}x faster")
+
+
+def matmul_rate(dtype, shape=(64, 576, 1536), seconds: float = 0.03) -> float:
+    """GFLOP/s of a (m, k) @ (k, n) matmul in `dtype` on the CPU (SmolLM2's MLP shape): the
+    fastest of the calls that fit in `seconds` (at least two) after a warm-up call -- the fastest,
+    because another process on the same cores only ever slows a call down."""
+    m, k, n = shape
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    a @ b  # the first call picks and prepares a kernel
+    best, start = math.inf, time.perf_counter()
+    for calls in itertools.count(1):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+        if calls >= 2 and time.perf_counter() - start > seconds:
+            return 2 * m * k * n / best / 1e9
+
+
+def autocast(device: str, enabled: bool = True):
+    """bf16 autocast around fp32 weights, when the run computes in bf16: DPO, and GRPO with LoRA or
+    FSDP2 (any other bf16 GRPO run computes on a bf16 copy of its weights: trainer.bf16_copy)."""
+    if not enabled:
+        return nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model FLOPs and the machine's peak.
+
 
 # Dense (no sparsity) tensor-core bf16 and plain fp32 TFLOP/s, per GPU, from the datasheets;
 # the first name the device's name contains wins (H100 PCIe before H100).
@@ -213,7 +349,8 @@ def floors(flops: float, nbytes: float, seconds: float, device_type: str,
 
 def processed_tokens(input_ids, prompt_lens, completion_lens, rows, shares_prompts: bool) -> int:
     """The tokens a forward over `rows` of a packed batch runs: each row's prompt and completion,
-    and with prompt sharing (model.share_prompts) a prompt the row before it also has only once."""
+    and with prompt sharing (logprobs.share_prompts) a prompt the row before it also has only
+    once."""
     total, last = 0, None
     for i in rows.tolist():
         prompt = input_ids[i, :int(prompt_lens[i])]
@@ -222,6 +359,16 @@ def processed_tokens(input_ids, prompt_lens, completion_lens, rows, shares_promp
         total += int(completion_lens[i])
         last = prompt
     return total
+
+
+def peak_memory_gb(device: str, engine_bytes: int = 0) -> float:
+    """Peak memory of the trainer: GPU memory allocated by PyTorch less a vLLM engine's pool in
+    this process (allocated through the same allocator, and counted as allocated even asleep), or
+    the process's resident host memory on a CPU."""
+    if torch.device(device).type == "cuda":
+        return (torch.cuda.max_memory_allocated() - engine_bytes) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def peak_flops(device_type: str, dtype: torch.dtype, achieved: float = 0.0) -> tuple[float, str]:
@@ -252,7 +399,7 @@ def _measure_peak(device_type: str, dtype: torch.dtype) -> tuple[float, str]:
 
 
 def machine() -> dict:
-    """What a run ran on, for its report (machine.json): model.machine()'s line -- the GPU, or the
+    """What a run ran on, for its report (machine.json): hardware_line() -- the GPU, or the
     CPU, its torch kernels and threads --, the cores, the library versions."""
     import os
     import platform

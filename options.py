@@ -28,7 +28,8 @@ from cli import check, flag
 from data import Template, apply_task
 from evaluate import TRACKERS
 from gpu_memory import GiB, PROMPT_TOKENS, Workload, plan_memory
-from model import DEFAULT_MODEL, DtypeChoice, choose_dtype, model_path, pick_device
+from hardware import DtypeChoice, choose_dtype, pick_device
+from model import DEFAULT_MODEL, model_path
 from pairs import ANSWER_TOKENS
 from reward_models import frozen_models
 from rollout import HF_BATCH
@@ -57,7 +58,7 @@ class TrainOptions:
     alone"""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """compute dtype of the update (and of the KL reference, teacher and engine; master weights
-    stay fp32); auto: bf16 where the hardware has it natively, else fp32 (model.choose_dtype,
+    stay fp32); auto: bf16 where the hardware has it natively, else fp32 (hardware.choose_dtype,
     printed; a resumed run keeps the dtype it recorded)"""
     compile: bool = False
     """torch.compile the decoder layers for the update: 1.2-1.4x faster after a one-off ~45-60 s

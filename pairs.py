@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from data import TEMPLATES, InputError, arith_stream, encode_prompts
 from reward import Grader, extract_answer
-from rollout import Sampling
+from sampling import Sampling
 
 
 ANSWER_TOKENS = 32  # an arith answer's tokens at most (the builtin pairs, dpo.py's held-out task)

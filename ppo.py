@@ -42,12 +42,14 @@ from tqdm import tqdm
 
 from cli import check, parse_config
 from grpo import grpo_loss
-from model import autocast, check_reward_head, length_mask, model_path, resolve, share_prompts
+from hardware import autocast
+from logprobs import length_mask, share_prompts
+from model import check_reward_head, model_path, resolve
 from options import RLOptions
 from rl import after_update, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import replayed, train_batch, with_detail
+from sampling import policy_lag
 from session import one_run
-from rollout import policy_lag
 from trainer import UpdateStats, any_rank_trains
 from trainer import engine_correction, logprobs_after_update
 from trainer import frozen_logprobs, micro_batches, optimizer_step, policy_logprobs
@@ -203,8 +205,8 @@ def value_loss(values, old_values, returns, mask, clip: float, num_tokens: float
 def token_values(critic, batch, idx, device, bf16: bool):
     """(b, T) V(s_t) for micro-batch `idx`: the critic's scalar head on the state before each
     completion token t -- position prompt_len + t - 1, the state the policy's log-prob of token t
-    comes from (model.completion_logprobs reads the same one) -- with a group's prompt run once
-    where model.share_prompts allows, as for the policy."""
+    comes from (logprobs.completion_logprobs reads the same one) -- with a group's prompt run once
+    where logprobs.share_prompts allows, as for the policy."""
     base = critic.get_base_model() if hasattr(critic, "peft_config") else critic
     decoder = getattr(base, base.base_model_prefix)
     mb = batch.select(idx)

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from data import TEMPLATES
-from model import autocast, check_reward_head, head_logits, load_model, pick_device, resolve
-from model import right_pad, share_prompts
+from hardware import autocast, pick_device
+from logprobs import head_logits, right_pad, share_prompts
+from model import check_reward_head, load_model, resolve
 
 BATCH = 16  # sequences a judge asks about together
 TOKENS = 8192  # a learned reward's forward: its sequences' tokens together, at the most
@@ -160,7 +161,7 @@ class Judge:
             # The decoder alone, then the head at one position a row: the model's own forward
             # would build (b, L, V) logits -- ~125 GB in fp32 for 16 rows of 8.6K tokens at
             # Qwen's vocabulary. Right padding needs no attention mask (causal attention never
-            # looks at the later pad), as in model.completion_logprobs.
+            # looks at the later pad), as in logprobs.completion_logprobs.
             hidden = self.model.get_decoder()(input_ids=batch["input_ids"],
                                               use_cache=False).last_hidden_state  # (b, L, H)
             rows = torch.arange(len(ids), device=hidden.device)  # (b,)
@@ -214,7 +215,7 @@ def scores(model, sequences: list[list[int]], device, pad_id: int, bf16: bool,
     through the scalar head -- rm.py's training and RewardModel's scoring alike. bf16: the run
     computes in bf16 (autocast where the weights are fp32: LoRA's base). shared_lens: (B,) how
     many first tokens each sequence has in common with another of the batch (a pair's prompt, and
-    the start its two responses share): those then run once (model.share_prompts), where the
+    the start its two responses share): those then run once (logprobs.share_prompts), where the
     model is verified to allow it; without them, or where it is not, every sequence runs in its
     own padded row."""
     base = model.get_base_model() if hasattr(model, "peft_config") else model

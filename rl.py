@@ -24,12 +24,14 @@ import torch
 from data import TEMPLATES, ProblemStream, encode_prompts, load_problems, task_summary
 from env import Agent, Episode, load_environment, load_tools
 from evaluate import evaluate_held_out, show_samples, step_record
-from model import DTYPES, length_mask, model_path, pack, right_pad
+from hardware import DTYPES
+from logprobs import length_mask, pack, right_pad
+from model import model_path
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from reward_models import check_learned_rewards, learned_rewards
-from rollout import Completions, Ready, Sampling
 from rollout_log import RolloutLog, check_log, detail_index, detail_samples
 from rollout_log import saved_steps
+from sampling import Completions, Ready, Sampling
 from session import RunFolder, after_step, close_run, open_run, resume_driver, start_log
 from trainer import count_bad_steps, setup_local, setup_ray
 

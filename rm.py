@@ -41,7 +41,8 @@ from jinja2 import TemplateError
 from cli import check, parse_config
 from data import InputError, load_table
 from formats import check_pairs
-from model import DTYPES, load_model, load_tokenizer, model_path
+from hardware import DTYPES
+from model import load_model, load_tokenizer, model_path
 from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions
 from pairs import Pair, builtin_pairs
 from reward_models import common_prefix, reward_model_ids, scores

@@ -6,181 +6,38 @@
 
 grpo.py and evaluate.py only ever call these two methods, so a vLLM engine (or a group of
 engines on other machines) can stand in for HFRollout without the algorithm changing. Engines on
-Ray can also take the weights by a collective (join_weight_group / receive_weights, below).
+Ray can also take the weights by a collective (join_weight_group / receive_weights: weight_sync.py).
 Every engine knows the version (trainer step) of the weights it holds, and says it with each
-batch of completions: a sync that was skipped cannot go unnoticed.
+batch of completions: a sync that was skipped cannot go unnoticed. What they are asked and give
+back (Sampling, Completions) and how they draw a token (sample_next) is sampling.py's.
 
 Masks are never inferred from token values: with SmolLM2 and Llama tokenizers pad == eos, so a
 completion's length is where its first stop token is (that stop token included: the model must
 learn to stop), or max_new_tokens when it never stopped (then it is `truncated`).
+
+Below: the HF engine (HFRollout, its batches and kept caches), the vLLM engine (VLLMRollout), the
+trainer/engine log-prob mismatch, and make_rollout, which picks one.
 """
 
-import hashlib
-import math
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from os.path import commonprefix
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from attention import use_smolrl_attention
 from hardware import DecodeCost, Floors, decode_bytes, decode_cost, floors, generation_flops
 from model import empty_copy, full_weights, named_tensors, stop_token_ids
+from sampling import Completions, Ready, Sampling, cut_at_stop, request_seed, sample_next
+from sampling import token_logprobs
+from weight_sync import WeightGroup
 
 
-@dataclass
-class Sampling:
-    max_new_tokens: int = 64
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    seed: int | None = None
-    keep_cache: bool = False  # the HF engine keeps each sample's keys and values for a next call
-    # whose prompts continue these (an episode's next turn, env.Agent): it then prefills only the
-    # new tokens. (vLLM finds such prefixes itself: prefix caching.)
-
-
-@dataclass
-class Completions:
-    """n completions per prompt, prompt-major: sample k of prompt i is at index i * n + k."""
-    prompt_ids: list[list[int]]  # the prompt of each sample (repeated n times)
-    completion_ids: list[list[int]]  # sampled tokens, stop token included when there was one
-    truncated: list[bool]  # True when the sample hit max_new_tokens without a stop token
-    text: list[str]  # decoded completion, special tokens removed
-    engine_logprobs: list[list[float]] | None = None  # the sampling policy's log-prob per token
-    policy_version: int = 0  # the trainer step whose weights sampled these
-    seconds: float = 0.0  # the engine's time generating them (engines side by side: the longest)
-    mask: list[list[bool]] | None = None  # episodes (env.py): True where the model sampled the
-    # token, False for the environment's; None: every completion token is the model's
-    prompt_tokens: int = 0  # prompt tokens the engine was given (each distinct prompt once) ...
-    cached_tokens: int = 0  # ... and how many of them it took from a cache, not a forward
-    # The seconds the call would take at the machine's peak FLOP/s and at its memory bandwidth
-    # (hardware.py's roofline): over `seconds`, how close the engine came to its bound
-    compute_floor: float = 0.0
-    memory_floor: float = 0.0
-
-    def __len__(self):
-        return len(self.completion_ids)
-
-    def select(self, indices: list[int]) -> "Completions":
-        pick = lambda xs: None if xs is None else [xs[i] for i in indices]  # noqa: E731
-        return Completions(pick(self.prompt_ids), pick(self.completion_ids), pick(self.truncated),
-                           pick(self.text), pick(self.engine_logprobs), self.policy_version,
-                           self.seconds, pick(self.mask), self.prompt_tokens, self.cached_tokens,
-                           self.compute_floor, self.memory_floor)
-
-    @staticmethod
-    def concat(parts: list["Completions"]) -> "Completions":
-        join = lambda name: None if getattr(parts[0], name) is None else [  # noqa: E731
-            x for p in parts for x in getattr(p, name)]
-        return Completions(join("prompt_ids"), join("completion_ids"), join("truncated"),
-                           join("text"), join("engine_logprobs"),
-                           min(p.policy_version for p in parts),  # the stalest part's
-                           max(p.seconds for p in parts),  # (engines generate side by side)
-                           join("mask"), sum(p.prompt_tokens for p in parts),
-                           sum(p.cached_tokens for p in parts),
-                           max(p.compute_floor for p in parts),  # (as `seconds`)
-                           max(p.memory_floor for p in parts))
-
-
-class Ready:
-    """Completions already generated, behind the interface of ones still on their way."""
-
-    def __init__(self, completions: Completions):
-        self.completions = completions
-
-    def result(self) -> Completions:
-        return self.completions
-
-
-def policy_lag(comps: Completions, step: int, allowed: int) -> int:
-    """Updates between the weights that sampled step `step`'s batch and the trainers' (0 on-policy,
-    1 with --async-steps 1). More than `allowed` means a weight sync went missing: stop."""
-    lag = step - 1 - comps.policy_version
-    if not 0 <= lag <= allowed:
-        raise SystemExit(f"error: step {step}'s batch was sampled with the weights of step "
-                         f"{comps.policy_version}, {lag} updates behind the trainers (allowed: "
-                         f"{allowed}): a weight sync was skipped or failed")
-    return lag
-
-
-def request_seed(seed: int, index: int) -> int:
-    """The seed of prompt `index` of a call seeded with `seed`: a 31-bit hash of both, so that no
-    two prompts (and no two engines' shards, see distributed.EngineGroup) share a random stream."""
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def cut_at_stop(tokens: list[int], stop_ids: set[int], max_new_tokens: int):
-    """(completion up to and including the first stop token, truncated?)."""
-    for i, t in enumerate(tokens):
-        if t in stop_ids:
-            return tokens[:i + 1], False
-    return tokens[:max_new_tokens], True
-
-
-def sample_next(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """One token per row of (B, V) logits: the argmax when greedy, else a draw from
-    softmax(logits / T), cut to the top-p nucleus when top_p < 1 -> (B,) token ids.
-
-    The draw inverts the CDF with one uniform number per row. torch.multinomial draws an
-    exponential random number for every vocabulary entry instead: a quarter of generation here."""
-    if sampling.temperature == 0:
-        token = logits.argmax(-1)  # (a row's NaN is its argmax: checked on B values, not B V)
-        if not torch.isfinite(logits.gather(-1, token[:, None])).all():
-            raise ValueError("sampling: the logits hold NaN or are all -inf in some row")
-        return token
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)  # (B, V)
-    if sampling.top_p < 1:  # the smallest set of likeliest tokens holding top_p of the mass
-        sorted_probs, order = probs.sort(-1, descending=True)
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs  # (B, V)
-        probs = probs.scatter(-1, order, sorted_probs * (mass_before < sampling.top_p))
-    # fp64 totals: past 0.5 an fp32 running sum no longer grows by probabilities below ~3e-8,
-    # and those tokens could never be drawn.
-    totals = probs.sum(-1, dtype=torch.float64)  # (B,)
-    if not torch.isfinite(totals).all():  # (a NaN anywhere makes its row's total NaN)
-        raise ValueError("sampling: the logits hold NaN or are all -inf in some row")
-    u = torch.rand(len(probs), 1, device=probs.device, dtype=torch.float64) * totals[:, None]
-    return inverse_cdf(probs, u.squeeze(1))
-
-
-CDF_BLOCK = 256  # vocabulary entries a block of inverse_cdf's coarse running sum
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The first token whose running sum of (B, V) probabilities exceeds u (B,), fp64 -> (B,).
-
-    In two passes, as a vocabulary of 49,152 makes it pay: the running sum of blocks' totals finds
-    each row's block, then the running sum inside that block alone finds the token. A running sum
-    over the whole row is sequential in each row: 42 ms a draw of 64 rows against 6 ms so (fp32,
-    a 2-core EPYC; a decoding step of 64 rows is ~300 ms). Block totals are a vectorised sum. The
-    sums are added in another order than one running sum: the draw differs only where u falls
-    within ~1e-16 of a boundary."""
-    B, V = probs.shape
-    blocks = F.pad(probs, (0, -V % CDF_BLOCK)).view(B, -1, CDF_BLOCK)  # (B, nb, b), zeros padded
-    sums = blocks.sum(-1, dtype=torch.float64)  # (B, nb)
-    coarse = sums.cumsum(-1)
-    # u at or past the row's last sum by a rounding (the caller's total added in another order):
-    # the last block that can be drawn from
-    last_block = sums.shape[1] - 1 - (sums > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
-    k = torch.minimum(torch.searchsorted(coarse, u[:, None], right=True), last_block)  # (B, 1)
-    before = torch.where(k > 0, coarse.gather(1, (k - 1).clamp(min=0)), 0.0)  # (B, 1)
-    block = blocks[torch.arange(B, device=probs.device), k.squeeze(1)]  # (B, b)
-    fine = block.cumsum(-1, dtype=torch.float64) + before  # (B, b)
-    j = torch.searchsorted(fine, u[:, None], right=True).squeeze(1)
-    # u past the block's own sum by a rounding: its last token that can be drawn
-    last = CDF_BLOCK - 1 - (block > 0).flip(-1).to(torch.uint8).argmax(-1)
-    return k.squeeze(1) * CDF_BLOCK + torch.where(j < CDF_BLOCK, j, last)
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(B,) log softmax(logits / T)[token] for (B, V) logits: the log-prob of each drawn token under
-    the distribution sample_next drew it from (in fp32, as the trainer computes its own)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # (B, V)
-    return logp.gather(-1, tokens[:, None]).squeeze(-1)
+# ---------------------------------------------------------------------------------------------
+# The HF engine: a decoding loop over the model, batched, each prompt's keys and values shared by
+# its samples.
 
 
 def group_batches(prompts: list, n: int, batch_size: int):
@@ -267,7 +124,7 @@ class HFRollout:
     leaves the batch at its stop token, so the steps after it cost less.
 
     Generation runs on a copy of the policy in the run's compute dtype (bf16 or fp32, as the
-    trainer computes: model.choose_dtype): autocast would re-cast every fp32 weight at every
+    trainer computes: hardware.choose_dtype): autocast would re-cast every fp32 weight at every
     decoding step (in bf16 on CPU the copy is ~1.3x faster). Its own copy, which update_weights
     refreshes, as a vLLM engine holds its own -- or, in a trainer's process, the very tensors the
     trainer computes with (shares_weights; trainer.setup_local).
@@ -466,7 +323,7 @@ class HFRollout:
         prompt starts with (a chat template's system prompt, an instruction) run once, in one row,
         and their cache is copied to every prompt: arith's 256 held-out prompts share 27 of their
         53 tokens. Only for models verified to give a token the same log-probs whatever else
-        shares its row (model.check_head_logits): the prompts' padding sits between the cache and
+        shares its row (logprobs.check_head_logits): the prompts' padding sits between the cache and
         their tokens. Not where that padding could push a sliding window's (Gemma 2's layers)
         earliest keys out: the mask counts it, in columns, as tokens -- unless the whole row, its
         tokens to come included, fits in the window."""
@@ -530,102 +387,7 @@ class HFRollout:
 
 
 # ---------------------------------------------------------------------------------------------
-# Weight sync by a collective (Ray runs; see distributed.py's diagram). After each step trainer
-# rank 0 broadcasts the weights to every engine: in the engine's dtype, one bucket of at most
-# BUCKET_MB at a time, under the names the engine's loader expects. Neither side ever holds a
-# second full copy for the transfer, and nothing goes through Ray's object store.
-
-BUCKET_MB = 256
-
-
-@dataclass
-class WeightSpec:
-    """One tensor of a sync: its name (as the engine loads it), shape and dtype."""
-    name: str
-    shape: tuple
-    dtype: str  # a torch dtype's name, e.g. "bfloat16"
-
-
-def weight_layout(weights, dtype: torch.dtype, bucket_mb: int = BUCKET_MB) -> list[list]:
-    """The buckets of WeightSpecs a sync sends, in order: floating tensors cast to `dtype`, each
-    bucket of one dtype and at most bucket_mb (a larger tensor goes alone). weights: a state dict
-    or full_weights' pairs, in the order send() will take them."""
-    buckets, size = [[]], 0
-    for name, tensor in named_tensors(weights):
-        kind = dtype if tensor.is_floating_point() else tensor.dtype
-        nbytes = tensor.numel() * kind.itemsize
-        if buckets[-1] and (size + nbytes > bucket_mb * 2**20
-                            or buckets[-1][-1].dtype != str(kind).removeprefix("torch.")):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(WeightSpec(name, tuple(tensor.shape), str(kind).removeprefix("torch.")))
-        size += nbytes
-    return [b for b in buckets if b]
-
-
-class WeightGroup:
-    """Trainer rank 0 (rank 0 here) and the engines (ranks 1..M) in a process group of their own,
-    on its own TCPStore: torch.distributed's default group -- the trainers' data-parallel group,
-    or the one vLLM sets up inside an engine process -- is never touched. gloo through host memory
-    on CPU (and between processes sharing one GPU), NCCL between GPUs."""
-
-    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str):
-        import torch.distributed as dist
-        timeout = timedelta(minutes=10)
-        self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-        self.device = "cuda" if backend == "nccl" else "cpu"
-        self.group = (dist.ProcessGroupNCCL(self.store, rank, world_size) if backend == "nccl"
-                      else dist.ProcessGroupGloo(self.store, rank, world_size, timeout))
-
-    def send(self, weights, layout: list[list[WeightSpec]]):
-        """Rank 0: each bucket flattened into one buffer (the only copy made) and broadcast.
-        weights: a state dict or full_weights' pairs, in the layout's order."""
-        pairs = iter(named_tensors(weights))
-        for bucket in layout:
-            dtype, parts = getattr(torch, bucket[0].dtype), []
-            for spec in bucket:
-                name, tensor = next(pairs)
-                if name != spec.name:
-                    raise RuntimeError(f"weight sync: {name} came where the layout has {spec.name}")
-                parts.append(tensor.detach().to(self.device, dtype).reshape(-1))
-            flat = torch.cat(parts)
-            del parts
-            self.group.broadcast(flat.view(torch.uint8), 0).wait()
-
-    def receive(self, layout: list[list[WeightSpec]]):
-        """Engines: (name, tensor) pairs, one bucket received at a time as the loader asks."""
-        for bucket in layout:
-            sizes = [math.prod(s.shape) for s in bucket]
-            flat = torch.empty(sum(sizes), dtype=getattr(torch, bucket[0].dtype),
-                               device=self.device)
-            self.group.broadcast(flat.view(torch.uint8), 0).wait()
-            for spec, part in zip(bucket, flat.split(sizes)):
-                yield spec.name, part.view(spec.shape)
-
-
-class WeightSync:
-    """vLLM worker extension (passed as `worker_extension_cls`): methods here run inside the worker
-    that owns the model, called through the public `LLM.collective_rpc`."""
-
-    def load_trainer_weights(self, named_tensors):
-        # The worker's reload_weights (this class is mixed into vLLM's worker): it sets vLLM's
-        # current config around the model runner's, whose loaders may read it (quantized layers
-        # do; without it they raise). That runs the model's own checkpoint loader (name mapping,
-        # QKV fusing, tied embeddings) and then the backend's weight post-processing -- what a
-        # plain model.load_weights() skips, which breaks the CPU backend.
-        self.reload_weights(weights_iterator=iter(named_tensors))
-
-    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, backend: str):
-        self.weight_group = WeightGroup(host, port, rank, world_size, backend)
-
-    def receive_trainer_weights(self, layout: list[list[WeightSpec]]):
-        # The loader pulls bucket after bucket from the broadcast as it loads them.
-        self.reload_weights(weights_iterator=self.weight_group.receive(layout))
-
-    def runner_name(self) -> str:
-        """Which model runner this vLLM chose: on a GPU 0.32 uses V2 (vllm.v1.worker.gpu.*)
-        whenever Triton is importable; VLLM_USE_V2_MODEL_RUNNER=0 falls back to V1."""
-        return f"{type(self.model_runner).__module__}.{type(self.model_runner).__name__}"
+# The vLLM engine, in this process.
 
 
 class VLLMRollout:
@@ -660,7 +422,7 @@ class VLLMRollout:
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=dtype, seed=seed,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                        enforce_eager=enforce_eager, distributed_executor_backend="uni",
-                       worker_extension_cls="rollout.WeightSync",
+                       worker_extension_cls="weight_sync.WeightSync",
                        logprobs_mode="processed_logprobs", enable_sleep_mode=self.on_gpu,
                        enable_prefix_caching=True,  # an episode's turns continue the last one's
                        **whole_prefills)
@@ -787,6 +549,10 @@ class VLLMRollout:
                       "cuda" if self.on_gpu else "cpu", self.dtype)
 
 
+# ---------------------------------------------------------------------------------------------
+# What the trainer measures of the engine, and the engine a run asks for.
+
+
 def engine_mismatch(trainer_lp, engine_lp, mask) -> dict:
     """How far the rollout engine's log-probs are from the trainer's on the same tokens (sums over
     valid tokens; the caller divides). Large values mean the engine samples from a different policy
@@ -831,7 +597,7 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
     """The engine named by --rollout / --backend: "hf" or "vllm" (loads the folder `model` came
     from, then takes the trainer's current weights; it holds prompts of max_prompt_tokens and
     max_new_tokens after them, tokens_after_prompt), computing in `dtype` (the run's: see
-    model.choose_dtype). vLLM always returns the log-probs it sampled with; HF when asked
+    hardware.choose_dtype). vLLM always returns the log-probs it sampled with; HF when asked
     (`logprobs`). shares_weights: the HF engine samples from `model`'s own tensors where they are
     in `dtype` (HFRollout)."""
     if kind == "hf":
@@ -864,7 +630,7 @@ def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_to
                              gpu_memory_utilization=gpu_memory_utilization,
                              enforce_eager=not on_gpu, max_num_seqs=max_num_seqs)
         # Its weights, KV cache and workspace: a pool of this process's CUDA allocator, which
-        # the trainer's memory figures leave out (trainer.peak_memory_gb).
+        # the trainer's memory figures leave out (hardware.peak_memory_gb).
         engine.memory_bytes = torch.cuda.memory_allocated() - before if on_gpu else 0
         engine.decode_cost = decode_cost(model, dtype)
         engine.update_weights(full_weights(model))  # the trainer's weights, whatever is on disk

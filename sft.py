@@ -48,8 +48,9 @@ from env import Agent, ToolChat, environment_tools, load_environment, load_tools
 from evaluate import evaluate_held_out
 from formats import Sample, check_samples
 from gpu_memory import PROMPT_TOKENS, Workload
-from model import DTYPES, autocast, chunk_logprobs, full_weights, load_tokenizer, resolve
-from model import right_pad
+from hardware import DTYPES, autocast
+from logprobs import chunk_logprobs, right_pad
+from model import full_weights, load_tokenizer, resolve
 from options import EpisodeOptions, ModelOptions, OfflineOptions, RunOptions, TrainOptions, settle
 from reward import Grader
 from rollout import HF_BATCH, HFRollout
@@ -382,7 +383,7 @@ def row_attention(model, rows: PackedRows, device) -> dict:
 def token_logprobs(model, rows: PackedRows, device: str, bf16: bool, chunk_tokens: int = 2048):
     """(R, L) log-probs of every trained token (0 elsewhere) and the entropies (n,) at them: one
     decoder pass over the rows, then the head, fp32 log-softmax, chunk by chunk, on the trained
-    positions only (model.chunk_logprobs), so that a (R, L, V) tensor never exists."""
+    positions only (logprobs.chunk_logprobs), so that a (R, L, V) tensor never exists."""
     attention = row_attention(model, rows, device)  # (from the rows on the host)
     rows = rows.to(device)
     with autocast(device, bf16 and next(model.parameters()).dtype == torch.float32):  # (LoRA)

@@ -24,14 +24,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoint import load_trainer_state, save_trainer_state
-from hardware import ModelCost, model_cost, peak_flops, processed_tokens, train_flops_per_token
-from model import adamw_with_warmup, autocast, check_head_logits, completion_logprobs
-from model import add_lora, full_state_dict, full_weights, is_lora, load_adapters, load_model
-from model import pick_device
-from model import DTYPES, cast_copy, model_path, save_model, shard_model, source_dtype
+from hardware import DTYPES, ModelCost, autocast, model_cost, peak_flops, peak_memory_gb
+from hardware import pick_device, processed_tokens, train_flops_per_token
+from logprobs import check_head_logits, completion_logprobs
+from model import adamw_with_warmup, add_lora, cast_copy, full_state_dict, is_lora, load_adapters
+from model import load_model, model_path, save_model, shard_model, source_dtype
 from recompute import keep_less
-from rollout import WeightGroup, add_mismatch, engine_mismatch, make_rollout, tokens_after_prompt
-from rollout import weight_layout
+from rollout import add_mismatch, engine_mismatch, make_rollout, tokens_after_prompt
+from weight_sync import weight_sync_by_collective, weight_sync_by_object_store, weight_sync_in_place
+from weight_sync import weights_of
 
 
 @dataclass
@@ -48,7 +49,7 @@ class Trainer:
     group: object = None  # the trainers' data-parallel process group; None for one trainer
     reference: bool = False  # a KL reference is kept: ref_model, or with LoRA the base
     critic: "Trainer | None" = None  # ppo.py: the value model's own trainer, beside the policy's
-    weight_group: object = None  # rank 0 on Ray: its rollout.WeightGroup with the engines
+    weight_group: object = None  # rank 0 on Ray: its weight_sync.WeightGroup with the engines
     weight_layout: list | None = None  # what a weight sync sends, bucket by bucket
     engine_bytes: int = 0  # a vLLM engine in this process: its pool of the same CUDA allocator
     cost: ModelCost | None = None  # N, L, d of the trained model, for its FLOPs (hardware.py)
@@ -237,98 +238,6 @@ def save_trainer(trainer: Trainer, folder: str):
         save_trainer(trainer.critic, str(Path(folder) / "critic"))
 
 
-def weights_of(trainer: Trainer, dtype=None):
-    """The full weights on trainer rank 0, as model.full_weights' (name, tensor) pairs -- taken
-    one at a time, each cast to `dtype` where it is, before any copy to the host --, None on the
-    others. Every rank calls it: a sharded (FSDP) model gathers them."""
-    weights = full_weights(trainer.model, dtype)
-    if trainer.group is not None and dist.get_rank() != 0:
-        return None
-    return weights
-
-
-def layout_of(trainer: Trainer) -> list | None:
-    """The buckets of a weight sync (rollout.weight_layout), on rank 0. Every rank calls it."""
-    weights = weights_of(trainer)
-    return None if weights is None else weight_layout(weights, DTYPES[trainer.cfg.dtype])
-
-
-def join_weight_group(trainer: Trainer, host, port, world_size, backend, layout):
-    """Rank 0 leads the weight-sync group (rollout.WeightGroup); the other ranks are not in it."""
-    if trainer.group is None or dist.get_rank(trainer.group) == 0:
-        trainer.weight_group = WeightGroup(host, port, 0, world_size, backend)
-        trainer.weight_layout = layout
-
-
-def send_weights(trainer: Trainer):
-    """Rank 0 broadcasts its weights to the engines, bucket by bucket. Every rank calls it: a
-    sharded (FSDP) model gathers them."""
-    weights = weights_of(trainer)  # taken one by one as the buckets fill
-    if weights is not None:
-        trainer.weight_group.send(weights, trainer.weight_layout)
-
-
-def weight_sync_by_collective(trainers, engines, nccl: bool) -> Callable[[int], float]:
-    """Join trainer rank 0 and every engine in a weight-sync group (rollout.WeightGroup); returns
-    sync(step) -> seconds, after which every engine holds the weights of `step`. nccl: GPU to GPU
-    (NCCL cannot join two processes on one GPU: colocated engines take them by gloo)."""
-    from distributed import gather
-    ranks = [()] * len(trainers.workers)
-    layout = trainers.run(layout_of, ranks)[0]
-    (host, port), world = trainers.address(), 1 + len(engines.workers)
-    backend = "nccl" if nccl else "gloo"
-    gather(trainers.submit(join_weight_group, [(host, port, world, backend, layout)] * len(ranks))
-           + engines.submit(_engine_joins, [(host, port, 1 + i, world, backend)
-                                            for i in range(len(engines.workers))]))
-
-    def sync(step: int) -> float:
-        t0 = time.perf_counter()
-        # Engines still generating (--async-steps) would keep rank 0 waiting inside the broadcast
-        # for as long, against the group's timeout: start it once every engine is free.
-        gather(engines.submit(_engine_free, [()] * len(engines.workers)))
-        gather(trainers.submit(send_weights, ranks)
-               + engines.submit(_engine_receives, [(layout, step)] * len(engines.workers)))
-        return time.perf_counter() - t0
-    return sync
-
-
-def weight_sync_by_object_store(trainers, engines, dtype) -> Callable[[int], float]:
-    """sync(step): rank 0 puts its weights (cast to the engines' dtype on its device) in Ray's
-    object store, and every engine pulls a copy."""
-    return lambda step: engines.update_weights(trainers.weights_ref(
-        functools.partial(weights_of, dtype=dtype)), step)
-
-
-def weight_sync_in_place(engines) -> Callable[[int], float]:
-    """sync(step) for engines that decode from their trainers' own tensors (engine_beside): the
-    weights are new already; the engines take the step's number."""
-    def sync(step: int) -> float:
-        t0 = time.perf_counter()
-        engines.run(_engine_takes_version, step)
-        return time.perf_counter() - t0
-    return sync
-
-
-def _engine_takes_version(engine, version):
-    engine.update_weights({}, version)  # (shares_weights: nothing is copied)
-
-
-def _engine_sleeps(engine):
-    engine.sleep()
-
-
-def _engine_free(engine):
-    """Returns once the engine has finished the calls queued before this one."""
-
-
-def _engine_joins(engine, host, port, rank, world_size, backend):
-    engine.join_weight_group(host, port, rank, world_size, backend)
-
-
-def _engine_receives(engine, layout, version):
-    return engine.receive_weights(layout, version)
-
-
 def policy_logprobs(model, batch, idx, cfg, device):
     """Log-probs (and entropy) of micro-batch `idx` of a grpo.TrainBatch under `model`."""
     mb = batch.select(idx)
@@ -449,16 +358,6 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
-def peak_memory_gb(device: str, engine_bytes: int = 0) -> float:
-    """Peak memory of the trainer: GPU memory allocated by PyTorch less a vLLM engine's pool in
-    this process (allocated through the same allocator, and counted as allocated even asleep), or
-    the process's resident host memory on a CPU."""
-    if torch.device(device).type == "cuda":
-        return (torch.cuda.max_memory_allocated() - engine_bytes) / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
 def update_flops(trainer, batch, keep) -> float:
     """The model FLOPs of one update over rows `keep` (hardware.py's count): the policy's forward
     and backward over the tokens its forward runs, and the KL reference's forward. Not counted:
@@ -488,9 +387,8 @@ class UpdateStats:
                     "seqs": len(batch.completion_lens),
                     "trained_tokens": int((batch.prompt_lens + batch.completion_lens)[keep].sum()),
                     "lr": trainer.scheduler.get_last_lr()[0],
-                    "model_flops": update_flops(trainer, batch, keep)}  # (an update's)
-        # the peak is read when the update is over, raised to what the update achieved if more
-        # (hardware.peak_flops: a busy start measures it low)
+                    "model_flops": 0.0}  # (result: what the machine did, counted once at the end)
+        self._update = (trainer, batch, keep)
         self.dtype, self.started = next(trainer.compute.parameters()).dtype, time.perf_counter()
         self.mismatch = self.raw["mismatch"]
         self.update_loss, self._sums, self._tokens = 0.0, {}, 0  # of the update in progress
@@ -531,8 +429,11 @@ class UpdateStats:
         self.update_loss, self._sums, self._tokens = 0.0, {}, 0
 
     def result(self) -> dict:
-        self.raw["model_flops"] *= self.raw["applied_updates"]
+        """The sums, and what the update asked of the machine: its model FLOPs (update_flops),
+        the device's peak -- raised to what the update achieved if more (hardware.peak_flops: a
+        busy start measures it low) -- and the peak memory."""
         seconds = time.perf_counter() - self.started - self.raw.get("detail_seconds", 0.0)
+        self.raw["model_flops"] = update_flops(*self._update) * self.raw["applied_updates"]
         self.raw["peak_flops"] = peak_flops(
             torch.device(self.device).type, self.dtype,
             achieved=self.raw["model_flops"] / seconds if seconds > 0 else 0.0)[0]
@@ -776,3 +677,7 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
     sync_weights(start_step)  # engines start from exactly the trainers' weights
     return Run(load_tokenizer(cfg.init_from or cfg.model), engines, train, sync_weights, save,
                export)
+
+
+def _engine_sleeps(engine):
+    engine.sleep()

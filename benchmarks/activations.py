@@ -5,7 +5,7 @@ recompute.keep_less (element-wise activations made again in the backward instead
     python benchmarks/activations.py --sequences 64 --rounds 10 --dtype bf16
 
 A GRPO update's micro-batch as the default run makes it: groups of 8 completions (8-24 random
-tokens) after a shared 55-token prompt, through model.completion_logprobs (one packed row, the
+tokens) after a shared 55-token prompt, through logprobs.completion_logprobs (one packed row, the
 chunked LM head), on two copies of the model -- as loaded, and given keep_less. The first figure
 is the bytes of every tensor the forward made that is still alive when it returns (recompute.Made:
 the saved activations and the output); then forward and backward timed, the two copies
@@ -23,7 +23,9 @@ if __name__ == "__main__":
     import torch
 
     from benchmarks.model_options import measured_on, model_parser
-    from model import check_head_logits, completion_logprobs, load_model, machine
+    from hardware import hardware_line
+    from logprobs import check_head_logits, completion_logprobs
+    from model import load_model
     from recompute import Made, keep_less
 
     parser = model_parser(__doc__)
@@ -58,8 +60,8 @@ if __name__ == "__main__":
         model.zero_grad(set_to_none=True)
         return t1 - t0, t2 - t1
 
-    print(f"{machine()}; {args.model} in {dtype.name}; {B} sequences, {tokens} tokens packed; "
-          f"keep_less changed {changed} modules")
+    print(f"{hardware_line()}; {args.model} in {dtype.name}; {B} sequences, {tokens} tokens "
+          f"packed; keep_less changed {changed} modules")
     copies = {"as loaded": plain, "keep_less": ours}
     for name, model in copies.items():
         made = Made()

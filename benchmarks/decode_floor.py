@@ -13,7 +13,7 @@ run's dtype -- and so the highest fraction of the bound any decoding loop of the
 reach. The second splits one step of the HF engine's forward (hidden states, then the LM head):
 "the rest" is the decoder's time less its matmuls timed alone -- attention, norms, rotary
 embeddings, the cache's concatenation, the embedding, the mask, Python -- assuming the matmuls run
-inside the forward as fast as alone. The loop's sampling (rollout.sample_next) is not in it.
+inside the forward as fast as alone. The loop's sampling (sampling.sample_next) is not in it.
 """
 
 import statistics
@@ -28,8 +28,8 @@ if __name__ == "__main__":
     from transformers.cache_utils import DynamicCache
 
     from benchmarks.model_options import measured_on, model_parser
-    from hardware import peak_flops
-    from model import load_model, machine
+    from hardware import hardware_line, peak_flops
+    from model import load_model
     from rollout import make_rollout
 
     parser = model_parser(__doc__)
@@ -38,7 +38,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
-    print(f"machine: {machine()}")
+    print(f"machine: {hardware_line()}")
     device, choice = measured_on(args)
     dtype = choice.torch
     model, tokenizer = load_model(args.model, device)

@@ -114,9 +114,9 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     args, extra = parser.parse_known_args()  # more grpo.py flags, e.g. --micro-batch-size 64
     args.extra = [flag for flag in extra if flag != "--"]
-    from model import machine
-    print(f"machine: {machine()}; {args.data} from {args.warm_start}, {args.steps} steps a tree",
-          flush=True)
+    from hardware import hardware_line
+    print(f"machine: {hardware_line()}; {args.data} from {args.warm_start}, {args.steps} steps a "
+          f"tree", flush=True)
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
     results = {}

@@ -24,12 +24,12 @@ own `main`, with the HF engine, in a process of its own, within its limit in sec
     grpo-8k         55  a GRPO step on 4 prompts of ~7.8K tokens (sums of many numbers: a data
                         file with problem/answer columns), 8 samples of 400 tokens each: 8.2K
                         tokens of context, each prompt run once with its completions in a
-                        micro-batch (the shared-prompt path: model.share_prompts,
+                        micro-batch (the shared-prompt path: logprobs.share_prompts,
                         attention.prefix_shared_attention)
     gemma2-8k       55  a GRPO step of a Gemma-2-2B-shaped model on 2 of those prompts, 4
                         samples of 128 tokens each: soft-capped attention past its sliding
                         window of 4,096 (attention.softcapped_attention, in chunks), its
-                        soft-capped head and 256K vocabulary (model.LinearHeadLogprobs), rows
+                        soft-capped head and 256K vocabulary (logprobs.LinearHeadLogprobs), rows
                         that share nothing (too long for SDPA's mask)
     ppo             55  a ppo.py step with its critic and --kl-coef 0.02 (a KL reference), 8 x 8
                         samples of 256 tokens
@@ -53,7 +53,7 @@ disk holds 64 GB).
 Each part reports its peak GPU memory against the plan's (MemoryPlan.peak_gb), its seconds,
 tokens/s through the update, its TFLOP/s and MFU against the GPU's datasheet peak (hardware.py),
 the longest sequence its training forwards held, and how many of them ran each prompt once
-(model.share_prompts). Random weights never stop early: every sample is as long as
+(logprobs.share_prompts). Random weights never stop early: every sample is as long as
 --max-new-tokens allows, the worst case for memory and time. Every line is printed as it comes
 (the runs' own lines prefixed with the part's name), so a part cut short still shows what it
 reached.
@@ -292,22 +292,22 @@ def run_part(part: str, tiny: bool, work: Path) -> dict:
         result["longest"] = seen["longest"]
         result["shared"] = f"{seen['shared']}/{seen['forwards']}"
         print(f"prompt sharing: {seen['shared']} of {seen['forwards']} training forwards ran each "
-              f"prompt once (model.share_prompts); the longest sequence {seen['longest']:,} "
+              f"prompt once (logprobs.share_prompts); the longest sequence {seen['longest']:,} "
               f"tokens", flush=True)
     result.update(speed(module_name, cfg, history[-1], seen, gpu))
     return result
 
 
 def observe_sharing() -> dict:
-    """Watch model.share_prompts wherever smolrl's modules call it (completion_logprobs for the
+    """Watch logprobs.share_prompts wherever smolrl's modules call it (completion_logprobs for the
     policy and dpo.py, ppo.py's critic, rm.py's scores): of the training forwards (those with
     gradient), how many ran each distinct prompt once, and the longest sequence; of the forwards
     completion_logprobs makes, the real tokens they ran and their mean length (speed's FLOPs).
     Only observed: what share_prompts returns is passed on unchanged."""
     import torch
-    import model
+    import logprobs
     seen = {"forwards": 0, "shared": 0, "longest": 0, "tokens": 0, "rows": 0, "length_sum": 0}
-    original = model.share_prompts
+    original = logprobs.share_prompts
 
     def watching(policy: bool):
         def share_prompts(net, input_ids, prompt_lens, completion_lens):
@@ -327,10 +327,10 @@ def observe_sharing() -> dict:
             return shared
         return share_prompts
 
-    for module in list(sys.modules.values()):  # (smolrl's own: from model import share_prompts)
+    for module in list(sys.modules.values()):  # (smolrl's own: from logprobs import share_prompts)
         if Path(getattr(module, "__file__", None) or "/").parent == ROOT \
                 and getattr(module, "share_prompts", None) is original:
-            module.share_prompts = watching(policy=module is model)
+            module.share_prompts = watching(policy=module is logprobs)
     return seen
 
 

@@ -2,7 +2,7 @@
 
     python benchmarks/grpo_step.py              # SmolLM2-135M-Instruct, 8 prompts x 4 samples,
                                                 # <= 64 new tokens, 1 warm-up + 4 timed steps
-    python benchmarks/grpo_step.py --dtype fp32  # either dtype (default: model.choose_dtype's)
+    python benchmarks/grpo_step.py --dtype fp32  # either dtype (default: hardware.choose_dtype's)
     python benchmarks/grpo_step.py --train-all  # the policy update alone, every sequence trained
     python benchmarks/grpo_step.py --train-all --distinct-prompts  # no prompt shared by samples
     python benchmarks/grpo_step.py --train-all --compile  # the decoder layers torch.compiled
@@ -15,7 +15,7 @@ a non-zero advantage (grpo.py skips the others when beta = 0), so `trained` is p
 40-token prompts x 4 samples of 64 random tokens, every advantage non-zero, no reference model),
 and prints sequence tokens/s and the FLOP rate of the tokens the decoder actually runs (6 x
 parameters x tokens, the usual estimate, which leaves out attention; a group's prompt runs once,
-model.share_prompts) next to the matmul rate this CPU reaches in the run's dtype at SmolLM2's shapes, measured
+logprobs.share_prompts) next to the matmul rate this CPU reaches in the run's dtype at SmolLM2's shapes, measured
 in the same run just before each timed step (median of the four). --distinct-prompts gives each
 sequence a prompt of its own (nothing to share). grpo.py's flags apply (--compile,
 --micro-batch-size, ...); with --compile the warm-up step pays for the compile (in the full-step
@@ -36,7 +36,7 @@ import torch  # noqa: E402
 
 from cli import parse_config  # noqa: E402
 from grpo import Config, main  # noqa: E402
-from model import DTYPES, machine  # noqa: E402
+from hardware import DTYPES, hardware_line  # noqa: E402
 
 BENCH = Config(prompts_per_step=8, num_generations=4, max_new_tokens=64, steps=5, eval_every=0,
                log_samples_every=0, temperature=1.0, micro_batch_size=32)
@@ -54,7 +54,7 @@ def matmul_gflops(dtype=torch.bfloat16, m=1600, k=576, n=1536, seconds=1.0) -> f
 
 def print_machine():
     """What every figure below was measured on, and both dtypes' matmul rates there."""
-    print(f"machine: {machine()}; matmul 1600x576 @ 576x1536: fp32 "
+    print(f"machine: {hardware_line()}; matmul 1600x576 @ 576x1536: fp32 "
           f"{matmul_gflops(torch.float32):,.0f} GFLOP/s, bf16 "
           f"{matmul_gflops(torch.bfloat16, seconds=0.3):,.0f} GFLOP/s", flush=True)
 

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import attention  # noqa: E402
 import gpu_memory  # noqa: E402
-import model as model_module  # noqa: E402
+import logprobs as logprobs_module  # noqa: E402
 from recompute import Made, Remade, keep_less  # noqa: E402
 
 MiB, KiB = 2**20, 2**10
@@ -59,7 +59,7 @@ class Largest(TorchDispatchMode):
 
 
 def pretend(cuda: bool):
-    for module in (attention, model_module):
+    for module in (attention, logprobs_module):
         module.on_cuda = (lambda device: True) if cuda else \
             (lambda device: torch.device(device).type == "cuda")
 
@@ -108,7 +108,7 @@ def logprob_chunk(n=512, V=32768, H=64) -> tuple[float, float]:
     weight = (torch.randn(V, H) * 0.02).to(torch.bfloat16).requires_grad_()
     targets = torch.randint(0, V, (n,))
     with Largest() as forward:
-        logp, _ = model_module.LinearHeadLogprobs.apply(hidden, weight, targets, 1.0, 0.0, 1.0)
+        logp, _ = logprobs_module.LinearHeadLogprobs.apply(hidden, weight, targets, 1.0, 0.0, 1.0)
     with Largest() as backward:
         logp.sum().backward()
     pretend(False)
@@ -151,7 +151,8 @@ def prefill_mask(prompts=16, longest=1024) -> int:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rollout import HFRollout, Sampling
+    from rollout import HFRollout
+    from sampling import Sampling
     torch.manual_seed(0)
     net = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128,
                                        num_hidden_layers=2, num_attention_heads=2,

@@ -27,8 +27,8 @@ def one(model_dir, length, checkpointing, budget, lora_rank=0):
     import torch
     from grpo import Config, train_on_rollout
     from rl import TrainBatch, loss_denominator
-    from model import pack
-    from trainer import peak_memory_gb
+    from logprobs import pack
+    from hardware import peak_memory_gb
     from trainer import setup_trainer
     cfg = Config(data="arith", model=model_dir, beta=0.0, gradient_checkpointing=checkpointing,
                  max_tokens_per_microbatch=budget, max_new_tokens=length, lora_rank=lora_rank)
@@ -66,8 +66,9 @@ if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config
     from transformers import Qwen2ForCausalLM
-    from model import default_model_path, machine
-    print(f"machine: {machine()}")
+    from hardware import hardware_line
+    from model import default_model_path
+    print(f"machine: {hardware_line()}")
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = AutoTokenizer.from_pretrained(default_model_path())
         heads = max(1, args.hidden // 64)

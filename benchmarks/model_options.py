@@ -3,7 +3,7 @@ run resolves it -- on the device there is, bf16 or fp32 (auto: bf16 where it com
 
     parser = model_parser(__doc__)                 # --model, --dtype; the benchmark adds its own
     args = parser.parse_args()
-    device, dtype = measured_on(args)             # "cuda" or "cpu", a model.DtypeChoice
+    device, dtype = measured_on(args)             # "cuda" or "cpu", a hardware.DtypeChoice
 
 activations.py and decode_floor.py take them.
 """
@@ -25,6 +25,6 @@ def model_parser(doc: str) -> argparse.ArgumentParser:
 
 def measured_on(args) -> tuple:
     """(the device, the dtype choice) the model runs on and in, as a run picks them."""
-    from model import choose_dtype, pick_device
+    from hardware import choose_dtype, pick_device
     device = pick_device()
     return device, choose_dtype(args.dtype, device)

@@ -126,8 +126,8 @@ def main():
                          f"(rows: {', '.join(names)})")
     keep += [NEEDS[p] for p in keep if p in NEEDS]
     sys.path.insert(0, str(ROOT))
-    from model import machine
-    print(f"machine: {machine()}; each training command cut to --steps {args.steps}")
+    from hardware import hardware_line
+    print(f"machine: {hardware_line()}; each training command cut to --steps {args.steps}")
     rows = ["| command | driver peak GB | process tree peak GB (PSS, sampled) | budget | seconds |",
             "|---|---:|---:|---:|---:|"]
     with tempfile.TemporaryDirectory(prefix="peak-memory-") as out:

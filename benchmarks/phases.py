@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 def table(folder: Path) -> list[tuple]:
     """(phase, seconds, bound seconds or None, what bounds it) from a run folder's metrics."""
     import torch
-    from hardware import memory_bandwidth
-    from model import DTYPES, load_model
+    from hardware import DTYPES, memory_bandwidth
+    from model import load_model
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     config = json.loads(next(folder.glob("*_config.json")).read_text())  # (grpo_config.json)
     steps = [r for r in rows if "gen_seconds" in r]
@@ -94,8 +94,8 @@ def main():
         folder = Path(args.folder)
     else:
         parser.error("give a run folder, or --run")
-    from model import machine
-    print(f"machine: {machine()}; run: {folder}")
+    from hardware import hardware_line
+    print(f"machine: {hardware_line()}; run: {folder}")
     print(f"{'phase':>11} {'seconds':>8} {'bound s':>8} {'ratio':>6}  bound")
     rows = table(folder)
     for phase, seconds, bound, what in rows:

@@ -66,7 +66,7 @@ def time_update(train_on_rollout, trainer, batch, repeats: int) -> list[float]:
 def step(repeats: int, dtype: str):
     import grpo
     import ppo
-    from model import machine
+    from hardware import hardware_line
     rows = {}
     for name, module in (("GRPO", grpo), ("PPO", ppo)):
         cfg = module.Config(dtype=dtype, updates_per_rollout=1)
@@ -81,8 +81,8 @@ def step(repeats: int, dtype: str):
         print(f"{name}: {cfg.model}, dtype {cfg.dtype}, micro-batch size {cfg.micro_batch_size}, "
               f"tokens {cfg.max_tokens_per_microbatch or '-'}", flush=True)
         del trainer
-    print(f"\nmachine: {machine()}; {torch.get_num_threads()} threads; one batch of 8 prompts x "
-          f"8 samples, (55 + 16) tokens, every sequence trained")
+    print(f"\nmachine: {hardware_line()}; {torch.get_num_threads()} threads; one batch of 8 "
+          f"prompts x 8 samples, (55 + 16) tokens, every sequence trained")
     print(f"{'':6}{'update s (median)':>20}{'trained params':>18}{'training state':>18}  runs")
     for name, (median, times, trained, held) in rows.items():
         print(f"{name:6}{median:20.2f}{trained / 1e6:17.1f}M{held / 2**20:14.0f} MiB  "

@@ -93,9 +93,10 @@ def smolrl_side(rows_file: str, result_file: str, dtype: str):
 
 def main(trl_python: str, rounds: int, kind: str):
     sys.path.insert(0, str(ROOT))
-    from model import choose_dtype, default_model_path, machine, pick_device
+    from hardware import choose_dtype, hardware_line, pick_device
+    from model import default_model_path
     dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
-    print(f"machine: {machine()}; dtype {dtype.name} ({dtype.reason})", flush=True)
+    print(f"machine: {hardware_line()}; dtype {dtype.name} ({dtype.reason})", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         rows_file, result = Path(tmp) / "pairs.jsonl", Path(tmp) / "result.json"
         rows_file.write_text("".join(json.dumps(r) + "\n" for r in pair_rows(kind)))

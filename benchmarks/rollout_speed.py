@@ -16,9 +16,11 @@ from pathlib import Path
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from data import arith_stream, encode_prompts
-    from model import DEFAULT_MODEL, load_model, machine, pick_device
-    print(f"machine: {machine()}")
-    from rollout import Sampling, make_rollout
+    from hardware import hardware_line, pick_device
+    from model import DEFAULT_MODEL, load_model
+    print(f"machine: {hardware_line()}")
+    from rollout import make_rollout
+    from sampling import Sampling
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)

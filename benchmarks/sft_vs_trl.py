@@ -106,9 +106,10 @@ def guess_rows() -> list[dict]:
 
 def main(trl_python: str, rounds: int, packing: bool):
     sys.path.insert(0, str(ROOT))
-    from model import choose_dtype, default_model_path, machine, pick_device
+    from hardware import choose_dtype, hardware_line, pick_device
+    from model import default_model_path
     dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
-    print(f"machine: {machine()}; dtype {dtype.name} ({dtype.reason})", flush=True)
+    print(f"machine: {hardware_line()}; dtype {dtype.name} ({dtype.reason})", flush=True)
     model_dir, mode = default_model_path(), "packing" if packing else "padding"
     with tempfile.TemporaryDirectory() as tmp:
         rows_file, template = Path(tmp) / "guess.jsonl", Path(tmp) / "template.jinja"

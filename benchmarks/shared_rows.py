@@ -22,8 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from model import (check_head_logits, choose_dtype, completion_logprobs,  # noqa: E402
-                   default_model_path, load_model, machine, pick_device, right_pad)
+from hardware import choose_dtype, hardware_line, pick_device  # noqa: E402
+from logprobs import check_head_logits, completion_logprobs, right_pad  # noqa: E402
+from model import default_model_path, load_model  # noqa: E402
 
 
 def batch(prompt: int, completion: int, groups: int, size: int, seed: int = 0):
@@ -56,7 +57,7 @@ def timed(model, ids, prompt_lens, completion_lens, repeats: int) -> float:
 
 def main(args):
     dtype = choose_dtype("auto", pick_device())
-    print(f"machine: {machine()}; dtype {dtype.name} ({dtype.reason})")
+    print(f"machine: {hardware_line()}; dtype {dtype.name} ({dtype.reason})")
     model, _ = load_model(default_model_path(), "cpu", dtype.torch)
     ids, prompt_lens, completion_lens = batch(args.prompt, args.completion, args.groups,
                                               args.group_size)

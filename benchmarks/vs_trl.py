@@ -119,9 +119,9 @@ def prompts(n: int) -> list[dict]:
 
 def main(trl_python: str, seed: int, engine: str):
     sys.path.insert(0, str(ROOT))
-    from model import choose_dtype, machine, pick_device
+    from hardware import choose_dtype, hardware_line, pick_device
     dtype = choose_dtype("auto", pick_device())  # both sides compute in what is native here
-    print(f"machine: {machine()}; dtype {dtype.name} ({dtype.reason})", flush=True)
+    print(f"machine: {hardware_line()}; dtype {dtype.name} ({dtype.reason})", flush=True)
     from data import RowStream
     from model import default_model_path
     model_dir = default_model_path()

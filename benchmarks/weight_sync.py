@@ -66,11 +66,12 @@ def main():
     args = parser.parse_args()
     import ray
     from distributed import Cluster, EngineGroup, Worker
-    from model import machine
-    print(f"machine: {machine()}")
+    from hardware import hardware_line
+    print(f"machine: {hardware_line()}")
     from grpo import Config
     from model import DEFAULT_MODEL, default_model_path
-    from trainer import setup_trainer, weight_sync_by_collective, weight_sync_by_object_store
+    from trainer import setup_trainer
+    from weight_sync import weight_sync_by_collective, weight_sync_by_object_store
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, name = default_model_path(), DEFAULT_MODEL

@@ -199,8 +199,8 @@ class ProbeEntropy:
     def measure(self, session, cfg) -> float:
         import torch
         from data import encode_prompts
-        from model import completion_logprobs, pack
-        from rollout import Sampling
+        from logprobs import completion_logprobs, pack
+        from sampling import Sampling
         engine, tokenizer = session.run.rollout, session.run.tokenizer  # (in-process: the policy)
         prompts = encode_prompts(tokenizer, self.rows, cfg.template, cfg.chat)
         comps = engine.generate(prompts, self.n, Sampling(self.max_new_tokens, 1.0, seed=12345))
@@ -250,10 +250,12 @@ def correct_counts(model: str, rows: list[dict], n: int, temperature: float,
     if kept and kept.exists():
         return json.loads(kept.read_text())["counts"]
     import torch
-    from model import DTYPES, choose_dtype, load_model, pick_device
+    from hardware import DTYPES, choose_dtype, pick_device
+    from model import load_model
     from evaluate import evaluate_rows
     from reward import Grader
-    from rollout import HFRollout, Sampling
+    from rollout import HFRollout
+    from sampling import Sampling
     dtype = DTYPES[choose_dtype("auto", pick_device()).name]
     policy, tokenizer = load_model(model, pick_device(), dtype)
     engine = HFRollout(policy, tokenizer, device=pick_device(), dtype=dtype, shares_weights=True)

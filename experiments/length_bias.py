@@ -70,7 +70,8 @@ def one_update_shift(start: str, prompts: list, completions: list, advantages, l
     gradient summed over micro-batches against the whole batch's denominator."""
     import torch
     from grpo import grpo_loss
-    from model import completion_logprobs, length_mask, load_model, pack
+    from logprobs import completion_logprobs, length_mask, pack
+    from model import load_model
     from rl import loss_denominator
     model, tokenizer = load_model(start, "cpu", torch.float32)
     batch = pack(prompts, completions, tokenizer.pad_token_id)

@@ -126,7 +126,8 @@ class Probe:
         import torch
         from data import arith_heldout, encode_prompts
         from model import load_model
-        from rollout import HFRollout, Sampling
+        from rollout import HFRollout
+        from sampling import Sampling
         self.start = start_model(args)
         model, self.tokenizer = load_model(self.start, "cpu", torch.float32)
         engine = HFRollout(model, self.tokenizer, dtype=torch.float32, shares_weights=True)
@@ -155,7 +156,7 @@ class Probe:
 
     def logprobs(self, model, comps):
         import torch
-        from model import completion_logprobs, length_mask, pack
+        from logprobs import completion_logprobs, length_mask, pack
         batch = pack(comps.prompt_ids, comps.completion_ids, self.tokenizer.pad_token_id)
         with torch.no_grad():
             lp, _ = completion_logprobs(model, batch.input_ids, batch.prompt_lens,

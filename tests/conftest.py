@@ -35,7 +35,7 @@ def pytest_addoption(parser):
                           "$SMOLRL_AUTO_DTYPE)")
 
 
-AUTO_DTYPE_ENV = "SMOLRL_AUTO_DTYPE"  # model.AUTO_DTYPE_ENV (not imported: see `tokenizer` below)
+AUTO_DTYPE_ENV = "SMOLRL_AUTO_DTYPE"  # hardware.py's (not imported: see `tokenizer` below)
 
 
 def pytest_configure(config):
@@ -99,7 +99,7 @@ def make_batch(prompts, completions, advantages, *, loss_agg="token-mean", max_n
                in_loss=None, engine_logprobs=None):
     """An rl.TrainBatch from token lists, as main builds it from a rollout."""
     from rl import TrainBatch, loss_denominator
-    from model import pack
+    from logprobs import pack
     ids, prompt_lens, completion_lens = pack(prompts, completions, pad_id=2)
     in_loss = torch.ones(len(prompts), dtype=torch.bool) if in_loss is None else in_loss
     denom = loss_denominator(loss_agg, completion_lens * in_loss, max_new_tokens)
@@ -237,8 +237,8 @@ def check_an_episode_on(engine, model, tokenizer, monkeypatch, atol: float):
     the tool result's ids, appended. The engine's log-probs match the trainer's on the model's
     tokens and are 0 on the environment's; the mask is True on exactly the sampled tokens."""
     from env import Agent, ToolChat, load_tools
-    from model import completion_logprobs, pack
-    from rollout import Sampling
+    from logprobs import completion_logprobs, pack
+    from sampling import Sampling
     chat = ToolChat(tokenizer, load_tools("calculator"))
     call = {"type": "function", "function": {"name": "calculator",
                                              "arguments": {"expression": "2 + 3"}}}

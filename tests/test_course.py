@@ -33,7 +33,7 @@ BUGS = {
     "biased pass@k": ("pass_at_k", "evaluate.py",
                       "return 1.0 - math.comb(n - c, k) / math.comb(n, k)",
                       "return 1.0 - (1 - c / n) ** k"),
-    "log-prob positions off by one": ("completion_logprobs", "model.py",
+    "log-prob positions off by one": ("completion_logprobs", "logprobs.py",
                                       "hidden = hidden[rows, pos - 1]", "hidden = hidden[rows, pos]"),
     "GAE steps through a tool's result": ("gae", "ppo.py",
                                           "next_value = torch.where(step, values[:, t], next_value)",

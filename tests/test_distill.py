@@ -10,7 +10,7 @@ import torch
 import distill
 import rl
 from conftest import rl_trainer, read_metrics, save_tiny_llama
-from rollout import Completions
+from sampling import Completions
 
 P = [[0.7, 0.2, 0.1], [0.25, 0.25, 0.5]]  # the student's next-token distributions, 2 positions
 Q = [[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]]  # the teacher's

@@ -15,10 +15,11 @@ from distributed import Cluster, shard  # noqa: E402
 import conftest  # noqa: E402
 from conftest import rl_trainer, make_batch, record_grads, simulated_nodes  # noqa: E402
 from grpo import Config, train_on_rollout  # noqa: E402
-from model import completion_logprobs, pack  # noqa: E402
-from trainer import engine_beside, finish_metrics, setup_trainer, weight_sync_by_collective  # noqa: E402
-from trainer import weight_sync_in_place, weights_of  # noqa: E402
-from rollout import HFRollout, Sampling, policy_lag  # noqa: E402
+from logprobs import completion_logprobs, pack  # noqa: E402
+from trainer import engine_beside, finish_metrics, setup_trainer  # noqa: E402
+from rollout import HFRollout  # noqa: E402
+from sampling import Sampling, policy_lag  # noqa: E402
+from weight_sync import weight_sync_by_collective, weight_sync_in_place, weights_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Helpers defined here run on Ray workers, which cannot import this test module: ship them by value.
@@ -354,7 +355,7 @@ def _sent_logprobs(trainer, ids, pl, cl):
     """Log-probs under rank 0's weights as a sync sends them (in the run's compute dtype, so
     rounded to bf16 in a bf16 run), computed in fp32 like the test engines."""
     import copy
-    from model import DTYPES
+    from hardware import DTYPES
     model = copy.deepcopy(trainer.model)
     with torch.no_grad():
         for p in model.parameters():
@@ -480,7 +481,7 @@ class _SlowEngine:
 
     def generate(self, prompt_ids, n, sampling):
         import time
-        from rollout import Completions
+        from sampling import Completions
         time.sleep(1.0)
         self.generated = time.time()
         return Completions([], [], [], [])

@@ -11,7 +11,8 @@ import rl
 from conftest import rl_trainer, check_an_episode_on, read_metrics, run_grpo
 from data import TASKS
 from env import Agent, GuessTheNumber, ToolChat, calculator, load_environment, load_tools
-from rollout import Completions, HFRollout, Sampling
+from rollout import HFRollout
+from sampling import Completions, Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -188,7 +189,8 @@ def test_episodes_continue_from_kept_keys_and_values_with_nothing_changed(tiny_m
     different numbers of turns. The kept keys really serve: after the first turn only the new
     tokens run, and a weight update drops them."""
     import grpo
-    from model import check_head_logits, load_model
+    from logprobs import check_head_logits
+    from model import load_model
     model, tokenizer = load_model(tiny_model_dir)
     check_head_logits(model)  # (what lets the engine put padding between cached and new tokens)
     stops = set(range(1000, 1000 + len(tokenizer) // 6)) | {tokenizer.eos_token_id}

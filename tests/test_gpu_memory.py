@@ -167,7 +167,7 @@ def test_the_plan_counts_the_mask_of_an_unpacked_row_longer_than_the_window(tmp_
 def test_dry_run_on_a_gpu_prints_the_plan(qwen_1_5b, monkeypatch, capsys):
     """On a GPU the unset settings come from the plan, which --dry-run prints."""
     from cli import parse_config
-    from model import DtypeChoice
+    from hardware import DtypeChoice
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 * GB, 80 * GB))
     monkeypatch.setattr(options, "choose_dtype", lambda requested, device, recorded: (
@@ -375,7 +375,7 @@ def test_sft_on_a_gpu_gets_settings_that_fit(qwen_1_5b, monkeypatch):
     (~43 GiB): past a 40 GB card. The plan now picks what fits, and keeps what the user set."""
     import sft
     from cli import parse_config
-    from model import DtypeChoice
+    from hardware import DtypeChoice
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(options, "choose_dtype", lambda requested, device, recorded: (
         DtypeChoice("bf16", "a GPU with bf16")))
@@ -515,7 +515,7 @@ def test_gpu_gb_without_dry_run_on_a_machine_without_a_gpu_stops_in_one_line(sha
 def test_every_algorithm_plans_on_a_gpu(algorithm, qwen_1_5b, monkeypatch, capsys):
     """On a (pretended) 80 GB GPU every algorithm's settle plans its memory: dpo.py and rm.py once
     stopped with AttributeError (no workload()) before any model loaded."""
-    from model import DtypeChoice
+    from hardware import DtypeChoice
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (80 * GB, 80 * GB))
     monkeypatch.setattr(options, "choose_dtype", lambda requested, device, recorded: (

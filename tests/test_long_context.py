@@ -12,15 +12,15 @@ import torch.nn.functional as F
 
 import attention
 import gpu_memory
-import model as model_module
+import logprobs as logprobs_module
 from recompute import Made, Remade, keep_less
 from test_gpu_memory import NewStorages
 
 
 @pytest.fixture
 def pretend_cuda(monkeypatch):
-    """Every device choice of attention.py and model.py answered as on a CUDA GPU."""
-    for module in (attention, model_module):
+    """Every device choice of attention.py and logprobs.py answered as on a CUDA GPU."""
+    for module in (attention, logprobs_module):
         monkeypatch.setattr(module, "on_cuda", lambda device: True)
 
 
@@ -205,7 +205,7 @@ def test_a_log_prob_chunk_peaks_within_what_the_plan_assumes(cap, pretend_cuda):
     targets = torch.randint(0, V, (n,))
     forward = NewStorages()
     with forward.mode:
-        logp, _ = model_module.LinearHeadLogprobs.apply(hidden, weight, targets, 1.0, cap, 0.7)
+        logp, _ = logprobs_module.LinearHeadLogprobs.apply(hidden, weight, targets, 1.0, cap, 0.7)
     backward = NewStorages()
     with backward.mode:
         logp.sum().backward()
@@ -254,7 +254,8 @@ def test_a_long_prefill_runs_in_chunks_without_a_square_mask(arch, tiny_model, m
     from types import SimpleNamespace
 
     import rollout as rollout_module
-    from rollout import HFRollout, Sampling
+    from rollout import HFRollout
+    from sampling import Sampling
     from test_rollout import _tiny_gemma2
     model = _tiny_gemma2(window=6) if arch == "gemma2" else tiny_model[0]
     tok = SimpleNamespace(pad_token_id=0, eos_token_id=2,

@@ -9,9 +9,11 @@ import torch
 
 from conftest import rl_trainer, ROOT, make_batch, read_metrics, run_grpo, small_run_args
 from grpo import Config, train_on_rollout
-from model import completion_logprobs, is_lora, pack
+from logprobs import completion_logprobs, pack
+from model import is_lora
 from rollout import HFRollout
-from trainer import finish_metrics, weights_of
+from trainer import finish_metrics
+from weight_sync import weights_of
 
 PROMPTS = [[5, 6], [7, 8, 9], [10], [11, 12]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23, 24, 25, 26], [27, 2]]

@@ -14,7 +14,8 @@ from transformers import (CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2F
                           GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
                           PhiConfig, PhiForCausalLM)
 
-from model import autocast, check_head_logits, completion_logprobs, pack
+from hardware import autocast
+from logprobs import check_head_logits, completion_logprobs, pack
 from rollout import HFRollout
 
 SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -103,10 +104,10 @@ def test_linear_head_backward_equals_autograd(name, bf16, monkeypatch):
     autograd through head_logits (the path every other head takes) must give the same log-probs,
     entropies and gradients -- with the rows in cache-sized blocks (a CPU's), in blocks that
     split a chunk unevenly, and in a GPU's eighths (the device pretended)."""
-    import model as model_module
+    import logprobs as logprobs_module
     torch.manual_seed(0)
     model = ARCHITECTURES[name]()
-    assert model_module.linear_head(model)[0] is not None  # these take the written-out path
+    assert logprobs_module.linear_head(model)[0] is not None  # these take the written-out path
     input_ids, pl, cl = pack([[5, 6, 7], [8]], [[9, 2], [10, 11, 12, 13, 2]], pad_id=0)
     weights = torch.randn(2, 5)  # a loss that weighs every token differently
 
@@ -120,14 +121,14 @@ def test_linear_head_backward_equals_autograd(name, bf16, monkeypatch):
 
     fast = run()
     # Row blocks of 2 (a tiny vocabulary fits in one): blocks that split a chunk unevenly.
-    row_blocks = model_module._row_blocks
-    monkeypatch.setattr(model_module, "_row_blocks", lambda logits: row_blocks(
+    row_blocks = logprobs_module._row_blocks
+    monkeypatch.setattr(logprobs_module, "_row_blocks", lambda logits: row_blocks(
         logits, cache_bytes=2 * 4 * logits.shape[1]))
     blocked = run()
-    monkeypatch.setattr(model_module, "_row_blocks", row_blocks)
-    monkeypatch.setattr(model_module, "on_cuda", lambda device: True)
+    monkeypatch.setattr(logprobs_module, "_row_blocks", row_blocks)
+    monkeypatch.setattr(logprobs_module, "on_cuda", lambda device: True)
     eighths = run()
-    monkeypatch.setattr(model_module, "linear_head", lambda model: (None, 1.0, 0.0))
+    monkeypatch.setattr(logprobs_module, "linear_head", lambda model: (None, 1.0, 0.0))
     slow = run()
     tol = dict(rtol=2e-2, atol=2e-2) if bf16 else dict(rtol=1e-4, atol=1e-5)
     for run_ in (fast, blocked, eighths):
@@ -142,12 +143,12 @@ def test_linear_head_backward_equals_autograd(name, bf16, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(dtype, attention,
                                                                       monkeypatch):
-    """A group's prompt runs once, followed by all its completions (model.share_prompts): every
+    """A group's prompt runs once, followed by all its completions (logprobs.share_prompts): every
     log-prob, entropy and gradient must equal those of each sample in its own row -- to fp32's
     rounding, and in bf16 (the bf16 copy the update runs on) to bf16's, scaled to the values.
     Under SDPA the packed rows carry a mask; under smolrl's attention (attention.py) each
     completion runs against its prompt's keys and its own, the others never computed."""
-    import model as model_module
+    import logprobs as logprobs_module
     from attention import use_smolrl_attention
     from conftest import assert_close_to_scale
     torch.manual_seed(0)
@@ -164,7 +165,7 @@ def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(dtype, att
     input_ids, pl, cl = pack(prompts, completions, pad_id=0)
     check_head_logits(model)  # verifies that sharing changes nothing for this architecture
     assert model.smolrl_shares_prompts
-    shared = model_module.share_prompts(model, input_ids, pl, cl)
+    shared = logprobs_module.share_prompts(model, input_ids, pl, cl)
     # three distinct prompts: under SDPA's mask a row each (the longest 12 tokens: a's 4 + its
     # completions' 8), under smolrl's attention one row of every token once, no padding
     rows = (3, 12) if attention == "sdpa" else (1, 4 + 8 + 2 + 4 + 3 + 2)
@@ -180,7 +181,7 @@ def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(dtype, att
 
     model.to(dtype)  # (the verdict above is made in fp32, as setup_trainer makes it)
     together = run()
-    monkeypatch.setattr(model_module, "share_prompts", lambda *args: None)
+    monkeypatch.setattr(logprobs_module, "share_prompts", lambda *args: None)
     apart = run()
     if dtype == torch.float32:
         for x, y in zip(together[:2], apart[:2]):
@@ -194,21 +195,21 @@ def test_a_shared_prompt_gives_every_completion_its_own_rows_logprobs(dtype, att
     for name in apart[2]:
         assert_close_to_scale(together[2][name].float(), apart[2][name].float(), dtype, name)
     distinct = pack([a, b], [[20], [21]], pad_id=0)
-    assert model_module.share_prompts(model, *distinct) is None  # nothing to share
+    assert logprobs_module.share_prompts(model, *distinct) is None  # nothing to share
 
 
 def test_a_hybrid_decoder_never_shares_prompts():
     """LFM2's convolution layers run a packed row as one sequence, so a completion would see the
     ones packed before it: the check at load must turn sharing off (rows run apart)."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
-    import model as model_module
+    import logprobs as logprobs_module
     torch.manual_seed(0)
     model = Lfm2ForCausalLM(Lfm2Config(**SMALL, initializer_range=0.5,
                                        layer_types=["conv", "full_attention"])).eval()
     check_head_logits(model)
     assert model.smolrl_shares_prompts is False
     input_ids, pl, cl = pack([[5, 6, 7]] * 3, [[9, 10, 11], [12, 13], [14]], pad_id=0)
-    assert model_module.share_prompts(model, input_ids, pl, cl) is None
+    assert logprobs_module.share_prompts(model, input_ids, pl, cl) is None
 
 
 def test_an_unknown_head_is_refused():
@@ -310,7 +311,8 @@ def test_generations_roofline_floors_are_a_hand_count_of_the_tiny_llama(tiny_mod
     FLOP/s and 1 byte/s the floors are the counts themselves."""
     import rollout
     from hardware import Floors, decode_bytes, decode_cost
-    from rollout import HFRollout, Sampling
+    from rollout import HFRollout
+    from sampling import Sampling
     model, tokenizer = tiny_model
     V = model.config.vocab_size
     N = V * 128 + 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) + 5 * 128
@@ -535,7 +537,7 @@ def test_a_model_with_sliding_layers_packs_rows_with_sdpas_mask(arch):
     ones, gets SDPA's mask for its packed rows, and its shared log-probs stay those apart."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    import model as model_module
+    import logprobs as logprobs_module
     from attention import use_smolrl_attention
     torch.manual_seed(0)
     small = {k: v for k, v in SMALL.items() if k != "max_position_embeddings"}
@@ -546,7 +548,7 @@ def test_a_model_with_sliding_layers_packs_rows_with_sdpas_mask(arch):
     check_head_logits(model)
     a = [5, 6, 7, 8]
     batch = pack([a, a, a], [[20, 21], [22, 23, 24], [25]], pad_id=0)
-    shared = model_module.share_prompts(model, *batch)
+    shared = logprobs_module.share_prompts(model, *batch)
     assert shared is not None and shared.layout is None and shared.mask.dim() == 4
     together, _ = completion_logprobs(model, *batch)
     model.smolrl_shares_prompts = False

@@ -13,7 +13,7 @@ import torch
 
 from conftest import rl_trainer, REL_TOL, assert_close_to_scale, make_batch, record_grads
 from grpo import Config, train_on_rollout
-from model import completion_logprobs, length_mask
+from logprobs import completion_logprobs, length_mask
 from trainer import finish_metrics
 
 PROMPTS = [[5, 6], [7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]
@@ -207,7 +207,7 @@ def test_a_resumed_runs_reference_takes_the_policys_prompt_sharing_verdict(tiny_
 
 
 # ---------------------------------------------------------------------------------------------
-# model.py: the dtype choice, and a folder swap that fails half-way.
+# hardware.py: the dtype choice; model.py: a folder swap that fails half-way.
 
 
 def test_choose_dtype_on_a_cpu_takes_bf16_only_by_a_clear_margin(monkeypatch):
@@ -215,14 +215,14 @@ def test_choose_dtype_on_a_cpu_takes_bf16_only_by_a_clear_margin(monkeypatch):
     GFLOP/s), bf16 where it is native (338 vs 1,312), and fp32 on a tie or near it -- a loaded
     machine once read 14.2 vs 14.2 and six launches of one command chose bf16 four times.
     Mutants: dtype-slower-wins, dtype-no-margin."""
-    import model as model_module
-    monkeypatch.delenv(model_module.AUTO_DTYPE_ENV, raising=False)
+    import hardware
+    monkeypatch.delenv(hardware.AUTO_DTYPE_ENV, raising=False)
     for fp32, bf16, expected in ((50.0, 1.0, "fp32"), (337.8, 1311.6, "bf16"),
                                  (14.2, 14.2, "fp32"), (14.2, 15.5, "fp32"), (50.0, 70.0, "fp32"),
                                  (50.0, 75.0, "bf16")):
         rates = {torch.float32: fp32, torch.bfloat16: bf16}
-        monkeypatch.setattr(model_module, "matmul_rate", lambda dtype, rates=rates: rates[dtype])
-        choice = model_module.cpu_dtype.__wrapped__()  # (uncached)
+        monkeypatch.setattr(hardware, "matmul_rate", lambda dtype, rates=rates: rates[dtype])
+        choice = hardware.cpu_dtype.__wrapped__()  # (uncached)
         assert choice.name == expected, choice.reason
         assert f"matmul bf16 {bf16:.1f} vs fp32 {fp32:.1f} GFLOP/s; bf16 only if >= 1.5x" in \
             choice.reason
@@ -233,13 +233,13 @@ def test_a_resumed_run_computes_in_the_dtype_it_recorded(tmp_path, monkeypatch):
     so; an explicit --dtype wins; a fresh run chooses anew (here: the environment's pin)."""
     import json
     import grpo
-    import model as model_module
+    import hardware
     step = tmp_path / "checkpoints" / "step_2"
     step.mkdir(parents=True)
     (step / "grpo_config.json").write_text(json.dumps({"dtype": "bf16"}))
     (step / "driver_state.pt").write_bytes(b"")  # (what marks a checkpoint folder)
-    monkeypatch.setenv(model_module.AUTO_DTYPE_ENV, "fp32")
-    monkeypatch.setattr(model_module, "matmul_rate", lambda dtype: pytest.fail("timed again"))
+    monkeypatch.setenv(hardware.AUTO_DTYPE_ENV, "fp32")
+    monkeypatch.setattr(hardware, "matmul_rate", lambda dtype: pytest.fail("timed again"))
     for resume in ("auto", str(step)):
         cfg = grpo.Config(data="arith", out=str(tmp_path), resume=resume)
         assert (cfg.dtype, cfg.dtype_reason) == ("bf16", "as the resumed run recorded it: not "
@@ -278,7 +278,7 @@ def test_a_folder_swap_that_fails_halfway_leaves_the_old_folder_whole(tmp_path, 
 def test_top_p_stops_at_the_first_token_that_reaches_it():
     """Four equally likely tokens (exactly 0.25 each) and top_p = 0.5: the two likeliest already
     hold 0.5, so the nucleus is those two -- not three. Mutant: top-p-inclusive."""
-    from rollout import Sampling, sample_next
+    from sampling import Sampling, sample_next
     torch.manual_seed(0)
     tokens = sample_next(torch.zeros(4000, 4), Sampling(temperature=1.0, top_p=0.5))
     assert len(set(tokens.tolist())) == 2
@@ -288,7 +288,7 @@ def test_request_seeds_differ_per_prompt_and_fit_31_bits():
     """Every prompt of a seeded call gets its own random stream (vLLM seeds sample k of a request
     with seed + k, so equal or neighbouring seeds would share draws), the same on every call, and
     below 2**31. Mutants: seed-ignores-index, seed-32-bits."""
-    from rollout import request_seed
+    from sampling import request_seed
     seeds = [request_seed(7, i) for i in range(1000)]
     assert len(set(seeds)) == 1000
     assert all(0 <= s < 2**31 for s in seeds)
@@ -312,7 +312,8 @@ def test_prompts_sharing_a_prefix_decode_as_if_alone(tiny_model):
     here the 12-token `base` is itself one of the prompts, so the prefix is its first 11 tokens.
     Each greedy completion must be the one the model gives the prompt alone. Mutants:
     prefix-whole-prompt, prefix-positions-restart, prefix-not-attended."""
-    from rollout import MIN_SHARED_PREFIX, HFRollout, Sampling, shared_prefix
+    from rollout import MIN_SHARED_PREFIX, HFRollout, shared_prefix
+    from sampling import Sampling
     model, tok = tiny_model
     model = copy.deepcopy(model)
     with torch.no_grad():  # sharp attention, so that positions and context change the argmax
@@ -339,8 +340,9 @@ def test_engine_logprobs_cover_exactly_each_completions_tokens(tiny_model):
     own log-prob of that token at the sampling temperature. A quarter of the vocabulary stops a
     sample here, so lengths vary. (conftest's check_an_episode_on samples greedily, and the HF
     engine returns no log-probs for greedy decoding.) Mutant: engine-logprobs-uncut."""
-    from model import pack
-    from rollout import HFRollout, Sampling
+    from logprobs import pack
+    from rollout import HFRollout
+    from sampling import Sampling
     model, tok = tiny_model
     engine = HFRollout(model, tok, dtype=torch.float32, logprobs=True)
     engine.stop_ids = set(range(0, model.config.vocab_size, 4))
@@ -454,7 +456,7 @@ def test_an_over_long_pair_loses_the_start_of_its_prompt(tokenizer):
 def _round(rewards, first_id):
     """A scored round of groups of 2; completion ids number the samples from first_id."""
     from rl import Scored
-    from rollout import Completions
+    from sampling import Completions
     n = len(rewards)
     comps = Completions([[1]] * n, [[first_id + i] for i in range(n)], [False] * n, [""] * n)
     return Scored([{"problem": "p"}] * n, comps, torch.tensor(rewards), [0.0] * n, {})
@@ -494,7 +496,7 @@ def test_the_overlong_penalty_is_added_to_the_reward():
     """--overlong-buffer 2 with --max-new-tokens 4: lengths 2, 3, 4, 4 get 0, -0.5, -1, -1 added
     to their reward (0.5 each here). Mutant: penalty-subtracted."""
     from rl import Started, score
-    from rollout import Completions, Ready
+    from sampling import Completions, Ready
     cfg = Config(data="arith", num_generations=2, max_new_tokens=4, overlong_buffer=2)
     comps = Completions([[1]] * 4, [[5, 6], [5, 6, 7], [5, 6, 7, 8], [5, 6, 7, 8]],
                         [False, False, False, True], [""] * 4)
@@ -509,7 +511,7 @@ def test_overlong_filtering_takes_truncated_samples_out_of_the_loss_and_its_coun
     token-mean's denominator: 2 + 3 + 4 = 9 tokens, not 13. The fourth hit the limit with its
     stop token: not truncated, trained. Mutants: filter-inverted, denom-counts-filtered."""
     from rl import train_batch
-    from rollout import Completions
+    from sampling import Completions
     cfg = Config(data="arith", max_new_tokens=4, overlong_filter=True)
     comps = Completions([[1]] * 4, [[5, 2], [5, 6, 7, 8], [5, 6, 2], [5, 6, 7, 2]],
                         [False, True, False, False], [""] * 4)
@@ -535,7 +537,7 @@ class _Scripted:
             [self.tokenizer.eos_token_id]
 
     def generate(self, prompt_ids, n, sampling):
-        from rollout import Completions
+        from sampling import Completions
         t = len(self.seeds)
         ids = self.ids(t)[:sampling.max_new_tokens]
         cut = len(self.ids(t)) > sampling.max_new_tokens
@@ -557,7 +559,7 @@ def test_each_turn_draws_with_its_own_seed_and_a_good_call_is_no_error(tokenizer
     """Turn t of a seeded episode samples with request_seed(seed, t): a fresh stream per turn.
     A call that succeeds is counted as a call, not as an error. Mutants: turn-seed-repeated,
     tool-errors-count-calls."""
-    from rollout import Sampling, request_seed
+    from sampling import Sampling, request_seed
     engine = _Scripted(tokenizer, [CALL, "The answer is 5."])
     _, (episode,) = _agent(tokenizer, 4, 1024).run(engine, [{"problem": "2 + 3?"}], 1,
                                                    Sampling(64, 1.0, seed=5))
@@ -570,7 +572,7 @@ def test_an_episodes_engine_logprobs_line_up_with_its_ids(tokenizer):
     """An episode's engine log-probs are the engine's for the model's tokens and 0 for the tool
     result's, one per id: the trainer reads them position by position beside the mask.
     Mutant: observation-logprobs-missing."""
-    from rollout import Sampling
+    from sampling import Sampling
     engine = _Scripted(tokenizer, [CALL, "It is 5."], logprobs=True)
     comps, (episode,) = _agent(tokenizer, 4, 1024).run(engine, [{"problem": "2 + 3?"}], 1,
                                                        Sampling(64, 1.0))
@@ -585,7 +587,7 @@ def test_a_call_on_the_last_turn_truncates_the_episode_and_an_answer_does_not(to
     """--max-turns 1 and the model calls a tool: no room to read the result, so the tool is not
     run and the episode is truncated. --max-turns 2, a call then an answer on the last turn: done,
     not truncated. Mutants: last-turn-never, last-turn-always-truncates."""
-    from rollout import Sampling
+    from sampling import Sampling
     _, (episode,) = _agent(tokenizer, 1, 1024).run(_Scripted(tokenizer, [CALL]),
                                                    [{"problem": "2 + 3?"}], 1, Sampling(64, 1.0))
     assert episode.truncated and episode.tool_calls == 0
@@ -599,7 +601,7 @@ def test_an_episode_never_exceeds_its_token_budget(tokenizer):
     """--max-episode-tokens counts every token after the prompt. When turn 1 and its tool result
     fill the budget exactly, no turn can follow: the episode ends, truncated, without the
     result's tokens; one token more of budget and it goes on. Mutant: budget-off-by-one."""
-    from rollout import Sampling
+    from sampling import Sampling
     engine = _Scripted(tokenizer, [CALL, "It is 5."])
     first = engine.ids(0)
     observation = _agent(tokenizer, 4, 1).chat.observation_ids([("calculator", "5")])

@@ -214,7 +214,7 @@ def test_a_tiny_run_resumes_exactly_and_logs_what_tells_about_the_critic(tiny_mo
 def test_the_critic_reads_the_state_before_each_completion_token(tiny_model_dir, monkeypatch):
     """V(s_t) is the scalar head on the decoder's state at position prompt_len + t - 1 -- the state
     the policy's log-prob of token t comes from -- computed here row by row, alone, with no
-    padding; the batch runs each group's prompt once (model.share_prompts: asserted taken)."""
+    padding; the batch runs each group's prompt once (logprobs.share_prompts: asserted taken)."""
     trainer = _cfg(tiny_model_dir).setup()
     critic = trainer.critic.model
     torch.manual_seed(0)

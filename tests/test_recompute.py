@@ -50,11 +50,13 @@ def test_the_backward_keeps_less_and_computes_the_same_gradients(llama, dtype):
 @pytest.mark.parametrize("dtype,scores", [("fp32", None), ("bf16", None), ("fp32", 0)])
 def test_shared_prompts_gather_their_keys_again_and_the_gradients_are_the_same(
         tiny_model_dir, dtype, scores, monkeypatch):
-    """The update's own forward (model.completion_logprobs: smolrl's attention, a group's prompt
+    """The update's own forward (logprobs.completion_logprobs: smolrl's attention, a group's prompt
     once in one packed row): each completion's gathered keys and values are remade too -- under
     attention.SmallAttention, and under SDPA, which long rows take (scores=0: every row)."""
     import attention
-    from model import DTYPES, check_head_logits, completion_logprobs, load_model
+    from hardware import DTYPES
+    from logprobs import check_head_logits, completion_logprobs
+    from model import load_model
     if scores is not None:
         monkeypatch.setattr(attention, "SMALL_SCORES", scores)
     plain = load_model(tiny_model_dir, dtype=DTYPES[dtype])[0]

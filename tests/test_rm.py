@@ -93,7 +93,7 @@ def test_the_score_is_the_last_tokens_with_left_and_right_padding(reward_model_d
 
 def test_a_pairs_common_prefix_runs_once_with_the_scores_and_gradients_of_its_rows(
         reward_model_dir, monkeypatch):
-    """rm.scores with each pair's common prefix run once (model.share_prompts; the score read at
+    """rm.scores with each pair's common prefix run once (logprobs.share_prompts; the score read at
     the state that predicts a dummy token after each sequence) gives the scores and gradients of
     the padded rows, and the scores of transformers' own forward on each sequence alone: prompts
     of different lengths, one shared by two pairs, responses of one token and more, a common start,

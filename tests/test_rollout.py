@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from model import completion_logprobs, length_mask, pack
-from rollout import (CDF_BLOCK, HFRollout, Sampling, cut_at_stop, group_batches, inverse_cdf,
-                     sample_next)
+from logprobs import completion_logprobs, length_mask, pack
+from rollout import HFRollout, group_batches
+from sampling import CDF_BLOCK, Sampling, cut_at_stop, inverse_cdf, sample_next
 
 
 def test_cut_at_stop_keeps_the_stop_token():
@@ -360,7 +360,7 @@ def _tiny_gemma2(window: int, seed: int = 0):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     from attention import use_smolrl_attention
-    from model import check_head_logits
+    from logprobs import check_head_logits
     torch.manual_seed(seed)
     model = Gemma2ForCausalLM(Gemma2Config(
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

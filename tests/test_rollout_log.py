@@ -22,7 +22,8 @@ def test_the_log_holds_every_sample_and_what_the_update_used(tiny_model_dir, tmp
     exported model's -- the log holds what the update read, not something like it."""
     import pandas as pd
     from grpo import group_advantages
-    from model import completion_logprobs, load_model, pack
+    from logprobs import completion_logprobs, pack
+    from model import load_model
     out = tmp_path / "run"
     args = small_run_args(tiny_model_dir, out) + ["--steps", "2", "--eval-every", "2",
                                                    "--eval-size", "2", "--rollout-tokens", "-1"]
@@ -107,7 +108,7 @@ def test_new_logprob_computes_each_distinct_row_once_and_copies_it(tiny_model_di
     from conftest import make_batch
     from dataclasses import replace
     from grpo import Config
-    from model import completion_logprobs, pack
+    from logprobs import completion_logprobs, pack
     from rollout_log import detail_index
     from trainer import UpdateStats, logprobs_after_update, setup_trainer
     trainer = setup_trainer(Config(model=tiny_model_dir, data="arith", dtype="fp32"))
@@ -137,7 +138,7 @@ def test_new_logprob_runs_in_the_updates_micro_batches(tiny_model_dir, budget, m
     from conftest import make_batch
     from dataclasses import replace
     from grpo import Config
-    from model import completion_logprobs
+    from logprobs import completion_logprobs
     from rollout_log import detail_index
     from trainer import UpdateStats, logprobs_after_update, setup_trainer
     trainer = setup_trainer(Config(model=tiny_model_dir, data="arith", dtype="fp32", **budget))
@@ -189,8 +190,8 @@ def test_the_format_round_trips_what_replay_needs(tmp_path, tokenizer):
     the engine's float32 log-probs to the bit --, rewards, scores and which samples were kept."""
     from types import SimpleNamespace
     from rl import Scored, replayed
-    from rollout import Completions
     from rollout_log import RolloutLog, saved_steps
+    from sampling import Completions
     lps = torch.randn(4, 3).tolist()  # float32 values, as an engine returns them
     comps = Completions([[1, 2]] * 4, [[5, 6, 7]] * 4, [False, True, False, False],
                         ["a", "b", "c", "d"], lps, policy_version=3,

@@ -17,8 +17,8 @@ from cli import parse_config
 from conftest import assert_close_to_scale, read_metrics
 from data import DEMONSTRATORS, demonstrations
 from env import Agent, GuessTheNumber, ToolChat, calculator, environment_tools, load_tools
-from rollout import Completions, Sampling
 from formats import check_samples
+from sampling import Completions, Sampling
 from session import epoch_batches
 from sft import Config, Example, best_fit, encode_samples, pack_rows
 from sft import sft_loss, token_logprobs

@@ -14,8 +14,8 @@ from torch._inductor import config as inductor_config
 
 from conftest import rl_trainer, REL_TOL, assert_close_to_scale, make_batch, record_grads
 from grpo import Config, grpo_loss, train_on_rollout
-import model as model_module
-from model import completion_logprobs, length_mask
+import logprobs as logprobs_module
+from logprobs import completion_logprobs, length_mask
 from trainer import finish_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,15 +61,15 @@ def test_kl_is_zero_before_the_first_update(tiny_model_dir, monkeypatch):
     and whether a group's prompt is shared (share_prompts): the policy's verdict, made once in
     fp32. A check of the reference's own, in bf16, could refuse it (SmolLM2-135M: 0.139 nats apart
     in bf16, 1e-5 in fp32), as the patched check below does: the KL must still be exactly 0."""
-    check = model_module._sharing_changes_nothing
-    monkeypatch.setattr(model_module, "_sharing_changes_nothing", lambda model, ids, atol: (
+    check = logprobs_module._sharing_changes_nothing
+    monkeypatch.setattr(logprobs_module, "_sharing_changes_nothing", lambda model, ids, atol: (
         check(model, ids, atol) and next(model.parameters()).dtype == torch.float32))
     trainer = rl_trainer(Config(data="arith", model=tiny_model_dir, dtype="bf16", beta=0.04,
                                    lr=1e-3))
     assert trainer.compute.smolrl_shares_prompts and trainer.ref_model.smolrl_shares_prompts
     assert next(trainer.ref_model.parameters()).dtype == torch.bfloat16
     batch = make_batch(SHARED, COMPLETIONS, [0.0] * 6)
-    assert model_module.share_prompts(trainer.compute, batch.input_ids, batch.prompt_lens,
+    assert logprobs_module.share_prompts(trainer.compute, batch.input_ids, batch.prompt_lens,
                                       batch.completion_lens) is not None
     metrics = finish_metrics([train_on_rollout(trainer, batch)])
     assert metrics["kl"] == 0.0

