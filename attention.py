@@ -221,6 +221,12 @@ def _probs(q, k, mask, scaling):
     return torch.softmax(scores, dim=-1).view(B, KV, gn, m)
 
 
+def outside_autocast(fn):
+    """fn with autocast off on a CPU and a GPU: its products run in the dtypes it writes, under a
+    caller's bf16 autocast too (an autograd.Function's backward runs outside it anyway)."""
+    return torch.autocast("cpu", enabled=False)(torch.autocast("cuda", enabled=False)(fn))
+
+
 class SmallAttention(torch.autograd.Function):
     """Attention as matmuls whose backward recomputes the probabilities from q and k, as
     FlashAttention's does, instead of keeping them: autograd would keep the B H n m fp32
@@ -232,8 +238,7 @@ class SmallAttention(torch.autograd.Function):
         dq = ds k scaling                 dk = ds^T q scaling"""
 
     @staticmethod
-    @torch.autocast("cpu", enabled=False)  # (fp32 as written, under a caller's autocast too:
-    @torch.autocast("cuda", enabled=False)  # the backward runs outside it)
+    @outside_autocast
     def forward(ctx, q, k, v, mask, scaling):
         B, H, n, D = q.shape
         KV = k.shape[1]
@@ -243,8 +248,7 @@ class SmallAttention(torch.autograd.Function):
         return (p @ v.float()).view(B, H, n, D).to(v.dtype)
 
     @staticmethod
-    @torch.autocast("cpu", enabled=False)
-    @torch.autocast("cuda", enabled=False)
+    @outside_autocast
     def backward(ctx, d_out):
         q, k, v, mask = ctx.saved_tensors
         B, H, n, D = q.shape
@@ -287,8 +291,9 @@ def decode_attention(query, key, value, attention_mask, scaling, softcap: float 
 SOFTCAP_SCORES = 2**22  # scores softcapped_attention computes at once (~16 MB in fp32 each)
 
 
-@torch.autocast("cpu", enabled=False)  # (fp32 scores under a caller's bf16 autocast too: there
-@torch.autocast("cuda", enabled=False)  # the product ran in bf16, which cannot hold MASKED)
+# (Outside autocast: under a caller's bf16 autocast the scores' product ran in bf16, which cannot
+# hold MASKED.)
+@outside_autocast
 def softcapped_attention(query, key, value, attention_mask, scaling, softcap: float,
                          dropout: float, training: bool, window: int | None = None):
     """Attention whose scores are soft-capped, s -> cap tanh(s / cap) (Gemma 2's layers), which
@@ -372,8 +377,7 @@ class SoftcappedAttention(torch.autograd.Function):
     key is masked (a left-padding query), where p is uniform."""
 
     @staticmethod
-    @torch.autocast("cpu", enabled=False)
-    @torch.autocast("cuda", enabled=False)
+    @outside_autocast
     def forward(ctx, q, k, v, mask, scaling, cap, window):
         ctx.save_for_backward(q, k, v, mask)
         ctx.scaling, ctx.cap, ctx.window = scaling, cap, window
@@ -381,8 +385,7 @@ class SoftcappedAttention(torch.autograd.Function):
             return _softcapped_chunks(q, k, v, mask, scaling, cap, window)
 
     @staticmethod
-    @torch.autocast("cpu", enabled=False)
-    @torch.autocast("cuda", enabled=False)
+    @outside_autocast
     def backward(ctx, d_out):
         q, k, v, mask = ctx.saved_tensors
         B, H, n, D = q.shape

@@ -230,7 +230,7 @@ def test_a_log_prob_chunk_of_lora_or_fp32_peaks_within_what_the_plan_assumes(run
     targets = torch.randint(0, V, (n,))
     forward = NewStorages()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=lora), forward.mode:
-        logp, _ = model_module.LinearHeadLogprobs.apply(hidden, weight, targets, 1.0, 0.0, 0.7)
+        logp, _ = logprobs_module.LinearHeadLogprobs.apply(hidden, weight, targets, 1.0, 0.0, 0.7)
     backward = NewStorages()
     with backward.mode:
         logp.sum().backward()
