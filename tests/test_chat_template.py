@@ -59,7 +59,9 @@ def test_a_template_that_loops_for_minutes_stops_at_load_naming_its_file(tokeniz
 
 def test_a_template_that_grows_a_string_stops_at_load(tokenizer, tmp_path, monkeypatch):
     """A string doubled: 2^26 characters are far past any real rendering's size; 2^27 (134M)
-    past the child's memory (lowered here to 64 MiB). Neither reaches the trainer's memory."""
+    past the child's memory (lowered here to 64 MiB) -- or, where the child finds that much of the
+    heap it was forked with free (the limit counts address space added after the fork), past the
+    size check once rendered. Either way one line at load; neither reaches the trainer's memory."""
     from conftest import peak_rss_growth
     folder = folder_with(tmp_path, tokenizer, doubled(26), in_config=True)
     growth, line = peak_rss_growth(lambda: stops(folder))
@@ -69,7 +71,9 @@ def test_a_template_that_grows_a_string_stops_at_load(tokenizer, tmp_path, monke
     assert growth < 50 * 2**20, growth  # (the string was 64 MB, built in the child)
     monkeypatch.setattr(chat_template, "TEMPLATE_MEMORY", 64 * 2**20)
     growth, line = peak_rss_growth(lambda: stops(folder_with(tmp_path, tokenizer, doubled(27))))
-    assert "to render a short conversation" in line and "64 MiB" in line, line
+    assert ("to render a short conversation" in line and "64 MiB" in line) or line.endswith(
+        "as 134,217,728 characters, more than 100,000; fix the template there, or use a model "
+        "whose template is plain"), line
     assert growth < 50 * 2**20, growth
 
 
