@@ -331,18 +331,35 @@ def format_step(r: dict) -> str:
 
 @dataclass
 class EvalConfig:
+    # What is evaluated: the model, and the problems it solves
     model: str = "SmolLM2-135M-Instruct-GGUF"
     """model: the offline default, a hub id, or a local HF folder (e.g. a grpo.py run's --out)"""
     data: str = "arith"
     """comma-separated datasets: `arith` (built-in held-out set), .jsonl/.parquet files, hub ids"""
+    limit: int = 0
+    """evaluate only the first N problems of each dataset (0 = all)"""
     prompt_field: str = ""
     """the prompt column (default: `problem`, else `prompt`; chat messages are fine)"""
     answer_field: str = "answer"
     """the reference-answer column"""
     split: str = ""
     """hub datasets: the split (default: the one data.HUB_DATASETS names, else train)"""
-    limit: int = 0
-    """evaluate only the first N problems of each dataset (0 = all)"""
+    template: Template = "answer-is"
+    """prompt template: one of data.TEMPLATES (answer-is, boxed, raw)"""
+    chat: bool = True
+    """wrap the prompt in the model's chat template (turn off for base models)"""
+
+    # The engine
+    backend: Literal["hf", "vllm"] = "hf"
+    """rollout engine: hf (transformers) or vllm"""
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """the engine's compute dtype; auto: bf16 where the hardware has it natively, else fp32"""
+    gpu_memory_utilization: float = 0.2
+    """vllm: fraction of GPU memory (host memory on CPU) for the engine"""
+    batch_prompts: int = 256
+    """prompts generated together"""
+
+    # How it answers: samples a problem, and their decoding
     n: int = 1
     """samples per problem"""
     temperature: float = 0.0
@@ -351,10 +368,10 @@ class EvalConfig:
     """nucleus sampling threshold"""
     max_new_tokens: int = 32
     """response length limit; longer responses count as truncated"""
-    template: Template = "answer-is"
-    """prompt template: one of data.TEMPLATES (answer-is, boxed, raw)"""
-    chat: bool = True
-    """wrap the prompt in the model's chat template (turn off for base models)"""
+    seed: int = 0
+    """sampling seed"""
+
+    # Episodes with tools or an environment (env.py)
     tools: str = ""
     """episodes with tools, as grpo.py's --tools (calculator, python, module:function)"""
     env: str = ""
@@ -364,16 +381,8 @@ class EvalConfig:
     """episodes: assistant turns at most"""
     max_episode_tokens: int = 512
     """episodes: tokens after the prompt at most, tool results included"""
-    backend: Literal["hf", "vllm"] = "hf"
-    """rollout engine: hf (transformers) or vllm"""
-    dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """the engine's compute dtype; auto: bf16 where the hardware has it natively, else fp32"""
-    gpu_memory_utilization: float = 0.2
-    """vllm: fraction of GPU memory (host memory on CPU) for the engine"""
-    batch_prompts: int = 256
-    """prompts generated together"""
-    seed: int = 0
-    """sampling seed"""
+
+    # Where the results go
     out: str = "out/eval"
     """folder for results.json and samples.jsonl"""
 
