@@ -298,7 +298,7 @@ def mask_bytes(path: str, packed_row: int, seq_len: int = 0) -> tuple[float, flo
 
 
 def logits_bytes(tokens: int, vocab: int, hidden: int, lora_rank: int, bf16: bool) -> float:
-    """The most a log-prob chunk of `tokens` holds at once (model.LinearHeadLogprobs): its logits
+    """The most a log-prob chunk of `tokens` holds at once (logprobs.LinearHeadLogprobs): its logits
     in the matmul dtype and the fp32 row blocks (LOGITS_BYTES an entry in bf16; an fp32 run's
     logits take 2 more), and a (vocabulary, hidden) tensor in that dtype beside them: the head's
     gradient under full fine-tuning, and under LoRA with bf16 autocast the frozen fp32 head cast

@@ -1,6 +1,6 @@
 """Log-probs of sampled tokens: what every loss starts from. grpo_loss, dpo_loss, ppo's and
 distill's take the log-probability the model gives each token it sampled, and the policy's entropy
-there; this module computes them, and nothing else.
+there; this module computes them, and packs the rows they are computed on (pack, length_mask).
 
     completion_logprobs(model, input_ids, prompt_lens, completion_lens, temperature=...)
         -> (logprobs, entropy), (B, T) each, 0 past a completion's length

@@ -20,6 +20,7 @@ trainer/engine log-prob mismatch, and make_rollout, which picks one.
 """
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from os.path import commonprefix
 from typing import NamedTuple
@@ -30,6 +31,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from attention import use_smolrl_attention
 from hardware import DecodeCost, Floors, decode_bytes, decode_cost, floors, generation_flops
 from model import empty_copy, full_weights, named_tensors, stop_token_ids
+from packed_linear import can_pack, packed_linears
 from sampling import Completions, Ready, Sampling, cut_at_stop, request_seed, sample_next
 from sampling import token_logprobs
 from weight_sync import WeightGroup
@@ -159,6 +161,7 @@ class HFRollout:
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id
         self.decode_cost, self.dtype = decode_cost(self.model, dtype), dtype  # (hardware.py)
+        self.packs = can_pack(self.model, device, dtype)  # weights packed for each call (packed_linear.py)
         use_smolrl_attention(self.model)  # (its decoding steps: attention.decode_attention)
         # Prompts share their common prefix's forward (_decode), and episodes continue from kept
         # keys and values, where check_head_logits has verified that masks and positions define a
@@ -213,8 +216,11 @@ class HFRollout:
             torch.manual_seed(sampling.seed)
         kept, self.kept = self.kept, {}  # what the last call kept serves this one only
         completions, truncated, logprobs, cached, read, prefills = [], [], [], 0, 0.0, []
-        for batch, copies in group_batches(prompt_ids, n, self.batch_size):
-            out = self._decode(batch, copies, sampling, kept)
+        rows = min(self.batch_size, len(prompt_ids) * n)  # (each batch's, at its start)
+        with packed_linears(self.model, rows, self.dtype) if self.packs else nullcontext():
+            batches = [(self._decode(batch, copies, sampling, kept), copies)
+                       for batch, copies in group_batches(prompt_ids, n, self.batch_size)]
+        for out, copies in batches:
             cached += out.reused
             read += decode_bytes(self.decode_cost, out.steps, out.context)
             prefills += out.prefills

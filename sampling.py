@@ -10,6 +10,7 @@ engine groups).
                   softmax(logits / T) cut to the top-p nucleus (inverse_cdf: one uniform a row)
     cut_at_stop   a completion ends at its first stop token, which it keeps (the model must learn to
                   stop), or at max_new_tokens, truncated
+    policy_lag    how many steps behind the trainer a batch's weights are (--async-steps)
 
 The trainer's log-probs must describe exactly this distribution: the same temperature and top-p,
 nothing else (no penalties from a generation_config the trainer cannot see).

@@ -1,5 +1,5 @@
 """The GPU memory plan at long context (issue 69): what grows with a sequence's square, measured on
-the CPU with every GPU branch taken by pretending the device (attention.on_cuda, model.on_cuda).
+the CPU with every GPU branch taken by pretending the device (attention.on_cuda, logprobs.on_cuda).
 
     python benchmarks/long_context.py        # ~1 minute on a 2-core EPYC
 

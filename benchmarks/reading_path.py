@@ -3,13 +3,13 @@
     python benchmarks/reading_path.py            # a tiny random Llama, the default configuration
     python benchmarks/reading_path.py --all-files
 
-Runs `grpo.main` for two steps with the default configuration (a tiny random model with the
-SmolLM2 tokenizer instead of the 135M one, so it takes seconds; a reward that gives groups signal,
-so the step really trains), records every function of grpo.py, logprobs.py and model.py that the
-second step calls -- directly or through other modules -- and prints their lines: all of them, and the code
-lines (without docstrings, comments and blank lines). A reader reads a whole function, branches
-not taken included; of a class, its fields and the methods the step calls. --all-files counts
-every smolrl module the step passes through (trainer.py, rollout.py, reward.py, ...).
+Runs `grpo.main` for two steps with the default configuration (a tiny random model with the SmolLM2
+tokenizer instead of the 135M one, so it takes seconds; a reward that gives groups signal, so the
+step really trains), records every function of grpo.py, logprobs.py, model.py and hardware.py that
+the second step calls -- directly or through other modules -- and prints their lines: all of them,
+and the code lines (without docstrings, comments and blank lines). A reader reads a whole function,
+branches not taken included; of a class, its fields and the methods the step calls. --all-files
+counts every smolrl module the step passes through (trainer.py, rollout.py, reward.py, ...).
 """
 
 import ast
@@ -70,7 +70,7 @@ def span(node) -> tuple[int, int]:
 def main(all_files: bool):
     import grpo
     files = sorted(str(p) for p in ROOT.glob("*.py")) if all_files else \
-        [str(ROOT / "grpo.py"), str(ROOT / "logprobs.py"), str(ROOT / "model.py")]
+        [str(ROOT / f) for f in ("grpo.py", "logprobs.py", "model.py", "hardware.py")]
     main_def = next(n for n in ast.parse(Path(grpo.__file__).read_text()).body
                     if isinstance(n, ast.FunctionDef) and n.name == "main")
     loop = next(n for n in main_def.body if isinstance(n, ast.For))  # the step loop

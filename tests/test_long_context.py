@@ -1,7 +1,7 @@
 """The GPU plan at long context (issue 69): no buffer that grows with the square of the sequence
 unless the plan counts it, and none a kernel can avoid. Measured on the CPU -- the bytes a forward
 leaves for its backward (recompute.Made), the most the ops hold at once (NewStorages) -- with every
-CUDA branch taken by pretending the device (attention.on_cuda, model.on_cuda): the CPU's SDPA
+CUDA branch taken by pretending the device (attention.on_cuda, logprobs.on_cuda): the CPU's SDPA
 kernels keep for backward what CUDA's keep for the same call (the inputs, the output, the
 log-sum-exp, and a mask when one is given). Each new kernel is checked against the one it
 replaced, outputs and gradients, fp32 and bf16."""

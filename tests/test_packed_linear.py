@@ -1,0 +1,84 @@
+"""The HF engine's weights packed for oneDNN: only where the numbers stay F.linear's, only for the
+call, and the samples the very ones the plain layers draw."""
+
+import pytest
+import torch
+
+import packed_linear
+from packed_linear import can_pack, packed_linears
+from rollout import HFRollout
+from sampling import Sampling
+
+
+def linears(model):
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_layers_compute_for_the_call_only_and_are_restored_after_an_error(dtype,
+                                                                                 tiny_model):
+    """Taken on every CPU, whatever it measures: within the context each Linear computes with a
+    packed weight -- the numbers F.linear gives where packs_exactly says so, close to them
+    otherwise --, and after it (an exception included) the modules are as they were."""
+    import copy
+    model = copy.deepcopy(tiny_model[0]).to(dtype)
+    ids = torch.tensor([[5, 9, 13, 2, 7]])
+    with torch.no_grad():
+        plain = model(ids).logits
+        with packed_linears(model, rows=1, dtype=dtype):
+            assert all("forward" in vars(m) for m in linears(model))
+            packed = model(ids).logits
+        if can_pack(model, "cpu", dtype):
+            assert torch.equal(packed, plain)
+        else:
+            torch.testing.assert_close(packed, plain, rtol=0.05, atol=0.05)
+        with pytest.raises(ZeroDivisionError), packed_linears(model, rows=1, dtype=dtype):
+            1 / 0
+    assert not any("forward" in vars(m) for m in linears(model))
+    model(ids).logits.sum().backward()  # autograd works again: the plain forwards are back
+
+
+def test_a_dtype_or_shape_whose_packed_product_differs_is_not_packed(tiny_model, monkeypatch):
+    """The engine packs only when every weight shape of its model gave F.linear's numbers bit for
+    bit here: one shape that did not, and it decodes with the plain layers."""
+    model, tok = tiny_model
+    monkeypatch.setattr(packed_linear, "MEASURED", {})
+    shapes = {tuple(m.weight.shape) for m in linears(model)}
+    assert len(shapes) > 1
+    odd = sorted(shapes)[0]
+    monkeypatch.setattr(packed_linear, "_same_numbers", lambda w: tuple(w.shape) != odd)
+    engine = HFRollout(model, tok, dtype=torch.bfloat16)
+    assert not engine.packs
+    import rollout as rollout_module
+    packs = []
+    monkeypatch.setattr(rollout_module, "packed_linears", lambda *a: packs.append(a))
+    engine.generate([[5, 9, 13]], 2, Sampling(3, temperature=1.0, seed=0))
+    assert packs == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_samples_with_packed_weights_what_it_samples_without(dtype, tiny_model,
+                                                                      monkeypatch):
+    """Where the engine packs (bf16 on a CPU whose oneDNN computes it natively or not: measured),
+    the tokens and their log-probs are bit for bit those of the plain layers -- prompts of several
+    lengths, samples leaving the batch; where it does not (fp32: MKL's sums), nothing changes."""
+    import rollout as rollout_module
+    model, tok = tiny_model
+    engine = HFRollout(model, tok, dtype=dtype, logprobs=True)
+    assert engine.packs == can_pack(engine.model, "cpu", dtype)
+    prompts = [tok("What is 1 + 1?")["input_ids"], tok("Hi")["input_ids"], [7, 8, 9, 10, 11]]
+    sampling = Sampling(max_new_tokens=16, temperature=1.0, seed=3)
+    engine.stop_ids = {-1}
+    drawn = engine.generate(prompts, 4, sampling).completion_ids
+    engine.stop_ids = {drawn[0][3], drawn[5][9]}  # tokens drawn on the way: samples leave there
+    calls = []
+    real = rollout_module.packed_linears
+    monkeypatch.setattr(rollout_module, "packed_linears",
+                        lambda *a: calls.append(a[1:]) or real(*a))
+    packed = engine.generate(prompts, 4, sampling)
+    assert calls == ([(12, dtype)] if engine.packs else [])
+    engine.packs = False
+    plain = engine.generate(prompts, 4, sampling)
+    assert packed.completion_ids == plain.completion_ids
+    assert packed.engine_logprobs == plain.engine_logprobs
+    assert len({len(c) for c in plain.completion_ids}) > 1
