@@ -141,6 +141,9 @@ def run_once(title: str, script: str, line: list[str], args, every_step=None) ->
     if done:
         print(f"{title}: done before ({done})")
         return done
+    if not args.fresh and stopped_run(cfg):  # (a stopped atlas goes on where each run stopped)
+        cfg = parse_config(module.Config, [*line, "--resume", "auto"])
+        print(f"{title}: resuming the run stopped in {cfg.out}", flush=True)
     t0, printed = time.time(), io.StringIO()
     with contextlib.redirect_stdout(printed), measured(module, every_step):
         module.main(cfg)
@@ -162,6 +165,17 @@ def finished_run(runs: Path, cfg, every_step=None) -> Path | None:
                 (every_step is None or metric(saved.parent, every_step.key)):
             return saved.parent
     return None
+
+
+def stopped_run(cfg) -> bool:
+    """Whether cfg.out holds checkpoints of a run of this very config that did not finish (stopped
+    by a signal: stopping.py checkpoints the step it ends)."""
+    saved, out = Path(cfg.out) / cfg.CONFIG_FILE, Path(cfg.out)
+    if not saved.exists() or not any((out / "checkpoints").glob("step_*")):
+        return False
+    keep = lambda config: {k: v for k, v in json.loads(json.dumps(config, default=str)).items()  # noqa: E731
+                           if k not in ("out", "resume")}
+    return keep(json.loads(saved.read_text())) == keep(asdict(cfg))
 
 
 @contextlib.contextmanager

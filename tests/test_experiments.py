@@ -92,6 +92,30 @@ def test_a_measure_every_step_leaves_the_runs_own_steps_unchanged(tmp_path, monk
     assert common.run_once("again", "grpo", line("again"), args, every_step=probe) == probed
 
 
+def test_a_run_the_atlas_was_stopped_in_goes_on_from_its_checkpoint(tmp_path, monkeypatch,
+                                                                    capsys):
+    """A stopped atlas (SIGTERM: the step ends and is checkpointed) started again resumes each
+    stopped run of the same config -- it refused before ("holds another run's checkpoints") --
+    and the resumed run ends as it would have had it never stopped."""
+    import shutil
+    common = _common(monkeypatch)
+    from types import SimpleNamespace
+    args = SimpleNamespace(runs=tmp_path, fresh=False, tiny=True)
+    line = ["--data", "arith", "--steps", "2", "--seed", "0", "--save-every", "1", "--out",
+            str(tmp_path / "x" / "run"), "--model", common.tiny_model(tmp_path), *common.TINY,
+            "--eval-every", "0"]
+    run = common.run_once("whole", "grpo", line, args)
+    rows = lambda: [(r["step"], r["reward"], r["loss"], r["grad_norm"]) for r in  # noqa: E731
+                    map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+    whole = rows()
+    shutil.rmtree(run / "model")  # as a run stopped after its first step leaves its folder
+    shutil.rmtree(run / "checkpoints" / "step_2")
+    capsys.readouterr()
+    assert common.run_once("stopped", "grpo", line, args) == run
+    assert "resuming the run stopped in" in capsys.readouterr().out
+    assert (run / "model" / "config.json").exists() and rows() == whole and len(whole) == 2
+
+
 # ---------------------------------------------------------------------------------------------
 # The statistics (experiments/common.py) against hand-computed values
 
