@@ -10,12 +10,15 @@ dtype is emulated). But a step's matmuls have
 only R rows, and their weights come from memory once a step: the first table is what such matmuls
 reach here -- the model's linear layers and LM head run in sequence as a step runs them, in the
 run's dtype -- and so the highest fraction of the bound any decoding loop of these kernels could
-reach. The second splits one step of the HF engine's forward (hidden states, then the LM head):
+reach (F.linear, the plain layers). The second splits one step of the HF engine's forward (hidden
+states, then the LM head), with its weights packed as the engine packs them where it does
+(packed_linear.py), then with the plain layers:
 "the rest" is the decoder's time less its matmuls timed alone -- attention, norms, rotary
 embeddings, the cache's concatenation, the embedding, the mask, Python -- assuming the matmuls run
 inside the forward as fast as alone. The loop's sampling (sampling.sample_next) is not in it.
 """
 
+import contextlib
 import statistics
 import sys
 import time
@@ -30,6 +33,7 @@ if __name__ == "__main__":
     from benchmarks.model_options import measured_on, model_parser
     from hardware import hardware_line, peak_flops
     from model import load_model
+    from packed_linear import packed_linears
     from rollout import make_rollout
 
     parser = model_parser(__doc__)
@@ -97,11 +101,29 @@ if __name__ == "__main__":
     def decoder():  # a fresh cache of the same keys and values each time (no copy)
         net.model(**step_in, past_key_values=DynamicCache(ddp_cache_data=kept))
 
-    body, head_s, mm = seconds(decoder), matmul_seconds(R, [head]), matmul_seconds(R, linears)
+    modules = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
+    head_module = net.get_output_embeddings()
+    inputs = {n: torch.randn(R, n, device=device, dtype=dtype) for n in {w.shape[1] for w in linears}}
+
+    @torch.no_grad()
+    def layers_matmuls():  # the modules themselves: their weights packed where the engine packs
+        for m in modules:
+            if m is not head_module:
+                m(inputs[m.in_features])
+
     flops = 2 * R * (sum(w.numel() for w in linears) + head.numel())
     bound = flops / peak
-    print(f"\none decoding step, {R} rows, {C} tokens of context: {(body + head_s) * 1e3:.0f} ms, "
-          f"its bound {bound * 1e3:.0f} ms ({bound / (body + head_s):.0%} of it)")
-    for name, t in [("the layers' matmuls", mm), ("the LM head", head_s),
-                    ("the rest (the decoder less its matmuls alone)", body - mm)]:
-        print(f"  {name:50s}{t * 1e3:8.1f} ms")
+    # The HF engine packs its weights for oneDNN where that gives F.linear's numbers here
+    # (packed_linear.py): the step as it decodes, and as it would with the plain layers.
+    for packed in ([True, False] if engine.packs else [False]):
+        with packed_linears(net, R, dtype) if packed else contextlib.nullcontext():
+            body, mm = seconds(decoder), seconds(layers_matmuls)
+            head_s = seconds(torch.no_grad()(lambda: head_module(inputs[head.shape[1]])))
+        how = "weights packed (as the engine decodes)" if packed else "plain layers" + \
+            (" (the engine packs: this is without)" if engine.packs else "")
+        print(f"\none decoding step, {R} rows, {C} tokens of context, {how}: "
+              f"{(body + head_s) * 1e3:.0f} ms, its bound {bound * 1e3:.0f} ms "
+              f"({bound / (body + head_s):.0%} of it)")
+        for name, t in [("the layers' matmuls", mm), ("the LM head", head_s),
+                        ("the rest (the decoder less its matmuls alone)", body - mm)]:
+            print(f"  {name:50s}{t * 1e3:8.1f} ms")
