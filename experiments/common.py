@@ -35,6 +35,7 @@ import math
 import os
 import re
 import sys
+import textwrap
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -484,6 +485,10 @@ def write_finding(name: str, panels: dict[str, dict[str, list]], args, terms: di
     return numbers
 
 
+def seeds_said(n: int) -> str:
+    return f"{n} seed" + ("s" if n != 1 else "")
+
+
 def draw(name: str, panels: dict, args, title: str, xlabel: str, axes_of: dict):
     """write_finding's picture."""
     import matplotlib
@@ -498,21 +503,24 @@ def draw(name: str, panels: dict, args, title: str, xlabel: str, axes_of: dict):
                 ax.plot([x for x, _ in s], [y for _, y in s], color=color, alpha=0.3, lw=0.8,
                         marker="o" if panel in axes_of else None, markersize=3)
             if panel in axes_of:  # (no step on the x axis: nothing to average seeds at)
-                ax.plot([], [], color=color, lw=2, label=f"{arm} ({len(seeds)} seeds)")
+                ax.plot([], [], color=color, lw=2, label=f"{arm} ({seeds_said(len(seeds))})")
                 continue
             steps = sorted({x for s in seeds for x, _ in s})
             at = {step: [y for s in seeds for x, y in s if x == step] for step in steps}
             means = [sum(at[step]) / len(at[step]) for step in steps]
-            ax.plot(steps, means, color=color, lw=2, label=f"{arm} ({len(seeds)} seeds)")
+            ax.plot(steps, means, color=color, lw=2, label=f"{arm} ({seeds_said(len(seeds))})")
             for step, m in zip(steps, means):
                 if len(at[step]) < len(seeds):  # a mean of fewer seeds: say how many
                     ax.annotate(str(len(at[step])), (step, m), fontsize=6, color=color,
                                 xytext=(0, 3), textcoords="offset points", ha="center")
         ax.set_title(panel, fontsize=10)
         ax.set_xlabel(axes_of.get(panel, xlabel))
+        if ax.get_xlabel() == "k":  # pass@k: k doubles, as the papers draw it
+            ax.set_xscale("log", base=2)
         ax.legend(fontsize=8)
-    fig.suptitle(title + " (a bold mean of fewer seeds is marked with their number)",
-                 fontsize=10)
+    # (wrapped to the figure: about 14 characters an inch at this size)
+    fig.suptitle(textwrap.fill(title + " (a bold mean of fewer seeds is marked with their number)",
+                               14 * 5 * len(panels)), fontsize=10)
     fig.tight_layout()
     fig.savefig(args.out / f"{name}.png", dpi=110)
     plt.close(fig)
