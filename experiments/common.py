@@ -37,7 +37,7 @@ import re
 import sys
 import textwrap
 import time
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,31 +152,42 @@ def run_once(title: str, script: str, line: list[str], args, every_step=None) ->
     return Path(cfg.out)
 
 
+# Options that change nothing a run computes: a run is the same run whatever they say.
+NOT_THE_RUN = ("out", "resume", "stop_grace", "keep_superseded", "keep_last", "save_every",
+               "report_to")
+
+
+def same_run(saved: dict, cfg) -> bool:
+    """Whether a run folder's saved config describes cfg's run: equal in every option that changes
+    what a run computes. An option added since the run was made (not in its file) counts as the
+    run's where cfg leaves it at its default: an option's default keeps the behaviour from before
+    it (a run made before --stop-grace existed is still this run)."""
+    plain = lambda config: json.loads(json.dumps(config, default=str))  # noqa: E731
+    saved, now = plain(saved), plain(asdict(cfg))
+    defaults = plain({f.name: f.default for f in fields(cfg) if f.default is not MISSING})
+    return all(saved.get(k, defaults.get(k, MISSING)) == v
+               for k, v in now.items() if k not in NOT_THE_RUN)
+
+
 def finished_run(runs: Path, cfg, every_step=None) -> Path | None:
-    """A finished run of this very config (its --out aside) under `runs`, any finding's: an arm
-    two findings share (clip_higher's eps_high 0.2 is surrogates' clip) runs once; a run of other
+    """A finished run of this very config (same_run) under `runs`, any finding's: an arm two
+    findings share (clip_higher's eps_high 0.2 is surrogates' clip) runs once; a run of other
     steps or sizes is run again (the run itself moves the old one aside), and so is one whose
     metrics lack every_step's key."""
-    def same(config: dict) -> dict:
-        return {k: v for k, v in json.loads(json.dumps(config, default=str)).items() if k != "out"}
-    want = same(asdict(cfg))
     for saved in sorted(runs.glob(f"*/*/{cfg.CONFIG_FILE}")):
         if (saved.parent / "model" / "config.json").exists() and \
-                same(json.loads(saved.read_text())) == want and \
+                same_run(json.loads(saved.read_text()), cfg) and \
                 (every_step is None or metric(saved.parent, every_step.key)):
             return saved.parent
     return None
 
 
 def stopped_run(cfg) -> bool:
-    """Whether cfg.out holds checkpoints of a run of this very config that did not finish (stopped
-    by a signal: stopping.py checkpoints the step it ends)."""
+    """Whether cfg.out holds checkpoints of a run of this very config (same_run) that did not
+    finish (stopped by a signal: stopping.py checkpoints the step it ends)."""
     saved, out = Path(cfg.out) / cfg.CONFIG_FILE, Path(cfg.out)
-    if not saved.exists() or not any((out / "checkpoints").glob("step_*")):
-        return False
-    keep = lambda config: {k: v for k, v in json.loads(json.dumps(config, default=str)).items()  # noqa: E731
-                           if k not in ("out", "resume")}
-    return keep(json.loads(saved.read_text())) == keep(asdict(cfg))
+    return saved.exists() and any((out / "checkpoints").glob("step_*")) and \
+        same_run(json.loads(saved.read_text()), cfg)
 
 
 @contextlib.contextmanager

@@ -116,6 +116,28 @@ def test_a_run_the_atlas_was_stopped_in_goes_on_from_its_checkpoint(tmp_path, mo
     assert (run / "model" / "config.json").exists() and rows() == whole and len(whole) == 2
 
 
+def test_a_run_made_before_an_option_existed_is_the_same_run_at_that_options_default(
+        monkeypatch):
+    """The atlas finds a finished run by its saved config: a run made before --stop-grace existed
+    (its file has no such key) is this run while --stop-grace is at its default, and not where the
+    option is set to something else; options that change nothing a run computes (--out,
+    --resume, --stop-grace, ...) never make it another run; every other option does."""
+    common = _common(monkeypatch)
+    import grpo
+    from cli import parse_config
+    cfg = parse_config(grpo.Config, ["--steps", "3", "--out", "/tmp/a"])
+    saved = json.loads(json.dumps(__import__("dataclasses").asdict(cfg), default=str))
+    assert common.same_run(saved, cfg)
+    older = {k: v for k, v in saved.items() if k != "stop_grace"}
+    assert common.same_run(older, cfg)
+    assert not common.same_run({k: v for k, v in saved.items() if k != "lr"}, cfg)
+    changed = parse_config(grpo.Config, ["--steps", "3", "--out", "/tmp/b", "--stop-grace", "5",
+                                         "--resume", "auto", "--keep-last", "5"])
+    assert common.same_run(saved, changed)
+    assert not common.same_run(saved, parse_config(grpo.Config, ["--steps", "4"]))
+    assert not common.same_run({**saved, "beta": 0.5}, cfg)
+
+
 # ---------------------------------------------------------------------------------------------
 # The statistics (experiments/common.py) against hand-computed values
 
