@@ -529,9 +529,9 @@ def draw(name: str, panels: dict, args, title: str, xlabel: str, axes_of: dict):
         if ax.get_xlabel() == "k":  # pass@k: k doubles, as the papers draw it
             ax.set_xscale("log", base=2)
         ax.legend(fontsize=8)
-    # (wrapped to the figure: about 14 characters an inch at this size)
+    # (wrapped to the figure: about 11 characters an inch at this size)
     fig.suptitle(textwrap.fill(title + " (a bold mean of fewer seeds is marked with their number)",
-                               14 * 5 * len(panels)), fontsize=10)
+                               11 * 5 * len(panels)), fontsize=10)
     fig.tight_layout()
     fig.savefig(args.out / f"{name}.png", dpi=110)
     plt.close(fig)
