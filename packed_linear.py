@@ -17,6 +17,7 @@ the engine's numbers would leave the trainer's), so fp32 decodes as before.
 
 from contextlib import contextmanager
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +28,9 @@ MEASURED: dict[tuple, bool] = {}  # (weight shape, dtype) -> packs exactly, this
 
 def packs_exactly(weight: torch.Tensor) -> bool:
     """Whether oneDNN's packed linear gives F.linear's numbers bit for bit here for this (out, in)
-    weight: random inputs of 1, 7 and 64 rows and a 3-D batch, with and without a bias. The
-    kernel chosen depends on the shapes and the dtype: each pair is measured once a process."""
+    weight: random inputs of 1, 7 and 64 rows and 3-D batches (one strided), with and without a
+    bias. The kernel chosen depends on the shapes and the dtype: each pair is measured once a
+    process."""
     key = (tuple(weight.shape), weight.dtype)
     if key not in MEASURED:
         MEASURED[key] = _same_numbers(weight.detach())
@@ -43,10 +45,12 @@ def _same_numbers(weight) -> bool:
     bias = torch.randn(weight.shape[0], generator=gen).to(weight.dtype)
     try:
         packed = ops._reorder_linear_weight(weight, 64)
-        for rows in [(1,), (7,), (64,), (3, 5)]:
+        module = SimpleNamespace(weight=weight, bias=bias)  # (what _packed_forward reads)
+        for rows in [(1,), (7,), (64,), (3, 5), (3, 7)]:
             x = torch.randn(*rows, weight.shape[1], generator=gen).to(weight.dtype)
-            if not all(torch.equal(F.linear(x, weight, b), _packed(packed, b, x))
-                       for b in (None, bias)):
+            x = x[:, -2:] if x.dim() == 3 and rows[1] == 7 else x  # (strided, as a head reads)
+            if not torch.equal(F.linear(x, weight), _packed(packed, None, x)) or \
+                    not torch.equal(F.linear(x, weight, bias), _packed_forward(packed, module, x)):
                 return False
     except RuntimeError:  # (a build or a CPU without these kernels)
         return False
@@ -57,11 +61,21 @@ def _packed(weight, bias, x):
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _packed_forward(packed, module, x):
+    """A Linear's forward on its packed weight. F.linear adds a bias inside the matmul only for a
+    2-D or a contiguous input; a strided one of more dimensions (Phi's LM head reads h[:, -1:]) it
+    multiplies, then adds the bias in the weight's dtype -- another rounding, which the packed op's
+    fused bias does not make: that input goes to F.linear as it is."""
+    if module.bias is not None and x.dim() > 2 and not x.is_contiguous():
+        return F.linear(x, module.weight, module.bias)
+    return _packed(packed, module.bias, x)
+
+
 def _packable(model, dtype: torch.dtype) -> list:
     """The model's plain nn.Linear layers with a plain tensor as weight, in `dtype`, on the CPU."""
     return [m for m in model.modules() if type(m) is torch.nn.Linear and
             type(m.weight.data) is torch.Tensor and m.weight.dtype == dtype and
-            m.weight.device.type == "cpu"]
+            m.weight.device.type == "cpu" and "forward" not in vars(m)]  # (not a hooked one)
 
 
 def can_pack(model, device, dtype: torch.dtype) -> bool:
@@ -83,7 +97,7 @@ def packed_linears(model, rows: int, dtype: torch.dtype):
     try:
         for module in _packable(model, dtype):
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
-            module.forward = partial(_packed, packed, module.bias)
+            module.forward = partial(_packed_forward, packed, module)
             swapped.append(module)
         yield
     finally:

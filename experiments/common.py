@@ -145,6 +145,11 @@ def run_once(title: str, script: str, line: list[str], args, every_step=None) ->
     if not args.fresh and stopped_run(cfg):  # (a stopped atlas goes on where each run stopped)
         cfg = parse_config(module.Config, [*line, "--resume", "auto"])
         print(f"{title}: resuming the run stopped in {cfg.out}", flush=True)
+    elif (Path(cfg.out) / "checkpoints").exists():  # another config's, or --fresh: kept aside
+        # (the run itself would refuse a folder holding another run's checkpoints)
+        from run_folder import set_aside
+        said = set_aside(Path(cfg.out), [Path(cfg.out) / "checkpoints"], "", None)[0]
+        print(f"{title}: {said}", flush=True)
     t0, printed = time.time(), io.StringIO()
     with contextlib.redirect_stdout(printed), measured(module, every_step):
         module.main(cfg)

@@ -114,6 +114,11 @@ def test_a_run_the_atlas_was_stopped_in_goes_on_from_its_checkpoint(tmp_path, mo
     assert common.run_once("stopped", "grpo", line, args) == run
     assert "resuming the run stopped in" in capsys.readouterr().out
     assert (run / "model" / "config.json").exists() and rows() == whole and len(whole) == 2
+    # Its checkpoints stay; run again from scratch (--fresh), it would refuse a folder holding
+    # them: they are moved aside whole, and the run runs.
+    fresh = SimpleNamespace(runs=tmp_path, fresh=True, tiny=True)
+    assert common.run_once("fresh", "grpo", line, fresh) == run and rows() == whole
+    assert list(run.glob("superseded/*/checkpoints/step_1"))
 
 
 def test_a_run_made_before_an_option_existed_is_the_same_run_at_that_options_default(

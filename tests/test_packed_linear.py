@@ -82,3 +82,38 @@ def test_the_engine_samples_with_packed_weights_what_it_samples_without(dtype, t
     assert packed.completion_ids == plain.completion_ids
     assert packed.engine_logprobs == plain.engine_logprobs
     assert len({len(c) for c in plain.completion_ids}) > 1
+
+
+def test_a_biased_layer_fed_a_strided_input_keeps_f_linears_rounding():
+    """F.linear adds a bias inside the matmul only for a 2-D or a contiguous input; a strided 3-D
+    one -- Phi's biased LM head reads h[:, -1:] -- it multiplies, then adds the bias in bf16. The
+    packed forward does the same, so the numbers stay F.linear's for every input the probe and a
+    model give it (a fused bias there differed by a bf16 step: 34 of 144 log-probs of a Phi)."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(128, 256).to(torch.bfloat16)
+    torch.nn.init.normal_(layer.bias)  # (transformers' init leaves biases 0: the rounding hides)
+    model = torch.nn.Sequential(layer)
+    x = lambda *shape: torch.randn(*shape, dtype=torch.bfloat16)  # noqa: E731
+    inputs = {"2-D": x(9, 128), "3-D": x(3, 5, 128), "3-D strided": x(3, 7, 128)[:, -1:],
+              "4-D strided": x(2, 3, 7, 128)[:, :, 2:]}
+    assert not inputs["3-D strided"].is_contiguous()
+    with torch.no_grad():
+        plain = {k: layer(v) for k, v in inputs.items()}
+        with packed_linears(model, rows=9, dtype=torch.bfloat16):
+            packed = {k: layer(v) for k, v in inputs.items()}
+    if can_pack(model, "cpu", torch.bfloat16):
+        assert all(torch.equal(packed[k], plain[k]) for k in inputs), \
+            [k for k in inputs if not torch.equal(packed[k], plain[k])]
+
+
+def test_a_layer_with_a_forward_of_its_own_is_left_alone(tiny_model):
+    """A Linear whose instance already has a forward (a hook library's wrapper) is not packed: its
+    own forward runs within the call and is still there after it."""
+    import copy
+    model = copy.deepcopy(tiny_model[0]).to(torch.bfloat16)
+    layer = linears(model)[0]
+    calls = []
+    layer.forward = lambda x: calls.append(1) or torch.nn.functional.linear(x, layer.weight)
+    with torch.no_grad(), packed_linears(model, rows=1, dtype=torch.bfloat16):
+        model(torch.tensor([[5, 9, 13]]))
+    assert calls and "forward" in vars(layer)
