@@ -9,28 +9,37 @@ the same kernel runs on the same numbers: measured on a 2-core Zen 4 in bf16, 32
 576 -> 1536 took 180 us plain and 146 us packed, the 49K-token LM head 7.1 and 5.2 ms.
 
 Only where the packed product is bit for bit F.linear's -- what the trainer computes its
-log-probs with -- on this machine, in this dtype, at each weight shape the model has:
-`packs_exactly` measures it once a process. In
-fp32 F.linear is MKL's, whose sums are ordered otherwise (packing would be ~1.5x faster there, but
-the engine's numbers would leave the trainer's), so fp32 decodes as before.
+log-probs with -- on this machine, in this dtype, at each weight shape the model has, and at the
+row count the weight was packed for. oneDNN picks its kernel by the shapes: a weight packed for
+32 rows and fed 96, or 289 (a prefill), sums in another order, and so, at some counts, does one
+packed for the very rows it is fed (96 rows of SmolLM2's 192 x 576 key projection, AMX Xeon);
+then about one bf16 output in 16,000 comes out a step apart. So two measures, each once a process:
+`packs_exactly` per weight shape before a model packs at all (in fp32 F.linear is MKL's, whose sums
+are ordered otherwise everywhere: packing would be ~1.5x faster there, but the engine's numbers
+would leave the trainer's, so fp32 decodes as before), and `agrees` per (shape, rows) the first
+time a call feeds a weight the rows it was packed for, over 2^18 random outputs (a kernel that
+sums otherwise shows in ~16 of them). Any other row count -- a prefill, a batch after samples
+left it -- goes to F.linear: packing pays off in the full batch's decoding steps.
 """
 
+import math
 from contextlib import contextmanager
 from functools import partial
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 
 MEASURED: dict[tuple, bool] = {}  # (weight shape, dtype) -> packs exactly, this process
+AGREES: dict[tuple, bool] = {}  # (shape, dtype, bias, input's shape) -> same numbers packed
+PROBE_OUTPUTS = 1 << 18  # outputs compared: ~16 differ where the sums are ordered otherwise
 
 
 def packs_exactly(weight: torch.Tensor) -> bool:
     """Whether oneDNN's packed linear gives F.linear's numbers bit for bit here for this (out, in)
-    weight: random inputs of 1, 7 and 64 rows and 3-D batches (one strided), with and without a
-    bias. The kernel chosen depends on the shapes and the dtype: each pair is measured once a
-    process."""
+    weight, at a first look: random inputs of 1, 7 and 64 rows and a 3-D batch, with and without a
+    bias, packed for 64 rows (a build or a dtype whose sums differ everywhere packs nothing; each
+    row count a call packs for is measured again by `agrees`). Once a process a (shape, dtype)."""
     key = (tuple(weight.shape), weight.dtype)
     if key not in MEASURED:
         MEASURED[key] = _same_numbers(weight.detach())
@@ -45,12 +54,10 @@ def _same_numbers(weight) -> bool:
     bias = torch.randn(weight.shape[0], generator=gen).to(weight.dtype)
     try:
         packed = ops._reorder_linear_weight(weight, 64)
-        module = SimpleNamespace(weight=weight, bias=bias)  # (what _packed_forward reads)
-        for rows in [(1,), (7,), (64,), (3, 5), (3, 7)]:
+        for rows in [(1,), (7,), (64,), (3, 5)]:
             x = torch.randn(*rows, weight.shape[1], generator=gen).to(weight.dtype)
-            x = x[:, -2:] if x.dim() == 3 and rows[1] == 7 else x  # (strided, as a head reads)
-            if not torch.equal(F.linear(x, weight), _packed(packed, None, x)) or \
-                    not torch.equal(F.linear(x, weight, bias), _packed_forward(packed, module, x)):
+            if not all(torch.equal(F.linear(x, weight, b), _packed(packed, b, x))
+                       for b in (None, bias)):
                 return False
     except RuntimeError:  # (a build or a CPU without these kernels)
         return False
@@ -61,14 +68,34 @@ def _packed(weight, bias, x):
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _packed_forward(packed, module, x):
-    """A Linear's forward on its packed weight. F.linear adds a bias inside the matmul only for a
-    2-D or a contiguous input; a strided one of more dimensions (Phi's LM head reads h[:, -1:]) it
-    multiplies, then adds the bias in the weight's dtype -- another rounding, which the packed op's
-    fused bias does not make: that input goes to F.linear as it is."""
-    if module.bias is not None and x.dim() > 2 and not x.is_contiguous():
+def _packed_forward(packed, rows: int, module, x):
+    """A Linear's forward on its weight packed for `rows` rows, where that gives F.linear's
+    numbers for this input; F.linear's otherwise. F.linear adds a bias inside the matmul only for
+    a 2-D or a contiguous input; a strided one of more dimensions (Phi's LM head reads h[:, -1:])
+    it multiplies, then adds the bias in the weight's dtype -- another rounding, which the packed
+    op's fused bias does not make: that input goes to F.linear as it is."""
+    strided = module.bias is not None and x.dim() > 2 and not x.is_contiguous()
+    if strided or not agrees(packed, rows, module, x.shape[:-1]):
         return F.linear(x, module.weight, module.bias)
     return _packed(packed, module.bias, x)
+
+
+def agrees(packed, rows: int, module, lead: torch.Size) -> bool:
+    """Whether `module`'s weight, packed for `rows` rows, gives F.linear's numbers bit for bit for
+    inputs shaped (*lead, in): only inputs of exactly `rows` rows, measured the first time over
+    random inputs of that shape holding PROBE_OUTPUTS outputs in all; F.linear's for the others."""
+    weight, bias = module.weight, module.bias
+    if math.prod(lead) != rows:
+        return False
+    key = (tuple(weight.shape), weight.dtype, bias is not None, tuple(lead))
+    if key not in AGREES:
+        gen = torch.Generator().manual_seed(0)
+        trials = -(-PROBE_OUTPUTS // (rows * weight.shape[0]))  # (ceil)
+        inputs = (torch.randn(*lead, weight.shape[1], generator=gen).to(weight.dtype)
+                  for _ in range(trials))
+        AGREES[key] = all(torch.equal(F.linear(x, weight, bias), _packed(packed, bias, x))
+                          for x in inputs)
+    return AGREES[key]
 
 
 def _packable(model, dtype: torch.dtype) -> list:
@@ -97,7 +124,7 @@ def packed_linears(model, rows: int, dtype: torch.dtype):
     try:
         for module in _packable(model, dtype):
             packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
-            module.forward = partial(_packed_forward, packed, module)
+            module.forward = partial(_packed_forward, packed, rows, module)
             swapped.append(module)
         yield
     finally:

@@ -117,3 +117,65 @@ def test_a_layer_with_a_forward_of_its_own_is_left_alone(tiny_model):
     with torch.no_grad(), packed_linears(model, rows=1, dtype=torch.bfloat16):
         model(torch.tensor([[5, 9, 13]]))
     assert calls and "forward" in vars(layer)
+
+
+def test_at_smollm2s_widths_every_row_count_a_call_feeds_keeps_the_plain_numbers(tokenizer):
+    """oneDNN picks its kernel by the shapes: at SmolLM2-135M's widths a weight packed for one
+    row count and fed another -- a prefill of hundreds of rows, or 96 decoding rows of the key
+    projection (AMX Xeon) -- summed in another order, though the first probe (a few row counts)
+    passed; the tiny models' 128-wide layers hid it. A 2-layer model of those widths: one long
+    prompt alone, a GRPO-like step (prefill 384 rows, 32 decoding), 96 decoding rows."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=512, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id)
+    engine = HFRollout(LlamaForCausalLM(config), tokenizer, dtype=torch.bfloat16, logprobs=True)
+    engine.stop_ids = {-1}  # every sample decodes every step
+    g = torch.Generator().manual_seed(1)
+    prompt = lambda n: torch.randint(100, len(tokenizer) - 1, (n,), generator=g).tolist()  # noqa
+    for prompts, n in [([prompt(40)], 1), ([prompt(48) for _ in range(8)], 4),
+                       ([prompt(6) for _ in range(4)], 24)]:
+        sampling = Sampling(max_new_tokens=6, temperature=1.0, seed=3)
+        packs, engine.packs = engine.packs, True
+        packed = engine.generate(prompts, n, sampling)
+        engine.packs = False
+        plain = engine.generate(prompts, n, sampling)
+        engine.packs = packs
+        assert packed.completion_ids == plain.completion_ids
+        assert packed.engine_logprobs == plain.engine_logprobs, (len(prompts), n)
+
+
+def test_only_the_rows_a_weight_was_packed_for_run_packed_and_only_where_measured_the_same(
+        monkeypatch):
+    """A weight packed for 4 rows computes packed for inputs of 4 rows only (any other count:
+    F.linear), and only once `agrees` has measured those numbers F.linear's: a packed kernel that
+    sums otherwise -- here one output in 2^16 a step apart, rarer than oneDNN's ~1 in 16,000 --
+    is found and not used."""
+    if not can_pack(torch.nn.Linear(128, 256).to(torch.bfloat16), "cpu", torch.bfloat16):
+        pytest.skip("this machine's packed bf16 product is not F.linear's: nothing is packed")
+    layer = torch.nn.Linear(128, 256).to(torch.bfloat16)
+    x = {n: torch.randn(n, 1, 128, dtype=torch.bfloat16) for n in (3, 4)}
+    fed, real = [], packed_linear._packed
+    monkeypatch.setattr(packed_linear, "_packed", lambda *a: fed.append(a[2]) or real(*a))
+    monkeypatch.setattr(packed_linear, "AGREES", {})
+    with torch.no_grad(), packed_linears(torch.nn.Sequential(layer), 4, torch.bfloat16):
+        assert all(torch.equal(layer(x[n]), torch.nn.functional.linear(x[n], layer.weight,
+                                                                        layer.bias)) for n in x)
+    assert any(t is x[4] for t in fed) and not any(t is x[3] for t in fed)  # (3 rows: F.linear)
+    assert {t.shape for t in fed} == {(4, 1, 128)}  # (the probe's random inputs: that shape)
+
+    calls = []
+
+    def off_by_a_step(weight, bias, x):  # one output of every 64th call (4 x 256 outputs): a step up
+        out = real(weight, bias, x)
+        calls.append(x)
+        if len(calls) % 64 == 0:
+            out.view(-1)[0] = (out.view(-1)[0].float() * (1 + 2 ** -7)).bfloat16()
+        return out
+    monkeypatch.setattr(packed_linear, "_packed", off_by_a_step)
+    monkeypatch.setattr(packed_linear, "AGREES", {})
+    with torch.no_grad(), packed_linears(torch.nn.Sequential(layer), 4, torch.bfloat16):
+        assert torch.equal(layer(x[4]), torch.nn.functional.linear(x[4], layer.weight, layer.bias))
+    assert list(packed_linear.AGREES.values()) == [False]
