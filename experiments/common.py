@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -133,7 +134,10 @@ def run_arms(name: str, arms: dict[str, list[str]], args, script: str = "grpo",
 
 def run_once(title: str, script: str, line: list[str], args, every_step=None) -> Path:
     """One run of `script`'s main with this command line (its --out: the folder), or the folder
-    of a finished run of the very same config (any finding's)."""
+    of a finished run of the very same config (any finding's). A run stopped in that folder (the
+    same config, checkpointed) goes on from its checkpoint; a folder holding checkpoints the run
+    cannot take up (another config's, --fresh, a finished run's leftovers) is left as it is --
+    nothing there is moved or lost -- and the run goes to the first free <folder>.2, .3, ..."""
     import importlib
     from cli import parse_config
     module = importlib.import_module(script)
@@ -142,14 +146,17 @@ def run_once(title: str, script: str, line: list[str], args, every_step=None) ->
     if done:
         print(f"{title}: done before ({done})")
         return done
-    if not args.fresh and stopped_run(cfg):  # (a stopped atlas goes on where each run stopped)
-        cfg = parse_config(module.Config, [*line, "--resume", "auto"])
-        print(f"{title}: resuming the run stopped in {cfg.out}", flush=True)
-    elif (Path(cfg.out) / "checkpoints").exists():  # another config's, or --fresh: kept aside
-        # (the run itself would refuse a folder holding another run's checkpoints)
-        from run_folder import set_aside
-        said = set_aside(Path(cfg.out), [Path(cfg.out) / "checkpoints"], "", None)[0]
-        print(f"{title}: {said}", flush=True)
+    for folder in folders(cfg.out):
+        if not args.fresh and stopped_run(cfg, folder):  # (a stopped atlas goes on)
+            cfg = parse_config(module.Config, [*line, "--out", str(folder), "--resume", "auto"])
+            print(f"{title}: resuming the run stopped in {folder}", flush=True)
+            break
+        if not any((folder / "checkpoints").glob("step_*")):  # (the run would refuse them)
+            if str(folder) != cfg.out:
+                print(f"{title}: {cfg.out} holds checkpoints of another run, left as they are: "
+                      f"this run goes to {folder}", flush=True)
+                cfg = parse_config(module.Config, [*line, "--out", str(folder)])
+            break
     t0, printed = time.time(), io.StringIO()
     with contextlib.redirect_stdout(printed), measured(module, every_step):
         module.main(cfg)
@@ -187,11 +194,23 @@ def finished_run(runs: Path, cfg, every_step=None) -> Path | None:
     return None
 
 
-def stopped_run(cfg) -> bool:
-    """Whether cfg.out holds checkpoints of a run of this very config (same_run) that did not
-    finish (stopped by a signal: stopping.py checkpoints the step it ends)."""
-    saved, out = Path(cfg.out) / cfg.CONFIG_FILE, Path(cfg.out)
-    return saved.exists() and any((out / "checkpoints").glob("step_*")) and \
+def folders(out: str):
+    """The folders a run of --out `out` may go to: `out`, then each <out>.2, <out>.3, ... that
+    exists, then the first that does not."""
+    yield Path(out)
+    for n in itertools.count(2):
+        yield (folder := Path(f"{out}.{n}"))
+        if not folder.exists():
+            return
+
+
+def stopped_run(cfg, folder: Path) -> bool:
+    """Whether `folder` holds checkpoints of a run of this very config (same_run) that did not
+    finish (stopped by a signal: stopping.py checkpoints the step it ends): no final model. (A
+    finished one that finished_run passed over -- it lacks a measure -- is run again whole.)"""
+    saved = folder / cfg.CONFIG_FILE
+    return saved.exists() and any((folder / "checkpoints").glob("step_*")) and \
+        not (folder / "model" / "config.json").exists() and \
         same_run(json.loads(saved.read_text()), cfg)
 
 

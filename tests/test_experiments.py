@@ -114,11 +114,27 @@ def test_a_run_the_atlas_was_stopped_in_goes_on_from_its_checkpoint(tmp_path, mo
     assert common.run_once("stopped", "grpo", line, args) == run
     assert "resuming the run stopped in" in capsys.readouterr().out
     assert (run / "model" / "config.json").exists() and rows() == whole and len(whole) == 2
-    # Its checkpoints stay; run again from scratch (--fresh), it would refuse a folder holding
-    # them: they are moved aside whole, and the run runs.
+    # Its checkpoints stay. Run again from scratch (--fresh), or a config that differs, and the
+    # run would refuse a folder holding them: that folder is left as it is -- nothing moved,
+    # nothing lost -- and the run goes to the next free one; a second run stopped there resumes.
+    before = sorted(p.relative_to(run).as_posix() for p in run.rglob("*"))
     fresh = SimpleNamespace(runs=tmp_path, fresh=True, tiny=True)
-    assert common.run_once("fresh", "grpo", line, fresh) == run and rows() == whole
-    assert list(run.glob("superseded/*/checkpoints/step_1"))
+    again = common.run_once("fresh", "grpo", line, fresh)
+    assert again == tmp_path / "x" / "run.2" and (again / "model" / "config.json").exists()
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before
+    assert "left as they are: this run goes to" in capsys.readouterr().out
+    other = [*line, "--lr", "3e-6"]
+    third = common.run_once("other config", "grpo", other, args)
+    assert third == tmp_path / "x" / "run.3" and "run.3" in capsys.readouterr().out
+    shutil.rmtree(third / "model")  # stopped there: the atlas started again goes on with it
+    assert common.run_once("stopped again", "grpo", other, args) == third
+    assert "resuming the run stopped in" in capsys.readouterr().out
+    # A finished run's leftover checkpoints (it lacks a measure asked for now) are not resumed
+    # into: the run is made again whole, elsewhere.
+    probe = SimpleNamespace(key="probe_entropy", measure=lambda session, cfg: 0.5)
+    measured = common.run_once("measured", "grpo", line, args, every_step=probe)
+    assert measured == tmp_path / "x" / "run.4"
+    assert [s for s, _ in common.metric(measured, "probe_entropy")] == [1, 2]
 
 
 def test_a_run_made_before_an_option_existed_is_the_same_run_at_that_options_default(
