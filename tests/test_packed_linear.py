@@ -168,7 +168,7 @@ def test_only_the_rows_a_weight_was_packed_for_run_packed_and_only_where_measure
 
     calls = []
 
-    def off_by_a_step(weight, bias, x):  # one output of every 64th call (4 x 256 outputs): a step up
+    def off_by_a_step(weight, bias, x):  # one output of every 64th call (4 x 256): a step up
         out = real(weight, bias, x)
         calls.append(x)
         if len(calls) % 64 == 0:
