@@ -534,9 +534,11 @@ def draw(name: str, panels: dict, args, title: str, xlabel: str, axes_of: dict):
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (panel, arms) in zip(axes[0], panels.items()):
         for color, (arm, seeds) in zip(colors, arms.items()):
+            alone = panel in axes_of and all(len(s) == 1 for s in seeds)  # (a point a seed)
             for s in seeds:
-                ax.plot([x for x, _ in s], [y for _, y in s], color=color, alpha=0.3, lw=0.8,
-                        marker="o" if panel in axes_of else None, markersize=3)
+                ax.plot([x for x, _ in s], [y for _, y in s], color=color, alpha=0.8 if alone
+                        else 0.3, lw=0.8, marker="o" if panel in axes_of else None,
+                        markersize=7 if alone else 3)
             if panel in axes_of:  # (no step on the x axis: nothing to average seeds at)
                 ax.plot([], [], color=color, lw=2, label=f"{arm} ({seeds_said(len(seeds))})")
                 continue

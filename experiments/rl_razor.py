@@ -69,8 +69,11 @@ def main():
     everything = [(k, f) for arm in kl for k, f in zip(kl[arm], forgetting[arm])]
     frontier = "forgetting (chat NLL increase) against forward KL on arith"
     write_finding("rl_razor", {frontier: points,
-                               "SFT's held-out accuracy by step (GRPO's target: record)":
-                                   {"SFT": list(curves)}}, args,
+                               f"held-out accuracy: SFT by step, GRPO's after its {args.steps} "
+                               "(the target)": {"GRPO": [[(0, t), (len(c) - 1, t)] for t, c in
+                                                         zip(targets, curves)],
+                                                "SFT": list(curves)}},
+                  args,
                   axes_of={frontier: "KL(pi_0 || pi) on arith prompts (per token)"},
                   claim="at matched accuracy RL forgets less than SFT; forward KL predicts it",
                   paper="Shenfeld et al. 2025, RL's Razor",
