@@ -13,13 +13,15 @@ log-probs with -- on this machine, in this dtype, at each weight shape the model
 row count the weight was packed for. oneDNN picks its kernel by the shapes: a weight packed for
 32 rows and fed 96, or 289 (a prefill), sums in another order, and so, at some counts, does one
 packed for the very rows it is fed (96 rows of SmolLM2's 192 x 576 key projection, AMX Xeon);
-then about one bf16 output in 16,000 comes out a step apart. So two measures, each once a process:
+then about one bf16 output in 16,000 comes out a step apart; the thread count changes the kernel
+too. So two measures, each once a process and thread count:
 `packs_exactly` per weight shape before a model packs at all (in fp32 F.linear is MKL's, whose sums
 are ordered otherwise everywhere: packing would be ~1.5x faster there, but the engine's numbers
 would leave the trainer's, so fp32 decodes as before), and `agrees` per (shape, rows) the first
 time a call feeds a weight the rows it was packed for, over 2^18 random outputs (a kernel that
 sums otherwise shows in ~16 of them). Any other row count -- a prefill, a batch after samples
-left it -- goes to F.linear: packing pays off in the full batch's decoding steps.
+left it -- and any strided input go to F.linear: packing pays off in the full batch's decoding
+steps.
 """
 
 import math
@@ -30,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 
-MEASURED: dict[tuple, bool] = {}  # (weight shape, dtype) -> packs exactly, this process
-AGREES: dict[tuple, bool] = {}  # (shape, dtype, bias, input's shape) -> same numbers packed
+MEASURED: dict[tuple, bool] = {}  # (weight shape, dtype, threads) -> packs exactly, here
+AGREES: dict[tuple, bool] = {}  # (shape, dtype, bias, input's shape, threads) -> the same
 PROBE_OUTPUTS = 1 << 18  # outputs compared: ~16 differ where the sums are ordered otherwise
 
 
@@ -40,7 +42,7 @@ def packs_exactly(weight: torch.Tensor) -> bool:
     weight, at a first look: random inputs of 1, 7 and 64 rows and a 3-D batch, with and without a
     bias, packed for 64 rows (a build or a dtype whose sums differ everywhere packs nothing; each
     row count a call packs for is measured again by `agrees`). Once a process a (shape, dtype)."""
-    key = (tuple(weight.shape), weight.dtype)
+    key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
     if key not in MEASURED:
         MEASURED[key] = _same_numbers(weight.detach())
     return MEASURED[key]
@@ -70,12 +72,11 @@ def _packed(weight, bias, x):
 
 def _packed_forward(packed, rows: int, module, x):
     """A Linear's forward on its weight packed for `rows` rows, where that gives F.linear's
-    numbers for this input; F.linear's otherwise. F.linear adds a bias inside the matmul only for
-    a 2-D or a contiguous input; a strided one of more dimensions (Phi's LM head reads h[:, -1:])
-    it multiplies, then adds the bias in the weight's dtype -- another rounding, which the packed
-    op's fused bias does not make: that input goes to F.linear as it is."""
-    strided = module.bias is not None and x.dim() > 2 and not x.is_contiguous()
-    if strided or not agrees(packed, rows, module, x.shape[:-1]):
+    numbers for this input; F.linear's otherwise. A strided input -- the prefill's LM head reads
+    h[:, -1:] -- goes to F.linear as it is: F.linear sums a strided view in another order than a
+    contiguous one (a frozen weight's, from 33 rows: a distillation teacher's), and adds a bias
+    after the matmul, in the weight's dtype (Phi's head), where the packed op fuses it."""
+    if not x.is_contiguous() or not agrees(packed, rows, module, x.shape[:-1]):
         return F.linear(x, module.weight, module.bias)
     return _packed(packed, module.bias, x)
 
@@ -87,7 +88,8 @@ def agrees(packed, rows: int, module, lead: torch.Size) -> bool:
     weight, bias = module.weight, module.bias
     if math.prod(lead) != rows:
         return False
-    key = (tuple(weight.shape), weight.dtype, bias is not None, tuple(lead))
+    key = (tuple(weight.shape), weight.dtype, bias is not None, tuple(lead),
+           torch.get_num_threads())  # (oneDNN's kernel depends on the threads too)
     if key not in AGREES:
         gen = torch.Generator().manual_seed(0)
         trials = -(-PROBE_OUTPUTS // (rows * weight.shape[0]))  # (ceil)

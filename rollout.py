@@ -216,11 +216,13 @@ class HFRollout:
             torch.manual_seed(sampling.seed)
         kept, self.kept = self.kept, {}  # what the last call kept serves this one only
         completions, truncated, logprobs, cached, read, prefills = [], [], [], 0, 0.0, []
-        rows = min(self.batch_size, len(prompt_ids) * n)  # (each batch's, at its start)
+        batches = list(group_batches(prompt_ids, n, self.batch_size))
+        rows = len(batches[0][0]) * batches[0][1] if batches else 0  # (the first batch's rows:
+        # the weights are packed for them, and most batches have as many)
         with packed_linears(self.model, rows, self.dtype) if self.packs else nullcontext():
-            batches = [(self._decode(batch, copies, sampling, kept), copies)
-                       for batch, copies in group_batches(prompt_ids, n, self.batch_size)]
-        for out, copies in batches:
+            decoded = [(self._decode(batch, copies, sampling, kept), copies)
+                       for batch, copies in batches]
+        for out, copies in decoded:
             cached += out.reused
             read += decode_bytes(self.decode_cost, out.steps, out.context)
             prefills += out.prefills

@@ -179,3 +179,38 @@ def test_only_the_rows_a_weight_was_packed_for_run_packed_and_only_where_measure
     with torch.no_grad(), packed_linears(torch.nn.Sequential(layer), 4, torch.bfloat16):
         assert torch.equal(layer(x[4]), torch.nn.functional.linear(x[4], layer.weight, layer.bias))
     assert list(packed_linear.AGREES.values()) == [False]
+
+
+def test_a_measure_is_of_its_thread_count_and_a_strided_input_is_never_packed(monkeypatch):
+    """oneDNN picks its kernel by the thread count too (1 thread: every SmolLM2 shape agreed; 2:
+    the 192 x 576 key projection at 96 rows did not): a measure taken on one thread count is not
+    reused on another. And a strided input (the prefill's LM head reads h[:, -1:]) goes to
+    F.linear, which sums a strided view of a frozen weight in another order than a contiguous
+    one -- bias or none."""
+    if not can_pack(torch.nn.Linear(128, 256).to(torch.bfloat16), "cpu", torch.bfloat16):
+        pytest.skip("this machine's packed bf16 product is not F.linear's: nothing is packed")
+    layer = torch.nn.Linear(128, 256, bias=False).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(4, 1, 128, dtype=torch.bfloat16)
+    real, threads, fed = packed_linear._packed, torch.get_num_threads(), []
+
+    def by_threads(weight, bias, x):  # another kernel on 2 threads: one output a step up
+        out = real(weight, bias, x)
+        fed.append(x)
+        if torch.get_num_threads() == 2:
+            out.view(-1)[0] = (out.view(-1)[0].float() * (1 + 2 ** -7)).bfloat16()
+        return out
+    monkeypatch.setattr(packed_linear, "_packed", by_threads)
+    monkeypatch.setattr(packed_linear, "AGREES", {})
+    plain = torch.nn.functional.linear(x, layer.weight)
+    try:
+        with torch.no_grad(), packed_linears(torch.nn.Sequential(layer), 4, torch.bfloat16):
+            torch.set_num_threads(1)
+            assert torch.equal(layer(x), plain) and any(t is x for t in fed)  # (packed, agreed)
+            torch.set_num_threads(2)
+            assert torch.equal(layer(x), plain)  # measured again: differs, so F.linear's
+            strided = torch.randn(4, 3, 128, dtype=torch.bfloat16)[:, -1:]
+            fed.clear()
+            assert torch.equal(layer(strided), torch.nn.functional.linear(strided, layer.weight))
+            assert not any(t is strided for t in fed)
+    finally:
+        torch.set_num_threads(threads)
