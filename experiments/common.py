@@ -153,8 +153,8 @@ def run_once(title: str, script: str, line: list[str], args, every_step=None) ->
             break
         if not any((folder / "checkpoints").glob("step_*")):  # (the run would refuse them)
             if str(folder) != cfg.out:
-                print(f"{title}: {cfg.out} holds checkpoints of another run, left as they are: "
-                      f"this run goes to {folder}", flush=True)
+                print(f"{title}: {cfg.out} holds checkpoints this run cannot take up (another "
+                      f"config's, or --fresh), left as they are: it goes to {folder}", flush=True)
                 cfg = parse_config(module.Config, [*line, "--out", str(folder)])
             break
     t0, printed = time.time(), io.StringIO()
@@ -185,13 +185,12 @@ def finished_run(runs: Path, cfg, every_step=None) -> Path | None:
     """A finished run of this very config (same_run) under `runs`, any finding's: an arm two
     findings share (clip_higher's eps_high 0.2 is surrogates' clip) runs once; a run of other
     steps or sizes is run again (the run itself moves the old one aside), and so is one whose
-    metrics lack every_step's key."""
-    for saved in sorted(runs.glob(f"*/*/{cfg.CONFIG_FILE}")):
-        if (saved.parent / "model" / "config.json").exists() and \
-                same_run(json.loads(saved.read_text()), cfg) and \
-                (every_step is None or metric(saved.parent, every_step.key)):
-            return saved.parent
-    return None
+    metrics lack every_step's key. Of several, the newest (a --fresh rerun's, in <folder>.2)."""
+    found = [saved.parent for saved in runs.glob(f"*/*/{cfg.CONFIG_FILE}")
+             if (saved.parent / "model" / "config.json").exists() and
+             same_run(json.loads(saved.read_text()), cfg) and
+             (every_step is None or metric(saved.parent, every_step.key))]
+    return max(found, key=lambda f: (f / "model" / "config.json").stat().st_mtime, default=None)
 
 
 def folders(out: str):

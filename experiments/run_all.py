@@ -7,10 +7,12 @@ runs (up to an hour and a half on a 2-core CPU; each file's docstring says its c
     python experiments/run_all.py length_bias --tiny       # the machinery, in seconds
     python experiments/run_all.py --table                  # the page's table, from the records
 
-A rerun goes to a folder of its own (--runs, default out/experiments/rerun), so the recorded runs
-are never overwritten. The rerun table: finding, each term's recorded effect and 95 % interval,
-the rerun's, and whether the finding held -- every term's verdict (common.verdict) the same again
--- and the minutes it took. The page's table (--table) is written between its two markers from
+A rerun goes to a folder of its own (--runs, default out/experiments/rerun-<commit>), so the
+recorded runs are never taken for it nor overwritten; stopped, the same command goes on where it
+stopped (each finished run found again, a stopped one resumed), and another commit reruns all.
+The rerun table: finding, each term's recorded effect and 95 % interval, the rerun's, and whether
+the finding held -- every term's verdict (common.verdict) the same again -- and the minutes it
+took. The page's table (--table) is written between its two markers from
 docs/findings/*.json alone: tests/test_experiments.py fails when the page and the records differ.
 """
 
@@ -35,10 +37,17 @@ def rerun(name: str, runs: Path, tiny: bool) -> tuple[dict, float]:
     """The finding run again into `runs`: its numbers, and its seconds."""
     out = Path(tempfile.mkdtemp(prefix=f"rerun-{name}-"))
     t0 = time.time()
-    subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), "--fresh",
+    subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"),
                     "--runs", str(runs), "--out", str(out)] + (["--tiny"] if tiny else []),
                    check=True)
     return json.loads((out / f"{name}.json").read_text()), time.time() - t0
+
+
+def commit() -> str:
+    """This tree's commit, short ("unknown" outside a git checkout)."""
+    said = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True)
+    return said.stdout.strip() if said.returncode == 0 else "unknown"
 
 
 def terms(record: dict) -> dict[str, dict]:
@@ -107,7 +116,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", help="findings (default: every one recorded)")
     parser.add_argument("--tiny", action="store_true", help="the tiny model: the machinery only")
-    parser.add_argument("--runs", default=str(ROOT / "out" / "experiments" / "rerun"))
+    parser.add_argument("--runs", default=str(ROOT / "out" / "experiments" / f"rerun-{commit()}"),
+                        help="where the reruns' runs go (default: a folder of this commit's, so "
+                        "a stopped rerun goes on where it stopped and another commit reruns all)")
     parser.add_argument("--table", action="store_true", help="write docs/findings.md's table "
                         "from docs/findings/*.json (and rerun nothing)")
     args = parser.parse_args()

@@ -122,7 +122,9 @@ def test_a_run_the_atlas_was_stopped_in_goes_on_from_its_checkpoint(tmp_path, mo
     again = common.run_once("fresh", "grpo", line, fresh)
     assert again == tmp_path / "x" / "run.2" and (again / "model" / "config.json").exists()
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before
-    assert "left as they are: this run goes to" in capsys.readouterr().out
+    assert "left as they are: it goes to" in capsys.readouterr().out
+    # A later plain call, or another finding sharing the arm, takes the --fresh rerun: the newest.
+    assert common.run_once("after --fresh", "grpo", line, args) == again
     other = [*line, "--lr", "3e-6"]
     third = common.run_once("other config", "grpo", other, args)
     assert third == tmp_path / "x" / "run.3" and "run.3" in capsys.readouterr().out
