@@ -41,7 +41,8 @@ def packs_exactly(weight: torch.Tensor) -> bool:
     """Whether oneDNN's packed linear gives F.linear's numbers bit for bit here for this (out, in)
     weight, at a first look: random inputs of 1, 7 and 64 rows and a 3-D batch, with and without a
     bias, packed for 64 rows (a build or a dtype whose sums differ everywhere packs nothing; each
-    row count a call packs for is measured again by `agrees`). Once a process a (shape, dtype)."""
+    row count a call packs for is measured again by `agrees`). Once a process a (shape, dtype,
+    thread count)."""
     key = (tuple(weight.shape), weight.dtype, torch.get_num_threads())
     if key not in MEASURED:
         MEASURED[key] = _same_numbers(weight.detach())
