@@ -185,12 +185,14 @@ def finished_run(runs: Path, cfg, every_step=None) -> Path | None:
     """A finished run of this very config (same_run) under `runs`, any finding's: an arm two
     findings share (clip_higher's eps_high 0.2 is surrogates' clip) runs once; a run of other
     steps or sizes is run again (the run itself moves the old one aside), and so is one whose
-    metrics lack every_step's key. Of several, the newest (a --fresh rerun's, in <folder>.2)."""
+    metrics lack every_step's key. Of several, the newest (a --fresh rerun's, in <folder>.2), by
+    its model's time, then its name (a tree copied without its files' times: the last copied)."""
     found = [saved.parent for saved in runs.glob(f"*/*/{cfg.CONFIG_FILE}")
              if (saved.parent / "model" / "config.json").exists() and
              same_run(json.loads(saved.read_text()), cfg) and
              (every_step is None or metric(saved.parent, every_step.key))]
-    return max(found, key=lambda f: (f / "model" / "config.json").stat().st_mtime, default=None)
+    return max(found, key=lambda f: ((f / "model" / "config.json").stat().st_mtime, str(f)),
+               default=None)
 
 
 def folders(out: str):

@@ -9,7 +9,8 @@ runs (up to an hour and a half on a 2-core CPU; each file's docstring says its c
 
 A rerun goes to a folder of its own (--runs, default out/experiments/rerun-<commit>), so the
 recorded runs are never taken for it nor overwritten; stopped, the same command goes on where it
-stopped (each finished run found again, a stopped one resumed), and another commit reruns all.
+stopped (each finished run found again, a stopped one resumed), and another commit reruns all
+(a tree with uncommitted changes makes every run anew: --fresh).
 The rerun table: finding, each term's recorded effect and 95 % interval, the rerun's, and whether
 the finding held -- every term's verdict (common.verdict) the same again -- and the minutes it
 took. The page's table (--table) is written between its two markers from
@@ -34,10 +35,16 @@ END = "<!-- end of the findings table -->"
 
 
 def rerun(name: str, runs: Path, tiny: bool) -> tuple[dict, float]:
-    """The finding run again into `runs`: its numbers, and its seconds."""
+    """The finding run again into `runs`: its numbers, and its seconds. Runs finished there before
+    are taken again (a stopped rerun goes on) only for a committed tree: with uncommitted changes,
+    or outside git, the folder's name cannot tell one tree from another, so every run is made
+    anew (--fresh)."""
     out = Path(tempfile.mkdtemp(prefix=f"rerun-{name}-"))
+    fresh = [] if committed() else ["--fresh"]
+    if fresh:
+        print(f"{name}: the tree has uncommitted changes (or no git): every run made anew")
     t0 = time.time()
-    subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"),
+    subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), *fresh,
                     "--runs", str(runs), "--out", str(out)] + (["--tiny"] if tiny else []),
                    check=True)
     return json.loads((out / f"{name}.json").read_text()), time.time() - t0
@@ -48,6 +55,13 @@ def commit() -> str:
     said = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True)
     return said.stdout.strip() if said.returncode == 0 else "unknown"
+
+
+def committed() -> bool:
+    """Whether this tree is a git checkout with nothing uncommitted (untracked files count)."""
+    said = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"],
+                          capture_output=True, text=True)
+    return said.returncode == 0 and not said.stdout.strip()
 
 
 def terms(record: dict) -> dict[str, dict]:

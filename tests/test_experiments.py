@@ -280,3 +280,22 @@ def test_the_random_reward_is_a_fair_draw_not_a_function_of_the_text(monkeypatch
     assert set(rewards) == {0.0, 1.0} and 0.45 < sum(rewards) / 400 < 0.55
     torch.manual_seed(0)  # (the engine seeds torch's generator every step: reproducible)
     assert spurious_rewards.random_reward(prompts=None, completions=["x"] * 400) == rewards
+
+
+def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tmp_path):
+    """run_all.py reruns into a folder named by the commit, so a stopped rerun goes on where it
+    stopped; with uncommitted changes (or no git) that name cannot tell the trees apart, and a
+    rerun would report 'held' from runs made before the change: there every run is made anew."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import run_all
+    said = []
+
+    def run(line, check):
+        said.append(line)
+        out = Path(line[line.index("--out") + 1])
+        (out / "x.json").write_text("{}")
+    monkeypatch.setattr(run_all.subprocess, "run", run)
+    for committed in (True, False):
+        monkeypatch.setattr(run_all, "committed", lambda: committed)
+        run_all.rerun("x", tmp_path, tiny=True)
+    assert ["--fresh" in line for line in said] == [False, True]
