@@ -56,13 +56,14 @@ class Config(RLOptions):
     out: str = "out/grpo"
 
     # The GRPO loss
-    adv_scale: Literal["group", "batch", "none"] = "group"
-    """advantage scaling: group (GRPO), batch, none (Dr. GRPO)"""
+    adv_scale: Literal["group", "batch", "none", "unit"] = "group"
+    """advantage scaling: group (GRPO), batch, none (Dr. GRPO); unit: +1 where the reward is
+    positive, -1 elsewhere, no baseline (Zhu et al. 2025; with --reinforce, their PSR or NSR)"""
     leave_one_out: bool = False
     """baseline = mean of the *other* samples of the group (RLOO)"""
     reinforce: Literal["all", "positive", "negative"] = "all"
-    """the samples trained on: all; positive (PSR, Zhu et al. 2025: only those above their
-    group's baseline, the others' advantages set to 0); negative (NSR: only those below)"""
+    """the samples trained on: all; positive (PSR, Zhu et al. 2025: only those of a positive
+    advantage, the others' set to 0); negative (NSR: only those of a negative one)"""
     eps_low: float = 0.2
     """lower clip range: ratio floored at 1 - eps_low"""
     eps_high: float = 0.2
@@ -110,6 +111,8 @@ class Config(RLOptions):
         check(0 <= self.eps_low < 1 + (self.surrogate == "cispo") and self.eps_high >= 0,
               f"--eps-low {self.eps_low} --eps-high {self.eps_high}: need 0 <= eps-low < 1 (2 "
               f"with --surrogate cispo: 1 leaves its weight no floor) and eps-high >= 0")
+        check(not (self.leave_one_out and self.adv_scale == "unit"), "--leave-one-out sets a "
+              "baseline; --adv-scale unit has none (+-1 by the reward's sign): pass one of them")
         check(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0, "--sapo-tau-pos and "
               "--sapo-tau-neg must be positive")
         check(self.surrogate == "clip" or self.ratio_level == "token", f"--surrogate "
@@ -171,6 +174,12 @@ def group_advantages(rewards, group_size, *, scale="group", leave_one_out=False,
         raise ValueError(f"scale must be group, batch or none, not {scale!r}")
     adv = torch.where(group_std < eps, torch.zeros_like(adv), adv)  # zero-std groups -> 0
     return adv.reshape(-1)  # (N*G,)
+
+
+def unit_advantages(rewards):
+    """(N*G,) +1 where a reward is positive (a right answer), -1 elsewhere, no baseline (Zhu et
+    al. 2025's RLVR of rewards +-1): unlike in group_advantages, an all-wrong group is trained."""
+    return torch.where(rewards > 0, 1.0, -1.0)
 
 
 def keep_sign(advantages, reinforce: str):
@@ -438,8 +447,9 @@ def main(cfg: Config):
                   "skipped_updates": 0}
         batch = None
         if len(scored.completions):
-            advantages = keep_sign(group_advantages(scored.rewards, G, scale=cfg.adv_scale,
-                                                    leave_one_out=cfg.leave_one_out),
+            advantages = keep_sign(unit_advantages(scored.rewards) if cfg.adv_scale == "unit"
+                                   else group_advantages(scored.rewards, G, scale=cfg.adv_scale,
+                                                         leave_one_out=cfg.leave_one_out),
                                    cfg.reinforce)
             batch = with_detail(train_batch(scored.completions, advantages, cfg,
                                             run.tokenizer.pad_token_id, cfg.loss_agg,

@@ -9,13 +9,17 @@ narrows what the model samples, and its pass@k at large k falls behind. GRPO doe
     python experiments/pos_neg.py --tiny
 
 Arms, 12 steps of arith at --lr 2e-5: GRPO (lenient_verifier.py's lenient arm, the runs
-sharpening.py reads too), PSR (grpo.py --reinforce positive) and NSR (--reinforce negative): the
-other sign's advantages set to 0, GRPO's group-relative weights kept (the paper weighs each sample
-+-1). Then each model samples 128 answers to each of the 32 held-out problems sharpening.py reads,
-at T = 0.7, and pass@k is read for k = 1 ... 128 (the base model's and GRPO's counts are
-sharpening.py's, kept in their runs' folders). Cost: 6 runs of ~3 min and ~12 min of sampling for
-each of their 6 models: ~90 min on a 2-core CPU (above the hour: --seeds 2 is ~60 min, with an
-interval 3 times as wide).
+sharpening.py reads too), PSR (grpo.py --adv-scale unit --reinforce positive) and NSR (--adv-scale
+unit --reinforce negative): as the paper decomposes RLVR, each sample weighs +1 if right, -1 if
+wrong, with no baseline, and the other sign's are set to 0 -- so NSR pushes down every wrong
+sample, those of a group with no right answer too: at the base's ~3 % accuracy, nearly all. (The
+first full run kept GRPO's group-relative weights instead: its NSR trained on 3 steps of 12, the
+only ones with a right answer in some group.) Then each model samples 128 answers to each of
+the 32 held-out problems sharpening.py reads, at T = 0.7, and pass@k is read for k = 1 ... 128
+(the base model's and GRPO's counts are sharpening.py's, kept in their runs' folders). Cost: 6
+runs of ~1-3 min and ~3 min of sampling for each of their 6 models: ~30 min on the 2-core AMX
+Xeon in bf16 (~90 estimated on an AVX2 one; --seeds 2 is two thirds of it, with an interval 3
+times as wide).
 """
 
 import sys
@@ -26,8 +30,9 @@ from common import arguments, by_seed, mean_spread, pass_counts, pass_curve, run
 from common import term, write_finding  # noqa: E402
 
 GRPO = ["--data", "arith", "--lr", "2e-5", "--eval-every", "0", "--reward", "correctness"]
-ARMS = {"GRPO": GRPO, "PSR (positive only)": [*GRPO, "--reinforce", "positive"],
-        "NSR (negative only)": [*GRPO, "--reinforce", "negative"]}
+UNIT = [*GRPO, "--adv-scale", "unit"]  # (+-1 a sample, as the paper weighs them)
+ARMS = {"GRPO": GRPO, "PSR (positive only)": [*UNIT, "--reinforce", "positive"],
+        "NSR (negative only)": [*UNIT, "--reinforce", "negative"]}
 SAMPLES, PROBLEMS = 128, 32  # (sharpening.py's)
 MINUTES = 90
 TITLE = "Positive and negative samples"  # (its heading in docs/findings.md)

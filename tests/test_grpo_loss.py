@@ -406,6 +406,23 @@ def test_reinforce_keeps_only_the_advantages_of_one_sign():
     assert Config(reinforce="negative").reinforce == "negative"
 
 
+def test_unit_advantages_weigh_every_sample_plus_or_minus_one_as_zhu_et_al_do():
+    # Zhu et al. 2025 decompose RLVR with rewards +1 / -1 and no baseline: NSR pushes down every
+    # wrong sample -- those of a group with no right answer too, where GRPO's advantage is 0 --
+    # and PSR pulls up every right one, an all-right group's included.
+    from grpo import keep_sign, unit_advantages
+    rewards = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0])  # groups of 4: none right; 3
+    assert group_advantages(rewards, 4)[:4].tolist() == [0.0] * 4  # (GRPO: no gradient)
+    unit = unit_advantages(rewards)
+    assert unit.tolist() == [-1, -1, -1, -1, 1, -1, 1, 1]
+    assert keep_sign(unit, "negative").tolist() == [-1, -1, -1, -1, 0, -1, 0, 0]
+    assert keep_sign(unit, "positive").tolist() == [0, 0, 0, 0, 1, 0, 1, 1]
+    assert unit_advantages(torch.tensor([0.1, -0.5, 2.0])).tolist() == [1, -1, 1]  # by the sign
+    assert Config(adv_scale="unit", reinforce="negative").adv_scale == "unit"
+    with pytest.raises(SystemExit, match="--leave-one-out sets a baseline; --adv-scale unit"):
+        Config(adv_scale="unit", leave_one_out=True)
+
+
 def test_the_loss_with_reinforce_trains_only_that_signs_samples():
     # On-policy (ratio 1), token-mean over 4 sequences of 2 tokens: the gradient of a token's
     # log-prob is -A / 8 where the sample is kept, exactly 0 where it is not.
