@@ -4,16 +4,17 @@ row counts against the machine's peak, then one decoding step split into its par
     python benchmarks/decode_floor.py                      # default model, 64 rows, 60 of context
     python benchmarks/decode_floor.py --rows 32 --context 120
 
-A decoding step of R rows does 2 x R x (the model's parameters) FLOPs, and its roofline bound is
-those over the peak hardware.py measures (a 512 x 2048 x 2048 matmul; a small one where the
-dtype is emulated). But a step's matmuls have
-only R rows, and their weights come from memory once a step: the first table is what such matmuls
-reach here -- the model's linear layers and LM head run in sequence as a step runs them, in the
-run's dtype -- and so the highest fraction of the bound any decoding loop of these kernels could
-reach (F.linear, the plain layers). The second splits one step of the HF engine's forward (hidden
-states, then the LM head), with its weights packed as the engine packs them where it does
-(packed_linear.py), then with the plain layers:
-"the rest" is the decoder's time less its matmuls timed alone -- attention, norms, rotary
+A decoding step of R rows does 2 x R x (the model's parameters) FLOPs and reads every weight once
+(and its context's keys and values): its roofline bound is the longer of those FLOPs over the
+peak hardware.py measures (a 512 x 2048 x 2048 matmul; a small one where the dtype is emulated)
+and those bytes over the bandwidth it measures (a 256 MB copy) -- on a CPU that multiplies bf16
+with AMX, the bytes bind. But a step's matmuls have only R rows, and their weights come from
+memory once a step: the first table is what such matmuls reach here -- the model's linear layers
+and LM head run in sequence as a step runs them, in the run's dtype -- and so the highest fraction
+of the bound any decoding loop of these kernels could reach (F.linear, the plain layers). The
+second splits one step of the HF engine's forward (hidden states, then the LM head), with its
+weights packed as the engine packs them where it does (packed_linear.py), then with the plain
+layers: "the rest" is the decoder's time less its matmuls timed alone -- attention, norms, rotary
 embeddings, the cache's concatenation, the embedding, the mask, Python -- assuming the matmuls run
 inside the forward as fast as alone. The loop's sampling (sampling.sample_next) is not in it.
 """
@@ -31,7 +32,7 @@ if __name__ == "__main__":
     from transformers.cache_utils import DynamicCache
 
     from benchmarks.model_options import measured_on, model_parser
-    from hardware import hardware_line, peak_flops
+    from hardware import decode_bytes, decode_cost, hardware_line, memory_bandwidth, peak_flops
     from model import load_model
     from packed_linear import packed_linears
     from rollout import make_rollout
@@ -52,6 +53,13 @@ if __name__ == "__main__":
     linears = [m.weight for m in net.modules()
                if isinstance(m, torch.nn.Linear) and m.weight is not head]
     peak, where = peak_flops(torch.device(device).type, dtype)
+    bandwidth, read_where = memory_bandwidth(torch.device(device).type)
+    cost = decode_cost(net, dtype)
+
+    def bound(rows: int, context: int) -> float:
+        """A decoding step's roofline: its FLOPs at the peak or its bytes at the bandwidth."""
+        flops = 2 * rows * (sum(w.numel() for w in linears) + head.numel())
+        return max(flops / peak, decode_bytes(cost, 1, rows * context) / bandwidth)
 
     def seconds(run) -> float:
         """The median of --repeats timed calls, after one untimed."""
@@ -79,14 +87,15 @@ if __name__ == "__main__":
         return seconds(matmuls)
 
     print(f"\n{args.model} in {choice.name} ({choice.reason}); peak {peak / 1e9:.0f} GFLOP/s "
-          f"({where})")
-    print(f"its {len(linears)} linear layers + LM head in sequence, x @ W^T:")
-    print(f"{'rows':>6s}{'GFLOP':>8s}{'ms':>8s}{'GFLOP/s':>9s}{'of peak':>9s}")
+          f"({where}), bandwidth {bandwidth / 1e9:.1f} GB/s ({read_where})")
+    print(f"its {len(linears)} linear layers + LM head in sequence, x @ W^T (the roofline: of a "
+          f"step with no context):")
+    print(f"{'rows':>6s}{'GFLOP':>8s}{'ms':>8s}{'GFLOP/s':>9s}{'of peak':>9s}{'roofline':>10s}")
     for rows in sorted({args.rows, 64, 32, 16}, reverse=True):
         flops = 2 * rows * sum(w.numel() for w in linears + [head])
         t = matmul_seconds(rows, linears + [head])
         print(f"{rows:6d}{flops / 1e9:8.2f}{t * 1e3:8.1f}{flops / t / 1e9:9.0f}"
-              f"{flops / t / peak:9.0%}")
+              f"{flops / t / peak:9.0%}{bound(rows, 0) / t:10.0%}")
 
     # One decoding step: `rows` rows, each with `context` tokens in the cache, feed one token.
     R, C = args.rows, args.context
@@ -103,7 +112,8 @@ if __name__ == "__main__":
 
     modules = [m for m in net.modules() if isinstance(m, torch.nn.Linear)]
     head_module = net.get_output_embeddings()
-    inputs = {n: torch.randn(R, n, device=device, dtype=dtype) for n in {w.shape[1] for w in linears}}
+    inputs = {n: torch.randn(R, n, device=device, dtype=dtype)
+              for n in {w.shape[1] for w in linears}}
 
     @torch.no_grad()
     def layers_matmuls():  # the modules themselves: their weights packed where the engine packs
@@ -111,8 +121,7 @@ if __name__ == "__main__":
             if m is not head_module:
                 m(inputs[m.in_features])
 
-    flops = 2 * R * (sum(w.numel() for w in linears) + head.numel())
-    bound = flops / peak
+    floor = bound(R, C)
     # The HF engine packs its weights for oneDNN where that gives F.linear's numbers here
     # (packed_linear.py): the step as it decodes, and as it would with the plain layers.
     for packed in ([True, False] if engine.packs else [False]):
@@ -122,8 +131,8 @@ if __name__ == "__main__":
         how = "weights packed (as the engine decodes)" if packed else "plain layers" + \
             (" (the engine packs: this is without)" if engine.packs else "")
         print(f"\none decoding step, {R} rows, {C} tokens of context, {how}: "
-              f"{(body + head_s) * 1e3:.0f} ms, its bound {bound * 1e3:.0f} ms "
-              f"({bound / (body + head_s):.0%} of it)")
+              f"{(body + head_s) * 1e3:.0f} ms, its bound {floor * 1e3:.1f} ms "
+              f"({floor / (body + head_s):.0%} of it)")
         for name, t in [("the layers' matmuls", mm), ("the LM head", head_s),
                         ("the rest (the decoder less its matmuls alone)", body - mm)]:
             print(f"  {name:50s}{t * 1e3:8.1f} ms")
