@@ -111,8 +111,9 @@ class Config(RLOptions):
         check(0 <= self.eps_low < 1 + (self.surrogate == "cispo") and self.eps_high >= 0,
               f"--eps-low {self.eps_low} --eps-high {self.eps_high}: need 0 <= eps-low < 1 (2 "
               f"with --surrogate cispo: 1 leaves its weight no floor) and eps-high >= 0")
-        check(not (self.leave_one_out and self.adv_scale == "unit"), "--leave-one-out sets a "
-              "baseline; --adv-scale unit has none (+-1 by the reward's sign): pass one of them")
+        check(self.adv_scale != "unit" or not unit_clashes(self), f"--adv-scale unit reads a "
+              f"positive reward as right, any other as wrong -- one verifier's verdict: not with "
+              f"{', '.join(unit_clashes(self))}")
         check(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0, "--sapo-tau-pos and "
               "--sapo-tau-neg must be positive")
         check(self.surrogate == "clip" or self.ratio_level == "token", f"--surrogate "
@@ -177,8 +178,7 @@ def group_advantages(rewards, group_size, *, scale="group", leave_one_out=False,
 
 
 def unit_advantages(rewards):
-    """(N*G,) +1 where a reward is positive (a right answer), -1 elsewhere, no baseline (Zhu et
-    al. 2025's RLVR of rewards +-1): unlike in group_advantages, an all-wrong group is trained."""
+    """(N*G,) +1 where a reward is positive (right), -1 elsewhere; no baseline (Zhu et al.)."""
     return torch.where(rewards > 0, 1.0, -1.0)
 
 
@@ -302,6 +302,20 @@ def sapo_term(ratio, A, tau_pos: float, tau_neg: float):
     away -- an off-policy token is damped, never cut."""
     tau = torch.where(A > 0, tau_pos, tau_neg).expand_as(ratio)  # (B, T)
     return -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * A  # (B, T)
+
+
+def unit_clashes(cfg) -> list[str]:
+    """The options with which --adv-scale unit's +-1 would not be right and wrong (Config)."""
+    sources = len([r for r in (cfg.reward or "").split(",") if r]) + bool(cfg.env)
+    return [name for name, on in [
+        ("--leave-one-out (a baseline: unit has none)", cfg.leave_one_out),
+        ("--reward-model (a score of either sign)", cfg.reward_model),
+        ("--judge (p(yes): always positive)", cfg.judge),
+        ("--overlong-buffer (a right answer near the budget would count wrong)",
+         cfg.overlong_buffer),
+        ("--dynamic-sampling (it drops the all-wrong groups unit trains)", cfg.dynamic_sampling),
+        (f"{sources} reward sources (--reward {cfg.reward!r}{' and --env' if cfg.env else ''}: "
+         f"their sum is no verdict)", sources != 1)] if on]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -263,10 +263,12 @@ def step_entry(step: int, views: list[tuple[int, dict, dict]]) -> dict:
         g["samples"].append(sample)
     for g in groups.values():
         g["samples"].sort(key=lambda x: -x["reward"])
-    # The groups shown token by token first, then those with a reward spread (they trained),
-    # then the rest (all samples alike: advantage 0).
+    # The groups shown token by token first, then those that trained (an advantage not 0, or a
+    # reward spread: ppo.py's advantages are per token), then the rest.
     order = sorted(groups.values(), key=lambda g: (not any("pieces" in x for x in g["samples"]),
-                                                   len({x["reward"] for x in g["samples"]}) == 1,
+                                                   len({x["reward"] for x in g["samples"]}) == 1
+                                                   and not any(x.get("advantage")
+                                                               for x in g["samples"]),
                                                    g["index"]))
     return {"step": step, "groups": order}
 

@@ -351,7 +351,7 @@ def train_batch(comps: Completions, advantages, cfg, pad_id: int, loss_agg: str 
 def with_detail(batch: TrainBatch, rewards: torch.Tensor, cfg) -> TrainBatch:
     """The batch, its samples for per-token detail marked (--rollout-tokens): the trainers report
     what their update computed for those."""
-    samples = detail_samples(rewards, cfg.num_generations, cfg.rollout_tokens)
+    samples = detail_samples(rewards, batch.advantages, cfg.num_generations, cfg.rollout_tokens)
     return replace(batch, detail=detail_index(len(rewards), samples))
 
 

@@ -63,16 +63,19 @@ FORMAT = 1
 FILE = "rollouts.jsonl"
 
 
-def detail_samples(rewards: torch.Tensor, group_size: int, groups: int) -> list[int]:
-    """The samples whose per-token numbers are kept: all of the first `groups` groups with a
-    reward spread (those have advantages, so the update computes their log-probs), then groups
-    without one; groups < 0: every sample."""
+def detail_samples(rewards: torch.Tensor, advantages: torch.Tensor, group_size: int,
+                   groups: int) -> list[int]:
+    """The samples whose per-token numbers are kept: all of the first `groups` groups that
+    trained (an advantage not 0 -- --adv-scale unit's all-wrong group too -- or, where advantages
+    are per token and these are 0 (ppo.py), a reward spread: the update computes their
+    log-probs), then the others; groups < 0: every sample."""
     n_groups = len(rewards) // group_size
     if groups < 0:
         return list(range(len(rewards)))
-    spread = rewards.view(n_groups, group_size).std(1) > 1e-6 if n_groups else torch.zeros(0)
-    order = [g for g in range(n_groups) if spread[g]] + [g for g in range(n_groups)
-                                                         if not spread[g]]
+    trained = (rewards.view(n_groups, group_size).std(1) > 1e-6) | \
+        (advantages.view(n_groups, group_size) != 0).any(1) if n_groups else torch.zeros(0)
+    order = [g for g in range(n_groups) if trained[g]] + [g for g in range(n_groups)
+                                                          if not trained[g]]
     return [g * group_size + k for g in sorted(order[:groups]) for k in range(group_size)]
 
 

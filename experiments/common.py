@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import hashlib
 import io
-import itertools
 import json
 import math
 import os
@@ -134,10 +133,10 @@ def run_arms(name: str, arms: dict[str, list[str]], args, script: str = "grpo",
 
 def run_once(title: str, script: str, line: list[str], args, every_step=None) -> Path:
     """One run of `script`'s main with this command line (its --out: the folder), or the folder
-    of a finished run of the very same config (any finding's). A run stopped in that folder (the
-    same config, checkpointed) goes on from its checkpoint; a folder holding checkpoints the run
-    cannot take up (another config's, --fresh, a finished run's leftovers) is left as it is --
-    nothing there is moved or lost -- and the run goes to the first free <folder>.2, .3, ..."""
+    of a finished run of the very same config (any finding's). A run stopped in that folder or a
+    <folder>.N (the same config, checkpointed) goes on from its checkpoint; a folder holding any
+    other run (finished, another config's, --fresh) is left as it is -- nothing there is moved or
+    lost: a run into it would move its run aside -- and the run goes to the next free <folder>.N."""
     import importlib
     from cli import parse_config
     module = importlib.import_module(script)
@@ -151,10 +150,10 @@ def run_once(title: str, script: str, line: list[str], args, every_step=None) ->
             cfg = parse_config(module.Config, [*line, "--out", str(folder), "--resume", "auto"])
             print(f"{title}: resuming the run stopped in {folder}", flush=True)
             break
-        if not any((folder / "checkpoints").glob("step_*")):  # (the run would refuse them)
+        if not holds_a_run(folder):
             if str(folder) != cfg.out:
-                print(f"{title}: {cfg.out} holds checkpoints this run cannot take up (another "
-                      f"config's, or --fresh), left as they are: it goes to {folder}", flush=True)
+                print(f"{title}: {cfg.out} holds a run this one cannot take up (finished, another "
+                      f"config's, or --fresh), left as it is: it goes to {folder}", flush=True)
                 cfg = parse_config(module.Config, [*line, "--out", str(folder)])
             break
     t0, printed = time.time(), io.StringIO()
@@ -184,25 +183,35 @@ def same_run(saved: dict, cfg) -> bool:
 def finished_run(runs: Path, cfg, every_step=None) -> Path | None:
     """A finished run of this very config (same_run) under `runs`, any finding's: an arm two
     findings share (clip_higher's eps_high 0.2 is surrogates' clip) runs once; a run of other
-    steps or sizes is run again (the run itself moves the old one aside), and so is one whose
-    metrics lack every_step's key. Of several, the newest (a --fresh rerun's, in <folder>.2), by
-    its model's time, then its name (a tree copied without its files' times: the last copied)."""
+    steps or sizes is run again (in a folder of its own: run_once), and so is one whose metrics
+    lack every_step's key. Of several, the newest (a --fresh rerun's, in a <folder>.N), by its
+    model's time, then N (a tree copied without its files' times: the highest)."""
     found = [saved.parent for saved in runs.glob(f"*/*/{cfg.CONFIG_FILE}")
              if (saved.parent / "model" / "config.json").exists() and
              same_run(json.loads(saved.read_text()), cfg) and
              (every_step is None or metric(saved.parent, every_step.key))]
-    return max(found, key=lambda f: ((f / "model" / "config.json").stat().st_mtime, str(f)),
+    return max(found, key=lambda f: ((f / "model" / "config.json").stat().st_mtime, number(f)),
                default=None)
 
 
+def number(folder: Path) -> int:
+    """N of a <folder>.N (1 for the folder itself): run.10 comes after run.9."""
+    suffix = folder.suffix[1:]
+    return int(suffix) if suffix.isdigit() else 1
+
+
 def folders(out: str):
-    """The folders a run of --out `out` may go to: `out`, then each <out>.2, <out>.3, ... that
-    exists, then the first that does not."""
-    yield Path(out)
-    for n in itertools.count(2):
-        yield (folder := Path(f"{out}.{n}"))
-        if not folder.exists():
-            return
+    """The folders a run of --out `out` may go to: `out`, then each <out>.N that exists, by N
+    (past any gap: a stopped run in run.3 is found with run.2 gone), then the next number."""
+    numbered = sorted((p for p in Path(out).parent.glob(f"{Path(out).name}.*")
+                       if p.suffix[1:].isdigit()), key=number)
+    yield from [Path(out), *numbered]
+    yield Path(f"{out}.{max(map(number, numbered), default=1) + 1}")
+
+
+def holds_a_run(folder: Path) -> bool:
+    """Whether anything of a run is in `folder` (a run starting there would move it aside)."""
+    return folder.exists() and any(p.name != ".smolrl.lock" for p in folder.iterdir())
 
 
 def stopped_run(cfg, folder: Path) -> bool:

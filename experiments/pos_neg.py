@@ -34,7 +34,7 @@ UNIT = [*GRPO, "--adv-scale", "unit"]  # (+-1 a sample, as the paper weighs them
 ARMS = {"GRPO": GRPO, "PSR (positive only)": [*UNIT, "--reinforce", "positive"],
         "NSR (negative only)": [*UNIT, "--reinforce", "negative"]}
 SAMPLES, PROBLEMS = 128, 32  # (sharpening.py's)
-MINUTES = 90
+MINUTES = 90  # (an AVX2 CPU's estimate; ~30 on the AMX Xeon)
 TITLE = "Positive and negative samples"  # (its heading in docs/findings.md)
 
 

@@ -9,8 +9,9 @@ runs (up to an hour and a half on a 2-core CPU; each file's docstring says its c
 
 A rerun goes to a folder of its own (--runs, default out/experiments/rerun-<commit>), so the
 recorded runs are never taken for it nor overwritten; stopped, the same command goes on where it
-stopped (each finished run found again, a stopped one resumed), and another commit reruns all
-(a tree with uncommitted changes makes every run anew: --fresh).
+stopped (each finished run found again, a stopped one resumed), and another commit reruns all.
+A tree with uncommitted changes makes every run anew (--fresh), into a folder of that rerun's
+own (rerun-<commit>-uncommitted-<time>), where no rerun of the commit itself looks.
 The rerun table: finding, each term's recorded effect and 95 % interval, the rerun's, and whether
 the finding held -- every term's verdict (common.verdict) the same again -- and the minutes it
 took. The page's table (--table) is written between its two markers from
@@ -34,15 +35,13 @@ BEGIN = "<!-- the findings table: written by `python experiments/run_all.py --ta
 END = "<!-- end of the findings table -->"
 
 
-def rerun(name: str, runs: Path, tiny: bool) -> tuple[dict, float]:
+def rerun(name: str, runs: Path, tiny: bool, clean: bool) -> tuple[dict, float]:
     """The finding run again into `runs`: its numbers, and its seconds. Runs finished there before
-    are taken again (a stopped rerun goes on) only for a committed tree: with uncommitted changes,
-    or outside git, the folder's name cannot tell one tree from another, so every run is made
-    anew (--fresh)."""
+    are taken again (a stopped rerun goes on) only for a `clean` tree (committed): with
+    uncommitted changes, or outside git, a folder's name cannot tell one tree from another, so
+    every run is made anew (--fresh)."""
     out = Path(tempfile.mkdtemp(prefix=f"rerun-{name}-"))
-    fresh = [] if committed() else ["--fresh"]
-    if fresh:
-        print(f"{name}: the tree has uncommitted changes (or no git): every run made anew")
+    fresh = [] if clean else ["--fresh"]
     t0 = time.time()
     subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), *fresh,
                     "--runs", str(runs), "--out", str(out)] + (["--tiny"] if tiny else []),
@@ -130,9 +129,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", help="findings (default: every one recorded)")
     parser.add_argument("--tiny", action="store_true", help="the tiny model: the machinery only")
-    parser.add_argument("--runs", default=str(ROOT / "out" / "experiments" / f"rerun-{commit()}"),
-                        help="where the reruns' runs go (default: a folder of this commit's, so "
-                        "a stopped rerun goes on where it stopped and another commit reruns all)")
+    parser.add_argument("--runs", help="where the reruns' runs go (default: a folder of this "
+                        "commit's, so a stopped rerun goes on where it stopped and another commit "
+                        "reruns all; with uncommitted changes, one of this rerun's own)")
     parser.add_argument("--table", action="store_true", help="write docs/findings.md's table "
                         "from docs/findings/*.json (and rerun nothing)")
     args = parser.parse_args()
@@ -140,6 +139,12 @@ def main():
         PAGE.write_text(page_with_table(PAGE.read_text(), recorded()))
         print(f"wrote the table of {PAGE}")
         return
+    clean = committed()  # once: an edit made while it runs does not change where runs go
+    runs = Path(args.runs or ROOT / "out" / "experiments" / (
+        f"rerun-{commit()}" if clean else
+        f"rerun-{commit()}-uncommitted-{time.strftime('%Y%m%d-%H%M%S')}"))
+    if not clean:
+        print(f"the tree has uncommitted changes (or no git): every run made anew, in {runs}")
     names = args.names or sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
                                  if p.stem not in ("common", "run_all"))
     rows = ["| finding | recorded: effect [95 % interval] | rerun | held? | minutes |",
@@ -150,7 +155,7 @@ def main():
             raise SystemExit(f"error: {name}: nothing recorded in {path}; run python "
                              f"experiments/{name}.py first")
         was = json.loads(path.read_text())
-        again, seconds = rerun(name, Path(args.runs), args.tiny)
+        again, seconds = rerun(name, runs, args.tiny, clean)
         now = terms(again)
         rows.append(f"| {name} | " + "<br>".join(f"{label}: {interval(t)}" for label, t in
                                                  terms(was).items()) + " | " +

@@ -122,7 +122,7 @@ def test_a_run_the_atlas_was_stopped_in_goes_on_from_its_checkpoint(tmp_path, mo
     again = common.run_once("fresh", "grpo", line, fresh)
     assert again == tmp_path / "x" / "run.2" and (again / "model" / "config.json").exists()
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*")) == before
-    assert "left as they are: it goes to" in capsys.readouterr().out
+    assert "left as it is: it goes to" in capsys.readouterr().out
     # A later plain call, or another finding sharing the arm, takes the --fresh rerun: the newest.
     assert common.run_once("after --fresh", "grpo", line, args) == again
     other = [*line, "--lr", "3e-6"]
@@ -137,6 +137,58 @@ def test_a_run_the_atlas_was_stopped_in_goes_on_from_its_checkpoint(tmp_path, mo
     measured = common.run_once("measured", "grpo", line, args, every_step=probe)
     assert measured == tmp_path / "x" / "run.4"
     assert [s for s, _ in common.metric(measured, "probe_entropy")] == [1, 2]
+
+
+def test_a_folder_holding_any_run_is_left_as_it_is_and_the_next_free_one_is_taken(
+        tmp_path, monkeypatch, capsys):
+    """An atlas run keeps no checkpoints: a finished run of another config (pos_neg's arms after
+    their design changed) or a --fresh rerun went into the same folder, and the run itself moved
+    the finished one into superseded/, where the atlas no longer sees it and --keep-superseded
+    deleted it two runs later (helper-26). Any folder holding a run is left whole; the run takes
+    the next free <folder>.N, past a gap in the numbers, and a stopped run beyond the gap is
+    resumed."""
+    import shutil
+    common = _common(monkeypatch)
+    from types import SimpleNamespace
+    args = SimpleNamespace(runs=tmp_path, fresh=False, tiny=True)
+    line = ["--data", "arith", "--steps", "1", "--seed", "0", "--out", str(tmp_path / "x" / "run"),
+            "--model", common.tiny_model(tmp_path), *common.TINY, "--eval-every", "0"]
+    first = common.run_once("first", "grpo", line, args)
+    model = (first / "model" / "model.safetensors").read_bytes()
+    before = sorted(p.relative_to(first).as_posix() for p in first.rglob("*"))
+    other = common.run_once("other", "grpo", [*line, "--lr", "3e-6"], args)
+    fresh = common.run_once("fresh", "grpo", line, SimpleNamespace(**{**vars(args), "fresh": True}))
+    assert (other, fresh) == (tmp_path / "x" / "run.2", tmp_path / "x" / "run.3")
+    assert sorted(p.relative_to(first).as_posix() for p in first.rglob("*")) == before
+    assert (first / "model" / "model.safetensors").read_bytes() == model
+    assert "left as it is: it goes to" in capsys.readouterr().out
+    # A gap: run.2 removed by hand. A run stopped in run.3 is still found and resumed; a new
+    # run goes after the last number, not into the gap.
+    shutil.rmtree(other)
+    stopped = [*line, "--lr", "1e-6", "--steps", "2", "--save-every", "1"]
+    in_4 = common.run_once("stopped", "grpo", stopped, args)
+    assert in_4 == tmp_path / "x" / "run.4"
+    shutil.rmtree(in_4 / "model")
+    shutil.rmtree(in_4 / "checkpoints" / "step_2")
+    assert common.run_once("stopped", "grpo", stopped, args) == in_4
+    assert "resuming the run stopped in" in capsys.readouterr().out
+
+
+def test_the_newest_of_equal_finished_runs_is_the_highest_number(tmp_path, monkeypatch):
+    """Of two finished runs of one config whose models bear the same time (a tree copied without
+    its files' times), the later folder: run.10 after run.9, by number (helper-26)."""
+    import os
+    common = _common(monkeypatch)
+    import grpo
+    from cli import parse_config
+    cfg = parse_config(grpo.Config, ["--steps", "3", "--out", str(tmp_path / "f" / "run")])
+    saved = json.dumps(json.loads(json.dumps(__import__("dataclasses").asdict(cfg), default=str)))
+    for name in ("run", "run.9", "run.10"):
+        (tmp_path / "f" / name / "model").mkdir(parents=True)
+        (tmp_path / "f" / name / cfg.CONFIG_FILE).write_text(saved)
+        (tmp_path / "f" / name / "model" / "config.json").write_text("{}")
+        os.utime(tmp_path / "f" / name / "model" / "config.json", (1e9, 1e9))
+    assert common.finished_run(tmp_path, cfg) == tmp_path / "f" / "run.10"
 
 
 def test_a_run_made_before_an_option_existed_is_the_same_run_at_that_options_default(
@@ -285,17 +337,27 @@ def test_the_random_reward_is_a_fair_draw_not_a_function_of_the_text(monkeypatch
 def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tmp_path):
     """run_all.py reruns into a folder named by the commit, so a stopped rerun goes on where it
     stopped; with uncommitted changes (or no git) that name cannot tell the trees apart, and a
-    rerun would report 'held' from runs made before the change: there every run is made anew."""
+    rerun would report 'held' from runs made before the change: there every run is made anew, in
+    a folder of its own -- in the commit's, a clean rerun after the edit was undone took the
+    edited code's runs as its own (helper-26). Whether the tree is clean is read once."""
     monkeypatch.syspath_prepend(str(ROOT / "experiments"))
     import run_all
-    said = []
+    said, asked = [], []
 
     def run(line, check):
         said.append(line)
+        name = Path(line[1]).stem
         out = Path(line[line.index("--out") + 1])
-        (out / "x.json").write_text("{}")
+        (out / f"{name}.json").write_text((run_all.RECORDED / f"{name}.json").read_text())
     monkeypatch.setattr(run_all.subprocess, "run", run)
-    for committed in (True, False):
-        monkeypatch.setattr(run_all, "committed", lambda: committed)
-        run_all.rerun("x", tmp_path, tiny=True)
-    assert ["--fresh" in line for line in said] == [False, True]
+    monkeypatch.setattr(run_all, "ROOT", tmp_path)
+    monkeypatch.setattr(run_all, "commit", lambda: "abc1234")
+    for clean in (True, False):
+        monkeypatch.setattr(run_all, "committed", lambda: asked.append(1) or clean)
+        monkeypatch.setattr(sys, "argv", ["run_all.py", "lenient_verifier", "sharpening", "--tiny"])
+        run_all.main()
+    runs = [Path(line[line.index("--runs") + 1]) for line in said]
+    assert ["--fresh" in line for line in said] == [False, False, True, True]
+    assert runs[0] == runs[1] == tmp_path / "out" / "experiments" / "rerun-abc1234"
+    assert runs[2] == runs[3] and runs[2].name.startswith("rerun-abc1234-uncommitted-")
+    assert len(asked) == 2

@@ -419,8 +419,20 @@ def test_unit_advantages_weigh_every_sample_plus_or_minus_one_as_zhu_et_al_do():
     assert keep_sign(unit, "positive").tolist() == [0, 0, 0, 0, 1, 0, 1, 1]
     assert unit_advantages(torch.tensor([0.1, -0.5, 2.0])).tolist() == [1, -1, 1]  # by the sign
     assert Config(adv_scale="unit", reinforce="negative").adv_scale == "unit"
-    with pytest.raises(SystemExit, match="--leave-one-out sets a baseline; --adv-scale unit"):
-        Config(adv_scale="unit", leave_one_out=True)
+    # +1 for a positive reward, -1 for any other: only a verifier's verdict reads that way
+    # (helper-26). A baseline, a learned score, a judge's p(yes) (always positive), the overlong
+    # penalty (a right answer near the budget would count wrong), several rewards summed (a
+    # wrong answer in the right format would count right), and dynamic sampling (it drops the
+    # all-wrong groups unit trains) are refused, each named.
+    for options, named in [(dict(leave_one_out=True), "--leave-one-out"),
+                           (dict(reward_model="out/rm"), "--reward-model"),
+                           (dict(judge="some/judge"), "--judge"),
+                           (dict(overlong_buffer=4), "--overlong-buffer"),
+                           (dict(dynamic_sampling=True), "--dynamic-sampling"),
+                           (dict(reward="correctness,format=0.1"), "2 reward sources")]:
+        with pytest.raises(SystemExit, match=f"--adv-scale unit reads .*: not with {named}"):
+            Config(adv_scale="unit", **options)
+    assert Config(adv_scale="unit", reward="my_rewards:verdict").reward == "my_rewards:verdict"
 
 
 def test_the_loss_with_reinforce_trains_only_that_signs_samples():

@@ -488,3 +488,21 @@ def test_bytes_that_are_not_utf8_are_refused_in_one_line_or_cut_short(tmp_path):
     said = []
     assert [n for n, _, _ in json_lines(log, said.append)] == [1]
     assert said == [f"{log}, line 2: cut short (a killed write): left out"]
+
+
+def test_the_groups_shown_token_by_token_and_first_are_those_the_update_trained():
+    """A group trains where its advantages are not 0: with --adv-scale unit an all-wrong group
+    does (each sample -1), though its rewards are all alike -- it is kept token by token and shown
+    among the trained ones, not last (helper-26); a group of GRPO's with no reward spread is not."""
+    from grpo import group_advantages, unit_advantages
+    from report import step_entry
+    from rollout_log import detail_samples
+    rewards = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert detail_samples(rewards, group_advantages(rewards, 4), 4, 1) == [4, 5, 6, 7]
+    assert detail_samples(rewards, unit_advantages(rewards), 4, 1) == [0, 1, 2, 3]
+    assert detail_samples(rewards, torch.zeros(12), 4, 1) == [4, 5, 6, 7]  # (ppo.py: per token)
+    for advantages, first in ((unit_advantages(rewards), [0, 1, 2]), (group_advantages(rewards, 4),
+                                                                       [1, 0, 2])):
+        views = [(i // 4, {}, {"reward": float(r), "advantage": float(a)})
+                 for i, (r, a) in enumerate(zip(rewards, advantages))]
+        assert [g["index"] for g in step_entry(1, views)["groups"]] == first
