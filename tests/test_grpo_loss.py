@@ -411,8 +411,8 @@ def test_unit_advantages_weigh_every_sample_plus_or_minus_one_as_zhu_et_al_do():
     # wrong sample -- those of a group with no right answer too, where GRPO's advantage is 0 --
     # and PSR pulls up every right one, an all-right group's included.
     from grpo import keep_sign, unit_advantages
-    rewards = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0])  # groups of 4: none right; 3
-    assert group_advantages(rewards, 4)[:4].tolist() == [0.0] * 4  # (GRPO: no gradient)
+    rewards = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0])  # groups of 4: none right
+    # (GRPO's advantages: 0, 0, 0, 0 -- no gradient), then 3 of 4 right
     unit = unit_advantages(rewards)
     assert unit.tolist() == [-1, -1, -1, -1, 1, -1, 1, 1]
     assert keep_sign(unit, "negative").tolist() == [-1, -1, -1, -1, 0, -1, 0, 0]
