@@ -306,7 +306,9 @@ def sapo_term(ratio, A, tau_pos: float, tau_neg: float):
 
 def unit_clashes(cfg) -> list[str]:
     """The options with which --adv-scale unit's +-1 would not be right and wrong (Config)."""
-    sources = len([r for r in (cfg.reward or "").split(",") if r]) + bool(cfg.env)
+    specs = [r.strip() for r in (cfg.reward or "").split(",") if r.strip()]
+    weights = [w for _, eq, w in (r.partition("=") for r in specs) if eq]
+    sources = len(specs) + bool(cfg.env)
     return [name for name, on in [
         ("--leave-one-out (a baseline: unit has none)", cfg.leave_one_out),
         ("--reward-model (a score of either sign)", cfg.reward_model),
@@ -314,8 +316,20 @@ def unit_clashes(cfg) -> list[str]:
         ("--overlong-buffer (a right answer near the budget would count wrong)",
          cfg.overlong_buffer),
         ("--dynamic-sampling (it drops the all-wrong groups unit trains)", cfg.dynamic_sampling),
+        ("--replay (the replayed run's rewards are not checked)", cfg.replay),
+        ("no reward", not sources),
         (f"{sources} reward sources (--reward {cfg.reward!r}{' and --env' if cfg.env else ''}: "
-         f"their sum is no verdict)", sources != 1)] if on]
+         f"their sum is no verdict)", sources > 1),
+        (f"a weight of 0 or less (--reward {cfg.reward!r})",
+         any(not positive(w) for w in weights))] if on]
+
+
+def positive(number: str) -> bool:
+    """Whether `number` reads as a float above 0 (one that does not read is reward.py's to say)."""
+    try:
+        return float(number) > 0
+    except ValueError:
+        return True
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ def check_out(out: Path, config_file: str):
             raise SystemExit(f"error: --out {out} lies in {run / part}, which the run in {run} "
                              f"replaces, moves aside or prunes whole; choose an --out of its "
                              f"own (nothing was changed)")
-        if str(run) not in _held and (holder := _running(run)):  # (a run that has not written
+        if str(run) not in _held and (holder := running(run)):  # (a run that has not written
             # its config yet; this process's own stopped runs aside)
             raise SystemExit(f"error: --out {out} lies in {run}, the --out of a run that is "
                              f"running ({holder}), which would move or replace it; choose "
@@ -233,7 +233,7 @@ def _alive(pid) -> bool:
     return True
 
 
-def _running(folder: Path) -> str:
+def running(folder: Path) -> str:
     """The run that holds `folder` as its --out now, in words (this process's own runs
     included); "" where none does."""
     try:
@@ -254,7 +254,7 @@ def _running(folder: Path) -> str:
 def _running_in(folder: Path) -> tuple[Path, str] | None:
     """A folder at or under `folder` that a run holds as its --out now, and that run in words."""
     for root, _, names in os.walk(folder):  # (links not followed)
-        if LOCK in names and (holder := _running(Path(root))):
+        if LOCK in names and (holder := running(Path(root))):
             return Path(root), holder
     return None
 

@@ -145,17 +145,14 @@ def run_once(title: str, script: str, line: list[str], args, every_step=None) ->
     if done:
         print(f"{title}: done before ({done})")
         return done
-    for folder in folders(cfg.out):
-        if not args.fresh and stopped_run(cfg, folder):  # (a stopped atlas goes on)
-            cfg = parse_config(module.Config, [*line, "--out", str(folder), "--resume", "auto"])
-            print(f"{title}: resuming the run stopped in {folder}", flush=True)
-            break
-        if not holds_a_run(folder):
-            if str(folder) != cfg.out:
-                print(f"{title}: {cfg.out} holds a run this one cannot take up (finished, another "
-                      f"config's, or --fresh), left as it is: it goes to {folder}", flush=True)
-                cfg = parse_config(module.Config, [*line, "--out", str(folder)])
-            break
+    folder, resume = where_to_run(cfg, args.fresh)
+    if resume:  # (a stopped atlas goes on)
+        cfg = parse_config(module.Config, [*line, "--out", str(folder), "--resume", "auto"])
+        print(f"{title}: resuming the run stopped in {folder}", flush=True)
+    elif folder != Path(cfg.out):
+        print(f"{title}: {cfg.out} holds a run this one cannot take up (finished, another "
+              f"config's, or --fresh), left as it is: it goes to {folder}", flush=True)
+        cfg = parse_config(module.Config, [*line, "--out", str(folder)])
     t0, printed = time.time(), io.StringIO()
     with contextlib.redirect_stdout(printed), measured(module, every_step):
         module.main(cfg)
@@ -194,33 +191,49 @@ def finished_run(runs: Path, cfg, every_step=None) -> Path | None:
                default=None)
 
 
+def where_to_run(cfg, fresh: bool) -> tuple[Path, bool]:
+    """(the folder, whether to resume there): the first of cfg.out and its <out>.N holding a run
+    of this config that stopped (unless fresh), else the first holding no run at all."""
+    candidates = folders(cfg.out)
+    stopped = [f for f in candidates if not fresh and stopped_run(cfg, f)]
+    if stopped:
+        return stopped[0], True
+    return next(f for f in candidates if not holds_a_run(f)), False
+
+
 def number(folder: Path) -> int:
     """N of a <folder>.N (1 for the folder itself): run.10 comes after run.9."""
     suffix = folder.suffix[1:]
-    return int(suffix) if suffix.isdigit() else 1
+    return int(suffix) if re.fullmatch("[0-9]+", suffix) else 1
 
 
-def folders(out: str):
+def folders(out: str) -> list[Path]:
     """The folders a run of --out `out` may go to: `out`, then each <out>.N that exists, by N
     (past any gap: a stopped run in run.3 is found with run.2 gone), then the next number."""
     numbered = sorted((p for p in Path(out).parent.glob(f"{Path(out).name}.*")
-                       if p.suffix[1:].isdigit()), key=number)
-    yield from [Path(out), *numbered]
-    yield Path(f"{out}.{max(map(number, numbered), default=1) + 1}")
+                       if re.fullmatch("[0-9]+", p.suffix[1:])), key=number)
+    return [Path(out), *numbered, Path(f"{out}.{max(map(number, numbered), default=1) + 1}")]
 
 
 def holds_a_run(folder: Path) -> bool:
-    """Whether anything of a run is in `folder` (a run starting there would move it aside)."""
-    return folder.exists() and any(p.name != ".smolrl.lock" for p in folder.iterdir())
+    """Whether anything is in `folder` but a lock nobody holds -- a run starting there would move
+    it aside -- or it is not a folder, or a run holds it now."""
+    from run_folder import LOCK, running
+    if not folder.exists() and not folder.is_symlink():
+        return False
+    return not folder.is_dir() or bool(running(folder)) or \
+        any(p.name != LOCK for p in folder.iterdir())
 
 
 def stopped_run(cfg, folder: Path) -> bool:
     """Whether `folder` holds checkpoints of a run of this very config (same_run) that did not
-    finish (stopped by a signal: stopping.py checkpoints the step it ends): no final model. (A
-    finished one that finished_run passed over -- it lacks a measure -- is run again whole.)"""
+    finish (stopped by a signal: stopping.py checkpoints the step it ends): no final model, and no
+    process running it now. (A finished one that finished_run passed over -- it lacks a measure
+    -- is run again whole.)"""
+    from run_folder import running
     saved = folder / cfg.CONFIG_FILE
-    return saved.exists() and any((folder / "checkpoints").glob("step_*")) and \
-        not (folder / "model" / "config.json").exists() and \
+    return saved.is_file() and any((folder / "checkpoints").glob("step_*")) and \
+        not (folder / "model" / "config.json").exists() and not running(folder) and \
         same_run(json.loads(saved.read_text()), cfg)
 
 

@@ -11,7 +11,8 @@ A rerun goes to a folder of its own (--runs, default out/experiments/rerun-<comm
 recorded runs are never taken for it nor overwritten; stopped, the same command goes on where it
 stopped (each finished run found again, a stopped one resumed), and another commit reruns all.
 A tree with uncommitted changes makes every run anew (--fresh), into a folder of that rerun's
-own (rerun-<commit>-uncommitted-<time>), where no rerun of the commit itself looks.
+own (rerun-<commit>-uncommitted-<time>), where no rerun of the commit itself looks; an edit or a
+commit while it runs stops it before the next finding (or the finding just rerun) is reported.
 The rerun table: finding, each term's recorded effect and 95 % interval, the rerun's, and whether
 the finding held -- every term's verdict (common.verdict) the same again -- and the minutes it
 took. The page's table (--table) is written between its two markers from
@@ -61,6 +62,13 @@ def committed() -> bool:
     said = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"],
                           capture_output=True, text=True)
     return said.returncode == 0 and not said.stdout.strip()
+
+
+def unchanged(clean: bool, start: str, what: str) -> None:
+    """Stop, in one line, if the tree is no longer as run_all found it (an edit or a commit)."""
+    if (committed(), commit()) != (clean, start):
+        raise SystemExit(f"error: the tree changed while run_all ran (an edit or a commit): "
+                         f"{what}; start it again")
 
 
 def terms(record: dict) -> dict[str, dict]:
@@ -139,10 +147,14 @@ def main():
         PAGE.write_text(page_with_table(PAGE.read_text(), recorded()))
         print(f"wrote the table of {PAGE}")
         return
-    clean = committed()  # once: an edit made while it runs does not change where runs go
+    clean, start = committed(), commit()
+    if not clean and args.runs:
+        raise SystemExit("error: the tree has uncommitted changes (or no git): its reruns go to "
+                         "a folder of their own, where no rerun of a commit looks; leave --runs "
+                         "out, or commit")
     runs = Path(args.runs or ROOT / "out" / "experiments" / (
-        f"rerun-{commit()}" if clean else
-        f"rerun-{commit()}-uncommitted-{time.strftime('%Y%m%d-%H%M%S')}"))
+        f"rerun-{start}" if clean else
+        f"rerun-{start}-uncommitted-{time.strftime('%Y%m%d-%H%M%S')}"))
     if not clean:
         print(f"the tree has uncommitted changes (or no git): every run made anew, in {runs}")
     names = args.names or sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
@@ -155,7 +167,10 @@ def main():
             raise SystemExit(f"error: {name}: nothing recorded in {path}; run python "
                              f"experiments/{name}.py first")
         was = json.loads(path.read_text())
+        unchanged(clean, start, f"{name} and the findings after it are not rerun")
         again, seconds = rerun(name, runs, args.tiny, clean)
+        unchanged(clean, start, f"{name}'s rerun may have run the new code: its runs in {runs} "
+                                f"are not reported")
         now = terms(again)
         rows.append(f"| {name} | " + "<br>".join(f"{label}: {interval(t)}" for label, t in
                                                  terms(was).items()) + " | " +

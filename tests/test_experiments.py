@@ -174,6 +174,50 @@ def test_a_folder_holding_any_run_is_left_as_it_is_and_the_next_free_one_is_take
     assert "resuming the run stopped in" in capsys.readouterr().out
 
 
+def test_where_a_run_goes_finds_a_stopped_run_anywhere_and_never_a_folder_in_use(
+        tmp_path, monkeypatch):
+    """helper-27: a stopped run of this config is resumed wherever it is among the folder and its
+    <folder>.N (the folder itself removed; an empty .2 before it); a live run (its lock held) is
+    neither resumed nor written into; a file, or a name like run.² or run.02x, is no folder of
+    the run's."""
+    import fcntl
+    common = _common(monkeypatch)
+    import grpo
+    from cli import parse_config
+    base = tmp_path / "f" / "eps-high-0.28-s1"
+    cfg = parse_config(grpo.Config, ["--steps", "3", "--out", str(base)])
+    saved = json.dumps(json.loads(json.dumps(__import__("dataclasses").asdict(cfg), default=str)))
+
+    def stopped(folder):
+        (folder / "checkpoints" / "step_1").mkdir(parents=True)
+        (folder / cfg.CONFIG_FILE).write_text(saved)
+    stopped(tmp_path / "f" / "eps-high-0.28-s1.2")
+    assert common.where_to_run(cfg, fresh=False) == (tmp_path / "f" / "eps-high-0.28-s1.2", True)
+    (tmp_path / "f" / "eps-high-0.28-s1.2").rename(tmp_path / "f" / "eps-high-0.28-s1.3")
+    (tmp_path / "f" / "eps-high-0.28-s1.2").mkdir()
+    assert common.where_to_run(cfg, fresh=False) == (tmp_path / "f" / "eps-high-0.28-s1.3", True)
+    assert common.where_to_run(cfg, fresh=True) == (base, False)
+    # The run in .3 is live (its lock held): not resumed, and no run goes into it.
+    stopped(base)
+    lock = open(tmp_path / "f" / "eps-high-0.28-s1.3" / ".smolrl.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+        assert common.where_to_run(cfg, fresh=False) == (base, True)
+        assert common.where_to_run(cfg, fresh=True) == (tmp_path / "f" / "eps-high-0.28-s1.2",
+                                                        False)
+        assert common.holds_a_run(tmp_path / "f" / "eps-high-0.28-s1.3")
+    finally:
+        lock.close()
+    (tmp_path / "f" / "eps-high-0.28-s1.2").rmdir()
+    (tmp_path / "f" / "eps-high-0.28-s1.2").write_text("a file")
+    for odd in ("eps-high-0.28-s1.\u00b2", "eps-high-0.28-s1.02x"):
+        (tmp_path / "f" / odd).mkdir()
+    assert common.folders(str(base)) == [base, tmp_path / "f" / "eps-high-0.28-s1.2",
+                                         tmp_path / "f" / "eps-high-0.28-s1.3",
+                                         tmp_path / "f" / "eps-high-0.28-s1.4"]
+    assert common.where_to_run(cfg, fresh=True) == (tmp_path / "f" / "eps-high-0.28-s1.4", False)
+
+
 def test_the_newest_of_equal_finished_runs_is_the_highest_number(tmp_path, monkeypatch):
     """Of two finished runs of one config whose models bear the same time (a tree copied without
     its files' times), the later folder: run.10 after run.9, by number (helper-26)."""
@@ -342,7 +386,7 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
     edited code's runs as its own (helper-26). Whether the tree is clean is read once."""
     monkeypatch.syspath_prepend(str(ROOT / "experiments"))
     import run_all
-    said, asked = [], []
+    said = []
 
     def run(line, check):
         said.append(line)
@@ -353,11 +397,22 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
     monkeypatch.setattr(run_all, "ROOT", tmp_path)
     monkeypatch.setattr(run_all, "commit", lambda: "abc1234")
     for clean in (True, False):
-        monkeypatch.setattr(run_all, "committed", lambda: asked.append(1) or clean)
+        monkeypatch.setattr(run_all, "committed", lambda: clean)
         monkeypatch.setattr(sys, "argv", ["run_all.py", "lenient_verifier", "sharpening", "--tiny"])
         run_all.main()
     runs = [Path(line[line.index("--runs") + 1]) for line in said]
     assert ["--fresh" in line for line in said] == [False, False, True, True]
     assert runs[0] == runs[1] == tmp_path / "out" / "experiments" / "rerun-abc1234"
     assert runs[2] == runs[3] and runs[2].name.startswith("rerun-abc1234-uncommitted-")
-    assert len(asked) == 2
+    # Read before and after each finding: an edit or a commit while it runs stops it, in one
+    # line, before a finding whose runs would come from other code is reported (helper-27).
+    monkeypatch.setattr(run_all, "committed", lambda: len(said) < 5)
+    monkeypatch.setattr(sys, "argv", ["run_all.py", "lenient_verifier", "sharpening", "--tiny"])
+    with pytest.raises(SystemExit, match="the tree changed while run_all ran .*: "
+                                         "lenient_verifier's rerun may have run the new code"):
+        run_all.main()
+    # A dirty tree's runs never go where a commit's rerun looks: --runs of its own is refused.
+    monkeypatch.setattr(run_all, "committed", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["run_all.py", "sharpening", "--runs", str(runs[0])])
+    with pytest.raises(SystemExit, match="uncommitted changes .*; leave --runs out, or commit"):
+        run_all.main()

@@ -429,10 +429,15 @@ def test_unit_advantages_weigh_every_sample_plus_or_minus_one_as_zhu_et_al_do():
                            (dict(judge="some/judge"), "--judge"),
                            (dict(overlong_buffer=4), "--overlong-buffer"),
                            (dict(dynamic_sampling=True), "--dynamic-sampling"),
-                           (dict(reward="correctness,format=0.1"), "2 reward sources")]:
+                           (dict(reward="correctness,format=0.1"), "2 reward sources"),
+                           (dict(replay="out/grpo"), "--replay"),
+                           (dict(reward="correctness=-1"), "a weight of 0 or less"),
+                           (dict(reward="correctness=0e5"), "a weight of 0 or less"),
+                           (dict(reward=" , "), "no reward")]:
         with pytest.raises(SystemExit, match=f"--adv-scale unit reads .*: not with {named}"):
             Config(adv_scale="unit", **options)
     assert Config(adv_scale="unit", reward="my_rewards:verdict").reward == "my_rewards:verdict"
+    assert Config(adv_scale="unit", reward="correctness=2, ").adv_scale == "unit"  # (one source)
 
 
 def test_the_loss_with_reinforce_trains_only_that_signs_samples():
