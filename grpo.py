@@ -307,7 +307,7 @@ def sapo_term(ratio, A, tau_pos: float, tau_neg: float):
 def unit_clashes(cfg) -> list[str]:
     """The options with which --adv-scale unit's +-1 would not be right and wrong (Config)."""
     specs = [r.strip() for r in (cfg.reward or "").split(",") if r.strip()]
-    weights = [w for _, eq, w in (r.partition("=") for r in specs) if eq]
+    weights = [w for _, eq, w in (r.rpartition("=") for r in specs) if eq]  # (as reward.py reads)
     sources = len(specs) + bool(cfg.env)
     return [name for name, on in [
         ("--leave-one-out (a baseline: unit has none)", cfg.leave_one_out),
@@ -317,9 +317,9 @@ def unit_clashes(cfg) -> list[str]:
          cfg.overlong_buffer),
         ("--dynamic-sampling (it drops the all-wrong groups unit trains)", cfg.dynamic_sampling),
         ("--replay (the replayed run's rewards are not checked)", cfg.replay),
-        ("no reward", not sources),
-        (f"{sources} reward sources (--reward {cfg.reward!r}{' and --env' if cfg.env else ''}: "
-         f"their sum is no verdict)", sources > 1),
+        ("--reward '' (no reward to read)", not sources),
+        (f"{sources} reward sources (--reward {cfg.reward!r}"
+         f"{' and the environment' if cfg.env else ''}: their sum is no verdict)", sources > 1),
         (f"a weight of 0 or less (--reward {cfg.reward!r})",
          any(not positive(w) for w in weights))] if on]
 

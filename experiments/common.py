@@ -28,6 +28,7 @@ count), inconclusive otherwise.
 
 import argparse
 import contextlib
+import glob
 import hashlib
 import io
 import json
@@ -151,7 +152,8 @@ def run_once(title: str, script: str, line: list[str], args, every_step=None) ->
         print(f"{title}: resuming the run stopped in {folder}", flush=True)
     elif folder != Path(cfg.out):
         print(f"{title}: {cfg.out} holds a run this one cannot take up (finished, another "
-              f"config's, or --fresh), left as it is: it goes to {folder}", flush=True)
+              f"config's, --fresh, or running now), left as it is: it goes to {folder}",
+              flush=True)
         cfg = parse_config(module.Config, [*line, "--out", str(folder)])
     t0, printed = time.time(), io.StringIO()
     with contextlib.redirect_stdout(printed), measured(module, every_step):
@@ -198,7 +200,11 @@ def where_to_run(cfg, fresh: bool) -> tuple[Path, bool]:
     stopped = [f for f in candidates if not fresh and stopped_run(cfg, f)]
     if stopped:
         return stopped[0], True
-    return next(f for f in candidates if not holds_a_run(f)), False
+    free = next((f for f in candidates if not holds_a_run(f)), None)
+    if free is None:  # (a folder that cannot be listed: its <out>.N unseen)
+        raise SystemExit(f"error: no free folder for {cfg.out} among "
+                         f"{', '.join(map(str, candidates))}")
+    return free, False
 
 
 def number(folder: Path) -> int:
@@ -210,9 +216,10 @@ def number(folder: Path) -> int:
 def folders(out: str) -> list[Path]:
     """The folders a run of --out `out` may go to: `out`, then each <out>.N that exists, by N
     (past any gap: a stopped run in run.3 is found with run.2 gone), then the next number."""
-    numbered = sorted((p for p in Path(out).parent.glob(f"{Path(out).name}.*")
+    out = Path(out)  # (a trailing slash would put <out>.N inside it)
+    numbered = sorted((p for p in out.parent.glob(f"{glob.escape(out.name)}.*")
                        if re.fullmatch("[0-9]+", p.suffix[1:])), key=number)
-    return [Path(out), *numbered, Path(f"{out}.{max(map(number, numbered), default=1) + 1}")]
+    return [out, *numbered, Path(f"{out}.{max(map(number, numbered), default=1) + 1}")]
 
 
 def holds_a_run(folder: Path) -> bool:
@@ -230,9 +237,10 @@ def stopped_run(cfg, folder: Path) -> bool:
     finish (stopped by a signal: stopping.py checkpoints the step it ends): no final model, and no
     process running it now. (A finished one that finished_run passed over -- it lacks a measure
     -- is run again whole.)"""
+    from checkpoint import newest_checkpoint
     from run_folder import running
     saved = folder / cfg.CONFIG_FILE
-    return saved.is_file() and any((folder / "checkpoints").glob("step_*")) and \
+    return saved.is_file() and newest_checkpoint(folder) is not None and \
         not (folder / "model" / "config.json").exists() and not running(folder) and \
         same_run(json.loads(saved.read_text()), cfg)
 

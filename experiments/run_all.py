@@ -50,23 +50,34 @@ def rerun(name: str, runs: Path, tiny: bool, clean: bool) -> tuple[dict, float]:
     return json.loads((out / f"{name}.json").read_text()), time.time() - t0
 
 
+def git(*args: str) -> str | None:
+    """What `git args` prints in this tree; None outside a git checkout, or without git."""
+    try:
+        said = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    except OSError:
+        return None
+    return said.stdout if said.returncode == 0 else None
+
+
 def commit() -> str:
     """This tree's commit, short ("unknown" outside a git checkout)."""
-    said = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True)
-    return said.stdout.strip() if said.returncode == 0 else "unknown"
+    return (git("rev-parse", "--short", "HEAD") or "unknown").strip()
 
 
 def committed() -> bool:
     """Whether this tree is a git checkout with nothing uncommitted (untracked files count)."""
-    said = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"],
-                          capture_output=True, text=True)
-    return said.returncode == 0 and not said.stdout.strip()
+    return git("status", "--porcelain") == ""
 
 
-def unchanged(clean: bool, start: str, what: str) -> None:
+def tree() -> str:
+    """What the tree holds, in one string: its commit, and any change not committed (an edit to
+    an already dirty tree changes it too)."""
+    return f"{commit()} {git('status', '--porcelain')} {git('diff', 'HEAD', '--binary')}"
+
+
+def unchanged(start: str, what: str) -> None:
     """Stop, in one line, if the tree is no longer as run_all found it (an edit or a commit)."""
-    if (committed(), commit()) != (clean, start):
+    if tree() != start:
         raise SystemExit(f"error: the tree changed while run_all ran (an edit or a commit): "
                          f"{what}; start it again")
 
@@ -147,14 +158,14 @@ def main():
         PAGE.write_text(page_with_table(PAGE.read_text(), recorded()))
         print(f"wrote the table of {PAGE}")
         return
-    clean, start = committed(), commit()
+    clean, start = committed(), tree()
     if not clean and args.runs:
         raise SystemExit("error: the tree has uncommitted changes (or no git): its reruns go to "
                          "a folder of their own, where no rerun of a commit looks; leave --runs "
                          "out, or commit")
     runs = Path(args.runs or ROOT / "out" / "experiments" / (
-        f"rerun-{start}" if clean else
-        f"rerun-{start}-uncommitted-{time.strftime('%Y%m%d-%H%M%S')}"))
+        f"rerun-{commit()}" if clean else
+        f"rerun-{commit()}-uncommitted-{time.strftime('%Y%m%d-%H%M%S')}"))
     if not clean:
         print(f"the tree has uncommitted changes (or no git): every run made anew, in {runs}")
     names = args.names or sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
@@ -167,9 +178,9 @@ def main():
             raise SystemExit(f"error: {name}: nothing recorded in {path}; run python "
                              f"experiments/{name}.py first")
         was = json.loads(path.read_text())
-        unchanged(clean, start, f"{name} and the findings after it are not rerun")
+        unchanged(start, f"{name} and the findings after it are not rerun")
         again, seconds = rerun(name, runs, args.tiny, clean)
-        unchanged(clean, start, f"{name}'s rerun may have run the new code: its runs in {runs} "
+        unchanged(start, f"{name}'s rerun may have run the new code: its runs in {runs} "
                                 f"are not reported")
         now = terms(again)
         rows.append(f"| {name} | " + "<br>".join(f"{label}: {interval(t)}" for label, t in

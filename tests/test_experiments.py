@@ -181,6 +181,7 @@ def test_where_a_run_goes_finds_a_stopped_run_anywhere_and_never_a_folder_in_use
     neither resumed nor written into; a file, or a name like run.² or run.02x, is no folder of
     the run's."""
     import fcntl
+    import shutil
     common = _common(monkeypatch)
     import grpo
     from cli import parse_config
@@ -190,7 +191,14 @@ def test_where_a_run_goes_finds_a_stopped_run_anywhere_and_never_a_folder_in_use
 
     def stopped(folder):
         (folder / "checkpoints" / "step_1").mkdir(parents=True)
+        (folder / "checkpoints" / "step_1" / "driver_state.pt").write_bytes(b"")
         (folder / cfg.CONFIG_FILE).write_text(saved)
+    # A checkpoints/step_* that --resume auto would not take (no driver state) is no stopped run
+    (base.parent / "eps-high-0.28-s1.5" / "checkpoints" / "step_x").mkdir(parents=True)
+    (base.parent / "eps-high-0.28-s1.5" / cfg.CONFIG_FILE).write_text(saved)
+    assert not common.stopped_run(cfg, base.parent / "eps-high-0.28-s1.5")
+    shutil.rmtree(base.parent / "eps-high-0.28-s1.5")
+    assert common.folders(str(base) + "/") == [base, base.parent / "eps-high-0.28-s1.2"]
     stopped(tmp_path / "f" / "eps-high-0.28-s1.2")
     assert common.where_to_run(cfg, fresh=False) == (tmp_path / "f" / "eps-high-0.28-s1.2", True)
     (tmp_path / "f" / "eps-high-0.28-s1.2").rename(tmp_path / "f" / "eps-high-0.28-s1.3")
@@ -396,6 +404,7 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
     monkeypatch.setattr(run_all.subprocess, "run", run)
     monkeypatch.setattr(run_all, "ROOT", tmp_path)
     monkeypatch.setattr(run_all, "commit", lambda: "abc1234")
+    monkeypatch.setattr(run_all, "tree", lambda: "as it was")
     for clean in (True, False):
         monkeypatch.setattr(run_all, "committed", lambda: clean)
         monkeypatch.setattr(sys, "argv", ["run_all.py", "lenient_verifier", "sharpening", "--tiny"])
@@ -406,11 +415,15 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
     assert runs[2] == runs[3] and runs[2].name.startswith("rerun-abc1234-uncommitted-")
     # Read before and after each finding: an edit or a commit while it runs stops it, in one
     # line, before a finding whose runs would come from other code is reported (helper-27).
-    monkeypatch.setattr(run_all, "committed", lambda: len(said) < 5)
-    monkeypatch.setattr(sys, "argv", ["run_all.py", "lenient_verifier", "sharpening", "--tiny"])
-    with pytest.raises(SystemExit, match="the tree changed while run_all ran .*: "
-                                         "lenient_verifier's rerun may have run the new code"):
-        run_all.main()
+    # An already dirty tree edited again is caught too (its diff changed, helper-28).
+    for clean in (True, False):
+        monkeypatch.setattr(run_all, "committed", lambda: clean)
+        monkeypatch.setattr(run_all, "tree", lambda n=len(said): "as it was" if len(said) <= n
+                            else "edited")
+        monkeypatch.setattr(sys, "argv", ["run_all.py", "lenient_verifier", "sharpening", "--tiny"])
+        with pytest.raises(SystemExit, match="the tree changed while run_all ran .*: "
+                                             "lenient_verifier's rerun may have run the new code"):
+            run_all.main()
     # A dirty tree's runs never go where a commit's rerun looks: --runs of its own is refused.
     monkeypatch.setattr(run_all, "committed", lambda: False)
     monkeypatch.setattr(sys, "argv", ["run_all.py", "sharpening", "--runs", str(runs[0])])

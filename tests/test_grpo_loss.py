@@ -433,7 +433,8 @@ def test_unit_advantages_weigh_every_sample_plus_or_minus_one_as_zhu_et_al_do():
                            (dict(replay="out/grpo"), "--replay"),
                            (dict(reward="correctness=-1"), "a weight of 0 or less"),
                            (dict(reward="correctness=0e5"), "a weight of 0 or less"),
-                           (dict(reward=" , "), "no reward")]:
+                           (dict(reward=" , "), "--reward '' .no reward to read."),
+                           (dict(reward="runs/lr=1e-5/r.py:verdict=-1"), "a weight of 0")]:
         with pytest.raises(SystemExit, match=f"--adv-scale unit reads .*: not with {named}"):
             Config(adv_scale="unit", **options)
     assert Config(adv_scale="unit", reward="my_rewards:verdict").reward == "my_rewards:verdict"
