@@ -111,9 +111,9 @@ class Config(RLOptions):
         check(0 <= self.eps_low < 1 + (self.surrogate == "cispo") and self.eps_high >= 0,
               f"--eps-low {self.eps_low} --eps-high {self.eps_high}: need 0 <= eps-low < 1 (2 "
               f"with --surrogate cispo: 1 leaves its weight no floor) and eps-high >= 0")
-        check(self.adv_scale != "unit" or not unit_clashes(self), f"--adv-scale unit reads a "
-              f"positive reward as right, any other as wrong -- one verifier's verdict: not with "
-              f"{', '.join(unit_clashes(self))}")
+        clashes = unit_clashes(self) if self.adv_scale == "unit" else []
+        check(not clashes, f"--adv-scale unit reads a positive reward as right, any other as "
+              f"wrong -- one verifier's verdict: not with {', '.join(clashes)}")
         check(self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0, "--sapo-tau-pos and "
               "--sapo-tau-neg must be positive")
         check(self.surrogate == "clip" or self.ratio_level == "token", f"--surrogate "
