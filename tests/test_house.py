@@ -147,3 +147,9 @@ def test_no_function_reads_a_global_its_module_never_binds():
                 walk(child)
         walk(symtable.symtable(source, str(path), "exec"))
     assert not unbound, unbound
+
+
+def test_the_suite_deletes_each_passing_tests_folder(pytestconfig):
+    # The suite's checkpoints come to about 10 GB a run; kept, they filled CI's disk (stop 75).
+    assert pytestconfig.getini("tmp_path_retention_policy") == "failed"
+    assert int(pytestconfig.getini("tmp_path_retention_count")) <= 1

@@ -6,8 +6,8 @@ import io
 import re
 import shutil
 import signal
-import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,7 +67,7 @@ def test_a_run_across_nodes_trains_as_one_process_does_and_says_where_each_worke
 
 
 def test_a_node_lost_mid_run_stops_it_in_one_line_and_the_nodes_left_finish_it_exactly(
-        nodes, across_nodes, tiny_model_dir, tmp_path, capfd):
+        nodes, across_nodes, tiny_model_dir, tmp_path, capfd, monkeypatch):
     """The node of trainer rank 1 dies as in a crash (its raylet and workers killed) once step 1
     is checkpointed: the run stops within two minutes, in one line naming the worker and its
     node; step 1's checkpoint is whole, and `--resume auto` on the two nodes left -- the same
@@ -79,17 +79,24 @@ def test_a_node_lost_mid_run_stops_it_in_one_line_and_the_nodes_left_finish_it_e
             "--ray-address", cluster.address]
     lost = {}
 
-    def lose_trainer_1s_node():
-        while not (tmp_path / "checkpoints" / "step_1").exists():
-            time.sleep(0.02)
-        node = next(p.node for p in distributed.PLACED.values() if p.who == "trainer rank 1")
-        lost.update(node=node, at=time.monotonic())
-        cluster.remove_node(next(n for n in workers_nodes if n.node_id == node),
-                            allow_graceful=False)
-
     import grpo
+    import session
     from cli import parse_config
-    threading.Thread(target=lose_trainer_1s_node, daemon=True).start()
+    save_checkpoint = session.save_checkpoint
+
+    def then_lose_trainer_1s_node(out, *rest):
+        # In the driver, as step 1's checkpoint is written: a watcher thread polling for it lost
+        # the race on a loaded machine (step 2 and the model written 1 s later, the run over)
+        save_checkpoint(out, *rest)
+        if (out / "checkpoints" / "step_1").exists() and not lost:
+            place = next(p for p in distributed.PLACED.values() if p.who == "trainer rank 1")
+            lost.update(node=place.node, at=time.monotonic())
+            cluster.remove_node(next(n for n in workers_nodes if n.node_id == place.node),
+                                allow_graceful=False)
+            while alive(place.pid):  # (its worker outlives its raylet by ~1 s)
+                time.sleep(0.05)
+
+    monkeypatch.setattr(session, "save_checkpoint", then_lose_trainer_1s_node)
     with pytest.raises(SystemExit) as stopped, contextlib.redirect_stdout(io.StringIO()), \
             fails_after(300):
         grpo.main(parse_config(grpo.Config, args))
@@ -105,6 +112,7 @@ def test_a_node_lost_mid_run_stops_it_in_one_line_and_the_nodes_left_finish_it_e
 
     alone = tmp_path.parent / f"{tmp_path.name}-alone"  # (a copy, for a second way on)
     shutil.copytree(tmp_path, alone)
+    monkeypatch.undo()
     run_grpo([*args, "--resume", "auto"])
     whole = load_file(across_nodes[0] / "model" / "model.safetensors")
     resumed = load_file(tmp_path / "model" / "model.safetensors")
@@ -117,6 +125,14 @@ def test_a_node_lost_mid_run_stops_it_in_one_line_and_the_nodes_left_finish_it_e
     one = load_file(alone / "model" / "model.safetensors")
     for k in whole:  # (measured: 3e-7 of the largest element, at most)
         assert_close_to_scale(one[k], whole[k], what=k)
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @contextlib.contextmanager
