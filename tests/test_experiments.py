@@ -403,6 +403,7 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
         (out / f"{name}.json").write_text((run_all.RECORDED / f"{name}.json").read_text())
     monkeypatch.setattr(run_all.subprocess, "run", run)
     monkeypatch.setattr(run_all, "ROOT", tmp_path)
+    monkeypatch.setattr(run_all.tempfile, "tempdir", str(tmp_path))  # (the reruns' --out)
     monkeypatch.setattr(run_all, "commit", lambda: "abc1234")
     monkeypatch.setattr(run_all, "tree", lambda: "as it was")
     for clean in (True, False):

@@ -93,7 +93,11 @@ def test_a_node_lost_mid_run_stops_it_in_one_line_and_the_nodes_left_finish_it_e
             lost.update(node=place.node, at=time.monotonic())
             cluster.remove_node(next(n for n in workers_nodes if n.node_id == place.node),
                                 allow_graceful=False)
-            while alive(place.pid):  # (its worker outlives its raylet by ~1 s)
+            gone_by = time.monotonic() + 60  # (its worker outlives its raylet by ~1 s)
+            while alive(place.pid):
+                # (not fails_after's TimeoutError: an OSError, which the checkpoint's save would
+                # report as its own)
+                assert time.monotonic() < gone_by, f"trainer rank 1's worker {place.pid} lives on"
                 time.sleep(0.05)
 
     monkeypatch.setattr(session, "save_checkpoint", then_lose_trainer_1s_node)
@@ -125,13 +129,14 @@ def test_a_node_lost_mid_run_stops_it_in_one_line_and_the_nodes_left_finish_it_e
     one = load_file(alone / "model" / "model.safetensors")
     for k in whole:  # (measured: 3e-7 of the largest element, at most)
         assert_close_to_scale(one[k], whole[k], what=k)
+    shutil.rmtree(alone)  # (outside tmp_path: pytest would keep it)
 
 
 def alive(pid: int) -> bool:
     """Whether a process runs (a zombie, dead but not yet reaped, does not)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (gone, or reaped as it was read)
         return False
 
 
