@@ -2,7 +2,8 @@
 mask can say it.
 
     a decoding step (one query a row)      each KV head's keys and values read once for the query
-                                           heads that share it, the softmax in fp32 (the engine)
+                                           heads that share it, the softmax in fp32 (the engine);
+                                           SDPA's flash kernel where timed faster (choose_decode)
     a packed row of a shared prompt        each completion against its prompt's keys and its own,
     (logprobs.share_prompts)                  never against the other completions of the row
 
@@ -29,6 +30,9 @@ whose attention is not pluggable keeps SDPA, and share_prompts hands its packed 
 as it does for a model with a sliding window or soft-capping (takes_layouts).
 """
 
+import functools
+import statistics
+import time
 from typing import NamedTuple
 
 import torch
@@ -268,8 +272,10 @@ def decode_attention(query, key, value, attention_mask, scaling, softcap: float 
     """A decoding step. Its cost is reading the keys and values: here each KV head's are read
     once for the query heads that share it (grouped-query attention), as they are in the cache,
     with the softmax in fp32 -- and the scores soft-capped where the model caps them (Gemma 2).
-    SDPA's CPU kernel took 17 ms a layer for 64 rows of 400 tokens in bf16 -- 70 % of a SmolLM2
-    decoding step, ~18x its bytes' time at the measured bandwidth.
+    transformers' SDPA call took 17 ms a layer for 64 rows of 400 tokens in bf16 (ca8979e) -- 70 %
+    of a SmolLM2 decoding step: given a padding mask on a CPU it repeats each KV head for the query
+    heads that share it, a copy of the cache 3x its size. (SDPA's flash kernel told the KV heads
+    are shared, enable_gqa, is flash_decode_attention.)
 
     query (B, H, 1, D), key and value (B, KV, L, D), attention_mask (B, 1, 1, L) bool (True:
     attend) or additive, or None -> (B, 1, H, D)."""
@@ -286,6 +292,117 @@ def decode_attention(query, key, value, attention_mask, scaling, softcap: float 
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(probs, value)  # (B, KV, H/KV, D)
     return out.reshape(B, 1, H, D)
+
+
+class DecodeChoice(NamedTuple):
+    flash: bool  # decoding steps run SDPA's flash kernel (flash_decode_attention)
+    grows: bool  # the engine's cache grows in place (rollout.GrowingLayer): attention reads views
+    line: str  # one line for the log: what was chosen, why, with the measured times
+
+
+class DecodeTimes(NamedTuple):
+    """Microseconds of one layer's decoding attention at DECODE_PROBE."""
+    flash: float  # flash_decode_attention on a growing cache's view
+    view: float  # decode_attention on that view
+    copied: float  # decode_attention on contiguous keys, plus the concatenation that made them
+
+
+FLASH_DECODES: set[tuple] = set()  # (dtype, query heads, KV heads, head dim) choose_decode chose
+# flash for: attention() looks its decoding steps up here
+FLASH_MARGIN = 0.8  # flash is chosen at no more than this share of the matmuls' time: nearer
+# timings are noise, and the choice changes the samples' last bits
+DECODE_PROBE = (32, 128)  # rows, cached tokens: a GRPO batch's decoding steps
+
+
+def choose_decode(config, dtype: torch.dtype, device) -> DecodeChoice:
+    """How the HF engine decodes a model with this (text) config, timed here once per process and
+    head shape. transformers' cache concatenates each step's keys and values onto the layer's: a
+    copy of the whole cache, every layer, every step (~a third of a SmolLM2 decoding step in bf16
+    on the AMX Xeon). A cache with room grows in place instead (rollout.GrowingLayer), but then
+    attention reads its filled columns as a strided view: CPU bmm takes it as it is in fp32 (within
+    10 % of contiguous keys on that Xeon) but copies it first in bf16 (2.2x), and keys just
+    concatenated are in the CPU's cache when attention reads them (on an AVX2 EPYC in fp32 a
+    cache written in place made a generate call slower, 8.05 -> 9.05 s). decode_attention gives
+    the same numbers on the view and on a copy, so the cache grows where that timed faster. SDPA's
+    flash kernel reads the view as it is but sums in another order: in bf16 only (fp32 keeps its
+    samples bit for bit), where it takes at most FLASH_MARGIN of the matmuls' best time. Soft-capped
+    scores (Gemma 2: no flash kernel computes them) and CUDA (not measured) decode as before."""
+    heads = config.num_attention_heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    key = (dtype, heads, kv, dim)
+    FLASH_DECODES.discard(key)
+    if on_cuda(device) or getattr(config, "attn_logit_softcapping", None):
+        why = "on CUDA" if on_cuda(device) else "soft-capped scores"
+        return DecodeChoice(False, False, f"decoding: matmuls on a concatenated cache ({why})")
+    t = decode_times(heads, kv, dim, dtype, torch.get_num_threads())
+    flash = dtype != torch.float32 and t.flash <= FLASH_MARGIN * min(t.view, t.copied)
+    grows = flash or t.view <= t.copied
+    if flash:
+        FLASH_DECODES.add(key)
+    how = "SDPA's flash kernel" if flash else "matmuls"
+    where = "a cache grown in place" if grows else "a concatenated cache"
+    rows, context = DECODE_PROBE
+    return DecodeChoice(flash, grows, (
+        f"decoding: {how} on {where} ({str(dtype).removeprefix('torch.')}; one layer's attention "
+        f"for {rows} rows of {context} tokens, timed here: flash {t.flash:.0f} us, matmuls on a "
+        f"growing cache {t.view:.0f} us, on a concatenated one {t.copied:.0f} us)"))
+
+
+@functools.cache
+def decode_times(heads: int, kv: int, dim: int, dtype: torch.dtype, threads: int) -> DecodeTimes:
+    """One layer's decoding attention at DECODE_PROBE, each way the median of 5 rounds, on
+    `threads` threads (~0.1 s, once a process)."""
+    rows, context = DECODE_PROBE
+    gen = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(rows, kv, context + 64, dim, generator=gen).to(dtype)
+                    for _ in range(2))
+    k, v = keys[:, :, :context], values[:, :, :context]  # (a growing cache's filled columns)
+    kc, vc = k.contiguous(), v.contiguous()
+    q = torch.randn(rows, heads, 1, dim, generator=gen).to(dtype)
+    mask = torch.ones(rows, 1, 1, context, dtype=torch.bool)
+    scaling = dim ** -0.5
+
+    def copied():
+        torch.cat([kc[:, :, 1:], kc[:, :, :1]], 2), torch.cat([vc[:, :, 1:], vc[:, :, :1]], 2)
+        decode_attention(q, kc, vc, mask, scaling)
+
+    def microseconds(fn) -> float:
+        fn()
+        rounds = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(4):
+                fn()
+            rounds.append((time.perf_counter() - t0) / 4 * 1e6)
+        return statistics.median(rounds)
+
+    return DecodeTimes(microseconds(lambda: flash_decode_attention(q, k, v, mask, scaling)),
+                       microseconds(lambda: decode_attention(q, k, v, mask, scaling)),
+                       microseconds(copied))
+
+
+def flash_decodes(query, key, softcap: float | None) -> bool:
+    """Whether this decoding step runs SDPA's flash kernel: where choose_decode chose it for the
+    query's dtype and heads (on a CPU; never for soft-capped scores)."""
+    B, H, _, D = query.shape
+    return not softcap and not on_cuda(query.device) \
+        and (query.dtype, H, key.shape[1], D) in FLASH_DECODES
+
+
+def flash_decode_attention(query, key, value, attention_mask, scaling):
+    """A decoding step by SDPA's CPU flash kernel, each KV head read once for the query heads that
+    share it (enable_gqa), in blocks with an fp32 running softmax: 1.0 ms against
+    decode_attention's 1.2 ms plus the concatenation's 0.8 ms (64 rows of 400 tokens, bf16, AMX
+    Xeon; decode_attention on the view: 2.8 ms). Its sums run in another order than
+    decode_attention's: outputs ~0.003 apart in bf16.
+
+    query (B, H, 1, D), key and value (B, KV, L, D), a view is fine, attention_mask (B, 1, 1, L)
+    bool (True: attend) or additive, or None -> (B, 1, H, D)."""
+    mask = attention_mask[..., -key.shape[2]:] if attention_mask is not None else None
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                         enable_gqa=True)  # (B, H, 1, D)
+    return out.transpose(1, 2)
 
 
 SOFTCAP_SCORES = 2**22  # scores softcapped_attention computes at once (~16 MB in fp32 each)
@@ -433,6 +550,8 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
         return prefix_shared_attention(query, key, value, prefix_layout, scaling, dropout), None
     if query.shape[2] == 1 and key.shape[2] > 1 and getattr(module, "sinks", None) is None:
         # (a sliding window is in the mask: transformers skips it only within the window)
+        if flash_decodes(query, key, kwargs.get("softcap")):
+            return flash_decode_attention(query, key, value, attention_mask, scaling), None
         return decode_attention(query, key, value, attention_mask, scaling,
                                 kwargs.get("softcap")), None
     if kwargs.get("softcap"):

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from attention import use_smolrl_attention
+from attention import choose_decode, use_smolrl_attention
 from hardware import DecodeCost, Floors, decode_bytes, decode_cost, floors, generation_flops
 from model import empty_copy, full_weights, named_tensors, stop_token_ids
 from packed_linear import can_pack, packed_linears
@@ -115,6 +115,74 @@ def kept_cache(rows: list[KeptRow | None], held: list[int]) -> DynamicCache:
     return DynamicCache(ddp_cache_data=layers)
 
 
+class GrowingLayer(DynamicLayer):
+    """One layer's keys and values, each in a buffer with room for the tokens still to be
+    decoded: a decoding step writes its one column in place. transformers' DynamicLayer
+    concatenates, and so copies the layer's whole cache every step: ~a third of a SmolLM2 decoding
+    step's time on the AMX Xeon (docs/benchmarks.md), bytes that grow with the context.
+    `keys` and `values` read as DynamicLayer's do, as the filled columns (a view); whatever assigns
+    them (a crop: a shorter view, kept; a reorder or an offload: a new tensor, copied into a new
+    buffer) leaves a layer that goes on growing in place."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+        self.room, self._held = room, {}  # name -> (buffer (B, KV heads, capacity, dim), filled)
+        super().__init__()
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.keys, self.values = keys, values
+
+    keys = property(lambda self: self._filled("keys"), lambda self, x: self._hold("keys", x))
+    values = property(lambda self: self._filled("values"),
+                      lambda self, x: self._hold("values", x))
+
+    def _filled(self, name: str):
+        held = self._held.get(name)
+        return None if held is None else held[0][:, :, :held[1]]
+
+    def _hold(self, name: str, x):
+        """Hold x: as the first columns of the buffer it is a view of, or else copied into a new
+        buffer with `room` columns to spare (None frees the buffer)."""
+        buffer = self._held[name][0] if self._held.get(name) else None
+        if x is None:
+            self._held[name] = None
+            return
+        if buffer is None or x.data_ptr() != buffer.data_ptr() or \
+                x.stride() != buffer.stride() or x.shape[:2] != buffer.shape[:2]:
+            B, KV, L, D = x.shape
+            buffer = x.new_empty(B, KV, L + self.room, D)
+            buffer[:, :, :L] = x
+        self._held[name] = (buffer, x.shape[2])
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        for name, new in (("keys", key_states), ("values", value_states)):
+            buffer, filled = self._held[name]
+            n = new.shape[2]
+            if filled + n > buffer.shape[2]:  # (no room left: a buffer with room for as many)
+                self.room = max(self.room, filled + n)
+                self._held[name] = None
+                self._hold(name, buffer[:, :, :filled])
+                buffer = self._held[name][0]
+            buffer[:, :, filled:filled + n] = new
+            self._held[name] = (buffer, filled + n)
+        return self.keys, self.values
+
+    def reorder_cache(self, beam_idx):
+        """Keep rows beam_idx (samples that stopped leave the batch), each with its room."""
+        for name, (buffer, filled) in self._held.items():
+            self._held[name] = (buffer.index_select(0, beam_idx.to(buffer.device)), filled)
+
+
+def room_to_grow(cache, rows: torch.Tensor, room: int):
+    """The cache's rows `rows` (a prompt's cache copied to each of its samples), every plain
+    layer (DynamicLayer: no sliding window, no recurrent state) a GrowingLayer with `room`
+    columns to spare; other layers reordered as they are."""
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and layer.is_initialized:
+            cache.layers[i] = GrowingLayer(layer.keys[rows], layer.values[rows], room)
+        else:
+            layer.reorder_cache(rows)
+    return cache
+
+
 class HFRollout:
     """A plain decoding loop over a Hugging Face model, batched with left padding.
 
@@ -163,6 +231,9 @@ class HFRollout:
         self.decode_cost, self.dtype = decode_cost(self.model, dtype), dtype  # (hardware.py)
         self.packs = can_pack(self.model, device, dtype)  # weights packed for each call (packed_linear.py)
         use_smolrl_attention(self.model)  # (its decoding steps: attention.decode_attention)
+        # how its decoding steps attend, and whether its cache grows in place (GrowingLayer)
+        self.decoding = choose_decode(self.model.config.get_text_config(), dtype, device)
+        print(f"HF engine: {self.decoding.line}")
         # Prompts share their common prefix's forward (_decode), and episodes continue from kept
         # keys and values, where check_head_logits has verified that masks and positions define a
         # token's log-probs, as share_prompts needs: the padding then sits between a row's cached
@@ -267,7 +338,10 @@ class HFRollout:
         # and its last logits are copied to each of its samples.
         rows = torch.arange(len(prompts), device=self.device).repeat_interleave(copies)
         cache = out.past_key_values
-        cache.reorder_cache(rows)
+        if self.decoding.grows:
+            cache = room_to_grow(cache, rows, sampling.max_new_tokens)
+        else:
+            cache.reorder_cache(rows)
         logits, attn, position = out.logits[rows, -1], attn[rows], positions[rows, -1:]
         stop = torch.tensor(sorted(self.stop_ids), device=self.device)
         tokens = torch.full((len(rows), sampling.max_new_tokens), self.pad_id, device=self.device)
@@ -371,7 +445,7 @@ class HFRollout:
         """Plain keys and values in every layer (no sliding window, no recurrent state), for a
         model whose rows may hold padding between cached and new tokens (check_head_logits)."""
         return self.share_prefix and isinstance(cache, DynamicCache) and \
-            all(type(layer) is DynamicLayer for layer in cache.layers)
+            all(type(layer) in (DynamicLayer, GrowingLayer) for layer in cache.layers)
 
     def _keep(self, cache, attn, batch_rows, live, prompts, copies, tokens, fed: int,
               last: bool = False):

@@ -528,3 +528,153 @@ def test_an_engine_the_models_positions_cut_says_what_a_prompt_gets(tiny_model_d
     with pytest.raises(SystemExit, match=r"a prompt of 550 tokens does not fit the vLLM engine's "
                                          r"max_model_len of 512, the model's positions: shorten"):
         real.generate(engine, [[5] * 550], 1, Sampling(8))
+
+
+
+def concatenated(cache, rows, room):
+    """The cache as transformers grows it: each step concatenates (the copy GrowingLayer spares)."""
+    cache.reorder_cache(rows)
+    return cache
+
+
+def decode_as(monkeypatch, flash: bool, grows: bool = True):
+    """Every engine made after this call decodes by flash in bf16 (times that favour it) or by the
+    matmuls on a cache that grows or not, whatever this machine would time."""
+    import attention
+    from attention import DecodeTimes
+    monkeypatch.setattr(attention, "FLASH_DECODES", set())
+    times = DecodeTimes(1.0, 10.0, 20.0) if flash else \
+        DecodeTimes(90.0, 100.0, 110.0) if grows else DecodeTimes(90.0, 110.0, 100.0)
+    monkeypatch.setattr(attention, "decode_times", lambda *a: times)
+
+
+@pytest.mark.parametrize("dtype, flash", [(torch.float32, False), (torch.bfloat16, False),
+                                         (torch.bfloat16, True)])
+def test_the_growing_cache_decodes_bit_for_bit_what_concatenation_does(dtype, flash, tiny_model,
+                                                                      monkeypatch):
+    """Keys and values written into room kept for them (GrowingLayer) give the samples and the
+    log-probs of a cache concatenated every step -- in fp32 what the engine sampled before the
+    cache grew (decode_attention either way), in bf16 by the matmuls and by flash: with samples leaving
+    the batch (its rows reordered), with a room too small (the buffer grown mid-decode), and for
+    a prompt that continues a kept sample (an episode's next turn)."""
+    import rollout as rollout_module
+    decode_as(monkeypatch, flash)
+    model, tok = tiny_model
+    prompts = [tok("What is 1 + 1?")["input_ids"], tok("Hi there")["input_ids"], [7, 8, 9]]
+    sampling = Sampling(max_new_tokens=12, temperature=1.0, seed=3, keep_cache=True)
+
+    def decode(grow):
+        monkeypatch.setattr(rollout_module, "room_to_grow", grow)
+        engine = HFRollout(model, tok, dtype=dtype, logprobs=True)
+        assert engine.decoding.grows and engine.decoding.flash == flash
+        engine.stop_ids = set(range(0, len(tok), 11))  # some samples stop early
+        engine.share_prefix = True  # (as check_head_logits finds for a Llama: kept rows continue)
+        first = engine.generate(prompts, 4, sampling)
+        turn = [p + c + [5, 6] for p, c in zip(first.prompt_ids, first.completion_ids)]
+        second = engine.generate(turn[::4], 1, sampling)  # (continues kept samples)
+        assert second.cached_tokens > 0
+        return [(o.completion_ids, o.engine_logprobs, o.truncated) for o in (first, second)]
+
+    grow = rollout_module.room_to_grow
+    expected = decode(concatenated)
+    assert any(expected[0][2]) and not all(expected[0][2])  # some stopped, some ran on
+    assert decode(grow) == expected
+    assert decode(lambda cache, rows, room: grow(cache, rows, 1)) == expected
+
+
+def test_a_growing_layer_holds_what_a_dynamic_layer_holds():
+    """Update, reorder, crop and free: GrowingLayer's keys and values are DynamicLayer's."""
+    from transformers.cache_utils import DynamicLayer
+    from rollout import GrowingLayer
+    k, v = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+    plain, growing = DynamicLayer(), GrowingLayer(k, v, room=2)
+    plain.update(k, v)
+    for step in range(4):  # (past its room: grown)
+        new = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+        assert all(torch.equal(a, b) for a, b in zip(plain.update(*new), growing.update(*new)))
+    assert growing.get_seq_length() == plain.get_seq_length() == 9
+    rows = torch.tensor([2, 0])
+    plain.reorder_cache(rows), growing.reorder_cache(rows)
+    assert torch.equal(plain.keys, growing.keys) and torch.equal(plain.values, growing.values)
+    plain.crop(-3), growing.crop(-3)
+    new = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)
+    assert all(torch.equal(a, b) for a, b in zip(plain.update(*new), growing.update(*new)))
+    growing.keys = growing.values = None  # (how _keep frees a layer)
+    assert growing._held == {"keys": None, "values": None}
+
+
+def test_flash_decoding_samples_as_near_the_trainer_as_the_matmuls(tiny_model, monkeypatch):
+    """In bf16 flash decoding sums in another order than decode_attention: the engine's log-probs
+    of what it sampled stay as near the trainer's (the mismatch the run logs) as the matmuls'."""
+    from logprobs import completion_logprobs, length_mask, pack
+    from model import empty_copy, full_weights
+    model, tok = tiny_model
+    trainer = empty_copy(model, torch.bfloat16)
+    trainer.load_state_dict(dict(full_weights(model)))
+    prompts = [tok("What is 1 + 1?")["input_ids"], tok("Hi there")["input_ids"]]
+    worst = {}
+    for flash in (False, True):
+        decode_as(monkeypatch, flash, grows=False)
+        engine = HFRollout(model, tok, dtype=torch.bfloat16, logprobs=True)
+        assert engine.decoding.flash == engine.decoding.grows == flash
+        engine.stop_ids = {-1}
+        out = engine.generate(prompts, 4, Sampling(max_new_tokens=24, temperature=1.0, seed=0))
+        ids, plens, clens = pack(out.prompt_ids, out.completion_ids, pad_id=tok.pad_token_id)
+        with torch.no_grad():
+            lp, _ = completion_logprobs(trainer, ids, plens, clens, temperature=1.0)
+        engine_lp = torch.tensor(out.engine_logprobs)
+        mask = length_mask(clens, lp.shape[1])
+        worst[flash] = float(((lp.float() - engine_lp) * mask).abs().max())
+    assert worst[True] <= max(2 * worst[False], 0.05), worst
+
+
+def test_the_engine_decodes_by_flash_only_where_it_was_timed_faster(monkeypatch):
+    """choose_decode: soft-capped scores and a (pretended) GPU decode as before, untimed; the
+    cache grows where the matmuls on its view timed no slower than on a concatenated one; flash
+    only in bf16, at no more than FLASH_MARGIN of the matmuls' best time -- and attention() then
+    runs flash for that dtype and those heads only, never for soft-capped scores."""
+    import attention
+    from transformers import LlamaConfig
+    from attention import DecodeTimes, choose_decode, decode_attention, flash_decode_attention
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setattr(attention, "FLASH_DECODES", set())
+    times = []
+    monkeypatch.setattr(attention, "decode_times", lambda *a: times.pop())
+    assert choose_decode(config, torch.bfloat16, "cuda")[:2] == (False, False)
+    capped = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    capped.attn_logit_softcapping = 50.0
+    assert choose_decode(capped, torch.bfloat16, "cpu")[:2] == (False, False)
+    times += [DecodeTimes(1.0, 100.0, 99.0), DecodeTimes(1.0, 99.0, 100.0)]
+    assert choose_decode(config, torch.float32, "cpu")[:2] == (False, True)  # (never flash)
+    assert choose_decode(config, torch.float32, "cpu")[:2] == (False, False)
+    times.append(DecodeTimes(80.0, 120.0, 100.0))  # (at the margin: flash)
+    chosen = choose_decode(config, torch.bfloat16, "cpu")
+    assert chosen[:2] == (True, True)
+    assert "flash 80 us, matmuls on a growing cache 120 us, on a concatenated one 100 us" \
+        in chosen.line
+    assert attention.FLASH_DECODES == {(torch.bfloat16, 4, 2, 32)}
+
+    q = torch.randn(3, 4, 1, 32, dtype=torch.bfloat16)
+    keys, values = torch.randn(2, 3, 2, 20, 32, dtype=torch.bfloat16)
+    k, v = keys[:, :, :15], values[:, :, :15]  # (a growing cache's view)
+    mask = torch.ones(3, 1, 1, 15, dtype=torch.bool)
+    mask[0, :, :, :6] = False  # (a left-padded row)
+    module = torch.nn.Module()
+    ran = []
+    monkeypatch.setattr(attention, "flash_decode_attention",
+                        lambda *a: ran.append("flash") or flash_decode_attention(*a))
+    monkeypatch.setattr(attention, "decode_attention",
+                        lambda *a: ran.append("matmuls") or decode_attention(*a))
+    flash, _ = attention.attention(module, q, k, v, mask, scaling=0.2)
+    attention.attention(module, q, k, v, mask, scaling=0.2, softcap=50.0)
+    attention.attention(module, q.float(), k.float(), v.float(), mask, scaling=0.2)
+    assert ran == ["flash", "matmuls", "matmuls"]
+    expected = decode_attention(q, k.contiguous(), v.contiguous(), mask, 0.2)
+    assert flash.shape == expected.shape == (3, 1, 4, 32)
+    assert (flash.float() - expected.float()).abs().max() < 0.02  # (bf16: sums in another order)
+    masked = flash_decode_attention(q[:1], k[:1, :, 6:], v[:1, :, 6:], None, 0.2)
+    assert torch.allclose(flash[:1].float(), masked.float(), atol=0.02)  # the padding unread
+
+    times.append(DecodeTimes(81.0, 120.0, 100.0))  # (past the margin: the matmuls again)
+    assert choose_decode(config, torch.bfloat16, "cpu")[:2] == (False, False)
+    assert attention.FLASH_DECODES == set()
