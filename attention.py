@@ -31,7 +31,7 @@ as it does for a model with a sliding window or soft-capping (takes_layouts).
 """
 
 import functools
-import statistics
+import os
 import time
 from typing import NamedTuple
 
@@ -307,11 +307,10 @@ class DecodeTimes(NamedTuple):
     copied: float  # decode_attention on contiguous keys, plus the concatenation that made them
 
 
-FLASH_DECODES: set[tuple] = set()  # (dtype, query heads, KV heads, head dim) choose_decode chose
-# flash for: attention() looks its decoding steps up here
 FLASH_MARGIN = 0.8  # flash is chosen at no more than this share of the matmuls' time: nearer
 # timings are noise, and the choice changes the samples' last bits
 DECODE_PROBE = (32, 128)  # rows, cached tokens: a GRPO batch's decoding steps
+DECODE_ENV = "SMOLRL_DECODE"  # flash, grow or concat: choose_decode's choice, untimed
 
 
 def choose_decode(config, dtype: torch.dtype, device) -> DecodeChoice:
@@ -325,34 +324,47 @@ def choose_decode(config, dtype: torch.dtype, device) -> DecodeChoice:
     cache written in place made a generate call slower, 8.05 -> 9.05 s). decode_attention gives
     the same numbers on the view and on a copy, so the cache grows where that timed faster. SDPA's
     flash kernel reads the view as it is but sums in another order: in bf16 only (fp32 keeps its
-    samples bit for bit), where it takes at most FLASH_MARGIN of the matmuls' best time. Soft-capped
-    scores (Gemma 2: no flash kernel computes them) and CUDA (not measured) decode as before."""
+    samples bit for bit), where it takes at most FLASH_MARGIN of the matmuls' best time; the engine
+    then asks for it in each decoding step's forward (`flash_decode=True`, which transformers hands
+    to attention()). Soft-capped scores (Gemma 2: no flash kernel computes them) and CUDA (not
+    measured) decode as before. SMOLRL_DECODE=flash, grow or concat (DECODE_ENV) skips the timing:
+    the choice is timed on one thread, as hardware.cpu_dtype times the dtype, but it is still a
+    timing, and flash or not changes a bf16 run's samples."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    key = (dtype, heads, kv, dim)
-    FLASH_DECODES.discard(key)
     if on_cuda(device) or getattr(config, "attn_logit_softcapping", None):
         why = "on CUDA" if on_cuda(device) else "soft-capped scores"
         return DecodeChoice(False, False, f"decoding: matmuls on a concatenated cache ({why})")
-    t = decode_times(heads, kv, dim, dtype, torch.get_num_threads())
+    forced = os.environ.get(DECODE_ENV, "")
+    if forced:
+        if forced not in ("flash", "grow", "concat"):
+            raise SystemExit(f"error: {DECODE_ENV}={forced}: choose flash, grow or concat")
+        flash, grows = forced == "flash" and dtype != torch.float32, forced != "concat"
+        fp32 = " (fp32 is never flash)" if forced == "flash" and not flash else ""
+        return DecodeChoice(flash, grows, f"decoding: {_how(flash, grows)} ({DECODE_ENV}={forced}"
+                                          f"{fp32})")
+    t = decode_times(heads, kv, dim, dtype)
     flash = dtype != torch.float32 and t.flash <= FLASH_MARGIN * min(t.view, t.copied)
     grows = flash or t.view <= t.copied
-    if flash:
-        FLASH_DECODES.add(key)
-    how = "SDPA's flash kernel" if flash else "matmuls"
-    where = "a cache grown in place" if grows else "a concatenated cache"
     rows, context = DECODE_PROBE
     return DecodeChoice(flash, grows, (
-        f"decoding: {how} on {where} ({str(dtype).removeprefix('torch.')}; one layer's attention "
-        f"for {rows} rows of {context} tokens, timed here: flash {t.flash:.0f} us, matmuls on a "
-        f"growing cache {t.view:.0f} us, on a concatenated one {t.copied:.0f} us)"))
+        f"decoding: {_how(flash, grows)} ({str(dtype).removeprefix('torch.')}; one layer's "
+        f"attention for {rows} rows of {context} tokens, timed here on one thread: flash "
+        f"{t.flash:.0f} us, matmuls on a growing cache {t.view:.0f} us, on a concatenated one "
+        f"{t.copied:.0f} us)"))
+
+
+def _how(flash: bool, grows: bool) -> str:
+    return ("SDPA's flash kernel" if flash else "matmuls") + \
+        (" on a cache grown in place" if grows else " on a concatenated cache")
 
 
 @functools.cache
-def decode_times(heads: int, kv: int, dim: int, dtype: torch.dtype, threads: int) -> DecodeTimes:
-    """One layer's decoding attention at DECODE_PROBE, each way the median of 5 rounds, on
-    `threads` threads (~0.1 s, once a process)."""
+def decode_times(heads: int, kv: int, dim: int, dtype: torch.dtype) -> DecodeTimes:
+    """One layer's decoding attention at DECODE_PROBE, each way the fastest of 5 rounds, on one
+    thread (~0.2 s, once a process): timed on all threads beside a busy core, flash's share of
+    the matmuls' time ranged from 0.22 to 12 between calls; on one it held at 0.4-0.7."""
     rows, context = DECODE_PROBE
     gen = torch.Generator().manual_seed(0)
     keys, values = (torch.randn(rows, kv, context + 64, dim, generator=gen).to(dtype)
@@ -375,19 +387,16 @@ def decode_times(heads: int, kv: int, dim: int, dtype: torch.dtype, threads: int
             for _ in range(4):
                 fn()
             rounds.append((time.perf_counter() - t0) / 4 * 1e6)
-        return statistics.median(rounds)
+        return min(rounds)
 
-    return DecodeTimes(microseconds(lambda: flash_decode_attention(q, k, v, mask, scaling)),
-                       microseconds(lambda: decode_attention(q, k, v, mask, scaling)),
-                       microseconds(copied))
-
-
-def flash_decodes(query, key, softcap: float | None) -> bool:
-    """Whether this decoding step runs SDPA's flash kernel: where choose_decode chose it for the
-    query's dtype and heads (on a CPU; never for soft-capped scores)."""
-    B, H, _, D = query.shape
-    return not softcap and not on_cuda(query.device) \
-        and (query.dtype, H, key.shape[1], D) in FLASH_DECODES
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return DecodeTimes(microseconds(lambda: flash_decode_attention(q, k, v, mask, scaling)),
+                           microseconds(lambda: decode_attention(q, k, v, mask, scaling)),
+                           microseconds(copied))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def flash_decode_attention(query, key, value, attention_mask, scaling):
@@ -398,7 +407,8 @@ def flash_decode_attention(query, key, value, attention_mask, scaling):
     decode_attention's: outputs ~0.003 apart in bf16.
 
     query (B, H, 1, D), key and value (B, KV, L, D), a view is fine, attention_mask (B, 1, 1, L)
-    bool (True: attend) or additive, or None -> (B, 1, H, D)."""
+    bool (True: attend) or additive, or None -> (B, 1, H, D). (A row that may attend to nothing
+    comes out 0 where decode_attention averages the values; a decoding query sees its own key.)"""
     mask = attention_mask[..., -key.shape[2]:] if attention_mask is not None else None
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                          enable_gqa=True)  # (B, H, 1, D)
@@ -550,7 +560,7 @@ def attention(module, query, key, value, attention_mask, dropout: float = 0.0,
         return prefix_shared_attention(query, key, value, prefix_layout, scaling, dropout), None
     if query.shape[2] == 1 and key.shape[2] > 1 and getattr(module, "sinks", None) is None:
         # (a sliding window is in the mask: transformers skips it only within the window)
-        if flash_decodes(query, key, kwargs.get("softcap")):
+        if kwargs.get("flash_decode") and not kwargs.get("softcap"):
             return flash_decode_attention(query, key, value, attention_mask, scaling), None
         return decode_attention(query, key, value, attention_mask, scaling,
                                 kwargs.get("softcap")), None

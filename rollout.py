@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from attention import choose_decode, use_smolrl_attention
+from attention import DecodeChoice, choose_decode, use_smolrl_attention
 from hardware import DecodeCost, Floors, decode_bytes, decode_cost, floors, generation_flops
 from model import empty_copy, full_weights, named_tensors, stop_token_ids
 from packed_linear import can_pack, packed_linears
@@ -115,14 +115,21 @@ def kept_cache(rows: list[KeptRow | None], held: list[int]) -> DynamicCache:
     return DynamicCache(ddp_cache_data=layers)
 
 
+ROOM = 64  # columns a GrowingLayer starts with to spare; then, each time they run out, as many
+# as it holds
+
+
 class GrowingLayer(DynamicLayer):
-    """One layer's keys and values, each in a buffer with room for the tokens still to be
-    decoded: a decoding step writes its one column in place. transformers' DynamicLayer
-    concatenates, and so copies the layer's whole cache every step: ~a third of a SmolLM2 decoding
-    step's time on the AMX Xeon (docs/benchmarks.md), bytes that grow with the context.
-    `keys` and `values` read as DynamicLayer's do, as the filled columns (a view); whatever assigns
-    them (a crop: a shorter view, kept; a reorder or an offload: a new tensor, copied into a new
-    buffer) leaves a layer that goes on growing in place."""
+    """One layer's keys and values, each in a buffer with room for tokens still to be decoded: a
+    decoding step writes its one column in place. transformers' DynamicLayer concatenates, and so
+    copies the layer's whole cache every step (~a third of a SmolLM2 decoding step on the AMX
+    Xeon, bytes that grow with the context); where the room runs out, this copies it into a buffer
+    twice as long, a handful of times in a long sample (ROOM, then doubling: a buffer of every
+    row's max_new_tokens from the start took 2.9x the memory of the concatenated cache, and twice
+    its time, for 64 rows of 200-token prompts, 2,048 new tokens allowed, samples stopping within
+    17). `keys` and `values` read as DynamicLayer's do, as the filled columns (a view);
+    whatever assigns them (a crop: a shorter view, kept; a reorder or an offload: a new tensor,
+    copied into a new buffer) leaves a layer that goes on growing in place."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
         self.room, self._held = room, {}  # name -> (buffer (B, KV heads, capacity, dim), filled)
@@ -154,21 +161,29 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         for name, new in (("keys", key_states), ("values", value_states)):
+            if self._held.get(name) is None:  # (after reset: the new states, with room)
+                self._hold(name, new)
+                continue
             buffer, filled = self._held[name]
             n = new.shape[2]
-            if filled + n > buffer.shape[2]:  # (no room left: a buffer with room for as many)
-                self.room = max(self.room, filled + n)
+            if filled + n > buffer.shape[2]:  # (no room left: twice the columns, or as many)
+                self.room = max(self.room, filled, n)
                 self._held[name] = None
                 self._hold(name, buffer[:, :, :filled])
                 buffer = self._held[name][0]
             buffer[:, :, filled:filled + n] = new
             self._held[name] = (buffer, filled + n)
+        self.is_initialized = True
         return self.keys, self.values
 
     def reorder_cache(self, beam_idx):
-        """Keep rows beam_idx (samples that stopped leave the batch), each with its room."""
+        """Keep rows beam_idx (samples that stopped leave the batch): their filled columns copied,
+        into a buffer as long as before."""
         for name, (buffer, filled) in self._held.items():
-            self._held[name] = (buffer.index_select(0, beam_idx.to(buffer.device)), filled)
+            rows = beam_idx.to(buffer.device)
+            kept = buffer.new_empty(len(rows), *buffer.shape[1:])
+            kept[:, :, :filled] = buffer[rows, :, :filled]
+            self._held[name] = (kept, filled)
 
 
 def room_to_grow(cache, rows: torch.Tensor, room: int):
@@ -230,9 +245,13 @@ class HFRollout:
         self.pad_id = tokenizer.pad_token_id
         self.decode_cost, self.dtype = decode_cost(self.model, dtype), dtype  # (hardware.py)
         self.packs = can_pack(self.model, device, dtype)  # weights packed for each call (packed_linear.py)
-        use_smolrl_attention(self.model)  # (its decoding steps: attention.decode_attention)
-        # how its decoding steps attend, and whether its cache grows in place (GrowingLayer)
-        self.decoding = choose_decode(self.model.config.get_text_config(), dtype, device)
+        # How its decoding steps attend (attention.decode_attention, or SDPA's flash kernel), and
+        # whether its cache grows in place (GrowingLayer): timed here, once a process.
+        if use_smolrl_attention(self.model):
+            self.decoding = choose_decode(self.model.config.get_text_config(), dtype, device)
+        else:
+            self.decoding = DecodeChoice(False, False, "decoding: the model's own attention on a "
+                                                       "concatenated cache (it takes no other)")
         print(f"HF engine: {self.decoding.line}")
         # Prompts share their common prefix's forward (_decode), and episodes continue from kept
         # keys and values, where check_head_logits has verified that masks and positions define a
@@ -339,9 +358,10 @@ class HFRollout:
         rows = torch.arange(len(prompts), device=self.device).repeat_interleave(copies)
         cache = out.past_key_values
         if self.decoding.grows:
-            cache = room_to_grow(cache, rows, sampling.max_new_tokens)
+            cache = room_to_grow(cache, rows, min(sampling.max_new_tokens, ROOM))
         else:
             cache.reorder_cache(rows)
+        flash = {"flash_decode": True} if self.decoding.flash else {}  # (to attention.attention)
         logits, attn, position = out.logits[rows, -1], attn[rows], positions[rows, -1:]
         stop = torch.tensor(sorted(self.stop_ids), device=self.device)
         tokens = torch.full((len(rows), sampling.max_new_tokens), self.pad_id, device=self.device)
@@ -374,7 +394,8 @@ class HFRollout:
             attn, position = torch.cat([attn, attn.new_ones(len(live), 1)], 1), position + 1
             steps, context = steps + 1, context + int(attn.sum())
             logits = self.model(input_ids=token[:, None], attention_mask=attn, use_cache=True,
-                                position_ids=position, past_key_values=cache).logits[:, -1]
+                                position_ids=position, past_key_values=cache,
+                                **flash).logits[:, -1]
         if keep:
             self._keep(cache, attn, torch.arange(len(live), device=self.device), live,
                        full_prompts, copies, tokens, t, last=True)

@@ -542,7 +542,7 @@ def decode_as(monkeypatch, flash: bool, grows: bool = True):
     matmuls on a cache that grows or not, whatever this machine would time."""
     import attention
     from attention import DecodeTimes
-    monkeypatch.setattr(attention, "FLASH_DECODES", set())
+    monkeypatch.delenv("SMOLRL_DECODE", raising=False)
     times = DecodeTimes(1.0, 10.0, 20.0) if flash else \
         DecodeTimes(90.0, 100.0, 110.0) if grows else DecodeTimes(90.0, 110.0, 100.0)
     monkeypatch.setattr(attention, "decode_times", lambda *a: times)
@@ -554,11 +554,15 @@ def test_the_growing_cache_decodes_bit_for_bit_what_concatenation_does(dtype, fl
                                                                       monkeypatch):
     """Keys and values written into room kept for them (GrowingLayer) give the samples and the
     log-probs of a cache concatenated every step -- in fp32 what the engine sampled before the
-    cache grew (decode_attention either way), in bf16 by the matmuls and by flash: with samples leaving
-    the batch (its rows reordered), with a room too small (the buffer grown mid-decode), and for
+    cache grew (decode_attention either way), in bf16 by the matmuls and by flash: with samples
+    leaving the batch (its rows reordered), with a room too small (the buffer grown mid-decode), and for
     a prompt that continues a kept sample (an episode's next turn)."""
+    import attention
     import rollout as rollout_module
     decode_as(monkeypatch, flash)
+    flashed, real = [], attention.flash_decode_attention  # (layers that ran SDPA's flash kernel)
+    monkeypatch.setattr(attention, "flash_decode_attention",
+                        lambda *a: flashed.append(1) or real(*a))
     model, tok = tiny_model
     prompts = [tok("What is 1 + 1?")["input_ids"], tok("Hi there")["input_ids"], [7, 8, 9]]
     sampling = Sampling(max_new_tokens=12, temperature=1.0, seed=3, keep_cache=True)
@@ -580,27 +584,38 @@ def test_the_growing_cache_decodes_bit_for_bit_what_concatenation_does(dtype, fl
     assert any(expected[0][2]) and not all(expected[0][2])  # some stopped, some ran on
     assert decode(grow) == expected
     assert decode(lambda cache, rows, room: grow(cache, rows, 1)) == expected
+    assert bool(flashed) == flash
 
 
 def test_a_growing_layer_holds_what_a_dynamic_layer_holds():
-    """Update, reorder, crop and free: GrowingLayer's keys and values are DynamicLayer's."""
+    """Update, reorder, crop, reset and free: GrowingLayer's keys and values are DynamicLayer's --
+    written in place while there is room, the room doubled when it runs out, a reorder copying
+    only the filled columns."""
     from transformers.cache_utils import DynamicLayer
     from rollout import GrowingLayer
     k, v = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
     plain, growing = DynamicLayer(), GrowingLayer(k, v, room=2)
     plain.update(k, v)
+    buffers = []
     for step in range(4):  # (past its room: grown)
         new = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
         assert all(torch.equal(a, b) for a, b in zip(plain.update(*new), growing.update(*new)))
+        buffers.append((growing.keys.data_ptr(), growing._held["keys"][0].shape[2]))
+    assert buffers == [buffers[0]] * 2 + [buffers[2]] * 2 and buffers[0][1] == 7
+    assert buffers[2][1] == 14  # (7 filled: 7 more)
     assert growing.get_seq_length() == plain.get_seq_length() == 9
     rows = torch.tensor([2, 0])
     plain.reorder_cache(rows), growing.reorder_cache(rows)
+    assert growing._held["keys"][0].shape[2] == 14  # (its room kept)
     assert torch.equal(plain.keys, growing.keys) and torch.equal(plain.values, growing.values)
     plain.crop(-3), growing.crop(-3)
     new = torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4)
     assert all(torch.equal(a, b) for a, b in zip(plain.update(*new), growing.update(*new)))
     growing.keys = growing.values = None  # (how _keep frees a layer)
     assert growing._held == {"keys": None, "values": None}
+    plain.reset(), growing.reset()
+    new = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
+    assert all(torch.equal(a, b) for a, b in zip(plain.update(*new), growing.update(*new)))
 
 
 def test_flash_decoding_samples_as_near_the_trainer_as_the_matmuls(tiny_model, monkeypatch):
@@ -628,31 +643,52 @@ def test_flash_decoding_samples_as_near_the_trainer_as_the_matmuls(tiny_model, m
     assert worst[True] <= max(2 * worst[False], 0.05), worst
 
 
-def test_the_engine_decodes_by_flash_only_where_it_was_timed_faster(monkeypatch):
+def test_the_engine_decodes_by_flash_only_where_it_was_timed_faster(monkeypatch, tiny_model):
     """choose_decode: soft-capped scores and a (pretended) GPU decode as before, untimed; the
     cache grows where the matmuls on its view timed no slower than on a concatenated one; flash
-    only in bf16, at no more than FLASH_MARGIN of the matmuls' best time -- and attention() then
-    runs flash for that dtype and those heads only, never for soft-capped scores."""
+    only in bf16, at no more than FLASH_MARGIN of the matmuls' best time, timed at the model's
+    own head shape; SMOLRL_DECODE sets the choice. attention() runs flash where a decoding step's
+    forward asks for it, never for soft-capped scores; a model that keeps its own attention
+    decodes as before."""
+    import copy
     import attention
     from transformers import LlamaConfig
     from attention import DecodeTimes, choose_decode, decode_attention, flash_decode_attention
-    config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
-    monkeypatch.setattr(attention, "FLASH_DECODES", set())
-    times = []
-    monkeypatch.setattr(attention, "decode_times", lambda *a: times.pop())
+    monkeypatch.delenv("SMOLRL_DECODE", raising=False)
+    config = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=48)  # (Qwen3's heads are not hidden / heads wide either)
+    times, timed = [], []
+    monkeypatch.setattr(attention, "decode_times",
+                        lambda *a: timed.append(a) or times.pop())
     assert choose_decode(config, torch.bfloat16, "cuda")[:2] == (False, False)
-    capped = LlamaConfig(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    capped = copy.deepcopy(config)
     capped.attn_logit_softcapping = 50.0
     assert choose_decode(capped, torch.bfloat16, "cpu")[:2] == (False, False)
+    assert not timed
     times += [DecodeTimes(1.0, 100.0, 99.0), DecodeTimes(1.0, 99.0, 100.0)]
     assert choose_decode(config, torch.float32, "cpu")[:2] == (False, True)  # (never flash)
     assert choose_decode(config, torch.float32, "cpu")[:2] == (False, False)
+    assert timed[0] == (4, 2, 48, torch.float32)
     times.append(DecodeTimes(80.0, 120.0, 100.0))  # (at the margin: flash)
     chosen = choose_decode(config, torch.bfloat16, "cpu")
     assert chosen[:2] == (True, True)
     assert "flash 80 us, matmuls on a growing cache 120 us, on a concatenated one 100 us" \
         in chosen.line
-    assert attention.FLASH_DECODES == {(torch.bfloat16, 4, 2, 32)}
+    times.append(DecodeTimes(81.0, 120.0, 100.0))  # (past the margin: the matmuls again)
+    assert choose_decode(config, torch.bfloat16, "cpu")[:2] == (False, False)
+    for forced, expected in [("flash", (True, True)), ("grow", (False, True)),
+                             ("concat", (False, False))]:
+        monkeypatch.setenv("SMOLRL_DECODE", forced)
+        chosen = choose_decode(config, torch.bfloat16, "cpu")
+        assert chosen[:2] == expected and f"SMOLRL_DECODE={forced}" in chosen.line
+    assert choose_decode(config, torch.float32, "cpu")[:2] == (False, False)  # (concat)
+    monkeypatch.setenv("SMOLRL_DECODE", "flash")
+    assert choose_decode(config, torch.float32, "cpu")[:2] == (False, True)
+    monkeypatch.setenv("SMOLRL_DECODE", "fast")
+    with pytest.raises(SystemExit, match="SMOLRL_DECODE=fast: choose flash, grow or concat"):
+        choose_decode(config, torch.bfloat16, "cpu")
+    monkeypatch.delenv("SMOLRL_DECODE")
+    assert len(timed) == 4
 
     q = torch.randn(3, 4, 1, 32, dtype=torch.bfloat16)
     keys, values = torch.randn(2, 3, 2, 20, 32, dtype=torch.bfloat16)
@@ -665,9 +701,9 @@ def test_the_engine_decodes_by_flash_only_where_it_was_timed_faster(monkeypatch)
                         lambda *a: ran.append("flash") or flash_decode_attention(*a))
     monkeypatch.setattr(attention, "decode_attention",
                         lambda *a: ran.append("matmuls") or decode_attention(*a))
-    flash, _ = attention.attention(module, q, k, v, mask, scaling=0.2)
-    attention.attention(module, q, k, v, mask, scaling=0.2, softcap=50.0)
-    attention.attention(module, q.float(), k.float(), v.float(), mask, scaling=0.2)
+    flash, _ = attention.attention(module, q, k, v, mask, scaling=0.2, flash_decode=True)
+    attention.attention(module, q, k, v, mask, scaling=0.2, softcap=50.0, flash_decode=True)
+    attention.attention(module, q, k, v, mask, scaling=0.2)
     assert ran == ["flash", "matmuls", "matmuls"]
     expected = decode_attention(q, k.contiguous(), v.contiguous(), mask, 0.2)
     assert flash.shape == expected.shape == (3, 1, 4, 32)
@@ -675,6 +711,9 @@ def test_the_engine_decodes_by_flash_only_where_it_was_timed_faster(monkeypatch)
     masked = flash_decode_attention(q[:1], k[:1, :, 6:], v[:1, :, 6:], None, 0.2)
     assert torch.allclose(flash[:1].float(), masked.float(), atol=0.02)  # the padding unread
 
-    times.append(DecodeTimes(81.0, 120.0, 100.0))  # (past the margin: the matmuls again)
-    assert choose_decode(config, torch.bfloat16, "cpu")[:2] == (False, False)
-    assert attention.FLASH_DECODES == set()
+    model, tok = tiny_model
+    eager = copy.deepcopy(model)
+    eager.config._attn_implementation = "eager"
+    engine = HFRollout(eager, tok, dtype=torch.bfloat16)
+    assert engine.decoding[:2] == (False, False) and "the model's own attention" in \
+        engine.decoding.line
