@@ -31,7 +31,6 @@ as it does for a model with a sliding window or soft-capping (takes_layouts).
 """
 
 import functools
-import os
 import time
 from typing import NamedTuple
 
@@ -42,6 +41,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from hardware import DECODE_ENV, decode_pin
 from recompute import remake
 
 NAME = "smolrl"
@@ -310,7 +310,6 @@ class DecodeTimes(NamedTuple):
 FLASH_MARGIN = 0.8  # flash is chosen at no more than this share of the matmuls' time: nearer
 # timings are noise, and the choice changes the samples' last bits
 DECODE_PROBE = (32, 128)  # rows, cached tokens: a GRPO batch's decoding steps
-DECODE_ENV = "SMOLRL_DECODE"  # flash, grow or concat: choose_decode's choice, untimed
 
 
 def choose_decode(config, dtype: torch.dtype, device) -> DecodeChoice:
@@ -333,13 +332,12 @@ def choose_decode(config, dtype: torch.dtype, device) -> DecodeChoice:
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    forced = decode_pin()
     if on_cuda(device) or getattr(config, "attn_logit_softcapping", None):
         why = "on CUDA" if on_cuda(device) else "soft-capped scores"
-        return DecodeChoice(False, False, f"decoding: matmuls on a concatenated cache ({why})")
-    forced = os.environ.get(DECODE_ENV, "")
+        return DecodeChoice(False, False, f"decoding: matmuls on a concatenated cache ({why}"
+                                          f"{f'; {DECODE_ENV}={forced} ignored' if forced else ''})")
     if forced:
-        if forced not in ("flash", "grow", "concat"):
-            raise SystemExit(f"error: {DECODE_ENV}={forced}: choose flash, grow or concat")
         flash, grows = forced == "flash" and dtype != torch.float32, forced != "concat"
         fp32 = " (fp32 is never flash)" if forced == "flash" and not flash else ""
         return DecodeChoice(flash, grows, f"decoding: {_how(flash, grows)} ({DECODE_ENV}={forced}"

@@ -99,6 +99,20 @@ BF16_MARGIN = 1.5
 # Makes `auto` choose this dtype without timing: the test suite pins it (tests/conftest.py), and a
 # developer on an AVX2 machine can run the bf16 path with SMOLRL_AUTO_DTYPE=bf16.
 AUTO_DTYPE_ENV = "SMOLRL_AUTO_DTYPE"
+# Sets how the HF engine decodes on a CPU without timing it (attention.choose_decode): flash, grow
+# or concat -- a bf16 run's samples depend on the choice, which is otherwise timed at every start.
+DECODE_ENV = "SMOLRL_DECODE"
+DECODE_PINS = ("flash", "grow", "concat")
+
+
+def decode_pin() -> str:
+    """SMOLRL_DECODE's value, "" where unset; anything else than DECODE_PINS stops the run with
+    one line (options.settle asks before anything loads)."""
+    pin = os.environ.get(DECODE_ENV, "")
+    if pin and pin not in DECODE_PINS:
+        raise SystemExit(f"error: {DECODE_ENV}={pin}: choose {', '.join(DECODE_PINS[:-1])} or "
+                         f"{DECODE_PINS[-1]}")
+    return pin
 
 
 class DtypeChoice(NamedTuple):

@@ -28,7 +28,7 @@ from cli import check, flag
 from data import Template, apply_task
 from evaluate import TRACKERS
 from gpu_memory import GiB, PROMPT_TOKENS, Workload, plan_memory
-from hardware import DtypeChoice, choose_dtype, pick_device
+from hardware import DtypeChoice, choose_dtype, decode_pin, pick_device
 from model import DEFAULT_MODEL, model_path
 from pairs import ANSWER_TOKENS
 from reward_models import frozen_models
@@ -411,6 +411,7 @@ def settle(cfg, on_cpu: dict):
     else:
         choice = choose_dtype(cfg.dtype, pick_device(), recorded)
     cfg.dtype, cfg.dtype_reason = choice.name, choice.reason  # (the reason is no option)
+    decode_pin()  # (SMOLRL_DECODE, read again where the engine starts: a bad value stops here)
     cfg.memory_plan = None  # on a GPU: what the unset memory settings are based on
     if pick_device() == "cuda" or cfg.gpu_gb:
         total = torch.cuda.mem_get_info()[1] if pick_device() == "cuda" else cfg.gpu_gb * GiB

@@ -29,7 +29,8 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from attention import DecodeChoice, choose_decode, use_smolrl_attention
-from hardware import DecodeCost, Floors, decode_bytes, decode_cost, floors, generation_flops
+from hardware import DECODE_ENV, DecodeCost, Floors, decode_bytes, decode_cost, decode_pin
+from hardware import floors, generation_flops
 from model import empty_copy, full_weights, named_tensors, stop_token_ids
 from packed_linear import can_pack, packed_linears
 from sampling import Completions, Ready, Sampling, cut_at_stop, request_seed, sample_next
@@ -124,15 +125,18 @@ class GrowingLayer(DynamicLayer):
     decoding step writes its one column in place. transformers' DynamicLayer concatenates, and so
     copies the layer's whole cache every step (~a third of a SmolLM2 decoding step on the AMX
     Xeon, bytes that grow with the context); where the room runs out, this copies it into a buffer
-    twice as long, a handful of times in a long sample (ROOM, then doubling: a buffer of every
-    row's max_new_tokens from the start took 2.9x the memory of the concatenated cache, and twice
-    its time, for 64 rows of 200-token prompts, 2,048 new tokens allowed, samples stopping within
-    17). `keys` and `values` read as DynamicLayer's do, as the filled columns (a view);
+    twice as long, a handful of times in a long sample, never past the prompt's columns plus
+    max_new_tokens (ROOM, then doubling: a buffer of every row's max_new_tokens from the start took
+    2.9x the memory of the concatenated cache, and twice its time, for 64 rows of 200-token
+    prompts, 2,048 new tokens allowed, samples stopping within 17). `keys` and `values` read as DynamicLayer's do, as the filled columns (a view);
     whatever assigns them (a crop: a shorter view, kept; a reorder or an offload: a new tensor,
     copied into a new buffer) leaves a layer that goes on growing in place."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int,
+                 most: int | None = None):
         self.room, self._held = room, {}  # name -> (buffer (B, KV heads, capacity, dim), filled)
+        self.most = most  # the columns it can come to hold (its prompt's and max_new_tokens): no
+        # buffer outgrows them
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
         self.keys, self.values = keys, values
@@ -167,7 +171,8 @@ class GrowingLayer(DynamicLayer):
             buffer, filled = self._held[name]
             n = new.shape[2]
             if filled + n > buffer.shape[2]:  # (no room left: twice the columns, or as many)
-                self.room = max(self.room, filled, n)
+                room = max(self.room, filled)
+                self.room = max(n, room if self.most is None else min(room, self.most - filled))
                 self._held[name] = None
                 self._hold(name, buffer[:, :, :filled])
                 buffer = self._held[name][0]
@@ -179,20 +184,26 @@ class GrowingLayer(DynamicLayer):
     def reorder_cache(self, beam_idx):
         """Keep rows beam_idx (samples that stopped leave the batch): their filled columns copied,
         into a buffer as long as before."""
-        for name, (buffer, filled) in self._held.items():
+        for name, held in self._held.items():
+            if held is None:  # (freed or reset: nothing to keep)
+                continue
+            buffer, filled = held
             rows = beam_idx.to(buffer.device)
             kept = buffer.new_empty(len(rows), *buffer.shape[1:])
             kept[:, :, :filled] = buffer[rows, :, :filled]
             self._held[name] = (kept, filled)
 
 
-def room_to_grow(cache, rows: torch.Tensor, room: int):
+def room_to_grow(cache, rows: torch.Tensor, new_tokens: int):
     """The cache's rows `rows` (a prompt's cache copied to each of its samples), every plain
-    layer (DynamicLayer: no sliding window, no recurrent state) a GrowingLayer with `room`
-    columns to spare; other layers reordered as they are."""
+    layer (DynamicLayer: no sliding window, no recurrent state) a GrowingLayer with room for
+    ROOM columns, or for the `new_tokens` its samples may yet add; other layers reordered as they
+    are."""
     for i, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and layer.is_initialized:
-            cache.layers[i] = GrowingLayer(layer.keys[rows], layer.values[rows], room)
+            most = layer.keys.shape[2] + new_tokens
+            cache.layers[i] = GrowingLayer(layer.keys[rows], layer.values[rows],
+                                           min(new_tokens, ROOM), most)
         else:
             layer.reorder_cache(rows)
     return cache
@@ -250,8 +261,9 @@ class HFRollout:
         if use_smolrl_attention(self.model):
             self.decoding = choose_decode(self.model.config.get_text_config(), dtype, device)
         else:
+            pin = f"; {DECODE_ENV}={decode_pin()} ignored" if decode_pin() else ""
             self.decoding = DecodeChoice(False, False, "decoding: the model's own attention on a "
-                                                       "concatenated cache (it takes no other)")
+                                                       f"concatenated cache (it takes no other{pin})")
         print(f"HF engine: {self.decoding.line}")
         # Prompts share their common prefix's forward (_decode), and episodes continue from kept
         # keys and values, where check_head_logits has verified that masks and positions define a
@@ -358,7 +370,7 @@ class HFRollout:
         rows = torch.arange(len(prompts), device=self.device).repeat_interleave(copies)
         cache = out.past_key_values
         if self.decoding.grows:
-            cache = room_to_grow(cache, rows, min(sampling.max_new_tokens, ROOM))
+            cache = room_to_grow(cache, rows, sampling.max_new_tokens)
         else:
             cache.reorder_cache(rows)
         flash = {"flash_decode": True} if self.decoding.flash else {}  # (to attention.attention)

@@ -531,12 +531,6 @@ def test_an_engine_the_models_positions_cut_says_what_a_prompt_gets(tiny_model_d
 
 
 
-def concatenated(cache, rows, room):
-    """The cache as transformers grows it: each step concatenates (the copy GrowingLayer spares)."""
-    cache.reorder_cache(rows)
-    return cache
-
-
 def decode_as(monkeypatch, flash: bool, grows: bool = True):
     """Every engine made after this call decodes by flash in bf16 (times that favour it) or by the
     matmuls on a cache that grows or not, whatever this machine would time."""
@@ -580,10 +574,11 @@ def test_the_growing_cache_decodes_bit_for_bit_what_concatenation_does(dtype, fl
         return [(o.completion_ids, o.engine_logprobs, o.truncated) for o in (first, second)]
 
     grow = rollout_module.room_to_grow
-    expected = decode(concatenated)
+    expected = decode(lambda cache, rows, new_tokens: cache.reorder_cache(rows) or cache)
     assert any(expected[0][2]) and not all(expected[0][2])  # some stopped, some ran on
     assert decode(grow) == expected
-    assert decode(lambda cache, rows, room: grow(cache, rows, 1)) == expected
+    monkeypatch.setattr(rollout_module, "ROOM", 1)  # (a room too small: grown as it decodes)
+    assert decode(grow) == expected
     assert bool(flashed) == flash
 
 
@@ -614,8 +609,57 @@ def test_a_growing_layer_holds_what_a_dynamic_layer_holds():
     growing.keys = growing.values = None  # (how _keep frees a layer)
     assert growing._held == {"keys": None, "values": None}
     plain.reset(), growing.reset()
+    plain.reorder_cache(rows), growing.reorder_cache(rows)  # (nothing held: nothing to keep)
     new = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
     assert all(torch.equal(a, b) for a, b in zip(plain.update(*new), growing.update(*new)))
+
+
+def test_a_growing_cache_starts_with_little_room_and_never_outgrows_its_samples():
+    """room_to_grow: ROOM columns to spare (or the fewer tokens its samples may add), doubled as
+    they run out, but never past the prompt's columns plus max_new_tokens -- a buffer of every
+    row's max_new_tokens from the start cost 2.9x the concatenated cache's memory where samples
+    stopped early, and doubling without that bound ~2x where prompts are long."""
+    from transformers.cache_utils import DynamicCache
+    from rollout import GrowingLayer, ROOM, room_to_grow
+
+    def capacities(prompt: int, new_tokens: int, fed: int) -> list[int]:
+        cache = DynamicCache(ddp_cache_data=[(torch.randn(2, 1, prompt, 4),) * 2])
+        layer = room_to_grow(cache, torch.tensor([0, 0, 1]), new_tokens).layers[0]
+        assert isinstance(layer, GrowingLayer) and layer.keys.shape == (3, 1, prompt, 4)
+        seen = [layer._held["keys"][0].shape[2]]
+        for _ in range(fed):
+            layer.update(torch.randn(3, 1, 1, 4), torch.randn(3, 1, 1, 4))
+            seen += [layer._held["keys"][0].shape[2]] if layer._held["keys"][0].shape[2] \
+                != seen[-1] else []
+        return seen
+
+    assert ROOM == 64
+    assert capacities(5, 10, 9) == [15]  # (fewer new tokens than ROOM: room for them)
+    assert capacities(5, 200, 199) == [69, 138, 205]  # (doubled, then stopped at 5 + 200)
+    assert capacities(2000, 128, 127) == [2064, 2128]  # (not 4,128: a long prompt's room)
+
+
+def test_decode_times_runs_on_one_thread_and_gives_the_threads_back(monkeypatch):
+    """The timing behind choose_decode runs on one thread (on all threads beside a busy core the
+    choice swung), and the thread count comes back after it, after a failure too."""
+    import attention
+    inside = []
+    real = attention.flash_decode_attention
+    monkeypatch.setattr(attention, "flash_decode_attention",
+                        lambda *a: inside.append(torch.get_num_threads()) or real(*a))
+    monkeypatch.setattr(attention, "DECODE_PROBE", (2, 8))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        times = attention.decode_times.__wrapped__(2, 1, 8, torch.bfloat16)  # (uncached)
+        assert set(inside) == {1} and torch.get_num_threads() == 2
+        assert all(t > 0 for t in times)
+        monkeypatch.setattr(attention, "flash_decode_attention", lambda *a: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            attention.decode_times.__wrapped__(2, 1, 8, torch.bfloat16)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_flash_decoding_samples_as_near_the_trainer_as_the_matmuls(tiny_model, monkeypatch):
@@ -684,9 +728,14 @@ def test_the_engine_decodes_by_flash_only_where_it_was_timed_faster(monkeypatch,
     assert choose_decode(config, torch.float32, "cpu")[:2] == (False, False)  # (concat)
     monkeypatch.setenv("SMOLRL_DECODE", "flash")
     assert choose_decode(config, torch.float32, "cpu")[:2] == (False, True)
+    monkeypatch.setenv("SMOLRL_DECODE", "grow")
+    assert "SMOLRL_DECODE=grow ignored" in choose_decode(capped, torch.bfloat16, "cpu").line
     monkeypatch.setenv("SMOLRL_DECODE", "fast")
     with pytest.raises(SystemExit, match="SMOLRL_DECODE=fast: choose flash, grow or concat"):
         choose_decode(config, torch.bfloat16, "cpu")
+    import grpo
+    with pytest.raises(SystemExit, match="SMOLRL_DECODE=fast"):  # (before any model loads)
+        grpo.Config(data="arith", out="/nonexistent/never-written")
     monkeypatch.delenv("SMOLRL_DECODE")
     assert len(timed) == 4
 
