@@ -36,11 +36,16 @@ def pytest_addoption(parser):
 
 
 AUTO_DTYPE_ENV = "SMOLRL_AUTO_DTYPE"  # hardware.py's (not imported: see `tokenizer` below)
+# How the HF engine decodes, likewise the same on every machine: flash in bf16, the matmuls on a
+# growing cache in fp32. Each engine would otherwise time the choice when it starts, and two
+# engines compared in a bf16 test could choose apart. tests/test_rollout.py tests the timing.
+DECODE_ENV, DECODE_PIN = "SMOLRL_DECODE", "flash"
 
 
 def pytest_configure(config):
     os.environ[AUTO_DTYPE_ENV] = (config.getoption("--auto-dtype") or
                                   os.environ.get(AUTO_DTYPE_ENV) or "fp32")
+    os.environ.setdefault(DECODE_ENV, DECODE_PIN)
     # `make test` runs a worker per core (pytest-xdist): each worker, and the runs it starts, get
     # the cores' share of threads. torch's default -- every core in every process -- has the
     # workers' OpenMP threads wait on each other's cores (2-core AVX2 EPYC: 775 s before, 714 s
@@ -53,7 +58,8 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    return f"--dtype auto in these tests: {os.environ[AUTO_DTYPE_ENV]} (pytest --auto-dtype)"
+    return (f"--dtype auto in these tests: {os.environ[AUTO_DTYPE_ENV]} (pytest --auto-dtype); "
+            f"{DECODE_ENV}={os.environ[DECODE_ENV]}")
 
 
 @pytest.fixture(scope="session")
