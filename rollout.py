@@ -128,9 +128,11 @@ class GrowingLayer(DynamicLayer):
     twice as long, a handful of times in a long sample, never past the prompt's columns plus
     max_new_tokens (ROOM, then doubling: a buffer of every row's max_new_tokens from the start took
     2.9x the memory of the concatenated cache, and twice its time, for 64 rows of 200-token
-    prompts, 2,048 new tokens allowed, samples stopping within 17). `keys` and `values` read as DynamicLayer's do, as the filled columns (a view);
-    whatever assigns them (a crop: a shorter view, kept; a reorder or an offload: a new tensor,
-    copied into a new buffer) leaves a layer that goes on growing in place."""
+    prompts, 2,048 new tokens allowed, samples stopping within 17).
+
+    `keys` and `values` read as DynamicLayer's do, as the filled columns (a view); whatever assigns
+    them (a crop: a shorter view, kept; a reorder or an offload: a new tensor, copied into a new
+    buffer) leaves a layer that goes on growing in place."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int,
                  most: int | None = None):
