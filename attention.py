@@ -312,7 +312,7 @@ FLASH_MARGIN = 0.8  # flash is chosen at no more than this share of the matmuls'
 DECODE_PROBE = (32, 128)  # rows, cached tokens: a GRPO batch's decoding steps
 
 
-def choose_decode(config, dtype: torch.dtype, device) -> DecodeChoice:
+def choose_decode(config, dtype: torch.dtype, device, own_attention: bool = False) -> DecodeChoice:
     """How the HF engine decodes a model with this (text) config, timed here once per process and
     head shape. transformers' cache concatenates each step's keys and values onto the layer's: a
     copy of the whole cache, every layer, every step (~a third of a SmolLM2 decoding step in bf16
@@ -325,18 +325,22 @@ def choose_decode(config, dtype: torch.dtype, device) -> DecodeChoice:
     flash kernel reads the view as it is but sums in another order: in bf16 only (fp32 keeps its
     samples bit for bit), where it takes at most FLASH_MARGIN of the matmuls' best time; the engine
     then asks for it in each decoding step's forward (`flash_decode=True`, which transformers hands
-    to attention()). Soft-capped scores (Gemma 2: no flash kernel computes them) and CUDA (not
-    measured) decode as before. SMOLRL_DECODE=flash, grow or concat (DECODE_ENV) skips the timing:
+    to attention()). Soft-capped scores (Gemma 2: no flash kernel computes them), CUDA (not
+    measured) and a model on its own attention (`own_attention`: use_smolrl_attention could not
+    switch it) decode as before. SMOLRL_DECODE=flash, grow or concat (DECODE_ENV) skips the timing:
     the choice is timed on one thread, as hardware.cpu_dtype times the dtype, but it is still a
     timing, and flash or not changes a bf16 run's samples."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     forced = decode_pin()
-    if on_cuda(device) or getattr(config, "attn_logit_softcapping", None):
-        why = "on CUDA" if on_cuda(device) else "soft-capped scores"
-        return DecodeChoice(False, False, f"decoding: matmuls on a concatenated cache ({why}"
-                                          f"{f'; {DECODE_ENV}={forced} ignored' if forced else ''})")
+    before = "the model's own attention" if own_attention else \
+        "soft-capped scores" if getattr(config, "attn_logit_softcapping", None) else \
+        "on CUDA" if on_cuda(device) else ""
+    if before:
+        ignored = f"; {DECODE_ENV}={forced} ignored" if forced else ""
+        return DecodeChoice(False, False, f"decoding as before, on a concatenated cache ({before}"
+                                          f"{ignored})")
     if forced:
         flash, grows = forced == "flash" and dtype != torch.float32, forced != "concat"
         fp32 = " (fp32 is never flash)" if forced == "flash" and not flash else ""

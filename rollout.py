@@ -28,9 +28,8 @@ from typing import NamedTuple
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from attention import DecodeChoice, choose_decode, use_smolrl_attention
-from hardware import DECODE_ENV, DecodeCost, Floors, decode_bytes, decode_cost, decode_pin
-from hardware import floors, generation_flops
+from attention import choose_decode, use_smolrl_attention
+from hardware import DecodeCost, Floors, decode_bytes, decode_cost, floors, generation_flops
 from model import empty_copy, full_weights, named_tensors, stop_token_ids
 from packed_linear import can_pack, packed_linears
 from sampling import Completions, Ready, Sampling, cut_at_stop, request_seed, sample_next
@@ -260,12 +259,8 @@ class HFRollout:
         self.packs = can_pack(self.model, device, dtype)  # weights packed for each call (packed_linear.py)
         # How its decoding steps attend (attention.decode_attention, or SDPA's flash kernel), and
         # whether its cache grows in place (GrowingLayer): timed here, once a process.
-        if use_smolrl_attention(self.model):
-            self.decoding = choose_decode(self.model.config.get_text_config(), dtype, device)
-        else:
-            pin = f"; {DECODE_ENV}={decode_pin()} ignored" if decode_pin() else ""
-            self.decoding = DecodeChoice(False, False, "decoding: the model's own attention on a "
-                                                       f"concatenated cache (it takes no other{pin})")
+        own = not use_smolrl_attention(self.model)  # (a model that takes no other attention)
+        self.decoding = choose_decode(self.model.config.get_text_config(), dtype, device, own)
         print(f"HF engine: {self.decoding.line}")
         # Prompts share their common prefix's forward (_decode), and episodes continue from kept
         # keys and values, where check_head_logits has verified that masks and positions define a
