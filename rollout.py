@@ -9,7 +9,7 @@ engines on other machines) can stand in for HFRollout without the algorithm chan
 Ray can also take the weights by a collective (join_weight_group / receive_weights: weight_sync.py).
 Every engine knows the version (trainer step) of the weights it holds, and says it with each
 batch of completions: a sync that was skipped cannot go unnoticed. What they are asked and give
-back (Sampling, Completions) and how they draw a token (sample_next) is sampling.py's.
+back (Sampling, Completions) and how they draw a token (draw) is sampling.py's.
 
 Masks are never inferred from token values: with SmolLM2 and Llama tokenizers pad == eos, so a
 completion's length is where its first stop token is (that stop token included: the model must
@@ -32,8 +32,7 @@ from attention import choose_decode, use_smolrl_attention
 from hardware import DecodeCost, Floors, decode_bytes, decode_cost, floors, generation_flops
 from model import empty_copy, full_weights, named_tensors, stop_token_ids
 from packed_linear import can_pack, packed_linears
-from sampling import Completions, Ready, Sampling, cut_at_stop, request_seed, sample_next
-from sampling import token_logprobs
+from sampling import Completions, Ready, Sampling, cut_at_stop, draw, request_seed
 from weight_sync import WeightGroup
 
 
@@ -215,7 +214,7 @@ class HFRollout:
 
     Each distinct prompt runs through the model once; its key/value cache is then copied to its n
     samples (GRPO's groups share a prompt: 8x less prefill). Every step feeds one token per row and
-    samples with `sample_next`, from the model's logits and nothing else -- unlike transformers'
+    samples with `sampling.draw`, from the model's logits and nothing else -- unlike transformers'
     `generate`, which merges the model's generation_config.json (a repetition penalty, top_k,
     suppressed tokens) into every call: changes the trainer's log-probs would never see. A sample
     leaves the batch at its stop token, so the steps after it cost less.
@@ -383,10 +382,10 @@ class HFRollout:
         keep = sampling.keep_cache and self._can_keep(cache)
         steps = context = 0
         for t in range(sampling.max_new_tokens):
-            token = sample_next(logits, sampling)  # (live,)
+            token, logprob = draw(logits, sampling, self.logprobs)  # (live,), (live,) or None
             tokens[live, t] = token  # (past a sample's stop token: ignored by cut_at_stop)
-            if self.logprobs and sampling.temperature > 0:
-                logprobs[live, t] = token_logprobs(logits, token, sampling.temperature)
+            if logprob is not None:
+                logprobs[live, t] = logprob
             done |= torch.isin(token, stop)
             if t + 1 == sampling.max_new_tokens or done.all():
                 break

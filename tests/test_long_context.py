@@ -254,6 +254,7 @@ def test_a_long_prefill_runs_in_chunks_without_a_square_mask(arch, tiny_model, m
     from types import SimpleNamespace
 
     import rollout as rollout_module
+    import sampling as sampling_module
     from rollout import HFRollout
     from sampling import Sampling
     from test_rollout import _tiny_gemma2
@@ -262,7 +263,7 @@ def test_a_long_prefill_runs_in_chunks_without_a_square_mask(arch, tiny_model, m
                           batch_decode=lambda ids, skip_special_tokens: [""] * len(ids))
     engine = HFRollout(model, tok, dtype=torch.float32, logprobs=True)
     engine.stop_ids = {-1}  # every sample to the limit
-    monkeypatch.setattr(rollout_module, "sample_next", lambda logits, s: logits.argmax(-1))
+    monkeypatch.setattr(sampling_module, "inverse_cdf", lambda probs, r: probs.argmax(-1))
     prompts = [list(range(10, 50)), list(range(60, 73)), list(range(80, 107))]  # 40, 13, 27
     sampling = Sampling(max_new_tokens=4, temperature=1.0)
     whole = engine.generate(prompts, 2, sampling)

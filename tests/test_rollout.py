@@ -5,7 +5,7 @@ import torch
 
 from logprobs import completion_logprobs, length_mask, pack
 from rollout import HFRollout, group_batches
-from sampling import CDF_BLOCK, Sampling, cut_at_stop, inverse_cdf, sample_next
+from sampling import CDF_BLOCK, Sampling, cut_at_stop, draw, inverse_cdf, sample_next
 
 
 def test_cut_at_stop_keeps_the_stop_token():
@@ -150,28 +150,31 @@ def test_sample_next_draws_from_the_tempered_distribution():
 
 
 def test_the_blocked_inverse_cdf_draws_what_one_running_sum_draws():
-    """inverse_cdf against the plain rule -- the first token whose fp64 running sum exceeds u --
-    on a vocabulary that is not a whole number of blocks, with zero-probability tokens (a whole
-    zero block, and the row's tail), u at 0, at block edges and just under the total."""
+    """inverse_cdf against the plain rule -- the first token whose fp64 running sum exceeds u, r of
+    the row's total -- on a vocabulary that is not a whole number of blocks, with zero-probability
+    tokens (a whole zero block, and the row's tail), u at 0, at a block's end and just under the
+    total. Probabilities are multiples of 2**-12 (not summing to 1, as a top-p nucleus does not),
+    so that every sum is exact in whatever order it is added."""
     torch.manual_seed(0)
     B, V = 64, 3 * CDF_BLOCK + 37
-    probs = torch.softmax(torch.randn(B, V) * 3, -1)
+    probs = torch.randint(1, 8, (B, V)).float() / 2**12
     probs[:, CDF_BLOCK:2 * CDF_BLOCK] = 0  # a block that can never be drawn
-    probs[:, -40:] = 0  # (the whole last block: 768..804)
+    probs[:32, -40:] = 0  # rows 0-31: nothing in the last, partial block (768..804)
     probs[:, 5] = 0
+    probs[2] = 0  # row 2: two blocks of 2**-9 each, the first ending at exactly half the total
+    probs[2, :CDF_BLOCK] = probs[2, 2 * CDF_BLOCK:3 * CDF_BLOCK] = 2**-9
     cdf = probs.cumsum(-1, dtype=torch.float64)
-    total = cdf[:, -1]
-    u = torch.rand(B, dtype=torch.float64) * total
-    u[0], u[1] = 0.0, total[1] * (1 - 2**-52)
-    u[2] = cdf[2, CDF_BLOCK - 1]  # exactly a block's end: the next token that can be drawn
-    expected = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1)
-    tokens = inverse_cdf(probs, u)
-    assert tokens.tolist() == expected.tolist()
+    r = torch.rand(B, dtype=torch.float64)
+    r[0], r[1], r[2] = 0.0, 1 - 2**-52, 0.5  # row 2: u at a block's end -> the next drawable
+    expected = torch.searchsorted(cdf, (r * cdf[:, -1])[:, None], right=True).squeeze(1)
+    tokens = inverse_cdf(probs, r)
+    assert tokens.tolist() == expected.tolist() and tokens[2] == 2 * CDF_BLOCK
     assert (probs.gather(1, tokens[:, None]) > 0).all()
-    # u at the row's total, or past it by a rounding of a sum in another order: the last token
-    # that can be drawn, never one of probability 0, never past the vocabulary
-    beyond = inverse_cdf(probs, total * (1 + 2**-40))
-    assert beyond.tolist() == [V - 41] * B
+    # u at the row's total, or past it by a rounding: the last token that can be drawn, never one
+    # of probability 0, never past the vocabulary
+    last = [V - 41] * 2 + [3 * CDF_BLOCK - 1] + [V - 41] * 29 + [V - 1] * 32
+    for end in (1.0, 1 + 2**-40):
+        assert inverse_cdf(probs, torch.full((B,), end, dtype=torch.float64)).tolist() == last
     for bad in ([0.0, float("nan")], [float("-inf"), float("-inf")]):  # one clear line
         with pytest.raises(ValueError, match="NaN or are all -inf"):
             sample_next(torch.tensor([[1.0, 2.0], bad]), Sampling(temperature=1.0))
@@ -236,12 +239,12 @@ def test_engine_logprobs_are_those_of_the_logits_it_sampled_from(dtype, tiny_mod
     engine = HFRollout(model, tok, dtype=dtype, logprobs=True)
     drawn = []  # (logits, tokens) of every decoding step, rows in batch order
 
-    def recording(logits, sampling):
-        tokens = sample_next(logits, sampling)
-        drawn.append((logits.clone(), tokens))
-        return tokens
+    def recording(logits, sampling, logprobs):
+        out = draw(logits, sampling, logprobs)
+        drawn.append((logits.clone(), out.tokens))
+        return out
 
-    monkeypatch.setattr(rollout_module, "sample_next", recording)
+    monkeypatch.setattr(rollout_module, "draw", recording)
     engine.stop_ids = {-1}  # no stops: every row stays in the batch, in order
     prompts = [tok("What is 1 + 1?")["input_ids"], tok("Hi")["input_ids"]]
     out = engine.generate(prompts, 2, Sampling(max_new_tokens=5, temperature=0.7, seed=0))
@@ -385,7 +388,7 @@ def test_soft_capped_prompts_of_different_lengths_decode_as_if_alone(dtype, shar
     its cache is copied, the padding then between it and each prompt's rest -- which a sliding
     window counts as tokens: shared only where the whole row fits in the window), in a batch:
     each one's tokens and log-probs are those it gets decoded alone, in fp32 and bf16."""
-    import rollout as rollout_module
+    import sampling as sampling_module
     from types import SimpleNamespace
     model = _tiny_gemma2(window)
     tok = SimpleNamespace(pad_token_id=0, eos_token_id=2,
@@ -393,7 +396,7 @@ def test_soft_capped_prompts_of_different_lengths_decode_as_if_alone(dtype, shar
     engine = HFRollout(model, tok, dtype=dtype, logprobs=True)
     engine.stop_ids = {-1}  # no stops: every sample decodes to the limit
     # The argmax drawn, so that a batch and a lone prompt draw alike; log-probs still at T = 1
-    monkeypatch.setattr(rollout_module, "sample_next", lambda logits, s: logits.argmax(-1))
+    monkeypatch.setattr(sampling_module, "inverse_cdf", lambda probs, r: probs.argmax(-1))
     head = list(range(10, 10 + shared))
     prompts = [head + [40, 41, 42, 43, 44, 45, 46], head + [50], head + [60, 61, 62]]
     sampling = Sampling(max_new_tokens=6, temperature=1.0)
