@@ -382,10 +382,11 @@ class HFRollout:
         keep = sampling.keep_cache and self._can_keep(cache)
         steps = context = 0
         for t in range(sampling.max_new_tokens):
-            token, logprob = draw(logits, sampling, self.logprobs)  # (live,), (live,) or None
+            drawn = draw(logits, sampling, self.logprobs)  # (live,) tokens and their log-probs
+            token = drawn.tokens
             tokens[live, t] = token  # (past a sample's stop token: ignored by cut_at_stop)
-            if logprob is not None:
-                logprobs[live, t] = logprob
+            if drawn.logprobs is not None:  # (None when greedy or not asked for)
+                logprobs[live, t] = drawn.logprobs
             done |= torch.isin(token, stop)
             if t + 1 == sampling.max_new_tokens or done.all():
                 break

@@ -120,8 +120,10 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int], max_new_tokens: int):
 
 class Drawn(NamedTuple):
     tokens: torch.Tensor  # (B,) token ids
-    logprobs: torch.Tensor | None  # (B,) fp32 log softmax(logits / T)[token]; None when greedy or
-    # not asked for
+    logprobs: torch.Tensor | None  # (B,) fp32 log softmax(logits / T)[token], or None (greedy)
+
+
+NO_MASS = "sampling: the logits hold NaN or are all -inf in some row"
 
 
 def draw(logits: torch.Tensor, sampling: Sampling, logprobs: bool = False) -> Drawn:
@@ -132,27 +134,28 @@ def draw(logits: torch.Tensor, sampling: Sampling, logprobs: bool = False) -> Dr
 
     The draw inverts the CDF with one uniform number per row. torch.multinomial draws an
     exponential random number for every vocabulary entry instead: a quarter of generation here.
-    A (B, V) tensor costs: ~1 ms to fill at 64 rows of 49,152 on a 2-core Xeon, and a fresh one
-    as much again in page faults. So logits / T is made once, for the draw and its log-probs (x / 1
-    is x: T = 1 divides nothing), the row's total is the sum of the blocks the draw adds up anyway,
-    and block_sums adds a few rows at a time: 9 such tensors a step (two of them fp64) -> 3, and
-    generation's decoding steps ~15 % faster, the same samples and log-probs bit for bit."""
+    Every (B, V) tensor made here costs a decoding step its fill and, fresh from the allocator, as
+    much again in page faults (docs/benchmarks.md): logits / T is made once, for the draw and its
+    log-probs, and not at all at T = 1 (x / 1 is x)."""
+    if not 0 < sampling.top_p <= 1:
+        raise ValueError(f"sampling: top_p {sampling.top_p} must be in (0, 1]")
     if sampling.temperature == 0:
         token = logits.argmax(-1)  # (a row's NaN is its argmax: checked on B values, not B V)
         if not torch.isfinite(logits.gather(-1, token[:, None])).all():
-            raise ValueError("sampling: the logits hold NaN or are all -inf in some row")
+            raise ValueError(NO_MASS)
         return Drawn(token, None)
     T = sampling.temperature
-    scaled = logits.float()  # (B, V) fp32: a copy of bf16 logits, fp32 ones themselves
-    if T != 1:  # (in place only on that copy, never on the caller's logits)
-        scaled = scaled / T if scaled is logits else scaled.div_(T)
+    copied = logits.dtype != torch.float32  # .float() copies bf16 logits, returns fp32 ones
+    scaled = logits.float()  # (B, V) fp32
+    if T != 1:  # in place only on a copy of our own, never on the caller's logits
+        scaled = scaled.div_(T) if copied else scaled / T
     probs = torch.softmax(scaled, dim=-1)  # (B, V)
     if sampling.top_p < 1:  # the smallest set of likeliest tokens holding top_p of the mass
         sorted_probs, order = probs.sort(-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs  # (B, V)
         probs = probs.scatter(-1, order, sorted_probs * (mass_before < sampling.top_p))
     r = torch.rand(len(probs), device=probs.device, dtype=torch.float64)  # (B,) in [0, 1)
-    token = inverse_cdf(probs, r)
+    token = inverse_cdf(probs, r)  # (raises NO_MASS where a row's probabilities are NaN)
     if not logprobs:
         return Drawn(token, None)
     logp = torch.log_softmax(scaled, dim=-1)  # (B, V)
@@ -167,17 +170,18 @@ def sample_next(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 CDF_BLOCK = 256  # vocabulary entries a block of inverse_cdf's coarse running sum
 
 
-SUM_BYTES = 2**21  # the fp64 copy block_sums makes of a few rows at a time
+SUM_BYTES = 2**21  # how large an fp64 copy block_sums makes: a few rows at a time
 
 
 def block_sums(probs: torch.Tensor) -> torch.Tensor:
-    """The fp64 sum of each CDF_BLOCK of a row's (B, V) probabilities, the last block what is left
-    -> (B, nb). A few rows at a time: a sum in fp64 makes an fp64 copy of what it adds, and a fresh
-    25 MB tensor (64 rows of 49,152) cost 6 ms a step in page faults, 4x the sum (2-core Xeon)."""
+    """The fp64 sum of each CDF_BLOCK entries of a row of (B, V) probabilities -> (B, nb); where V
+    is not whole blocks, the last block holds the rest. A sum in fp64 first copies what it adds to
+    fp64: a few rows at a time, that copy is ~2 MB, where all 64 rows of 49,152 made a fresh 25 MB
+    tensor that cost a decoding step 6 ms in page faults, 4x the sum (2-core Xeon)."""
     B, V = probs.shape
     whole = V - V % CDF_BLOCK
     sums = []
-    for rows in probs.split(max(1, SUM_BYTES // (8 * V))):
+    for rows in probs.split(max(1, SUM_BYTES // (8 * V))):  # (8 bytes an fp64 number)
         part = [rows[:, :whole].view(len(rows), -1, CDF_BLOCK).sum(-1, dtype=torch.float64)]
         if whole < V:
             part.append(rows[:, whole:].sum(-1, keepdim=True, dtype=torch.float64))
@@ -185,9 +189,15 @@ def block_sums(probs: torch.Tensor) -> torch.Tensor:
     return torch.cat(sums)
 
 
+def last_nonzero(x: torch.Tensor) -> torch.Tensor:
+    """The index of the last non-zero entry along x's last dimension (0 where there is none)."""
+    return x.shape[-1] - 1 - (x != 0).flip(-1).to(torch.uint8).argmax(-1)
+
+
 def inverse_cdf(probs: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """The first token whose running sum of (B, V) probabilities exceeds r (B,) times the row's
-    total, in fp64 -> (B,). (Probabilities need not sum to 1: a top-p nucleus does not.)
+    """The first token whose running sum of (B, V) probabilities exceeds u = r (B,) times the
+    row's total, in fp64 -> (B,): r uniform in [0, 1) draws a token with its probability over the
+    total (which need not be 1: a top-p nucleus is less).
 
     In two passes, as a vocabulary of 49,152 makes it pay: the running sum of blocks' totals finds
     each row's block, then the running sum inside that block alone finds the token. A running sum
@@ -198,19 +208,16 @@ def inverse_cdf(probs: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     draw differs only where u falls within ~1e-16 of a boundary."""
     V = probs.shape[1]
     sums = block_sums(probs)  # (B, nb)
-    coarse = sums.cumsum(-1)
-    if not torch.isfinite(coarse[:, -1]).all():  # (a NaN anywhere makes its row's total NaN)
-        raise ValueError("sampling: the logits hold NaN or are all -inf in some row")
+    coarse = sums.cumsum(-1)  # (B, nb); coarse[:, -1] is the row's total
+    if not (coarse[:, -1] > 0).all():  # (NaN anywhere makes the total NaN; 0: nothing to draw)
+        raise ValueError(NO_MASS)
     u = r[:, None] * coarse[:, -1:]  # (B, 1)
-    # u at or past the row's last sum by a rounding (r = 1): the last block that can be drawn from
-    last_block = sums.shape[1] - 1 - (sums > 0).flip(-1).to(torch.uint8).argmax(-1, keepdim=True)
-    k = torch.minimum(torch.searchsorted(coarse, u, right=True), last_block)  # (B, 1)
+    # u at or past a sum it should be below, by a rounding: the last block or token that can be
+    # drawn, never one of probability 0 or past the vocabulary
+    k = torch.minimum(torch.searchsorted(coarse, u, right=True), last_nonzero(sums)[:, None])
     before = torch.where(k > 0, coarse.gather(1, (k - 1).clamp(min=0)), 0.0)  # (B, 1)
     columns = k * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # (B, b)
     block = torch.where(columns < V, probs.gather(1, columns.clamp(max=V - 1)), 0.0)  # (B, b)
     fine = block.cumsum(-1, dtype=torch.float64) + before  # (B, b)
     j = torch.searchsorted(fine, u, right=True).squeeze(1)
-    # u past the block's own sum by a rounding: its last token that can be drawn
-    last = CDF_BLOCK - 1 - (block > 0).flip(-1).to(torch.uint8).argmax(-1)
-    return k.squeeze(1) * CDF_BLOCK + torch.where(j < CDF_BLOCK, j, last)
-
+    return k.squeeze(1) * CDF_BLOCK + torch.where(j < CDF_BLOCK, j, last_nonzero(block))
