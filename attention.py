@@ -41,7 +41,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from hardware import DECODE_ENV, decode_pin
+from hardware import DECODE_ENV, DECODE_PINS, decode_pin
 from recompute import remake
 
 NAME = "smolrl"
@@ -298,6 +298,8 @@ class DecodeChoice(NamedTuple):
     flash: bool  # decoding steps run SDPA's flash kernel (flash_decode_attention)
     grows: bool  # the engine's cache grows in place (rollout.GrowingLayer): attention reads views
     line: str  # one line for the log: what was chosen, why, with the measured times
+    mode: str = ""  # as SMOLRL_DECODE says it (flash, grow, concat) where a CPU chose, timed or
+    # pinned: what a run records for its resumption to decode alike; "" where it decodes as before
 
 
 class DecodeTimes(NamedTuple):
@@ -312,7 +314,8 @@ FLASH_MARGIN = 0.8  # flash is chosen at no more than this share of the matmuls'
 DECODE_PROBE = (32, 128)  # rows, cached tokens: a GRPO batch's decoding steps
 
 
-def choose_decode(config, dtype: torch.dtype, device, own_attention: bool = False) -> DecodeChoice:
+def choose_decode(config, dtype: torch.dtype, device, own_attention: bool = False,
+                  recorded: str = "") -> DecodeChoice:
     """How the HF engine decodes a model with this (text) config, timed here once per process and
     head shape. transformers' cache concatenates each step's keys and values onto the layer's: a
     copy of the whole cache, every layer, every step (~a third of a SmolLM2 decoding step in bf16
@@ -329,23 +332,28 @@ def choose_decode(config, dtype: torch.dtype, device, own_attention: bool = Fals
     measured) and a model on its own attention (`own_attention`: use_smolrl_attention could not
     switch it) decode as before. SMOLRL_DECODE=flash, grow or concat (DECODE_ENV) skips the timing:
     the choice is timed on one thread, as hardware.cpu_dtype times the dtype, but it is still a
-    timing, and flash or not changes a bf16 run's samples."""
+    timing, and flash or not changes a bf16 run's samples. So a resumed run decodes as it recorded
+    (`recorded`, one of those three: its config's "decoding"), untimed, unless SMOLRL_DECODE says
+    otherwise."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     forced = decode_pin()
+    said = f"{DECODE_ENV}={forced}"
+    if not forced and recorded in DECODE_PINS:
+        forced, said = recorded, f"as the resumed run recorded: {recorded}"
     before = "the model's own attention" if own_attention else \
         "soft-capped scores" if getattr(config, "attn_logit_softcapping", None) else \
         "on CUDA" if on_cuda(device) else ""
     if before:
-        ignored = f"; {DECODE_ENV}={forced} ignored" if forced else ""
+        ignored = f"; {said} ignored" if forced else ""
         return DecodeChoice(False, False, f"decoding as before, on a concatenated cache ({before}"
                                           f"{ignored})")
     if forced:
         flash, grows = forced == "flash" and dtype != torch.float32, forced != "concat"
         fp32 = " (fp32 is never flash)" if forced == "flash" and not flash else ""
-        return DecodeChoice(flash, grows, f"decoding: {_how(flash, grows)} ({DECODE_ENV}={forced}"
-                                          f"{fp32})")
+        return DecodeChoice(flash, grows, f"decoding: {_how(flash, grows)} ({said}{fp32})",
+                            _mode(flash, grows))
     t = decode_times(heads, kv, dim, dtype)
     flash = dtype != torch.float32 and t.flash <= FLASH_MARGIN * min(t.view, t.copied)
     grows = flash or t.view <= t.copied
@@ -354,7 +362,11 @@ def choose_decode(config, dtype: torch.dtype, device, own_attention: bool = Fals
         f"decoding: {_how(flash, grows)} ({str(dtype).removeprefix('torch.')}; one layer's "
         f"attention for {rows} rows of {context} tokens, timed here on one thread: flash "
         f"{t.flash:.0f} us, matmuls on a growing cache {t.view:.0f} us, on a concatenated one "
-        f"{t.copied:.0f} us)"))
+        f"{t.copied:.0f} us)"), _mode(flash, grows))
+
+
+def _mode(flash: bool, grows: bool) -> str:
+    return "flash" if flash else "grow" if grows else "concat"
 
 
 def _how(flash: bool, grows: bool) -> str:

@@ -228,14 +228,15 @@ def in_checkpoints(out: Path, checkpoint: str) -> bool:
     return Path(checkpoint).resolve().parent == (Path(out) / "checkpoints").resolve()
 
 
-def recorded_dtype(out, resume: str, config_file: str) -> str:
-    """The dtype the run being resumed computed in, as its checkpoint's config recorded it ("" for
-    a fresh run, or a checkpoint without one): a resumed run keeps it instead of timing again."""
+def recorded_setting(out, resume: str, config_file: str, key: str) -> str:
+    """A choice the machine made for the run being resumed, as its checkpoint's config recorded
+    it -- its "dtype", how its engine was "decoding" -- "" for a fresh run, or a checkpoint
+    without one: a resumed run keeps it instead of timing again."""
     if not resume:
         return ""
     folder = Path(resume) if resume != "auto" else newest_checkpoint(out)
     try:
-        return str(json.loads((folder / config_file).read_text()).get("dtype", ""))
+        return str(json.loads((folder / config_file).read_text()).get(key, ""))
     except (OSError, ValueError, TypeError, AttributeError):  # find_checkpoint names the problem
         return ""
 

@@ -422,6 +422,10 @@ def _max_model_len(engine) -> int:
     return getattr(engine, "max_model_len", 0)
 
 
+def _decoding(engine):
+    return getattr(engine, "decoding", None)
+
+
 def _release_kept(engine):
     release = getattr(engine, "release_kept", None)
     if release:
@@ -469,6 +473,12 @@ class EngineGroup:
     def release_kept(self):
         """Every engine frees what it kept for continuing calls (episodes' keys and values)."""
         self.run(_release_kept)
+
+    @property
+    def decoding(self):
+        """The first engine's attention.DecodeChoice (None: vLLM), which the run records: a
+        resumed run's engines all decode so (trainer._rollout)."""
+        return self.run(_decoding)[0]
 
     @property
     def max_model_len(self) -> int:

@@ -23,7 +23,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from checkpoint import recorded_dtype
+from checkpoint import recorded_setting
 from cli import check, flag
 from data import Template, apply_task
 from evaluate import TRACKERS
@@ -404,7 +404,7 @@ def settle(cfg, on_cpu: dict):
     pretends), the memory settings left unset (None) chosen by the plan of cfg.workload(), on a
     CPU `on_cpu`'s; and the shared checks, before anything loads."""
     check(cfg.gpu_gb >= 0, f"--gpu-gb {cfg.gpu_gb:g} must not be negative")
-    recorded = recorded_dtype(cfg.out, cfg.resume, cfg.CONFIG_FILE)
+    recorded = recorded_setting(cfg.out, cfg.resume, cfg.CONFIG_FILE, "dtype")
     if pretends_gpu(cfg) and cfg.dtype == "auto" and not recorded:
         choice = DtypeChoice("bf16", f"--gpu-gb {cfg.gpu_gb:g}: planned for a GPU that computes "
                                      f"bf16 natively")
@@ -412,6 +412,9 @@ def settle(cfg, on_cpu: dict):
         choice = choose_dtype(cfg.dtype, pick_device(), recorded)
     cfg.dtype, cfg.dtype_reason = choice.name, choice.reason  # (the reason is no option)
     decode_pin()  # (SMOLRL_DECODE, read again where the engine starts: a bad value stops here)
+    # How a resumed run's HF engine decoded (session.start_log): flash or not changes a bf16 run's
+    # samples, and timed again the choice could flip; its engines keep it (trainer._rollout)
+    cfg.decoding = recorded_setting(cfg.out, cfg.resume, cfg.CONFIG_FILE, "decoding")
     cfg.memory_plan = None  # on a GPU: what the unset memory settings are based on
     if pick_device() == "cuda" or cfg.gpu_gb:
         total = torch.cuda.mem_get_info()[1] if pick_device() == "cuda" else cfg.gpu_gb * GiB

@@ -29,6 +29,7 @@ from logprobs import length_mask, pack, right_pad
 from model import model_path
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from reward_models import check_learned_rewards, learned_rewards
+from rollout import decoding_mode
 from rollout_log import RolloutLog, check_log, detail_index, detail_samples
 from rollout_log import saved_steps
 from sampling import Completions, Ready, Sampling
@@ -89,7 +90,7 @@ def start_session(cfg, train_step, line=None) -> Session:
                                                        folder.driver.step)
     run.agent = agent
     problems = ProblemStream(train_rows, skip=folder.driver.consumed)
-    start_log(folder, cfg, line)
+    start_log(folder, cfg, line, decoding_mode(run.rollout))
     session = Session(folder, run, problems, eval_rows, reward_fns, grader,
                       RolloutLog(folder.out, folder.driver.step, folder.samples), replay)
     if cfg.eval_every and eval_rows and folder.driver.step == 0:

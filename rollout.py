@@ -232,7 +232,8 @@ class HFRollout:
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int = HF_BATCH, device: str = "cpu",
-                 dtype=torch.bfloat16, logprobs: bool = False, shares_weights: bool = False):
+                 dtype=torch.bfloat16, logprobs: bool = False, shares_weights: bool = False,
+                 decode: str = ""):
         self.tokenizer, self.batch_size, self.device = tokenizer, batch_size, device
         self.logprobs = logprobs  # also return the log-prob of each sampled token
         # batch_size: samples decoded together; on a CPU a decode step's matmuls run ~1.2x faster
@@ -257,9 +258,11 @@ class HFRollout:
         self.decode_cost, self.dtype = decode_cost(self.model, dtype), dtype  # (hardware.py)
         self.packs = can_pack(self.model, device, dtype)  # weights packed for each call (packed_linear.py)
         # How its decoding steps attend (attention.decode_attention, or SDPA's flash kernel), and
-        # whether its cache grows in place (GrowingLayer): timed here, once a process.
+        # whether its cache grows in place (GrowingLayer): timed here, once a process -- or
+        # `decode`, as a resumed run recorded it (flash, grow or concat).
         own = not use_smolrl_attention(self.model)  # (a model that takes no other attention)
-        self.decoding = choose_decode(self.model.config.get_text_config(), dtype, device, own)
+        self.decoding = choose_decode(self.model.config.get_text_config(), dtype, device, own,
+                                      recorded=decode)
         print(f"HF engine: {self.decoding.line}")
         # Prompts share their common prefix's forward (_decode), and episodes continue from kept
         # keys and values, where check_head_logits has verified that masks and positions define a
@@ -702,19 +705,28 @@ def engine_length(positions: int, max_prompt_tokens: int, after_prompt: int) -> 
 CPU_STEP_TOKENS = 2048  # a CPU engine's scheduler step takes at least this many tokens
 
 
+def decoding_mode(engine) -> str:
+    """How an engine's decoding steps attend, as SMOLRL_DECODE says it (attention.DecodeChoice's
+    mode): a run records it, for its resumption to decode alike; "" for vLLM, and where the HF
+    engine decodes as before (CUDA, soft-capped scores, a model on its own attention)."""
+    choice = getattr(engine, "decoding", None)  # (an EngineGroup asks its first engine)
+    return choice.mode if choice is not None else ""
+
+
 def make_rollout(kind: str, model, tokenizer, *, device: str = "cpu", max_new_tokens: int = 1024,
                  max_prompt_tokens: int = 512, gpu_memory_utilization: float = 0.2,
                  seed: int = 0, logprobs: bool = False, max_num_seqs: int | None = None,
-                 shares_weights: bool = False, dtype: torch.dtype = torch.bfloat16):
+                 shares_weights: bool = False, dtype: torch.dtype = torch.bfloat16,
+                 decode: str = ""):
     """The engine named by --rollout / --backend: "hf" or "vllm" (loads the folder `model` came
     from, then takes the trainer's current weights; it holds prompts of max_prompt_tokens and
     max_new_tokens after them, tokens_after_prompt), computing in `dtype` (the run's: see
     hardware.choose_dtype). vLLM always returns the log-probs it sampled with; HF when asked
     (`logprobs`). shares_weights: the HF engine samples from `model`'s own tensors where they are
-    in `dtype` (HFRollout)."""
+    in `dtype` (HFRollout); decode: how a resumed run's HF engine decoded (decoding_mode)."""
     if kind == "hf":
         return HFRollout(model, tokenizer, device=device, logprobs=logprobs, dtype=dtype,
-                         shares_weights=shares_weights)
+                         shares_weights=shares_weights, decode=decode)
     if kind == "vllm":
         try:
             import vllm  # noqa: F401

@@ -111,19 +111,21 @@ def resume_driver(folder: RunFolder):
         print(f"resuming from {folder.resume_dir} at step {folder.driver.step + 1}")
 
 
-def start_log(folder: RunFolder, cfg, line=None):
+def start_log(folder: RunFolder, cfg, line=None, decoding: str = ""):
     """The run's first write, once its models have loaded: what it would overwrite or drop moved
     aside whole (run_folder.set_aside: a fresh run, the run before it; a resumed one, the branch
     it leaves), superseded/ pruned to --keep-superseded; then the config, written to
-    <out>/<cfg.CONFIG_FILE>, and the metrics log (metrics.jsonl and the trackers, a resumed run's
-    history first)."""
+    <out>/<cfg.CONFIG_FILE> with how the HF engine is `decoding` (attention.DecodeChoice.mode:
+    a resumed run keeps it, options.keep_decoding), and the metrics log (metrics.jsonl and the
+    trackers, a resumed run's history first)."""
     moved, aside, folder.samples = set_aside(folder.out, folder.aside, folder.resume_dir,
                                              folder.samples)
     kept = folder.reads + ([aside] if aside else [])  # (never the run just moved aside)
     for said in (moved, prune_superseded(folder.out, cfg.keep_superseded, kept)):
         if said:
             print(said)
-    write_beside(folder.out / cfg.CONFIG_FILE, json.dumps(asdict(cfg), indent=2))  # (first: what
+    recorded = {**asdict(cfg), **({"decoding": decoding} if decoding else {})}
+    write_beside(folder.out / cfg.CONFIG_FILE, json.dumps(recorded, indent=2))  # (first: what
     # marks a run's folder, run_folder.left_behind)
     folder.log = RunLog(folder.out, folder.driver.history, cfg.report_to, asdict(cfg), line)
     write_beside(folder.out / "machine.json", json.dumps(machine(), indent=2))  # (the report's)

@@ -551,8 +551,10 @@ def engine_beside(trainer, cfg, shared: bool = True):
 
 
 def _rollout(cfg, model, tokenizer, device, shared: bool = False):
-    """The run's engine over `model`, sized for this engine's share of a step's samples."""
+    """The run's engine over `model`, sized for this engine's share of a step's samples (decoding
+    as a resumed run recorded, cfg.decoding: options.settle)."""
     return make_rollout(cfg.rollout, model, tokenizer, device=device, shares_weights=shared,
+                        decode=cfg.decoding,
                         dtype=DTYPES[cfg.dtype], seed=cfg.seed,
                         max_new_tokens=tokens_after_prompt(cfg),
                         max_prompt_tokens=cfg.max_prompt_tokens,

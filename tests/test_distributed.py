@@ -17,7 +17,7 @@ from conftest import rl_trainer, make_batch, record_grads, simulated_nodes  # no
 from grpo import Config, train_on_rollout  # noqa: E402
 from logprobs import completion_logprobs, pack  # noqa: E402
 from trainer import engine_beside, finish_metrics, setup_trainer  # noqa: E402
-from rollout import HFRollout  # noqa: E402
+from rollout import HFRollout, decoding_mode  # noqa: E402
 from sampling import Sampling, policy_lag  # noqa: E402
 from weight_sync import weight_sync_by_collective, weight_sync_in_place, weights_of  # noqa: E402
 
@@ -400,6 +400,9 @@ def test_colocated_hf_engines_live_in_their_trainers_and_decode_from_their_tenso
     assert sync(1) < 1.0 and engines.run(_version) == [1, 1]
     comps = engines.generate([[5, 6, 7]] * 2, 2, Sampling(4, temperature=1.0, seed=0))
     assert comps.policy_version == 1 and len(comps.completion_ids) == 4
+    # what the run records, for its resumption to decode alike (the suite pins flash: fp32 is
+    # never flash, its cache grows)
+    assert decoding_mode(engines) == {"fp32": "grow", "bf16": "flash"}[dtype]
 
 
 def _trainer_tensors_at(trainer):
@@ -523,6 +526,7 @@ def test_the_engines_on_ray_say_how_long_a_sequence_they_hold(engine_pool):
     the engines behind an EngineGroup tell it (0: no limit, the HF engine)."""
     assert _again(engine_pool, _engine_of_length, 300).max_model_len == 300
     assert _again(engine_pool, _nothing).max_model_len == 0
+    assert decoding_mode(_again(engine_pool, _nothing)) == ""  # (an engine that records none)
 
 
 def test_a_driver_with_a_gpu_says_the_cluster_has_none(cluster, monkeypatch, capsys):

@@ -98,7 +98,7 @@ def resume_command(args, script="grpo.py") -> str:
 
 
 def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_exact(tiny_model_dir, tmp_path,
-                                                                    straight):
+                                                                    straight, monkeypatch):
     """SIGTERM inside step 2 of a run that saves no checkpoints (--save-every 0): step 2 ends,
     is checkpointed, the run says so and how to go on in one line and exits 143 (128 + 15)
     without its final model; --resume auto then ends with the uninterrupted run's weights."""
@@ -118,8 +118,14 @@ def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_exact(tiny_model_di
             f"with: {resume_command(args)}") in lines(said)
     assert "Traceback" not in said
     assert checkpoints(out) == ["step_2"] and not (out / "model").exists()
+    # how the engine decoded, for the resumed run to decode alike (fp32: SMOLRL_DECODE=flash,
+    # the suite's pin, grows the cache but never runs flash)
+    assert json.loads((out / "checkpoints/step_2/grpo_config.json").read_text())["decoding"] == \
+        "grow"
     print(f"SIGTERM to exit: {seconds:.1f} s")
-    run_grpo(args + ["--resume", "auto"])
+    monkeypatch.delenv("SMOLRL_DECODE")  # (unpinned, the resumed run takes the recorded choice)
+    said = run_grpo(args + ["--resume", "auto"]).stdout
+    assert "decoding: matmuls on a cache grown in place (as the resumed run recorded: grow)" in said
     assert_same_run(out, straight)
 
 

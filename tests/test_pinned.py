@@ -248,6 +248,33 @@ def test_a_resumed_run_computes_in_the_dtype_it_recorded(tmp_path, monkeypatch):
     assert grpo.Config(data="arith", out=str(tmp_path / "fresh")).dtype == "fp32"
 
 
+def test_a_resumed_run_decodes_as_it_recorded(tmp_path, monkeypatch):
+    """How the HF engine decoded (flash, grow or concat: a bf16 run's samples depend on it) is in
+    the run's config; a resumed run's engines decode so, untimed and said so -- unless
+    SMOLRL_DECODE pins another; a fresh run chooses anew. (The recording: test_faults.py.)"""
+    import json
+    import attention
+    import grpo
+    import hardware
+    from transformers import LlamaConfig
+    step = tmp_path / "checkpoints" / "step_2"
+    step.mkdir(parents=True)
+    (step / "grpo_config.json").write_text(json.dumps({"dtype": "bf16", "decoding": "concat"}))
+    (step / "driver_state.pt").write_bytes(b"")  # (what marks a checkpoint folder)
+    assert grpo.Config(data="arith", out=str(tmp_path / "fresh")).decoding == ""
+    for resume in ("auto", str(step)):
+        assert grpo.Config(data="arith", out=str(tmp_path), resume=resume).decoding == "concat"
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.delenv(hardware.DECODE_ENV, raising=False)
+    monkeypatch.setattr(attention, "decode_times", lambda *a: pytest.fail("timed again"))
+    choice = attention.choose_decode(config, torch.bfloat16, "cpu", recorded="concat")
+    assert (choice.flash, choice.grows, choice.mode) == (False, False, "concat")
+    assert "as the resumed run recorded: concat" in choice.line
+    monkeypatch.setenv(hardware.DECODE_ENV, "flash")  # the environment's pin wins
+    choice = attention.choose_decode(config, torch.bfloat16, "cpu", recorded="concat")
+    assert (choice.flash, choice.mode) == (True, "flash") and "SMOLRL_DECODE=flash" in choice.line
+
+
 def test_a_folder_swap_that_fails_halfway_leaves_the_old_folder_whole(tmp_path, monkeypatch):
     """replace_folder renames the old folder aside before the new one takes its place, and
     deletes it last: if the second rename fails (a full disk, a kill), the old folder still
