@@ -332,16 +332,16 @@ def choose_decode(config, dtype: torch.dtype, device, own_attention: bool = Fals
     measured) and a model on its own attention (`own_attention`: use_smolrl_attention could not
     switch it) decode as before. SMOLRL_DECODE=flash, grow or concat (DECODE_ENV) skips the timing:
     the choice is timed on one thread, as hardware.cpu_dtype times the dtype, but it is still a
-    timing, and flash or not changes a bf16 run's samples. So a resumed run decodes as it recorded
-    (`recorded`, one of those three: its config's "decoding"), untimed, unless SMOLRL_DECODE says
-    otherwise."""
+    timing, and flash or not changes a bf16 run's samples. So the engines of one run decode alike,
+    untimed, as the run chose (`recorded`, one of those three: its first engine's choice, which a
+    resumed run reads back from its config's "decoding"), unless SMOLRL_DECODE says otherwise."""
     heads = config.num_attention_heads
     kv = getattr(config, "num_key_value_heads", None) or heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     forced = decode_pin()
     said = f"{DECODE_ENV}={forced}"
     if not forced and recorded in DECODE_PINS:
-        forced, said = recorded, f"as the resumed run recorded: {recorded}"
+        forced, said = recorded, f"as the run chose: {recorded}"
     before = "the model's own attention" if own_attention else \
         "soft-capped scores" if getattr(config, "attn_logit_softcapping", None) else \
         "on CUDA" if on_cuda(device) else ""

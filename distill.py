@@ -50,7 +50,7 @@ from options import RLOptions
 from rl import after_update, finish_session, sampling_seed, score, start_rollout, start_session
 from rl import replayed, train_batch, with_detail
 from session import one_run
-from rollout import HFRollout
+from rollout import HFRollout, decoding_mode
 from trainer import UpdateStats, any_rank_trains
 from trainer import micro_batches, optimizer_step
 
@@ -310,8 +310,10 @@ def teacher_engine(cfg, run):
     """--lmbda < 1: an engine over the teacher, for the steps whose batch it samples; the rest of
     the run (episodes, tokenizer) is the student's."""
     teacher = load_teacher(cfg.teacher, pick_device(), DTYPES[cfg.dtype])  # (the grader's)
+    # frozen: it samples from the very same weights; it decodes as the student's engine does (as
+    # the run chose, rollout.decoding_mode: a resumed run's teacher too)
     engine = HFRollout(teacher, run.tokenizer, device=pick_device(), dtype=DTYPES[cfg.dtype],
-                       shares_weights=True)  # frozen: it samples from the very same weights
+                       shares_weights=True, decode=decoding_mode(run.rollout))
     return types.SimpleNamespace(rollout=engine, agent=run.agent, tokenizer=run.tokenizer)
 
 

@@ -426,6 +426,11 @@ def _decoding(engine):
     return getattr(engine, "decoding", None)
 
 
+def _decode_as(engine, choice):
+    if getattr(engine, "decoding", None) is not None:  # (an HF engine's)
+        engine.decoding = choice
+
+
 def _release_kept(engine):
     release = getattr(engine, "release_kept", None)
     if release:
@@ -476,9 +481,15 @@ class EngineGroup:
 
     @property
     def decoding(self):
-        """The first engine's attention.DecodeChoice (None: vLLM), which the run records: a
-        resumed run's engines all decode so (trainer._rollout)."""
+        """The first engine's attention.DecodeChoice (None: vLLM), which the run records."""
         return self.run(_decoding)[0]
+
+    def decode_alike(self):
+        """Every engine decodes as the first chose: each timed its own choice when it started (on
+        unlike nodes, or beside a busy core, they can differ), and flash or not changes a bf16
+        run's samples -- one choice, which the run records and a resumed run keeps."""
+        if (choice := self.decoding) is not None:
+            self.run(_decode_as, choice)
 
     @property
     def max_model_len(self) -> int:

@@ -115,9 +115,9 @@ def start_log(folder: RunFolder, cfg, line=None, decoding: str = ""):
     """The run's first write, once its models have loaded: what it would overwrite or drop moved
     aside whole (run_folder.set_aside: a fresh run, the run before it; a resumed one, the branch
     it leaves), superseded/ pruned to --keep-superseded; then the config, written to
-    <out>/<cfg.CONFIG_FILE> with how the HF engine is `decoding` (attention.DecodeChoice.mode:
-    a resumed run keeps it, options.keep_decoding), and the metrics log (metrics.jsonl and the
-    trackers, a resumed run's history first)."""
+    <out>/<cfg.CONFIG_FILE> with how the run's HF engines are `decoding` (rollout.decoding_mode,
+    which a resumed run reads back as cfg.decoding: options.settle), and the metrics log
+    (metrics.jsonl and the trackers, a resumed run's history first)."""
     moved, aside, folder.samples = set_aside(folder.out, folder.aside, folder.resume_dir,
                                              folder.samples)
     kept = folder.reads + ([aside] if aside else [])  # (never the run just moved aside)

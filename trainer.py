@@ -552,7 +552,7 @@ def engine_beside(trainer, cfg, shared: bool = True):
 
 def _rollout(cfg, model, tokenizer, device, shared: bool = False):
     """The run's engine over `model`, sized for this engine's share of a step's samples (decoding
-    as a resumed run recorded, cfg.decoding: options.settle)."""
+    as a resumed run recorded, cfg.decoding: options.settle; else as it times)."""
     return make_rollout(cfg.rollout, model, tokenizer, device=device, shares_weights=shared,
                         decode=cfg.decoding,
                         dtype=DTYPES[cfg.dtype], seed=cfg.seed,
@@ -649,6 +649,7 @@ def setup_ray(cfg, train_step, resume_dir: str = "", start_step: int = 0) -> "Ru
     shared = cfg.engine_shares_weights()  # --colocate: engine i in trainer i's process
     engines = cluster.engines_in(trainers, engine_beside, cfg) if shared else \
         cluster.engines(make_engine, cfg)
+    engines.decode_alike()
     print(cluster.placement())
     if shared:  # engine i decodes from trainer i's tensors: no copy, nothing to send
         sync_weights = weight_sync_in_place(engines)

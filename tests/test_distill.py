@@ -183,10 +183,12 @@ def test_a_tiny_student_moves_towards_its_teacher(tiny_model_dir, teacher_dir, t
 
 
 def test_one_teacher_is_read_in_the_compute_dtype_and_both_grades_and_samples(tokenizer,
-                                                                             tmp_path):
+                                                                             tmp_path,
+                                                                             monkeypatch):
     """Issue 41: the teacher was loaded in fp32 (28 GiB for a 7B one) before its cast, and with
     --lmbda < 1 a second fp32 teacher was loaded and deep-copied into an HF engine. Now one copy,
-    read straight in bf16 (its rotary tables fp32), and the engine samples from it."""
+    read straight in bf16 (its rotary tables fp32), and the engine samples from it -- decoding as
+    the student's engine does (the run's one choice, which a resumed run keeps)."""
     from types import SimpleNamespace
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -208,6 +210,10 @@ def test_one_teacher_is_read_in_the_compute_dtype_and_both_grades_and_samples(to
     assert grown < 2.5 * bf16_bytes, (grown / 2**20, bf16_bytes / 2**20)
     cfg = parse_config(distill.Config, ["--model", path, "--teacher", path, "--dtype", "bf16",
                                         "--lmbda", "0.5", "--out", str(tmp_path / "o")])
-    engine = distill.teacher_engine(cfg, SimpleNamespace(tokenizer=tokenizer, agent=None))
-    assert engine.rollout.model is teacher
+    from attention import DecodeChoice
+    monkeypatch.delenv("SMOLRL_DECODE")  # (the suite's pin would win)
+    student = SimpleNamespace(decoding=DecodeChoice(False, False, "", "concat"))
+    run = SimpleNamespace(tokenizer=tokenizer, agent=None, rollout=student)
+    engine = distill.teacher_engine(cfg, run)
+    assert engine.rollout.model is teacher and engine.rollout.decoding.mode == "concat"
     assert distill.teacher_of(SimpleNamespace(cfg=cfg, device="cpu")) is teacher

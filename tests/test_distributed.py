@@ -521,6 +521,25 @@ def _engine_of_length(length: int):
     return SimpleNamespace(max_model_len=length)
 
 
+def _engine_deciding(mode: str):
+    from types import SimpleNamespace
+    from attention import DecodeChoice
+    return SimpleNamespace(decoding=DecodeChoice(mode == "flash", mode != "concat", mode, mode))
+
+
+def test_the_engines_of_a_run_decode_as_the_first_chose(engine_pool):
+    """Each engine times its decoding when it starts, and on unlike nodes (or beside a busy core)
+    two can choose apart, which changes a bf16 run's samples: setup_ray has every engine decode as
+    the first chose -- the choice the run records, and a resumed run keeps."""
+    from distributed import _decoding
+    for worker, mode in zip(engine_pool.workers, ("concat", "flash")):
+        ray.get(worker.setup.remote(_engine_deciding, mode))
+    assert [choice.mode for choice in engine_pool.run(_decoding)] == ["concat", "flash"]
+    engine_pool.decode_alike()
+    assert [choice.mode for choice in engine_pool.run(_decoding)] == ["concat", "concat"]
+    assert decoding_mode(engine_pool) == "concat"
+
+
 def test_the_engines_on_ray_say_how_long_a_sequence_they_hold(engine_pool):
     """An episode's turns stay within the engine's max_model_len (env.Agent.budget) on Ray too:
     the engines behind an EngineGroup tell it (0: no limit, the HF engine)."""

@@ -125,7 +125,7 @@ def test_sigterm_checkpoints_the_step_and_the_resumed_run_is_exact(tiny_model_di
     print(f"SIGTERM to exit: {seconds:.1f} s")
     monkeypatch.delenv("SMOLRL_DECODE")  # (unpinned, the resumed run takes the recorded choice)
     said = run_grpo(args + ["--resume", "auto"]).stdout
-    assert "decoding: matmuls on a cache grown in place (as the resumed run recorded: grow)" in said
+    assert "decoding: matmuls on a cache grown in place (as the run chose: grow)" in said
     assert_same_run(out, straight)
 
 

@@ -269,7 +269,7 @@ def test_a_resumed_run_decodes_as_it_recorded(tmp_path, monkeypatch):
     monkeypatch.setattr(attention, "decode_times", lambda *a: pytest.fail("timed again"))
     choice = attention.choose_decode(config, torch.bfloat16, "cpu", recorded="concat")
     assert (choice.flash, choice.grows, choice.mode) == (False, False, "concat")
-    assert "as the resumed run recorded: concat" in choice.line
+    assert "as the run chose: concat" in choice.line
     monkeypatch.setenv(hardware.DECODE_ENV, "flash")  # the environment's pin wins
     choice = attention.choose_decode(config, torch.bfloat16, "cpu", recorded="concat")
     assert (choice.flash, choice.mode) == (True, "flash") and "SMOLRL_DECODE=flash" in choice.line
