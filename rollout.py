@@ -259,7 +259,8 @@ class HFRollout:
         self.packs = can_pack(self.model, device, dtype)  # weights packed for each call (packed_linear.py)
         # How its decoding steps attend (attention.decode_attention, or SDPA's flash kernel), and
         # whether its cache grows in place (GrowingLayer): timed here, once a process -- or
-        # `decode`, as a resumed run recorded it (flash, grow or concat).
+        # `decode` (flash, grow or concat), as the run chose: a resumed run's record, a
+        # distillation student's engine's for its teacher.
         own = not use_smolrl_attention(self.model)  # (a model that takes no other attention)
         self.decoding = choose_decode(self.model.config.get_text_config(), dtype, device, own,
                                       recorded=decode)
