@@ -488,8 +488,12 @@ class EngineGroup:
         """Every engine decodes as the first chose: each timed its own choice when it started (on
         unlike nodes, or beside a busy core, they can differ), and flash or not changes a bf16
         run's samples -- one choice, which the run records and a resumed run keeps."""
-        if (choice := self.decoding) is not None:
-            self.run(_decode_as, choice)
+        choices = self.run(_decoding)
+        modes = [choice.mode for choice in choices if choice is not None]
+        if len(set(modes)) > 1:
+            print(f"engines: their decoding timed apart ({', '.join(modes)}); all decode as the "
+                  f"first chose, {modes[0]}")
+            self.run(_decode_as, choices[0])
 
     @property
     def max_model_len(self) -> int:

@@ -178,7 +178,7 @@ def block_sums(probs: torch.Tensor) -> torch.Tensor:
     is not whole blocks, the last block holds the rest. A sum in fp64 first copies what it adds to
     fp64: a few rows at a time, that copy is ~2 MB, where all 64 rows of 49,152 made a fresh 25 MB
     tensor that cost a decoding step 6 ms in page faults, 4x the sum (2-core Xeon)."""
-    B, V = probs.shape
+    V = probs.shape[1]
     whole = V - V % CDF_BLOCK
     sums = []
     for rows in probs.split(max(1, SUM_BYTES // (8 * V))):  # (8 bytes an fp64 number)

@@ -527,7 +527,7 @@ def _engine_deciding(mode: str):
     return SimpleNamespace(decoding=DecodeChoice(mode == "flash", mode != "concat", mode, mode))
 
 
-def test_the_engines_of_a_run_decode_as_the_first_chose(engine_pool):
+def test_the_engines_of_a_run_decode_as_the_first_chose(engine_pool, capsys):
     """Each engine times its decoding when it starts, and on unlike nodes (or beside a busy core)
     two can choose apart, which changes a bf16 run's samples: setup_ray has every engine decode as
     the first chose -- the choice the run records, and a resumed run keeps."""
@@ -537,6 +537,8 @@ def test_the_engines_of_a_run_decode_as_the_first_chose(engine_pool):
     assert [choice.mode for choice in engine_pool.run(_decoding)] == ["concat", "flash"]
     engine_pool.decode_alike()
     assert [choice.mode for choice in engine_pool.run(_decoding)] == ["concat", "concat"]
+    assert "their decoding timed apart (concat, flash); all decode as the first chose, concat" in \
+        capsys.readouterr().out
     assert decoding_mode(engine_pool) == "concat"
 
 
