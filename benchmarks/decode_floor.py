@@ -16,7 +16,7 @@ second splits one step of the HF engine's forward (hidden states, then the LM he
 weights packed as the engine packs them where it does (packed_linear.py), then with the plain
 layers: "the rest" is the decoder's time less its matmuls timed alone -- attention, norms, rotary
 embeddings, the cache's concatenation, the embedding, the mask, Python -- assuming the matmuls run
-inside the forward as fast as alone. The loop's sampling (sampling.sample_next) is not in it.
+inside the forward as fast as alone. The loop's sampling (sampling.draw) is not in it.
 """
 
 import contextlib
