@@ -358,11 +358,13 @@ def choose_decode(config, dtype: torch.dtype, device, own_attention: bool = Fals
     flash = dtype != torch.float32 and t.flash <= FLASH_MARGIN * min(t.view, t.copied)
     grows = flash or t.view <= t.copied
     rows, context = DECODE_PROBE
+    odd = f"; the run's config records {recorded!r}, none of {', '.join(DECODE_PINS)}" \
+        if recorded else ""  # (a valid one was taken above)
     return DecodeChoice(flash, grows, (
         f"decoding: {_how(flash, grows)} ({str(dtype).removeprefix('torch.')}; one layer's "
         f"attention for {rows} rows of {context} tokens, timed here on one thread: flash "
         f"{t.flash:.0f} us, matmuls on a growing cache {t.view:.0f} us, on a concatenated one "
-        f"{t.copied:.0f} us)"), _mode(flash, grows))
+        f"{t.copied:.0f} us{odd})"), _mode(flash, grows))
 
 
 def _mode(flash: bool, grows: bool) -> str:

@@ -41,7 +41,7 @@ from model import full_weights
 from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions
 from pairs import ANSWER_TOKENS, Pair, builtin_pairs, tokenize_pairs
 from reward import Grader
-from rollout import HFRollout
+from rollout import HFRollout, decoding_mode
 from sampling import Sampling
 from session import close_run, offline_loop, one_run, open_run, resume_driver, start_log
 from trainer import export_model, optimizer_step, resume_trainer
@@ -195,8 +195,9 @@ def main(cfg: Config):
     tokenizer, device = trainer.tokenizer, trainer.device
     # Built-in data: one generation engine samples the pairs and later runs the task evaluation.
     task_rows = arith_heldout(cfg.eval_size) if rows is None else []
-    rollout = HFRollout(trainer.model, tokenizer, device=device, dtype=DTYPES[cfg.dtype]) \
-        if rows is None else None
+    # (decoding as a resumed run recorded: in bf16 another choice would sample other pairs)
+    rollout = HFRollout(trainer.model, tokenizer, device=device, dtype=DTYPES[cfg.dtype],
+                        decode=cfg.decoding) if rows is None else None
     pairs = builtin_pairs(rollout, tokenizer, cfg) if rows is None else \
         tokenize_pairs(tokenizer, rows, cfg.data, cfg)[0]
     random.Random(cfg.seed).shuffle(pairs)
@@ -208,7 +209,7 @@ def main(cfg: Config):
     if folder.resume_dir:  # the checkpoint's weights, optimizer, schedule and RNG
         resume_trainer(trainer, folder.resume_dir)
     resume_driver(folder)
-    start_log(folder, cfg, line=format_dpo_step)
+    start_log(folder, cfg, format_dpo_step, decoding_mode(rollout))  # ("" with a file)
     grader = Grader()
     offline_loop(folder, cfg, len(train), f"{len(train)} training pairs, {n_eval} held-out "
                  f"pairs", evaluate=held_out_evaluation(trainer, *held_out, rollout, task_rows,

@@ -46,7 +46,7 @@ from model import load_model, load_tokenizer, model_path
 from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions
 from pairs import Pair, builtin_pairs
 from reward_models import common_prefix, reward_model_ids, scores
-from rollout import HFRollout
+from rollout import HFRollout, decoding_mode
 from session import close_run, offline_loop, one_run, open_run, resume_driver, start_log
 from trainer import export_model, optimizer_step, resume_trainer
 from trainer import save_trainer, setup_trainer
@@ -261,11 +261,13 @@ def main(cfg: Config):
         print(cfg.memory_plan)
     trainer = setup_trainer(cfg)  # (a resumed run's state comes after its pairs are made)
     tokenizer = trainer.tokenizer
+    decoding = ""  # (how the builtin pairs were sampled: a resumed run samples them alike)
     if pairs is None:  # the starting model's own answers, sampled as dpo.py samples them
         sampler = HFRollout(load_model(cfg.model, trainer.device, DTYPES[cfg.dtype])[0],
                             tokenizer, device=trainer.device, dtype=DTYPES[cfg.dtype],
-                            shares_weights=True)
+                            shares_weights=True, decode=cfg.decoding)  # (as dpo.py's)
         rows = [p.row for p in builtin_pairs(sampler, tokenizer, cfg, cfg.builtin_corrected)]
+        decoding = decoding_mode(sampler)
         del sampler
         pairs = reward_pairs(tokenizer, rows, "builtin pairs", cfg)
     random.Random(cfg.seed).shuffle(pairs)
@@ -274,7 +276,7 @@ def main(cfg: Config):
     if folder.resume_dir:
         resume_trainer(trainer, folder.resume_dir)
     resume_driver(folder)
-    start_log(folder, cfg, line=format_rm_step)
+    start_log(folder, cfg, format_rm_step, decoding)
     offline_loop(folder, cfg, len(train), f"{len(train)} training pairs, {n_eval} held-out pairs",
                  train_step=lambda idx: train_step(trainer, [train[i] for i in idx], cfg),
                  evaluate=held_out_evaluation(trainer, held_out, cfg),

@@ -181,6 +181,36 @@ def test_an_offline_run_stops_after_its_step_and_resumes_exactly(tiny_model_dir,
     assert strip(resumed) == strip(whole) and [r["step"] for r in whole] == [1, 2]
 
 
+@pytest.mark.parametrize("script", ["dpo", "rm"])
+def test_builtin_pairs_are_sampled_again_as_the_run_recorded(script, tiny_model_dir, tmp_path,
+                                                            capsys, monkeypatch):
+    """dpo.py's and rm.py's --data builtin pairs come from the starting weights, sampled again
+    when the run resumes: the checkpoint's config records how the engine decoded (fp32 under the
+    suite's SMOLRL_DECODE=flash: grow), and the resumed run, unpinned, decodes so, untimed, says
+    so, and ends with the uninterrupted run's metrics."""
+    import importlib
+    from cli import parse_config
+    module = importlib.import_module(script)
+    common = ["--model", tiny_model_dir, "--data", "builtin", "--builtin-problems", "10",
+              "--builtin-samples", "2", "--batch-size", "2", "--steps", "3", "--eval-every", "0",
+              "--lr", "1e-3", "--dtype", "fp32"]
+    module.main(parse_config(module.Config, common + [
+        "--save-every", "2", "--keep-last", "0", "--out", str(tmp_path / "a")]))
+    step = tmp_path / "a" / "checkpoints" / "step_2"
+    assert json.loads((step / f"{script}_config.json").read_text())["decoding"] == "grow"
+    capsys.readouterr()
+    monkeypatch.delenv("SMOLRL_DECODE")
+    import attention
+    monkeypatch.setattr(attention, "decode_times", lambda *a: pytest.fail("timed again"))
+    module.main(parse_config(module.Config, common + ["--resume", str(step),
+                                                      "--out", str(tmp_path / "b")]))
+    said = capsys.readouterr().out
+    assert "resuming from" in said and "(as the run chose: grow)" in said
+    strip = lambda rows: [{k: v for k, v in r.items() if not any(t in k for t in TIMING)}  # noqa
+                          for r in rows]
+    assert strip(read_metrics(tmp_path / "a")) == strip(read_metrics(tmp_path / "b"))
+
+
 def test_a_step_that_outlasts_the_grace_is_given_up_the_last_checkpoint_kept(tiny_model_dir,
                                                                              tmp_path):
     """--stop-grace 2: SIGTERM inside a step that does not end; 2 s later the run gives the step

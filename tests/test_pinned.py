@@ -273,6 +273,11 @@ def test_a_resumed_run_decodes_as_it_recorded(tmp_path, monkeypatch):
     monkeypatch.setenv(hardware.DECODE_ENV, "flash")  # the environment's pin wins
     choice = attention.choose_decode(config, torch.bfloat16, "cpu", recorded="concat")
     assert (choice.flash, choice.mode) == (True, "flash") and "SMOLRL_DECODE=flash" in choice.line
+    monkeypatch.delenv(hardware.DECODE_ENV)  # a record that is none of the three: timed, said
+    monkeypatch.setattr(attention, "decode_times", lambda *a: attention.DecodeTimes(1.0, 2.0, 3.0))
+    choice = attention.choose_decode(config, torch.bfloat16, "cpu", recorded="banana")
+    assert choice.mode == "flash" and choice.line.endswith(
+        "3 us; the run's config records 'banana', none of flash, grow, concat)")
 
 
 def test_a_folder_swap_that_fails_halfway_leaves_the_old_folder_whole(tmp_path, monkeypatch):
