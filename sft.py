@@ -53,7 +53,7 @@ from logprobs import chunk_logprobs, right_pad
 from model import full_weights, load_tokenizer, resolve
 from options import EpisodeOptions, ModelOptions, OfflineOptions, RunOptions, TrainOptions, settle
 from reward import Grader
-from rollout import HF_BATCH, HFRollout
+from rollout import HF_BATCH, HFRollout, decoding_mode
 from session import close_run, offline_loop, one_run, open_run, resume_driver, start_log
 from trainer import export_model, micro_batches, optimizer_step, save_trainer
 from trainer import setup_trainer
@@ -468,11 +468,15 @@ def main(cfg: Config):
         raise SystemExit(f"error: --packing: {type(trainer.model).__name__} was not verified to "
                          f"keep packed sequences apart with an attention mask; use --no-packing")
     resume_driver(folder)
-    start_log(folder, cfg, line=format_sft_step)
+    # The held-out task's engine decodes as a resumed run recorded (in bf16 another choice could
+    # solve other problems greedily), and this run records how it decodes.
+    engine = HFRollout(trainer.model, trainer.tokenizer, device=trainer.device,
+                       dtype=DTYPES[cfg.dtype], decode=cfg.decoding) if task_rows else None
+    start_log(folder, cfg, format_sft_step, decoding_mode(engine))
     offline_loop(folder, cfg, len(train), f"{len(train)} training rows, {n_eval} held-out rows, "
                  f"{len(task_rows)} held-out problems",
                  train_step=lambda rows: train_step(trainer, [train[i] for i in rows], cfg),
-                 evaluate=held_out_evaluation(trainer, held_out, task_rows, agent, cfg),
+                 evaluate=held_out_evaluation(trainer, held_out, task_rows, engine, agent, cfg),
                  save=lambda checkpoint: save_trainer(trainer, checkpoint))
     close_run(folder, lambda model_dir: export_model(trainer, model_dir),
               title=f"SFT on {cfg.data} ({cfg.model})", train_keys=(),
@@ -480,13 +484,11 @@ def main(cfg: Config):
     return folder.driver.history
 
 
-def held_out_evaluation(trainer, held_out: list[Example], task_rows: list[dict], agent,
+def held_out_evaluation(trainer, held_out: list[Example], task_rows: list[dict], engine, agent,
                         cfg: Config):
     """The step's held-out metrics, as a function: the loss on the held-out rows, and the task
-    solved greedily by an engine holding the current weights, scored as grpo.py scores its
+    solved greedily by `engine` holding the current weights, scored as grpo.py scores its
     held-out problems (evaluate.evaluate_held_out: episodes with --tools/--env)."""
-    engine = HFRollout(trainer.model, trainer.tokenizer, device=trainer.device,
-                       dtype=DTYPES[cfg.dtype]) if task_rows else None
     grader = Grader()  # (math-verify's workers start only if an answer needs them)
     run = SimpleNamespace(rollout=engine, tokenizer=trainer.tokenizer, agent=agent)
 

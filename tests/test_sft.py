@@ -521,7 +521,15 @@ def test_a_tiny_run_resumes_exactly_and_its_model_loads_in_grpo_and_evaluate(tin
     with pytest.raises(KeyboardInterrupt):
         sft.main(parse_config(Config, common + ["--out", str(run)]))
     monkeypatch.setattr(sft, "optimizer_step", real_step)
+    # the evaluation engine decodes as the run recorded (fp32 under the suite's flash pin: grow),
+    # unpinned and untimed
+    assert json.loads((run / "checkpoints/step_3/sft_config.json").read_text())["decoding"] == \
+        "grow"
+    import attention
+    monkeypatch.delenv("SMOLRL_DECODE")
+    monkeypatch.setattr(attention, "decode_times", lambda *a: pytest.fail("timed again"))
     sft.main(parse_config(Config, common + ["--out", str(run), "--resume", "auto"]))
+    monkeypatch.undo()
     assert read_metrics(run) == read_metrics(tmp_path / "whole")
     assert (run / "curves.png").exists() and (run / "model" / "model.safetensors").exists()
     assert "loss and held-out" in (run / "report.html").read_text()  # (its curves: report.py)
