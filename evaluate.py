@@ -407,7 +407,7 @@ def main(argv=None):
     agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
     from hardware import choose_dtype, pick_device
     from model import load_model
-    from rollout import make_rollout
+    from rollout import decoding_mode, make_rollout
     device = pick_device()
     dtype = choose_dtype(cfg.dtype, device)
     print(f"dtype {dtype.name} ({dtype.reason})")
@@ -424,7 +424,10 @@ def main(argv=None):
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     prompt = TEMPLATES[cfg.template][0].format(problem="{problem}")
-    results = {"config": {**asdict(cfg), "prompt": prompt}, "datasets": {}}
+    # What the machine chose for these numbers (--dtype auto's dtype, the HF engine's decoding:
+    # both change bf16 samples), for another evaluation to compare like with like.
+    results = {"config": {**asdict(cfg), "prompt": prompt}, "dtype": dtype.name,
+               "decoding": decoding_mode(rollout), "datasets": {}}
     all_samples = []
     t0 = time.time()
     for name, rows in datasets.items():
