@@ -358,7 +358,7 @@ def choose_decode(config, dtype: torch.dtype, device, own_attention: bool = Fals
     flash = dtype != torch.float32 and t.flash <= FLASH_MARGIN * min(t.view, t.copied)
     grows = flash or t.view <= t.copied
     rows, context = DECODE_PROBE
-    odd = f"; the run's config records {recorded!r}, none of {', '.join(DECODE_PINS)}" \
+    odd = f"; the run's config records {recorded[:32]!r}, none of {', '.join(DECODE_PINS)}" \
         if recorded else ""  # (a valid one was taken above)
     return DecodeChoice(flash, grows, (
         f"decoding: {_how(flash, grows)} ({str(dtype).removeprefix('torch.')}; one layer's "

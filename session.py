@@ -38,7 +38,7 @@ from checkpoint import DriverState, find_checkpoint, load_driver_state, newest_c
 from checkpoint import save_checkpoint
 from data import escaped
 from evaluate import RunLog
-from hardware import machine
+from hardware import DECODE_PINS, machine
 from report import write_report
 from run_folder import check_out, check_room, left_behind, lock_out, prune_superseded, read_paths
 from run_folder import recover_export, release_out, room_left, samples_of, set_aside
@@ -116,7 +116,8 @@ def start_log(folder: RunFolder, cfg, line=None, decoding: str = ""):
     aside whole (run_folder.set_aside: a fresh run, the run before it; a resumed one, the branch
     it leaves), superseded/ pruned to --keep-superseded; then the config, written to
     <out>/<cfg.CONFIG_FILE> with how the run's HF engines are `decoding` (rollout.decoding_mode,
-    which a resumed run reads back as cfg.decoding: options.settle), and the metrics log
+    which a resumed run reads back as cfg.decoding: options.settle; without an engine, what it
+    read back), and the metrics log
     (metrics.jsonl and the trackers, a resumed run's history first)."""
     moved, aside, folder.samples = set_aside(folder.out, folder.aside, folder.resume_dir,
                                              folder.samples)
@@ -124,6 +125,9 @@ def start_log(folder: RunFolder, cfg, line=None, decoding: str = ""):
     for said in (moved, prune_superseded(folder.out, cfg.keep_superseded, kept)):
         if said:
             print(said)
+    # (no engine this leg -- SFT resumed without its evaluation, say: the run's record carries
+    # on, for a later leg's engine to decode as the first did)
+    decoding = decoding or (cfg.decoding if getattr(cfg, "decoding", "") in DECODE_PINS else "")
     recorded = {**asdict(cfg), **({"decoding": decoding} if decoding else {})}
     write_beside(folder.out / cfg.CONFIG_FILE, json.dumps(recorded, indent=2))  # (first: what
     # marks a run's folder, run_folder.left_behind)

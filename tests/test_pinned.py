@@ -280,6 +280,26 @@ def test_a_resumed_run_decodes_as_it_recorded(tmp_path, monkeypatch):
         "3 us; the run's config records 'banana', none of flash, grow, concat)")
 
 
+def test_a_leg_without_an_engine_keeps_the_runs_recorded_decoding(tmp_path):
+    """A resumed leg that builds no HF engine (SFT resumed with --eval-every 0) writes the
+    decoding the run recorded into its config, for a later leg's engine to decode alike; an
+    engine's own mode wins, and a record that is none of the three is not carried on."""
+    import json
+    import grpo
+    from session import open_run, resume_driver, start_log
+    from stopping import release_stop_signals
+    for recorded, engine, written in (("grow", "", "grow"), ("grow", "flash", "flash"),
+                                      ("banana", "", None), ("", "", None)):
+        out = tmp_path / f"{recorded}-{engine}"
+        cfg = grpo.Config(out=str(out), data="arith", model="unused")
+        cfg.decoding = recorded  # (as options.settle reads it back on --resume)
+        folder = open_run(cfg)
+        resume_driver(folder)
+        start_log(folder, cfg, None, engine)
+        release_stop_signals()  # (start_log catches them, for the run's loop)
+        assert json.loads((out / "grpo_config.json").read_text()).get("decoding") == written
+
+
 def test_a_folder_swap_that_fails_halfway_leaves_the_old_folder_whole(tmp_path, monkeypatch):
     """replace_folder renames the old folder aside before the new one takes its place, and
     deletes it last: if the second rename fails (a full disk, a kill), the old folder still
