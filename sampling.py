@@ -140,7 +140,9 @@ def draw(logits: torch.Tensor, sampling: Sampling, logprobs: bool = False) -> Dr
     if not 0 < sampling.top_p <= 1:
         raise ValueError(f"sampling: top_p {sampling.top_p} must be in (0, 1]")
     if sampling.temperature == 0:
-        token = logits.argmax(-1)  # (a row's NaN is its argmax: checked on B values, not B V)
+        # max's indices, not argmax: the same first index of a row's largest (a NaN's, if any:
+        # checked below on B values, not B V), a quarter of the time in bf16 on a CPU
+        token = logits.max(-1).indices
         if not torch.isfinite(logits.gather(-1, token[:, None])).all():
             raise ValueError(NO_MASS)
         return Drawn(token, None)

@@ -200,6 +200,11 @@ def test_sample_next_top_p_keeps_the_smallest_nucleus():
     tokens = sample_next(logits.expand(rows, -1), Sampling(temperature=1.0, top_p=0.85))
     assert torch.bincount(tokens, minlength=4)[0] > 0  # 0.85 needs the third token too
     assert sample_next(logits[None], Sampling(temperature=0.0)).tolist() == [1]
+    # greedy takes the first of tied largest logits, as argmax does, in each dtype (the engine's
+    # greedy tokens must not depend on how the maximum is found)
+    ties = torch.tensor([[0.0, 2.0, 1.0, 2.0], [3.0, 3.0, 3.0, 3.0], [-1.0, -2.0, -1.0, -3.0]])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert sample_next(ties.to(dtype), Sampling(temperature=0.0)).tolist() == [1, 0, 0]
 
 
 def test_group_batches_keep_groups_whole_and_split_only_large_ones():
