@@ -123,7 +123,7 @@ class Drawn(NamedTuple):
     logprobs: torch.Tensor | None  # (B,) fp32 log softmax(logits / T)[token], or None (greedy)
 
 
-NO_MASS = "sampling: the logits hold NaN or are all -inf in some row"
+NO_MASS = "sampling: the logits hold NaN or +inf, or are all -inf, in some row"
 
 
 def draw(logits: torch.Tensor, sampling: Sampling, logprobs: bool = False) -> Drawn:
@@ -141,7 +141,7 @@ def draw(logits: torch.Tensor, sampling: Sampling, logprobs: bool = False) -> Dr
         raise ValueError(f"sampling: top_p {sampling.top_p} must be in (0, 1]")
     if sampling.temperature == 0:
         # max's indices, not argmax: the same first index of a row's largest (a NaN's, if any:
-        # checked below on B values, not B V), a quarter of the time in bf16 on a CPU
+        # checked below on B values, not B V), in a quarter of the time on a CPU in bf16
         token = logits.max(-1).indices
         if not torch.isfinite(logits.gather(-1, token[:, None])).all():
             raise ValueError(NO_MASS)

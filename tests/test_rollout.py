@@ -175,16 +175,18 @@ def test_the_blocked_inverse_cdf_draws_what_one_running_sum_draws():
     last = [V - 41] * 2 + [3 * CDF_BLOCK - 1] + [V - 41] * 29 + [V - 1] * 32
     for end in (1.0, 1 + 2**-40):
         assert inverse_cdf(probs, torch.full((B,), end, dtype=torch.float64)).tolist() == last
-    with pytest.raises(ValueError, match="NaN or are all -inf"):  # a row with nothing to draw
+    # a row with nothing to draw
+    with pytest.raises(ValueError, match=r"NaN or \+inf, or are all -inf"):
         inverse_cdf(torch.tensor([[0.5, 0.5], [0.0, 0.0]]), torch.zeros(2, dtype=torch.float64))
     with pytest.raises(ValueError, match="top_p 0 must be in"):  # (it would keep no token)
         sample_next(torch.zeros(2, 3), Sampling(temperature=1.0, top_p=0))
-    for bad in ([0.0, float("nan")], [float("-inf"), float("-inf")]):  # one clear line
-        with pytest.raises(ValueError, match="NaN or are all -inf"):
+    for bad in ([0.0, float("nan")], [float("-inf"), float("-inf")], [0.0, float("inf")]):
+        # one clear line
+        with pytest.raises(ValueError, match=r"NaN or \+inf, or are all -inf"):
             sample_next(torch.tensor([[1.0, 2.0], bad]), Sampling(temperature=1.0))
         # greedy too: NaN's argmax is a NaN's index, which scored an evaluation 0 silently (issue
         # 67's Gemma 2)
-        with pytest.raises(ValueError, match="NaN or are all -inf"):
+        with pytest.raises(ValueError, match=r"NaN or \+inf, or are all -inf"):
             sample_next(torch.tensor([[1.0, 2.0], bad]), Sampling(temperature=0.0))
 
 
