@@ -117,8 +117,8 @@ def start_log(folder: RunFolder, cfg, line=None, decoding: str = ""):
     it leaves), superseded/ pruned to --keep-superseded; then the config, written to
     <out>/<cfg.CONFIG_FILE> with how the run's HF engines are `decoding` (rollout.decoding_mode,
     which a resumed run reads back as cfg.decoding: options.settle; without an engine, what it
-    read back), and the metrics log
-    (metrics.jsonl and the trackers, a resumed run's history first)."""
+    read back), and the metrics log (metrics.jsonl and the trackers, a resumed run's history
+    first)."""
     moved, aside, folder.samples = set_aside(folder.out, folder.aside, folder.resume_dir,
                                              folder.samples)
     kept = folder.reads + ([aside] if aside else [])  # (never the run just moved aside)
