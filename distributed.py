@@ -427,7 +427,7 @@ def _decoding(engine):
 
 
 def _decode_as(engine, choice):
-    if getattr(engine, "decoding", None) is not None:  # (an HF engine's)
+    if _decoding(engine) is not None:  # (an HF engine's)
         engine.decoding = choice
 
 

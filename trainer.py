@@ -554,8 +554,7 @@ def _rollout(cfg, model, tokenizer, device, shared: bool = False):
     """The run's engine over `model`, sized for this engine's share of a step's samples (decoding
     as a resumed run recorded, cfg.decoding: options.settle; else as it times)."""
     return make_rollout(cfg.rollout, model, tokenizer, device=device, shares_weights=shared,
-                        decode=cfg.decoding,
-                        dtype=DTYPES[cfg.dtype], seed=cfg.seed,
+                        dtype=DTYPES[cfg.dtype], decode=cfg.decoding, seed=cfg.seed,
                         max_new_tokens=tokens_after_prompt(cfg),
                         max_prompt_tokens=cfg.max_prompt_tokens,
                         gpu_memory_utilization=cfg.gpu_memory_utilization,
