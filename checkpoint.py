@@ -241,11 +241,12 @@ def recorded_setting(out, resume: str, config_file: str, key: str) -> str:
         return ""
 
 
-def find_checkpoint(out: Path, resume: str) -> str:
+def find_checkpoint(out: Path, resume: str, cfg=None) -> str:
     """--resume auto: the newest complete checkpoint in <out>/checkpoints; or the folder given --
     named through --out where it is one of <out>/checkpoints reached another way (the folder
     mounted twice), so that it is the branch in --out (in_checkpoints). Its files are checked
-    here, before any model loads, so a damaged one is named at once."""
+    here, before any model loads, so a damaged one is named at once -- and, given the run's
+    config, one that another script wrote or whose model is built otherwise (same_kind)."""
     if resume != "auto":
         if not (Path(resume) / "driver_state.pt").exists():
             raise SystemExit(f"error: --resume {resume}: not a checkpoint folder (no driver_state.pt)")
@@ -275,7 +276,46 @@ def find_checkpoint(out: Path, resume: str) -> str:
             raise SystemExit(escaped(f"error: checkpoint {folder}: {weights.name} is damaged "
                                      f"({e}); resume from another checkpoint with --resume "
                                      f"PATH")) from None
+    if cfg is not None:
+        same_kind(folder, cfg)
     return str(folder)
+
+
+CONFIG_FILES = tuple(f"{name}_config.json" for name in ("sft", "rm", "dpo", "grpo", "ppo",
+                                                        "distill"))  # (each Config's CONFIG_FILE)
+# What a checkpoint's model is built from: resumed with another, its weights do not fit the model
+# being built (a traceback half loaded) or fit only part of it (LoRA on other layers).
+STRUCTURE = ("lora_rank", "lora_targets")
+
+
+def same_kind(folder: Path, cfg):
+    """Refuse, before any model loads, a checkpoint another script wrote -- sft.py resuming
+    grpo.py's would skip the steps GRPO took and carry its metrics into SFT's log; rm.py and
+    ppo.py would fail half loaded -- or one whose model has another structure (STRUCTURE). The
+    config a checkpoint carries (save_checkpoint copies it) says both; one without any says nothing."""
+    ours = folder / cfg.CONFIG_FILE
+    if not ours.is_file():
+        theirs = [name for name in CONFIG_FILES if (folder / name).is_file()]
+        if theirs:
+            script = theirs[0].removesuffix("_config.json") + ".py"
+            raise SystemExit(escaped(
+                f"error: --resume {folder}: a checkpoint of {script} ({theirs[0]}), not of "
+                f"{cfg.CONFIG_FILE.removesuffix('_config.json')}.py; resume it with {script}"))
+        return
+    try:
+        recorded = json.loads(ours.read_text())
+        recorded = recorded if isinstance(recorded, dict) else {}
+    except (OSError, ValueError) as e:
+        _refuse(folder, f"{ours.name} cannot be read ({type(e).__name__})")
+    if not getattr(cfg, "lora_rank", 0) and not recorded.get("lora_rank", 0):
+        return  # (full weights both: LoRA's targets do not matter)
+    for key in STRUCTURE:
+        if key in recorded and hasattr(cfg, key) and recorded[key] != getattr(cfg, key):
+            flag = "--" + key.replace("_", "-")
+            raise SystemExit(escaped(
+                f"error: --resume {folder}: its run trained with {flag} {recorded[key]}, this "
+                f"one asks for {getattr(cfg, key)}; resume with {flag} {recorded[key]} (a "
+                f"checkpoint's weights fit only the model they were trained in)"))
 
 
 def newest_checkpoint(out: Path) -> Path | None:

@@ -48,15 +48,13 @@ import sys
 import time
 from pathlib import Path
 
-from checkpoint import checkpoint_step, claim_checkpoints, in_checkpoints
+from checkpoint import CONFIG_FILES, checkpoint_step, claim_checkpoints, in_checkpoints
 from data import escaped, printable
 from model import DEFAULT_MODEL, default_model_folder
 
 # What a run writes in --out, besides checkpoints/ (checkpoint.py) and its lock.
 RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "report.html", "curves.png", "machine.json")
 RUN_FOLDERS = ("model", "checkpoints", "tensorboard", "wandb")
-CONFIG_FILES = tuple(f"{name}_config.json" for name in ("sft", "rm", "dpo", "grpo", "ppo",
-                                                        "distill"))  # (each Config's CONFIG_FILE)
 LOCK = ".smolrl.lock"
 STAMP = re.compile(r"\d{8}-\d{6}\+*")  # a superseded folder's name: the time of its move
 TEMP = re.compile(r"\..+-[a-z0-9_]{8}")  # a folder's name as tempfile.mkdtemp makes it, with a

@@ -91,7 +91,7 @@ def open_run(cfg) -> RunFolder:
         recovered = recover_export(out)
         if recovered:
             print(recovered)
-        resume_dir = find_checkpoint(out, cfg.resume) if cfg.resume else ""
+        resume_dir = find_checkpoint(out, cfg.resume, cfg) if cfg.resume else ""
         reads = read_paths(cfg) + ([Path(resume_dir).resolve()] if resume_dir else [])
         folder = RunFolder(out, resume_dir, left_behind(out, resume_dir), samples_of(resume_dir),
                            reads)

@@ -485,3 +485,32 @@ def test_a_resume_in_a_hard_linked_copy_leaves_the_original_as_it_was(tmp_path):
     plot_curves([{"step": 3, "reward": 0.5}], copy / "curves.png")
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     assert json.loads((copy / "grpo_config.json").read_text())["out"] == str(copy)
+
+
+def test_a_checkpoint_of_another_script_or_structure_is_refused_before_loading(tiny_model_dir,
+                                                                              tmp_path):
+    """--resume checks whose checkpoint it is: sft.py (or dpo.py, rm.py, ppo.py) given grpo.py's
+    would skip GRPO's steps and carry its metrics into its own log, or fail half loaded; grpo.py
+    with --lora-rank given a full-weights one would fail half loaded. One line each, nothing in
+    the new --out."""
+    run_grpo(small_run_args(tiny_model_dir, tmp_path / "grpo") + ["--steps", "1",
+                                                                  "--save-every", "1"])
+    ck = tmp_path / "grpo" / "checkpoints" / "step_1"
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text('{"prompt": "1+1?", "chosen": "2", "rejected": "3"}\n' * 2)
+    for script, extra in [("sft.py", []), ("dpo.py", ["--data", str(pairs)]),
+                          ("rm.py", ["--data", str(pairs)]), ("ppo.py", [])]:
+        out = tmp_path / script.removesuffix(".py")
+        said = run_script(script, ["--model", tiny_model_dir, "--resume", str(ck),
+                                   "--out", str(out), *extra])
+        code, stderr = said.returncode, said.stderr
+        assert code != 0 and f"a checkpoint of grpo.py (grpo_config.json), not of {script}" \
+            in stderr, (script, stderr[-600:])
+        assert "Traceback" not in stderr and not any(out.glob("*.jsonl")), script
+    before = sorted(p.name for p in (tmp_path / "grpo").iterdir())
+    said = run_script("grpo.py", small_run_args(tiny_model_dir, tmp_path / "grpo") +
+                      ["--steps", "2", "--resume", "auto", "--lora-rank", "4"])
+    code, stderr = said.returncode, said.stderr
+    assert code != 0 and "its run trained with --lora-rank 0, this one asks for 4" in stderr
+    assert "Traceback" not in stderr
+    assert sorted(p.name for p in (tmp_path / "grpo").iterdir()) == before  # nothing moved
