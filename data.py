@@ -348,26 +348,43 @@ def task_summary(cfg) -> str:
 def _first_row(source: str) -> dict | None:
     """The first row of a local file, cheaply (None for a hub id)."""
     path = Path(source)
-    if not path.is_file():
+    if not source or not path.is_file():
         return None
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-        rows = pq.ParquetFile(path).read_row_group(0).slice(0, 1).to_pylist()
-        return rows[0] if rows else None
     try:
-        return load_table(source)[0]
-    except SystemExit:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+            rows = pq.ParquetFile(path).read_row_group(0).slice(0, 1).to_pylist()
+        else:
+            rows = load_table(source)[:1]
+    except (SystemExit, Exception):
         return None  # load_problems names the problem properly
+    return rows[0] if rows and isinstance(rows[0], dict) else None
 
 
-def prepare_rows(rows: list[dict], task: str) -> list[dict]:
-    """Rows of a file with a task's hub schema get their answers as the hub mapping would."""
-    if task == "math":
-        return [{**r, "answer": r.get("answer") or _last_boxed(str(r["solution"]))} for r in rows]
-    if task == "gsm8k":
-        return [{**r, "problem": r.get("problem") or r["question"],
-                 "answer": _after_hashes(str(r["answer"]))} for r in rows]
-    return rows
+def prepare_rows(rows: list[dict], task: str, source: str = "") -> list[dict]:
+    """Rows of a file with a task's hub schema get their answers as the hub mapping would; a row
+    without what the mapping reads is named in one line (the task was told from the first row)."""
+    if task not in ("math", "gsm8k"):
+        return rows
+    need = ("solution",) if task == "math" else ("question", "answer")
+    out = []
+    for i, r in enumerate(rows, start=1):
+        if not isinstance(r, dict):
+            raise InputError(f"{source}: row {i} is not a JSON object")
+        missing = [f for f in need if r.get(f) is None and not (f == "solution" and r.get("answer"))]
+        if missing:
+            raise InputError(f"{source}: row {i} has no '{missing[0]}' field (its first row has "
+                             f"{task.upper()}'s columns: {', '.join(need)})")
+        if task == "math":
+            answer = r.get("answer") or _last_boxed(str(r["solution"]))
+            if not answer:
+                raise InputError(f"{source}: row {i}: its solution has no \\boxed{{}} answer "
+                                 f"(and the row no 'answer' field)")
+            out.append({**r, "answer": answer})
+        else:
+            out.append({**r, "problem": r.get("problem") or r["question"],
+                        "answer": _after_hashes(str(r["answer"]))})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,9 +460,15 @@ def load_table(source: str, split: str = "") -> list[dict]:
     """Raw rows of a .jsonl/.json/.csv/.parquet file, or of a hub dataset (mapped by HUB_DATASETS;
     others take `split`, default train)."""
     path = Path(source)
+    if not source.strip():  # (an unset shell variable, a trailing comma: Path("") is ".")
+        raise InputError("an empty data path or name (an unset variable, a trailing comma?)")
     if path.suffix in (".jsonl", ".json", ".csv", ".parquet") or path.exists():
         if not path.exists():
             raise InputError(f"{source}: no such file")
+        if path.is_dir():
+            raise InputError(f"{source}: a folder, not a data file (.jsonl, .json, .csv or "
+                             f".parquet; a dataset saved by save_to_disk: write it out with "
+                             f"its .to_json())")
         if path.suffix == ".parquet":
             rows = _parquet_rows(path, source)
         elif path.suffix == ".csv":
@@ -587,7 +610,7 @@ def load_problems(cfg):
         first = next(stream(cfg.seed))
         train_rows, eval_rows = stream(cfg.seed), heldout(cfg.eval_size)
     else:
-        rows = prepare_rows(load_table(cfg.data, cfg.split), cfg.task)
+        rows = prepare_rows(load_table(cfg.data, cfg.split), cfg.task, cfg.data)
         rows = check_rows(rows, cfg.data, cfg.prompt_field, cfg.answer_field)
         first, eval_rows = rows[0], []
         # Hold out the tail of the training data for evaluation -- if it has answers to check.

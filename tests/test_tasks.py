@@ -2,6 +2,7 @@
 and settings, explicit flags win, and the math task runs end to end on a tiny Qwen2 model."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -94,3 +95,41 @@ def test_unknown_tasks_are_refused(argv):
     from cli import parse_config
     with pytest.raises(SystemExit):
         parse_config(Config, argv + ["--dry-run"])
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("rows, said", [
+    (MATH_ROWS[:1] + [{"problem": "2+2?"}] + MATH_ROWS[1:], "row 2 has no 'solution' field"),
+    (MATH_ROWS[:1] + [{"problem": "2+2?", "solution": "four"}],
+     "row 2: its solution has no \\boxed{} answer"),
+    (GSM8K_ROWS[:1] + [{"question": "2+2?"}], "row 2 has no 'answer' field"),
+    (GSM8K_ROWS[:1] + [5], "row 2 is not a JSON object")])
+def test_a_later_row_without_its_tasks_columns_is_named(rows, said, tmp_path):
+    """The task is told from the first row; a later row that lacks what its answers are read from
+    is one line naming it, not a KeyError."""
+    cfg = Config(data=_jsonl(tmp_path / "rows.jsonl", rows), eval_size=1)
+    with pytest.raises(SystemExit, match=re.escape(said)):
+        load_problems(cfg)
+
+
+@pytest.mark.parametrize("content, name, said", [
+    ("5\n", "num.jsonl", "row 1 is not a JSON object"),
+    ("[1, 2]", "arr.json", "row 1 is not a JSON object"),
+    ("not parquet", "fake.parquet", "not a Parquet file"),
+    (None, "folder", "a folder, not a data file"),
+    (None, "", "an empty data path")])
+def test_data_that_is_not_rows_is_one_line(content, name, said, tmp_path):
+    """Telling the task from the first row reads what it can; the loader names what it cannot
+    (a folder -- save_to_disk's --, an empty name, a row that is no object, a file no format)."""
+    path = tmp_path / name if name else None
+    if content is not None:
+        path.write_text(content)
+    elif path is not None:
+        path.mkdir()
+    cfg = Config(data=str(path) if path else "")
+    with pytest.raises(SystemExit, match=re.escape(said)):
+        load_problems(cfg)
