@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import sys
 import types
 import typing
@@ -32,7 +33,28 @@ def check(ok: bool, message: str) -> None:
         raise InputError(message)
 
 
+SEEDS = 2 ** 32  # numpy's range (the engines' seeds are derived from the run's by multiplying)
+
+
+def check_numbers(cfg, may_be_infinite=()) -> None:
+    """Every float option a number -- NaN never, infinity only where it says "no limit" -- and
+    the seed in SEEDS."""
+    if hasattr(cfg, "seed"):
+        check(0 <= cfg.seed < SEEDS, f"--seed {cfg.seed}: must be from 0 to {SEEDS - 1}")
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if isinstance(value, float):
+            check(not math.isnan(value) and (math.isfinite(value) or (
+                field.name in may_be_infinite and value > 0)),
+                f"{flag(field.name)} {value}: not a finite number")
+
+
 class _Parser(argparse.ArgumentParser):
+    """Flags spelled whole: argparse's default takes any unique prefix, so evaluate.py's `--n 16`
+    (its sample count is -n) was read as --no-chat and "unrecognized arguments: 16"."""
+    def __init__(self, **kw):
+        super().__init__(allow_abbrev=False, **kw)
+
     def error(self, message):  # one line, not a usage block of fifty options
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
@@ -117,11 +139,16 @@ def read_toml_config(path: str, fields: dict) -> dict:
             raw = tomllib.load(f)
     except FileNotFoundError:
         raise SystemExit(f"error: --config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
+    except IsADirectoryError:
+        raise SystemExit(f"error: --config {path}: a folder, not a TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise SystemExit(f"error: --config {path}: not valid TOML ({e})") from None
-    values = {}
+    values, spelled = {}, {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name in spelled:  # (eval_size and eval-size: which would win is no user's guess)
+            raise SystemExit(f"error: {path}: '{spelled[name]}' and '{key}' set one option")
+        spelled[name] = key
         if name == "bf16" and "dtype" in fields:
             _refuse_replaced(f"{path}: '{key}'", f'dtype = "{"bf16" if value else "fp32"}"')
         if name not in fields:
@@ -134,7 +161,7 @@ def read_toml_config(path: str, fields: dict) -> dict:
         else:
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            if not isinstance(value, kind):
+            if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
                 raise SystemExit(f"error: {path}: '{key}' must be {kind.__name__}, got {value!r}")
         values[name] = value
     return values

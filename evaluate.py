@@ -26,7 +26,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from cli import check, flag, parse_config
+from cli import check, check_numbers, flag, parse_config
 from data import TEMPLATES, Template, escaped, dataset_name, encode_prompts, load_rows
 from reward import Grader, extract_answer, fast_match
 from env import Agent, episode_metrics, load_environment, load_tools
@@ -389,6 +389,7 @@ class EvalConfig:
     def __post_init__(self):  # impossible values stop here, before anything loads
         for name in ("n", "max_new_tokens", "batch_prompts", "max_turns", "max_episode_tokens"):
             check(getattr(self, name) >= 1, f"{flag(name)} must be at least 1")
+        check_numbers(self)
         check(self.limit >= 0, "--limit must not be negative (0 = all)")
         check(self.temperature >= 0, "--temperature must not be negative (0 = greedy)")
         check(0 < self.top_p <= 1, "--top-p must be in (0, 1]")

@@ -18,19 +18,21 @@ first, so RLOptions lists its groups from the last shown to the first.
 """
 
 import importlib.util
+import math
 from dataclasses import dataclass, fields
 from typing import ClassVar, Literal
 
 import torch
 
 from checkpoint import recorded_setting
-from cli import check, flag
+from cli import check, check_numbers, flag
 from data import Template, apply_task
 from evaluate import TRACKERS
 from gpu_memory import GiB, PROMPT_TOKENS, Workload, plan_memory
 from hardware import DtypeChoice, choose_dtype, decode_pin, pick_device
 from model import DEFAULT_MODEL, model_path
 from pairs import ANSWER_TOKENS
+from reward import weighted
 from reward_models import frozen_models
 from rollout import HF_BATCH
 
@@ -334,6 +336,11 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
               "LoRA is for models that fit one device")
         check(not self.fsdp or self.num_trainers > 1, "--fsdp shards the model over several "
               "trainers: use it with --num-trainers N, N > 1")
+        for spec, name in [(self.reward, "--reward"), (self.reward_model, "--reward-model"),
+                           (self.judge, "--judge")]:
+            for source, weight in weighted(spec):
+                check(math.isfinite(weight), f"{name} {source}: its weight is not a finite "
+                      f"number (name=weight, e.g. {source}=0.5)")
         check(self.rollout_tokens >= -1, f"--rollout-tokens {self.rollout_tokens}: groups a step "
               f"kept token by token: 0 or more, or -1 for every sample")
 
@@ -386,6 +393,10 @@ AT_LEAST_ONE = ("batch_size", "prompts_per_step", "max_new_tokens", "max_prompt_
                 "updates_per_rollout", "micro_batch_size", "num_trainers", "num_engines",
                 "max_turns", "max_episode_tokens", "epochs", "max_length", "max_prompt_length",
                 "builtin_problems")
+# Where infinity says "no limit" (the clip a ratio or a gradient gets, the grace a stop waits);
+# every other number must be finite: an infinite learning rate or KL weight trains nothing.
+MAY_BE_INFINITE = ("stop_grace", "eps_high", "seq_eps_high", "max_grad_norm", "value_clip",
+                   "is_cap")
 NOT_NEGATIVE = ("lr", "warmup_steps", "weight_decay", "eval_every", "save_every", "keep_last",
                 "keep_superseded", "stop_grace",
                 "lora_rank", "lora_alpha", "steps", "max_tokens_per_microbatch",
@@ -403,6 +414,7 @@ def settle(cfg, on_cpu: dict):
     computes fastest here; a resumed run keeps the dtype it recorded); on a GPU (or one --gpu-gb
     pretends), the memory settings left unset (None) chosen by the plan of cfg.workload(), on a
     CPU `on_cpu`'s; and the shared checks, before anything loads."""
+    check_numbers(cfg, MAY_BE_INFINITE)
     check(cfg.gpu_gb >= 0, f"--gpu-gb {cfg.gpu_gb:g} must not be negative")
     recorded = recorded_setting(cfg.out, cfg.resume, cfg.CONFIG_FILE, "dtype")
     if pretends_gpu(cfg) and cfg.dtype == "auto" and not recorded:

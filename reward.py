@@ -304,6 +304,19 @@ def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> li
     return [0.0 if n <= start else -min(1.0, (n - start) / buffer) for n in lengths]
 
 
+def weighted(spec: str) -> list[tuple[str, float]]:
+    """`name=weight,...` as (name, weight) pairs, weight 1 where none is given (NaN where it is no
+    number: options.RLOptions names it before anything loads)."""
+    out = []
+    for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
+        name, _, weight = part.rpartition("=") if "=" in part else (part, "", "1")
+        try:
+            out.append((name.strip(), float(weight)))
+        except ValueError:
+            out.append((name.strip(), math.nan))
+    return out
+
+
 class RewardFunctions:
     """Weighted sum of reward functions given as "name[=weight],...": built-ins, or your own as
     `module:fn` (importable from the current directory), `path/to/file.py:fn` or `module.fn`.
@@ -321,12 +334,11 @@ class RewardFunctions:
         self.fns = []  # (name, fn, weight)
         passed = {"prompts", "completions", "completion_ids",  # what __call__ passes, exactly
                   *(set(columns or ()) - set(NOT_COLUMNS)), *(["environments"] if env_class else [])}
-        for part in (p for p in spec.split(",") if p.strip()):
-            name, _, weight = part.strip().rpartition("=") if "=" in part else (part.strip(), "", "1")
+        for name, weight in weighted(spec):
             fn = self._resolve(name, answer_format, grader)
             if columns is not None:
                 _check_signature(name, fn, passed)
-            self.fns.append((name, fn, float(weight)))
+            self.fns.append((name, fn, weight))
         if callable(getattr(env_class, "get_reward", None)):  # as TRL adds it: weight 1
             self.fns.append((env_class.__name__, _environment_rewards, 1.0))
         self.fns += list(extra)  # (name, fn, weight): learned rewards (reward_models.py)

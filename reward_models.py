@@ -19,6 +19,7 @@ the pad id (a hub model's config.pad_token_id need not be its tokenizer's pad id
 """
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from data import TEMPLATES
 from hardware import autocast, pick_device
 from logprobs import head_logits, right_pad, share_prompts
 from model import check_reward_head, load_model, resolve
+from reward import weighted
 
 BATCH = 16  # sequences a judge asks about together
 TOKENS = 8192  # a learned reward's forward: its sequences' tokens together, at the most
@@ -38,11 +40,10 @@ def learned_rewards(reward_models: str, judges: str, judge_prompt: str, template
                     dtype: torch.dtype) -> list[tuple]:
     """(name, scoring function, weight) for every --reward-model and --judge, loaded now."""
     sources = []
-    for spec, kind in [(s, RewardModel) for s in _split(reward_models)] + \
-                      [(s, Judge) for s in _split(judges)]:
-        path, _, weight = spec.rpartition("=") if "=" in spec else (spec, "", "1")
+    for (path, weight), kind in [(s, RewardModel) for s in weighted(reward_models)] + \
+                                [(s, Judge) for s in weighted(judges)]:
         source = kind(path, template, dtype, judge_prompt)
-        sources.append((source.name, source, float(weight)))
+        sources.append((source.name, source, weight))
     return sources
 
 
@@ -50,8 +51,7 @@ def check_learned_rewards(reward_models: str, judges: str, judge_prompt: str):
     """Before any model loads: every --reward-model is a sequence-classification model with one
     label and a trained head in its weights, every --judge a causal LM, --judge-prompt a file with
     {prompt} and {completion}; one line naming the flag and the path otherwise."""
-    for spec in _split(reward_models):
-        path = spec.rpartition("=")[0] if "=" in spec else spec
+    for path, _ in weighted(reward_models):
         config = _config(path, "--reward-model")
         kinds = config.get("architectures") or []
         if not any(k.endswith("ForSequenceClassification") for k in kinds) or \
@@ -60,8 +60,7 @@ def check_learned_rewards(reward_models: str, judges: str, judge_prompt: str):
                              f"classification model with one label; its config says "
                              f"{', '.join(kinds) or 'no architecture'}): train one with rm.py")
         check_reward_head(path, "--reward-model")  # (its head's weights there, not a random one)
-    for spec in _split(judges):
-        path = spec.rpartition("=")[0] if "=" in spec else spec
+    for path, _ in weighted(judges):
         kinds = _config(path, "--judge").get("architectures") or []
         if not any(k.endswith("ForCausalLM") for k in kinds):
             raise SystemExit(f"error: --judge {path}: not a causal language model (its config "
@@ -73,6 +72,14 @@ def check_learned_rewards(reward_models: str, judges: str, judge_prompt: str):
         if "{prompt}" not in text or "{completion}" not in text:
             raise SystemExit(f"error: --judge-prompt {judge_prompt}: the question must hold "
                              f"{{prompt}} and {{completion}}")
+
+
+def ask(question: str, prompt: str, completion: str) -> str:
+    """The judge's question with {prompt} and {completion} filled, in one pass: other braces (a
+    JSON example, \\boxed{}) stay as written, and a completion that writes "{prompt}" is not
+    filled again."""
+    said = {"{prompt}": prompt, "{completion}": completion}
+    return re.sub(r"\{prompt\}|\{completion\}", lambda m: said[m.group(0)], question)
 
 
 class RewardModel:
@@ -150,8 +157,7 @@ class Judge:
         asked = []
         for p, c in zip(prompts, completions):
             messages = conversation(p, c, self.template)
-            question = self.question.format(prompt=_text(messages[:-1]), completion=_text(
-                messages[-1:]))
+            question = ask(self.question, _text(messages[:-1]), _text(messages[-1:]))
             asked.append(_render(self.tokenizer, [{"role": "user", "content": question}], True))
         out = []
         for s in range(0, len(asked), BATCH):
@@ -275,17 +281,12 @@ def _right_padded(ids: list[list[int]], pad_id, device) -> dict:
 def frozen_models(reward_models: str, judges: str) -> tuple:
     """(name, folder or hub id, head) of every --reward-model and --judge: the frozen models a run
     keeps on its device beside the policy (gpu_memory.plan_memory counts them)."""
-    specs = [(s, "--reward-model", "rm", "reward") for s in _split(reward_models)] + \
-        [(s, "--judge", "judge", "lm") for s in _split(judges)]
+    specs = [(s, "--reward-model", "rm", "reward") for s, _ in weighted(reward_models)] + \
+        [(s, "--judge", "judge", "lm") for s, _ in weighted(judges)]
     out = []
-    for spec, flag, kind, head in specs:
-        given = spec.rpartition("=")[0] if "=" in spec else spec
+    for given, flag, kind, head in specs:
         out.append((f"{kind}:{Path(given).name or given}", resolve(given, flag), head))
     return tuple(out)
-
-
-def _split(spec: str) -> list[str]:
-    return [part.strip() for part in (spec or "").split(",") if part.strip()]
 
 
 def _config(path: str, flag: str) -> dict:

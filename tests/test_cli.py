@@ -81,11 +81,31 @@ def test_fixed_choices_are_checked_when_parsed(cls, argv, message, capsys):
     (DPOConfig, ["--beta", "0"], "--beta 0"),
     (EvalConfig, ["-n", "0"], "^error: -n must be at least 1"),
     (EvalConfig, ["--top-p", "0"], "--top-p must be in (0, 1]"),
+    # NaN never; infinity only where it means "no limit" (an infinite learning rate trains nothing)
+    (Config, ["--lr", "inf"], "--lr inf: not a finite number"),
+    (Config, ["--lr", "nan"], "--lr nan: not a finite number"),
+    (Config, ["--beta", "inf"], "--beta inf: not a finite number"),
+    (Config, ["--eps-high", "nan"], "--eps-high nan: not a finite number"),
+    (Config, ["--gpu-gb", "inf"], "--gpu-gb inf: not a finite number"),
+    (DPOConfig, ["--beta", "inf"], "--beta inf: not a finite number"),
+    (EvalConfig, ["--temperature", "inf"], "--temperature inf: not a finite number"),
+    # torch.manual_seed overflowed at the first rollout, the engines' seeds being multiples of it
+    (Config, ["--seed", "1000000000000"], "--seed 1000000000000: must be from 0 to 4294967295"),
+    (Config, ["--seed", "-1"], "--seed -1: must be from 0 to 4294967295"),
+    (EvalConfig, ["--seed", str(2 ** 32)], "--seed 4294967296: must be from 0 to"),
+    (Config, ["--reward", "correctness=abc"], "--reward correctness: its weight is not a finite"),
+    (Config, ["--reward", "correctness=nan,format"], "--reward correctness: its weight is not"),
+    (Config, ["--judge", "some/model=inf"], "--judge some/model: its weight is not a finite"),
 ])
 def test_impossible_values_are_refused_by_dry_run(cls, argv, message):
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("]", r"\]")):
         parse_config(cls, argv + ["--dry-run"])
+
+
+def test_no_limit_may_be_infinite():
+    cfg = Config(eps_high=float("inf"), max_grad_norm=float("inf"))
+    assert cfg.eps_high == cfg.max_grad_norm == float("inf")
 
 
 def test_impossible_values_are_refused_in_a_toml_config(tmp_path):
@@ -96,6 +116,21 @@ def test_impossible_values_are_refused_in_a_toml_config(tmp_path):
     path.write_text("num_generations = 1\n")
     with pytest.raises(SystemExit, match="--num-generations 1"):
         parse_config(Config, ["--config", str(path)])
+    for text, said in [("steps = true\n", "'steps' must be int, got True"),  # (a bool is an int)
+                       ("eval_size = 4\neval-size = 500\n", "'eval_size' and 'eval-size' set one"),
+                       (b'model = "caf\xe9"\n', "not valid TOML")]:
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(SystemExit, match=said):
+            parse_config(Config, ["--config", str(path)])
+    with pytest.raises(SystemExit, match="a folder, not a TOML file"):
+        parse_config(Config, ["--config", str(tmp_path)])
+
+
+def test_flags_are_spelled_whole(capsys):
+    """No prefix matching: evaluate.py's `--n 16` is refused, not read as --no-chat."""
+    with pytest.raises(SystemExit):
+        parse_config(EvalConfig, ["--n", "16"])
+    assert "unrecognized arguments: --n 16" in capsys.readouterr().err
 
 
 def test_a_hub_model_without_network_is_one_line(tmp_path):

@@ -19,7 +19,8 @@ import reward_models
 from cli import parse_config
 from conftest import assert_close_to_scale, read_metrics
 from formats import check_pairs
-from reward_models import Judge, RewardModel, check_learned_rewards, conversation, reward_model_ids
+from reward_models import Judge, RewardModel, ask, check_learned_rewards, conversation
+from reward_models import reward_model_ids
 
 
 def _logsig(x):
@@ -205,9 +206,9 @@ def test_a_judges_reward_is_its_softmax_at_the_answer_by_hand(tiny_model_dir):
     judge = Judge(tiny_model_dir, "answer-is", torch.float32)
     [reward] = judge(["What is 2 + 3?"], ["The answer is 5."])
     tok, model = judge.tokenizer, judge.model
-    question = judge.question.format(
-        prompt="What is 2 + 3?\nReply with one sentence: The answer is <number>.",
-        completion="The answer is 5.")
+    question = judge.question.replace(
+        "{prompt}", "What is 2 + 3?\nReply with one sentence: The answer is <number>.").replace(
+        "{completion}", "The answer is 5.")
     text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                    add_generation_prompt=True)
     with torch.no_grad():
@@ -577,3 +578,12 @@ def test_a_new_head_is_one_line_and_a_reward_model_without_a_trained_head_is_ref
         with pytest.raises(SystemExit, match=r"^error: --reward-model .*headless: its weights hold "
                                              r"no trained scalar head \(score.weight\)[^\n]*$"):
             stop()
+
+
+def test_a_judge_prompt_keeps_its_other_braces():
+    """--judge-prompt is filled at {prompt} and {completion} only, in one pass: a JSON example
+    or \\boxed{} in the question stays as written (str.format raised KeyError at every call, and
+    the run went on scoring 0), and a completion that writes "{prompt}" is not filled again."""
+    question = 'Q: {prompt}\nA: {completion}\nReply as {"verdict": "yes"}, e.g. \\boxed{5}.'
+    assert ask(question, "2+3?", "I say {prompt}") == \
+        'Q: 2+3?\nA: I say {prompt}\nReply as {"verdict": "yes"}, e.g. \\boxed{5}.'
