@@ -15,6 +15,7 @@ it against the reference (reward.Grader). With c correct samples out of n:
 grpo.py calls `evaluate_rows` for its periodic held-out evaluation: one implementation, not two.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -178,7 +179,18 @@ def roofline(phase: str, compute_floor: float, memory_floor: float, seconds: flo
             f"{phase}_memory_frac": memory}
 
 
-TRACKERS = ("tensorboard", "wandb")
+TRACKERS = ("tensorboard", "wandb")  # (the package each needs: its name)
+
+
+def check_trackers(report_to: str):
+    """--report-to names known trackers whose packages are installed: said before anything loads,
+    not at the first write, after the models have loaded."""
+    names = [n for n in report_to.split(",") if n]
+    check(all(n in TRACKERS for n in names), f"--report-to {report_to}: choose from "
+          f"{', '.join(TRACKERS)} (comma-separated)")
+    for name in names:
+        check(importlib.util.find_spec(name) is not None, f"--report-to {report_to}: {name} is "
+              f"not installed; pip install {name}")
 
 
 class RunLog:
@@ -213,6 +225,10 @@ class RunLog:
         except ImportError as e:
             raise SystemExit(f"error: --report-to {report_to}: {e.name} is not installed; "
                              f"pip install {e.name}") from None
+        except Exception as e:  # (wandb not logged in, no network: its own error, in one line)
+            why = escaped((str(e).splitlines() or [""])[0][:300])
+            raise SystemExit(f"error: --report-to {report_to}: {type(e).__name__}: {why} (`wandb "
+                             f"login`, or WANDB_MODE=offline)") from None
 
     def __call__(self, record: dict):
         self.history.append(record)
@@ -399,11 +415,18 @@ class EvalConfig:
 def main(argv=None):
     cfg = parse_config(EvalConfig, argv, description=__doc__.split("\n")[0])
     # Load every dataset before the model, so a bad file fails in a second, not after a minute.
+    sources, out = cfg.data.split(","), Path(cfg.out)
+    check_sources(sources, out)
     datasets = {dataset_name(src): load_rows(src, limit=cfg.limit or None,
                                              prompt_field=cfg.prompt_field,
                                              answer_field=cfg.answer_field, split=cfg.split,
                                              need_answers=not cfg.env)
-                for src in cfg.data.split(",")}
+                for src in sources}
+    try:  # (a file on its path, a read-only disk: said now, not after the model loaded)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(escaped(f"error: --out {out}: cannot make that folder ({e.strerror}); "
+                                 f"choose another --out")) from None
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # before the model, too
     agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
     from hardware import choose_dtype, pick_device
@@ -422,8 +445,6 @@ def main(argv=None):
     del model
     sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed)
     grader = Grader()
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     prompt = TEMPLATES[cfg.template][0].format(problem="{problem}")
     # What the machine chose for these numbers (--dtype auto's dtype, the HF engine's decoding:
     # both change bf16 samples), for another evaluation to compare like with like.
@@ -448,6 +469,24 @@ def main(argv=None):
           f"max_new_tokens={cfg.max_new_tokens}  ({time.time() - t0:.0f} s)")
     print(format_table(results["datasets"]))
     print(f"wrote {out / 'results.json'} and {out / 'samples.jsonl'}")
+
+
+def check_sources(sources: list[str], out: Path):
+    """Before anything loads: results are keyed by a dataset's name, so two of one name (a/test.jsonl
+    and b/test.jsonl) would leave one unreported; and a data file that is one of the files the
+    evaluation writes in --out would be moved aside as "an earlier evaluation"."""
+    names = [dataset_name(src) for src in sources]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise SystemExit(escaped(f"error: --data {','.join(sources)}: two datasets named "
+                                 f"{twice[0]} (results are kept by name): give them files of "
+                                 f"other names"))
+    for src in sources:
+        for name in ("results.json", "samples.jsonl"):
+            written = out / name
+            if Path(src).is_file() and written.is_file() and os.path.samefile(src, written):
+                raise SystemExit(escaped(f"error: --data {src} is the {name} this evaluation "
+                                         f"writes in --out {out}: choose another --out"))
 
 
 def write_results(out: Path, results: dict, samples: list[dict]) -> str:

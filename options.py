@@ -27,7 +27,7 @@ import torch
 from checkpoint import recorded_setting
 from cli import check, check_numbers, flag
 from data import Template, apply_task
-from evaluate import TRACKERS
+from evaluate import check_trackers
 from gpu_memory import GiB, PROMPT_TOKENS, Workload, plan_memory
 from hardware import DtypeChoice, choose_dtype, decode_pin, pick_device
 from model import DEFAULT_MODEL, model_path
@@ -447,5 +447,4 @@ def settle(cfg, on_cpu: dict):
     for name in names.intersection(NOT_NEGATIVE):
         check(getattr(cfg, name) >= 0, f"{flag(name)} must not be negative")
     check(cfg.max_grad_norm > 0, "--max-grad-norm must be positive")
-    check(all(n in TRACKERS for n in cfg.report_to.split(",") if n), f"--report-to "
-          f"{cfg.report_to}: choose from {', '.join(TRACKERS)} (comma-separated)")
+    check_trackers(cfg.report_to)

@@ -293,3 +293,25 @@ def test_no_loader_runs_a_model_folders_own_code(tiny_model_dir, tmp_path, monke
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1].startswith(f"error: --model {folder}: ")
     assert "Do you wish to run" not in result.stdout + result.stderr and not marker.exists()
+
+
+def test_a_tracker_not_installed_is_refused_before_anything_loads(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(SystemExit, match="--report-to wandb: wandb is not installed"):
+        Config(report_to="wandb")
+
+
+def test_a_tracker_that_fails_to_start_is_one_line(tmp_path, monkeypatch):
+    """wandb.init raising (not logged in, no network) ends the run in one line naming the flag."""
+    import wandb
+    from evaluate import RunLog
+
+    def refuse(**kw):
+        raise RuntimeError("api_key not configured (no-tty)\nmore lines")
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(SystemExit, match=r"^error: --report-to wandb: RuntimeError: api_key not "
+                                         r"configured \(no-tty\) \(`wandb login`"):
+        RunLog(tmp_path, [], "wandb", {})

@@ -97,6 +97,31 @@ def test_bad_input_is_a_one_line_error(tmp_path, content, message):
     assert "Traceback" not in result.stderr
 
 
+def test_outputs_and_names_are_checked_before_the_model_loads(tmp_path):
+    """Two datasets of one name would leave one unreported; --out a file was a traceback after
+    the model loaded; a --data file that is --out's samples.jsonl was moved aside as "an earlier
+    evaluation". One line each, before loading, and the user's file where it was."""
+    row = '{"problem": "1+1", "answer": "2"}\n'
+    for folder in "ab":
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "test.jsonl").write_text(row)
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "samples.jsonl").write_text(row)
+    model = ["--model", str(tmp_path / "no-model")]  # (refused before: it never loads)
+    for args, said in [
+            (["--data", f"{tmp_path}/a/test.jsonl,{tmp_path}/b/test.jsonl",
+              "--out", str(tmp_path / "o")], "two datasets named test"),
+            (["--data", f"{tmp_path}/a/test.jsonl", "--out", str(tmp_path / "afile")],
+             "cannot make that folder"),
+            (["--data", f"{tmp_path}/mine/samples.jsonl", "--out", str(tmp_path / "mine")],
+             "is the samples.jsonl this evaluation writes")]:
+        result = run_script("evaluate.py", args + model)
+        assert result.returncode != 0 and said in result.stderr, result.stderr[-500:]
+        assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["samples.jsonl"]
+
+
 def test_majority_vote_counts_equivalent_answers_together():
     # gold 1/2: three correct answers written three ways outvote "3", which appears twice
     assert majority_vote(["3", "0.5", "1/2", "\\frac{1}{2}", "3"],
