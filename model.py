@@ -87,7 +87,8 @@ def default_model_path() -> str:
 
 def model_path(cfg) -> str:
     """The folder or hub id a config's model (or --init-from) loads from."""
-    return resolve(getattr(cfg, "init_from", "") or cfg.model)
+    init_from = getattr(cfg, "init_from", "")
+    return resolve(init_from, "--init-from") if init_from else resolve(cfg.model)
 
 
 def resolve(name: str, what: str = "--model") -> str:
@@ -553,6 +554,26 @@ def add_lora(model, rank: int, alpha: int = 0, targets: str = "all-linear"):
                         target_modules=targets if targets == "all-linear" else targets.split(","),
                         task_type="SEQ_CLS" if reward else "CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def check_lora_targets(path: str, targets: str):
+    """Before the weights load: every name of --lora-targets names linear layers of the model at
+    `path` (built on the meta device from its config), as peft matches them -- the whole name or
+    its last parts. A misspelt one was peft's 40-line error after loading, or, beside a right one,
+    silently no adapter at all."""
+    if targets == "all-linear":
+        return
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    linear = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)]
+    for name in targets.split(","):
+        if not name.strip() or not any(n == name or n.endswith("." + name) for n in linear):
+            known = sorted({n.rsplit(".", 1)[-1] for n in linear})
+            raise SystemExit(f"error: --lora-targets {targets!r}: no linear layer named "
+                             f"{name!r} in {path!r} (its names: {', '.join(known)}; or "
+                             f"all-linear)")  # (repr: the flag's text escaped, one line)
 
 
 def is_lora(model) -> bool:

@@ -27,7 +27,8 @@ from checkpoint import load_trainer_state, save_trainer_state
 from hardware import DTYPES, ModelCost, autocast, model_cost, peak_flops, peak_memory_gb
 from hardware import pick_device, processed_tokens, train_flops_per_token
 from logprobs import check_head_logits, completion_logprobs
-from model import adamw_with_warmup, add_lora, cast_copy, full_state_dict, is_lora, load_adapters
+from model import adamw_with_warmup, add_lora, cast_copy, check_lora_targets, full_state_dict
+from model import is_lora, load_adapters
 from model import load_model, model_path, save_model, shard_model, source_dtype
 from recompute import keep_less
 from rollout import add_mismatch, engine_mismatch, make_rollout, tokens_after_prompt
@@ -77,6 +78,8 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
     start = model_path(cfg)
     # A LoRA checkpoint holds adapters only: the base comes from where the run started.
     head = head or cfg.HEAD  # ("reward": a scalar head -- rm.py's model, ppo.py's critic)
+    if cfg.lora_rank:
+        check_lora_targets(start, cfg.lora_targets)  # (before the weights load)
     model, tokenizer = load_model(resume_dir if resume_dir and not cfg.lora_rank else start,
                                   device, head=head)
     if head == "lm":
