@@ -37,7 +37,7 @@ from evaluate import evaluate_rows
 from formats import check_pairs
 from hardware import DTYPES, autocast
 from logprobs import completion_logprobs, length_mask, pack
-from model import full_weights
+from model import full_weights, load_tokenizer, model_path
 from options import ModelOptions, OfflineOptions, PairOptions, RunOptions, TrainOptions
 from pairs import ANSWER_TOKENS, Pair, builtin_pairs, tokenize_pairs
 from reward import Grader
@@ -187,6 +187,9 @@ def main(cfg: Config):
     # Every row is checked before the model loads: a bad file fails in a second, not a minute.
     rows = None if cfg.data == "builtin" else check_pairs(load_table(cfg.data, cfg.split),
                                                           cfg.data, cfg)
+    # ... and tokenized (the tokenizer alone: a file whose pairs all exceed --max-length stops now)
+    file_pairs = tokenize_pairs(load_tokenizer(model_path(cfg)), rows, cfg.data, cfg)[0] \
+        if rows is not None else None
     print(f"dtype {cfg.dtype} ({cfg.dtype_reason})")
     if cfg.memory_plan:
         print(cfg.memory_plan)
@@ -198,8 +201,7 @@ def main(cfg: Config):
     # (decoding as a resumed run recorded: in bf16 another choice would sample other pairs)
     rollout = HFRollout(trainer.model, tokenizer, device=device, dtype=DTYPES[cfg.dtype],
                         decode=cfg.decoding) if rows is None else None
-    pairs = builtin_pairs(rollout, tokenizer, cfg) if rows is None else \
-        tokenize_pairs(tokenizer, rows, cfg.data, cfg)[0]
+    pairs = builtin_pairs(rollout, tokenizer, cfg) if rows is None else file_pairs
     random.Random(cfg.seed).shuffle(pairs)
     n_eval = min(cfg.eval_pairs, len(pairs) // 5)
     # The reference's log-probs, once, from the starting weights (no second model is kept).

@@ -59,10 +59,14 @@ def check_samples(rows: list, source: str, cfg, run_tools: set[str]) -> list[Sam
                 raise InputError(f"{where} has no '{field}' field (or it is empty)")
         tools = _declared_tools(row.get(cfg.tools_field), f"{where}, '{cfg.tools_field}'")
         if kind == "text":
+            if not isinstance(row[cfg.text_field], str):
+                raise InputError(f"{where}, '{cfg.text_field}': not a string")
             samples.append(_plain(row[cfg.text_field], "", i, f"{where}, '{cfg.text_field}'"))
             continue
         prompt = row[cfg.prompt_field] if kind == "prompt-completion" else []
         body = row[cfg.completion_field if kind == "prompt-completion" else cfg.messages_field]
+        if kind == "messages" and not isinstance(body, list):
+            raise InputError(f"{where}, '{cfg.messages_field}': not a list of chat messages")
         if isinstance(prompt, str) and isinstance(body, str):  # plain prompt-completion
             samples.append(_plain(body, prompt, i, f"{where}, '{cfg.completion_field}'"))
             continue

@@ -210,3 +210,21 @@ def test_resume_is_exact(tiny_model_dir, tmp_path, capsys):
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     assert a == b
+
+
+def test_a_file_without_usable_pairs_stops_before_the_model_loads(tiny_model_dir, tmp_path,
+                                                                   monkeypatch):
+    """Pairs are tokenized with the tokenizer alone, before setup_trainer: a file whose every
+    prompt exceeds --max-length is one line in a second, as in rm.py, not after loading."""
+    import trainer
+    from conftest import run_script
+
+    def never(*a, **k):
+        raise AssertionError("the model loaded")
+    monkeypatch.setattr(trainer, "setup_trainer", never)  # (dpo.py, run as __main__, imports it)
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"prompt": "What is two plus two, written out in words?",
+                                "chosen": "four", "rejected": "five"}) + "\n")
+    said = run_script("dpo.py", ["--model", tiny_model_dir, "--data", str(data), "--max-length",
+                                 "4", "--out", str(tmp_path / "o")])
+    assert said.returncode != 0 and "no usable pairs" in said.stderr, said.stderr[-400:]

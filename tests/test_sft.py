@@ -219,6 +219,8 @@ GOOD = {"messages": CONVERSATION}
                           "'completion', 'text'"),
     ([GOOD, {"text": "x"}], "rows.jsonl: row 2 has no 'messages' field (or it is empty)"),
     ([{"prompt": "q", "completion": ""}], "rows.jsonl: row 1 has no 'completion' field"),
+    ([{"text": 5}], "rows.jsonl: row 1, 'text': not a string"),
+    ([GOOD, {"messages": "hello"}], "rows.jsonl: row 2, 'messages': not a list of chat messages"),
     ([{"messages": CONVERSATION[:1]}], "rows.jsonl: row 1, 'messages': no assistant turn "
                                        "(nothing to train)"),
     ([{"prompt": CONVERSATION[:2], "completion": CONVERSATION[2:3]}],
