@@ -38,10 +38,13 @@ How to read it:
 - `on`/`off` options are switches: `--chat` turns one on, `--no-chat` turns it off.
 - Options with a list of choices are checked when parsed; impossible values (`--num-generations 1`,
   `--eps-low 1.5`, `--resume` together with `--init-from`, ...) stop with one line before anything
-  loads, also under `--dry-run` and from a `--config` file.
+  loads, also under `--dry-run` and from a `--config` file. A number is never NaN, and infinite
+  only where that means no limit (`--eps-high`, `--max-grad-norm`, `--stop-grace`, ...); `--seed`
+  runs from 0 to 2^32 - 1; a `name=weight` list (`--reward`, `--reward-model`, `--judge`) needs
+  numbers for weights. Flags are spelled whole: no prefix stands for a flag.
 - Any option can be set in a TOML file, `--config FILE.toml` (keys spelled like the fields, with
-  `_` or `-`); flags on the command line override it. An unknown key or a wrong type stops with
-  one line naming the file and the key.
+  `_` or `-`); flags on the command line override it. An unknown key, a wrong type (`true` for a
+  number included), or one option spelled both ways stops with one line naming the file and the key.
 - `--bf16` and `--no-bf16` (and `bf16 = ...` in a TOML file) were replaced by `--dtype`: they
   stop with one line naming the replacement ([precision.md](precision.md)).
 """
