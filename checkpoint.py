@@ -283,16 +283,14 @@ def find_checkpoint(out: Path, resume: str, cfg=None) -> str:
 
 CONFIG_FILES = tuple(f"{name}_config.json" for name in ("sft", "rm", "dpo", "grpo", "ppo",
                                                         "distill"))  # (each Config's CONFIG_FILE)
-# What a checkpoint's model is built from: resumed with another, its weights do not fit the model
-# being built (a traceback half loaded) or fit only part of it (LoRA on other layers).
-STRUCTURE = ("lora_rank", "lora_targets")
 
 
 def same_kind(folder: Path, cfg):
     """Refuse, before any model loads, a checkpoint another script wrote -- sft.py resuming
     grpo.py's would skip the steps GRPO took and carry its metrics into SFT's log; rm.py and
-    ppo.py would fail half loaded -- or one whose model has another structure (STRUCTURE). The
-    config a checkpoint carries (save_checkpoint copies it) says both; one without any says nothing."""
+    ppo.py would fail half loaded -- or one whose weights do not fit the model this run builds
+    (lora_of). The config a checkpoint carries (save_checkpoint copies it) says both; one
+    without any says nothing."""
     ours = folder / cfg.CONFIG_FILE
     if not ours.is_file():
         theirs = [name for name in CONFIG_FILES if (folder / name).is_file()]
@@ -307,15 +305,38 @@ def same_kind(folder: Path, cfg):
         recorded = recorded if isinstance(recorded, dict) else {}
     except (OSError, ValueError) as e:
         _refuse(folder, f"{ours.name} cannot be read ({type(e).__name__})")
-    if not getattr(cfg, "lora_rank", 0) and not recorded.get("lora_rank", 0):
-        return  # (full weights both: LoRA's targets do not matter)
-    for key in STRUCTURE:
-        if key in recorded and hasattr(cfg, key) and recorded[key] != getattr(cfg, key):
-            flag = "--" + key.replace("_", "-")
+    was, now = lora_of(recorded), lora_of({k: getattr(cfg, k) for k in LORA if hasattr(cfg, k)})
+    for flag, value in was.items():
+        if flag in now and now[flag] != value:
             raise SystemExit(escaped(
-                f"error: --resume {folder}: its run trained with {flag} {recorded[key]}, this "
-                f"one asks for {getattr(cfg, key)}; resume with {flag} {recorded[key]} (a "
-                f"checkpoint's weights fit only the model they were trained in)"))
+                f"error: --resume {folder}: its run trained with {flag} {value}, this one asks "
+                f"for {now[flag]}; resume with {flag} {value} (a checkpoint's weights fit only "
+                f"the model they were trained in)"))
+
+
+LORA = ("lora_rank", "lora_alpha", "lora_targets", "model", "init_from")
+
+
+def lora_of(config: dict) -> dict:
+    """What a checkpoint's weights fit, by flag, from a run's config (its keys as saved; a key it
+    lacks, from before the option, is not compared): full weights or LoRA of a rank; and for
+    LoRA, whose checkpoint holds adapters only, their scale, the layers they sit on (a set of
+    names: their order and spaces say nothing) and the base model they adapt."""
+    rank = config.get("lora_rank", 0)
+    out = {"--lora-rank": rank} if "lora_rank" in config else {}
+    if not rank:
+        return out
+    if "lora_alpha" in config:  # (0: twice the rank, model.add_lora)
+        alpha = config["lora_alpha"]
+        out["--lora-alpha"] = alpha or 2 * rank if isinstance(rank, int) else alpha
+    if "lora_targets" in config:
+        out["--lora-targets"] = ",".join(sorted({t.strip() for t in str(
+            config["lora_targets"]).split(",")}))
+    if "model" in config:
+        base = config.get("init_from") or config["model"]
+        out["--model (or --init-from)"] = os.path.realpath(base) if isinstance(base, str) and \
+            os.path.exists(base) else base  # (a folder however it is spelled)
+    return out
 
 
 def newest_checkpoint(out: Path) -> Path | None:

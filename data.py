@@ -371,7 +371,10 @@ def prepare_rows(rows: list[dict], task: str, source: str = "") -> list[dict]:
     for i, r in enumerate(rows, start=1):
         if not isinstance(r, dict):
             raise InputError(f"{source}: row {i} is not a JSON object")
-        missing = [f for f in need if r.get(f) is None and not (f == "solution" and r.get("answer"))]
+        # (a MATH row may give its answer instead of a solution; a GSM8K row a problem instead
+        # of a question)
+        missing = [f for f in need if r.get(f) is None and not (f == "solution" and r.get(
+            "answer") or f == "question" and r.get("problem"))]
         if missing:
             raise InputError(f"{source}: row {i} has no '{missing[0]}' field (its first row has "
                              f"{task.upper()}'s columns: {', '.join(need)})")

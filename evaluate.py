@@ -226,7 +226,8 @@ class RunLog:
             raise SystemExit(f"error: --report-to {report_to}: {e.name} is not installed; "
                              f"pip install {e.name}") from None
         except Exception as e:  # (wandb not logged in, no network: its own error, in one line)
-            why = escaped((str(e).splitlines() or [""])[0][:300])
+            why = escaped(" / ".join(line.strip() for line in str(e).splitlines()
+                                     if line.strip())[:400])
             raise SystemExit(f"error: --report-to {report_to}: {type(e).__name__}: {why} (`wandb "
                              f"login`, or WANDB_MODE=offline)") from None
 

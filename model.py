@@ -551,29 +551,41 @@ def add_lora(model, rank: int, alpha: int = 0, targets: str = "all-linear"):
     from peft import LoraConfig, get_peft_model
     reward = "SequenceClassification" in type(model).__name__
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0,
-                        target_modules=targets if targets == "all-linear" else targets.split(","),
+                        target_modules=targets if targets == "all-linear" else
+                        [t.strip() for t in targets.split(",")],
                         task_type="SEQ_CLS" if reward else "CAUSAL_LM")
     return get_peft_model(model, config)
 
 
-def check_lora_targets(path: str, targets: str):
-    """Before the weights load: every name of --lora-targets names linear layers of the model at
-    `path` (built on the meta device from its config), as peft matches them -- the whole name or
-    its last parts. A misspelt one was peft's 40-line error after loading, or, beside a right one,
-    silently no adapter at all."""
+# The layers peft's LoRA adapts, by class name (transformers' Conv1D: GPT-2's projections).
+ADAPTABLE = ("Linear", "Embedding", "Conv1D", "Conv1d", "Conv2d", "Conv3d")
+
+
+def check_lora_targets(path: str, targets: str, head: str = "lm"):
+    """Before the weights load: every name of --lora-targets names layers of the model at `path`
+    (built on the meta device from its config, with its `head`) that LoRA adapts (ADAPTABLE), as
+    peft matches them -- the whole name or its last parts. A misspelt one was peft's 40-line
+    error after loading, or, beside a right one, silently no adapter at all. A model this cannot
+    build here is left to peft."""
     if targets == "all-linear":
         return
-    from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(path, trust_remote_code=False)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
-    linear = [n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear)]
-    for name in targets.split(","):
-        if not name.strip() or not any(n == name or n.endswith("." + name) for n in linear):
-            known = sorted({n.rsplit(".", 1)[-1] for n in linear})
-            raise SystemExit(f"error: --lora-targets {targets!r}: no linear layer named "
-                             f"{name!r} in {path!r} (its names: {', '.join(known)}; or "
-                             f"all-linear)")  # (repr: the flag's text escaped, one line)
+    from transformers import (AutoConfig, AutoModelForCausalLM,
+                              AutoModelForSequenceClassification)
+    kind = AutoModelForSequenceClassification if head == "reward" else AutoModelForCausalLM
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False,
+                                            **({"num_labels": 1} if head == "reward" else {}))
+        with torch.device("meta"):
+            skeleton = kind.from_config(config, trust_remote_code=False)
+    except Exception:  # (an architecture without this head's class: peft says what it finds)
+        return
+    leaves = [n for n, m in skeleton.named_modules() if type(m).__name__ in ADAPTABLE]
+    for name in (t.strip() for t in targets.split(",")):
+        if not name or not any(n == name or n.endswith("." + name) for n in leaves):
+            known = sorted({n.rsplit(".", 1)[-1] for n in leaves})
+            raise SystemExit(f"error: --lora-targets {targets!r}: no layer named {name!r} in "
+                             f"{path!r} (its names: {', '.join(known)}; or all-linear)")  # (repr:
+            # the flag's text escaped, in one line)
 
 
 def is_lora(model) -> bool:

@@ -514,3 +514,27 @@ def test_a_checkpoint_of_another_script_or_structure_is_refused_before_loading(t
     assert code != 0 and "its run trained with --lora-rank 0, this one asks for 4" in stderr
     assert "Traceback" not in stderr
     assert sorted(p.name for p in (tmp_path / "grpo").iterdir()) == before  # nothing moved
+
+
+def test_a_lora_checkpoint_resumes_only_onto_what_its_adapters_fit(tiny_model_dir, tmp_path):
+    """A LoRA checkpoint holds adapters only: resumed with another --lora-alpha they would be
+    rescaled, on another base model they fail half loaded (or, of the same shapes, adapt the wrong
+    weights) -- refused before loading; the same targets in another order, with spaces, and the
+    same base spelled otherwise resume."""
+    import shutil
+    lora = ["--lora-rank", "4", "--lora-targets", "q_proj,v_proj"]
+    run_grpo(small_run_args(tiny_model_dir, tmp_path / "g") + ["--steps", "1", "--save-every", "1",
+                                                               *lora])
+    resume = ["--steps", "2", "--resume", "auto", "--lora-rank", "4"]
+    shutil.copytree(tiny_model_dir, tmp_path / "other")
+    for args, said in [(["--lora-targets", "q_proj,v_proj", "--lora-alpha", "64"],
+                        "trained with --lora-alpha 8, this one asks for 64"),
+                       (["--lora-targets", "q_proj,v_proj", "--model", str(tmp_path / "other")],
+                        "trained with --model (or --init-from)")]:
+        # (the last --model given is the one taken)
+        refused = run_script("grpo.py", small_run_args(tiny_model_dir, tmp_path / "g") + resume +
+                             args)
+        assert refused.returncode != 0 and said in refused.stderr, refused.stderr[-400:]
+    run_grpo(small_run_args(tiny_model_dir + "/", tmp_path / "g") + resume +
+             ["--lora-targets", "v_proj, q_proj"])  # (order, spaces, a trailing slash)
+    assert [r["step"] for r in read_metrics(tmp_path / "g")] == [1, 2]

@@ -116,6 +116,15 @@ def test_a_later_row_without_its_tasks_columns_is_named(rows, said, tmp_path):
         load_problems(cfg)
 
 
+def test_a_gsm8k_row_may_give_a_problem_and_a_math_row_an_answer(tmp_path):
+    rows = GSM8K_ROWS[:20] + [{"problem": "2+2?", "answer": "#### 4"}]
+    _, held_out, _ = load_problems(Config(data=_jsonl(tmp_path / "g.jsonl", rows), eval_size=1))
+    assert held_out[-1]["problem"] == "2+2?" and held_out[-1]["answer"] == "4"
+    rows = MATH_ROWS[:20] + [{"problem": "2+2?", "answer": "4"}]
+    _, held_out, _ = load_problems(Config(data=_jsonl(tmp_path / "m.jsonl", rows), eval_size=1))
+    assert held_out[-1]["answer"] == "4"
+
+
 @pytest.mark.parametrize("content, name, said", [
     ("5\n", "num.jsonl", "row 1 is not a JSON object"),
     ("[1, 2]", "arr.json", "row 1 is not a JSON object"),
