@@ -79,7 +79,7 @@ def setup_trainer(cfg, resume_dir: str = "", reference: bool = False, group=None
     # A LoRA checkpoint holds adapters only: the base comes from where the run started.
     head = head or cfg.HEAD  # ("reward": a scalar head -- rm.py's model, ppo.py's critic)
     if cfg.lora_rank:
-        check_lora_targets(start, cfg.lora_targets)  # (before the weights load)
+        check_lora_targets(start, cfg.lora_targets, head)  # (before the weights load)
     model, tokenizer = load_model(resume_dir if resume_dir and not cfg.lora_rank else start,
                                   device, head=head)
     if head == "lm":
