@@ -313,5 +313,5 @@ def test_a_tracker_that_fails_to_start_is_one_line(tmp_path, monkeypatch):
         raise RuntimeError("api_key not configured (no-tty)\nmore lines")
     monkeypatch.setattr(wandb, "init", refuse)
     with pytest.raises(SystemExit, match=r"^error: --report-to wandb: RuntimeError: api_key not "
-                                         r"configured \(no-tty\) \(`wandb login`"):
+                                         r"configured \(no-tty\) / more lines \(`wandb login`"):
         RunLog(tmp_path, [], "wandb", {})
