@@ -48,7 +48,7 @@ import torch
 
 from data import escaped
 from model import full_optimizer_state, full_state_dict, is_lora, load_optimizer_state
-from model import save_model
+from model import lora_target_names, save_model
 from rollout_log import DamagedLog, json_lines
 
 
@@ -330,8 +330,7 @@ def lora_of(config: dict) -> dict:
         alpha = config["lora_alpha"]
         out["--lora-alpha"] = alpha or 2 * rank if isinstance(rank, int) else alpha
     if "lora_targets" in config:
-        out["--lora-targets"] = ",".join(sorted({t.strip() for t in str(
-            config["lora_targets"]).split(",")}))
+        out["--lora-targets"] = ",".join(sorted(set(lora_target_names(config["lora_targets"]))))
     if "model" in config:
         base = config.get("init_from") or config["model"]
         out["--model (or --init-from)"] = os.path.realpath(base) if isinstance(base, str) and \

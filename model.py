@@ -552,9 +552,14 @@ def add_lora(model, rank: int, alpha: int = 0, targets: str = "all-linear"):
     reward = "SequenceClassification" in type(model).__name__
     config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0,
                         target_modules=targets if targets == "all-linear" else
-                        [t.strip() for t in targets.split(",")],
+                        lora_target_names(targets),
                         task_type="SEQ_CLS" if reward else "CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def lora_target_names(targets: str) -> list[str]:
+    """--lora-targets' names, as written between the commas (spaces around them say nothing)."""
+    return [name.strip() for name in str(targets).split(",")]
 
 
 # The layers peft's LoRA adapts, by class name (transformers' Conv1D: GPT-2's projections).
@@ -580,7 +585,7 @@ def check_lora_targets(path: str, targets: str, head: str = "lm"):
     except Exception:  # (an architecture without this head's class: peft says what it finds)
         return
     leaves = [n for n, m in skeleton.named_modules() if type(m).__name__ in ADAPTABLE]
-    for name in (t.strip() for t in targets.split(",")):
+    for name in lora_target_names(targets):
         if not name or not any(n == name or n.endswith("." + name) for n in leaves):
             known = sorted({n.rsplit(".", 1)[-1] for n in leaves})
             raise SystemExit(f"error: --lora-targets {targets!r}: no layer named {name!r} in "
