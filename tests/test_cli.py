@@ -181,16 +181,31 @@ def test_installing_smolrl_shadows_no_other_package(tmp_path):
     assert result.stdout.split() == ["huggingface", "[]"], result.stderr
 
 
-def test_a_hub_dataset_without_network_is_one_line(tmp_path):
+def test_a_hub_dataset_without_network_is_one_line(tiny_model_dir, tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "grpo.py", "--model", "Qwen/Qwen2.5-Math-1.5B",
-                             "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120, env=env)
+    result = subprocess.run([sys.executable, "grpo.py", "--model", str(tiny_model_dir),
+                             "--data", "math", "--out", str(tmp_path / "o")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
         "error: --data DigitalLearningGmbH/MATH-lighteval: the Hugging Face hub cannot be reached "
         "and the dataset is not in the local cache; pass a local file (.jsonl, .csv, .parquet) or "
         "run where the hub is reachable"]
+
+
+@pytest.mark.parametrize("model", ["./no/such/model", "Qwen/Qwen2.5-Mathh-1.5B"])
+def test_a_mistyped_model_is_named_before_the_task_it_implies(model, tmp_path):
+    """Without --data, any model but the offline default trains on MATH from the hub: a mistyped
+    --model (a folder that is not there, an uncached hub id offline) is the line, not the MATH
+    dataset it made the default."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "grpo.py", "--model", model, "--out",
+                             str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env=env)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: --model {model}") or \
+        lines[0].startswith(f"error: --model {model!r}"), lines[0]
 
 
 def test_a_turn_too_short_for_a_tool_call_stops_before_the_model_loads(tmp_path, monkeypatch):
