@@ -59,11 +59,10 @@ class Session:
 
 def start_session(cfg, train_step, line=None) -> Session:
     """Everything before a run's first step, checked in the order that fails fastest: the task
-    line, the checkpoints (a resumed run's, and never another run's), the model's folder or hub id,
-    the data, the tools, then
-    the models (train_step: what a trainer runs on a rollout batch; the trainers keep a KL
-    reference when cfg.reference() says so); the config is written to <out>/<cfg.CONFIG_FILE>,
-    and a fresh run is evaluated at step 0."""
+    line, the checkpoints (a resumed run's, and never another run's), --replay's log, the
+    model's folder or hub id, the data, the tools, then the models (train_step: what a trainer
+    runs on a rollout batch; the trainers keep a KL reference when cfg.reference() says so); the
+    config is written to <out>/<cfg.CONFIG_FILE>, and a fresh run is evaluated at step 0."""
     print(task_summary(cfg))
     if cfg.memory_plan:
         print(cfg.memory_plan)
@@ -71,9 +70,9 @@ def start_session(cfg, train_step, line=None) -> Session:
     if folder.samples and folder.samples.exists():  # (kept up to the checkpoint)
         check_log(folder.samples, "; mend that line, or move the file away to resume without "
                                   "its samples")
+    replay = replay_steps(cfg)
     model_path(cfg)  # (a folder or a loadable hub id: a mistyped --model makes MATH from the
     # hub the default task, data.task_of -- named here, not the dataset it implied)
-    replay = replay_steps(cfg)
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
     # episodes (--tools, --env): the model acts, tools and the environment answer
