@@ -101,6 +101,10 @@ def resolve(name: str, what: str = "--model") -> str:
     if not (Path(path) / "config.json").exists() and (trained / "config.json").exists():
         return known_architecture(str(trained), what, name)
     if Path(path).exists():
+        if not (Path(path) / "config.json").is_file():  # (transformers: a tokenizer traceback)
+            raise SystemExit(f"error: {what} {name}: {'a folder' if Path(path).is_dir() else 'a file'}"
+                             f" without a config.json, so not a model's folder (a run's --out "
+                             f"holds its model in model/)")
         return known_architecture(path, what, name)
     if not ("/" in path and not path.startswith((".", "/"))):
         raise SystemExit(f"error: {what} {name!r} is neither a local folder nor a hub id "

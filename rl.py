@@ -26,7 +26,7 @@ from env import Agent, Episode, load_environment, load_tools
 from evaluate import evaluate_held_out, show_samples, step_record
 from hardware import DTYPES
 from logprobs import length_mask, pack, right_pad
-from model import model_path
+from model import DEFAULT_MODEL, model_path
 from reward import Grader, RewardFunctions, correctness_reward, overlong_penalty
 from reward_models import check_learned_rewards, learned_rewards
 from rollout import decoding_mode
@@ -71,8 +71,10 @@ def start_session(cfg, train_step, line=None) -> Session:
         check_log(folder.samples, "; mend that line, or move the file away to resume without "
                                   "its samples")
     replay = replay_steps(cfg)
-    model_path(cfg)  # (a folder or a loadable hub id: a mistyped --model makes MATH from the
-    # hub the default task, data.task_of -- named here, not the dataset it implied)
+    if cfg.model != DEFAULT_MODEL or getattr(cfg, "init_from", ""):  # (the offline default
+        # cannot be mistyped, and resolving it converts its GGUF file on a fresh machine)
+        model_path(cfg)  # a folder or a loadable hub id: a mistyped --model makes MATH from
+        # the hub the default task (data.task_of) -- named here, not the dataset it implied
     train_rows, eval_rows, columns = load_problems(cfg)  # data first: fail before the model loads
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # checked here, too
     # episodes (--tools, --env): the model acts, tools and the environment answer

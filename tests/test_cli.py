@@ -208,6 +208,31 @@ def test_a_mistyped_model_is_named_before_the_task_it_implies(model, tmp_path):
         lines[0].startswith(f"error: --model {model!r}"), lines[0]
 
 
+def test_a_path_that_is_no_model_folder_is_one_line(tmp_path):
+    """An empty folder, a run's checkpoints/ or a config.json itself given as --model: one line
+    naming the flag, not transformers' tokenizer traceback after the data has loaded."""
+    from model import resolve
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "config.json").write_text("{}")
+    for given, kind in [(tmp_path / "empty", "a folder"), (tmp_path / "config.json", "a file")]:
+        with pytest.raises(SystemExit) as stop:
+            resolve(str(given), "--critic-from")
+        assert str(stop.value) == (f"error: --critic-from {given}: {kind} without a config.json, "
+                                   f"so not a model's folder (a run's --out holds its model in "
+                                   f"model/)")
+
+
+def test_bad_data_for_the_default_model_is_named_before_its_conversion(tmp_path):
+    """The offline default cannot be mistyped: on a fresh machine its GGUF file is converted (~20 s,
+    0.5 GB) when it first loads, after the data is checked -- not to name a data file's typo."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "grpo.py", "--data", str(tmp_path / "typo.jsonl"),
+                             "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode != 0 and "typo.jsonl" in result.stderr, result.stderr
+    assert "converting" not in result.stdout + result.stderr
+
+
 def test_a_turn_too_short_for_a_tool_call_stops_before_the_model_loads(tmp_path, monkeypatch):
     import grpo
     import rl

@@ -631,6 +631,7 @@ def test_a_crafted_weight_file_is_named_in_one_printable_line(tmp_path):
                                "data_offsets": [0, 4]}}, ensure_ascii=False).encode()
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header +
                                                  bytes(4))
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(SystemExit) as stop:
         check_reward_head(str(tmp_path), "--reward-model")
     assert "its weights cannot be read" in str(stop.value)
