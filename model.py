@@ -101,7 +101,8 @@ def resolve(name: str, what: str = "--model") -> str:
     if not (Path(path) / "config.json").exists() and (trained / "config.json").exists():
         return known_architecture(str(trained), what, name)
     if Path(path).exists():
-        if not (Path(path) / "config.json").is_file():  # (transformers: a tokenizer traceback)
+        if not any((Path(path) / f).is_file() for f in ("config.json", "tokenizer_config.json")):
+            # (an empty folder, a run's checkpoints/, a file: transformers' tokenizer traceback)
             raise SystemExit(f"error: {what} {name}: {'a folder' if Path(path).is_dir() else 'a file'}"
                              f" without a config.json, so not a model's folder (a run's --out "
                              f"holds its model in model/)")
