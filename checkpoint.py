@@ -289,7 +289,7 @@ def same_kind(folder: Path, cfg):
     """Refuse, before any model loads, a checkpoint another script wrote -- sft.py resuming
     grpo.py's would skip the steps GRPO took and carry its metrics into SFT's log; rm.py and
     ppo.py would fail half loaded -- or one whose weights do not fit the model this run builds
-    (lora_of). The config a checkpoint carries (save_checkpoint copies it) says both; one
+    (trained_with). The config a checkpoint carries (save_checkpoint copies it) says both; one
     without any says nothing."""
     ours = folder / cfg.CONFIG_FILE
     if not ours.is_file():
@@ -305,25 +305,32 @@ def same_kind(folder: Path, cfg):
         recorded = recorded if isinstance(recorded, dict) else {}
     except (OSError, ValueError) as e:
         _refuse(folder, f"{ours.name} cannot be read ({type(e).__name__})")
-    was, now = lora_of(recorded), lora_of({k: getattr(cfg, k) for k in LORA if hasattr(cfg, k)})
+    was = trained_with(recorded)
+    now = trained_with({k: getattr(cfg, k) for k in WEIGHTS if hasattr(cfg, k)})
     for flag, value in was.items():
         if flag in now and now[flag] != value:
             raise SystemExit(escaped(
                 f"error: --resume {folder}: its run trained with {flag} {value}, this one asks "
-                f"for {now[flag]}; resume with {flag} {value} (a checkpoint's weights fit only "
-                f"the model they were trained in)"))
+                f"for {now[flag]}; resume with {flag} {value} (a checkpoint resumes only the "
+                f"model it was trained from, as it was trained)"))
 
 
-LORA = ("lora_rank", "lora_alpha", "lora_targets", "model", "init_from")
+WEIGHTS = ("lora_rank", "lora_alpha", "lora_targets", "model", "init_from")
 
 
-def lora_of(config: dict) -> dict:
+def trained_with(config: dict) -> dict:
     """What a checkpoint's weights fit, by flag, from a run's config (its keys as saved; a key it
-    lacks, from before the option, is not compared): full weights or LoRA of a rank; and for
-    LoRA, whose checkpoint holds adapters only, their scale, the layers they sit on (a set of
-    names: their order and spaces say nothing) and the base model they adapt."""
+    lacks, from before the option, is not compared): full weights or LoRA of a rank, and the
+    model trained -- a full-weights checkpoint holds the policy, but its tokenizer and KL
+    reference load from --model again (resumed without it, the offline default's tokenizer would
+    read another model's ids); for LoRA, whose checkpoint holds adapters only, also their scale
+    and the layers they sit on (a set of names: their order and spaces say nothing)."""
     rank = config.get("lora_rank", 0)
     out = {"--lora-rank": rank} if "lora_rank" in config else {}
+    if "model" in config:
+        base = config.get("init_from") or config["model"]
+        out["--model (or --init-from)"] = os.path.realpath(base) if isinstance(base, str) and \
+            os.path.exists(base) else base  # (a folder however it is spelled)
     if not rank:
         return out
     if "lora_alpha" in config:  # (0: twice the rank, model.add_lora)
@@ -331,10 +338,6 @@ def lora_of(config: dict) -> dict:
         out["--lora-alpha"] = alpha or 2 * rank if isinstance(rank, int) else alpha
     if "lora_targets" in config:
         out["--lora-targets"] = ",".join(sorted(set(lora_target_names(config["lora_targets"]))))
-    if "model" in config:
-        base = config.get("init_from") or config["model"]
-        out["--model (or --init-from)"] = os.path.realpath(base) if isinstance(base, str) and \
-            os.path.exists(base) else base  # (a folder however it is spelled)
     return out
 
 

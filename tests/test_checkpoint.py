@@ -2,6 +2,7 @@
 weights-only loading, damaged and crafted files."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -513,6 +514,13 @@ def test_a_checkpoint_of_another_script_or_structure_is_refused_before_loading(t
     code, stderr = said.returncode, said.stderr
     assert code != 0 and "its run trained with --lora-rank 0, this one asks for 4" in stderr
     assert "Traceback" not in stderr
+    # Full weights resume from the checkpoint, but the tokenizer and the KL reference load from
+    # --model: a resume that forgot it (the offline default instead) is another run
+    said = run_script("grpo.py", ["--data", "arith", "--out", str(tmp_path / "grpo"),
+                                  "--steps", "2", "--resume", "auto"])
+    assert said.returncode != 0 and "its run trained with --model (or --init-from) " \
+        f"{os.path.realpath(tiny_model_dir)}, this one asks for SmolLM2" in said.stderr, \
+        said.stderr[-600:]
     assert sorted(p.name for p in (tmp_path / "grpo").iterdir()) == before  # nothing moved
 
 
