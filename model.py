@@ -91,21 +91,20 @@ def model_path(cfg) -> str:
     return resolve(init_from, "--init-from") if init_from else resolve(cfg.model)
 
 
-def resolve(name: str, what: str = "--model") -> str:
+def resolve(name: str, what: str = "--model", tokenizer_only: bool = False) -> str:
     """A folder, or a hub id that can be loaded now; otherwise stop with one line that says why
     (naming the flag, `what`). A run's output folder (grpo.py's or dpo.py's --out) stands for the
     model it trained, in its `model` subfolder. A folder whose config.json names an architecture
-    transformers does not know stops here too (known_architecture)."""
+    transformers does not know stops here too (known_architecture), and so does one without a
+    model in it (no_model_in) -- unless only its tokenizer is asked for (`tokenizer_only`)."""
     path = default_model_path() if name == DEFAULT_MODEL else name
     trained = Path(path) / "model"
     if not (Path(path) / "config.json").exists() and (trained / "config.json").exists():
         return known_architecture(str(trained), what, name)
     if Path(path).exists():
-        if not any((Path(path) / f).is_file() for f in ("config.json", "tokenizer_config.json")):
-            # (an empty folder, a run's checkpoints/, a file: transformers' tokenizer traceback)
-            raise SystemExit(f"error: {what} {name}: {'a folder' if Path(path).is_dir() else 'a file'}"
-                             f" without a config.json, so not a model's folder (a run's --out "
-                             f"holds its model in model/)")
+        if not (Path(path) / "config.json").is_file() and not \
+                (tokenizer_only and (Path(path) / "tokenizer_config.json").is_file()):
+            no_model_in(Path(path), what, name)
         return known_architecture(path, what, name)
     if not ("/" in path and not path.startswith((".", "/"))):
         raise SystemExit(f"error: {what} {name!r} is neither a local folder nor a hub id "
@@ -121,6 +120,20 @@ def resolve(name: str, what: str = "--model") -> str:
                              ) from None
         return known_architecture(found, what, name)
     return path
+
+
+def no_model_in(path: Path, what: str, name: str):
+    """Stop with one printable line for a path given as a model that holds none: an empty folder,
+    a run's checkpoints/, a tokenizer's folder, a file, a LoRA checkpoint (adapters only) --
+    transformers would load the data and the tokenizer first, then end in a traceback."""
+    from data import escaped  # (data imports this module)
+    if (path / "adapter_config.json").is_file():
+        why = ("a LoRA checkpoint, adapters without their model: resume its run with --resume, "
+               "or give the run's merged model (its --out/model)")
+    else:
+        why = (f"{'a folder' if path.is_dir() else 'a file'} without a config.json, so not a "
+               f"model's folder (a run's --out holds its model in model/)")
+    raise SystemExit(escaped(f"error: {what} {name}: {why}"))
 
 
 def known_architecture(folder: str, what: str, name: str) -> str:
@@ -167,7 +180,7 @@ def load_tokenizer(name: str):
     """The tokenizer of a model; its chat template tried under a time and memory bound first
     (chat_template.py: a template that runs for minutes stops the run here, in one line)."""
     from transformers import AutoTokenizer
-    path = resolve(name)
+    path = resolve(name, tokenizer_only=True)
     check_template_files(path)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     if tokenizer.pad_token_id is None:

@@ -209,23 +209,39 @@ def test_a_mistyped_model_is_named_before_the_task_it_implies(model, tmp_path):
 
 
 def test_a_path_that_is_no_model_folder_is_one_line(tmp_path):
-    """An empty folder, a run's checkpoints/ or a config.json itself given as --model: one line
-    naming the flag, not transformers' tokenizer traceback after the data has loaded."""
+    """An empty folder, a run's checkpoints/, a config.json itself, a tokenizer's own folder or a
+    LoRA checkpoint (adapters only) given as a model: one printable line naming the flag, not
+    transformers' traceback after the data has loaded. load_tokenizer alone takes a tokenizer's
+    folder."""
     from model import resolve
-    (tmp_path / "empty").mkdir()
+    for name in ("empty", "tokenizer", "lora", "esc\x1b]52;c;eA==\x07"):
+        (tmp_path / name).mkdir()
     (tmp_path / "config.json").write_text("{}")
-    for given, kind in [(tmp_path / "empty", "a folder"), (tmp_path / "config.json", "a file")]:
+    (tmp_path / "tokenizer" / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "lora" / "adapter_config.json").write_text("{}")
+    (tmp_path / "lora" / "tokenizer_config.json").write_text("{}")
+    no_config = "without a config.json, so not a model's folder (a run's --out holds its model " \
+                "in model/)"
+    for given, why in [("empty", f"a folder {no_config}"), ("config.json", f"a file {no_config}"),
+                       ("tokenizer", f"a folder {no_config}"),
+                       ("lora", "a LoRA checkpoint, adapters without their model: resume its "
+                                "run with --resume, or give the run's merged model (its "
+                                "--out/model)"),
+                       ("esc\x1b]52;c;eA==\x07", f"a folder {no_config}")]:
         with pytest.raises(SystemExit) as stop:
-            resolve(str(given), "--critic-from")
-        assert str(stop.value) == (f"error: --critic-from {given}: {kind} without a config.json, "
-                                   f"so not a model's folder (a run's --out holds its model in "
-                                   f"model/)")
+            resolve(str(tmp_path / given), "--critic-from")
+        line = str(stop.value)
+        assert line.isprintable() and line == \
+            f"error: --critic-from {tmp_path / given}: {why}".replace("\x1b", "\\x1b") \
+            .replace("\x07", "\\x07"), line
+    assert resolve(str(tmp_path / "tokenizer"), tokenizer_only=True) == str(tmp_path / "tokenizer")
 
 
 def test_bad_data_for_the_default_model_is_named_before_its_conversion(tmp_path):
     """The offline default cannot be mistyped: on a fresh machine its GGUF file is converted (~20 s,
     0.5 GB) when it first loads, after the data is checked -- not to name a data file's typo."""
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1",
+           "CUDA_VISIBLE_DEVICES": ""}  # (on a GPU the memory plan reads the model's config first)
     result = subprocess.run([sys.executable, "grpo.py", "--data", str(tmp_path / "typo.jsonl"),
                              "--out", str(tmp_path / "o")], cwd=ROOT, capture_output=True,
                             text=True, timeout=120, env=env)
