@@ -126,14 +126,19 @@ def no_model_in(path: Path, what: str, name: str):
     """Stop with one printable line for a path given as a model that holds none: an empty folder,
     a run's checkpoints/, a tokenizer's folder, a file, a LoRA checkpoint (adapters only) --
     transformers would load the data and the tokenizer first, then end in a traceback."""
-    from data import escaped  # (data imports this module)
     if (path / "adapter_config.json").is_file():
         why = ("a LoRA checkpoint, adapters without their model: resume its run with --resume, "
                "or give the run's merged model (its --out/model)")
     else:
         why = (f"{'a folder' if path.is_dir() else 'a file'} without a config.json, so not a "
                f"model's folder (a run's --out holds its model in model/)")
-    raise SystemExit(escaped(f"error: {what} {name}: {why}"))
+    raise SystemExit(printable(f"error: {what} {name}: {why}"))
+
+
+def printable(text: str) -> str:
+    """data.escaped's way (data imports this module): each character not printable as its escape,
+    so that a folder's name or a weight file's header cannot command the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def known_architecture(folder: str, what: str, name: str) -> str:
@@ -237,10 +242,8 @@ def check_reward_head(name: str, flag: str, hint: str = "train one with rm.py") 
     try:
         missing = missing_head(path)
     except Exception as e:  # (a damaged weight file, a config transformers cannot read)
-        why = (str(e).splitlines() or [""])[0][:200]
-        # (each character not printable escaped, as data.escaped does -- data imports this
-        # module --: the message may quote a weight file's header, and a folder may be anyone's)
-        why = "".join(c if c.isprintable() else repr(c)[1:-1] for c in why)
+        # (the message may quote a weight file's header, and a folder may be anyone's)
+        why = printable((str(e).splitlines() or [""])[0][:200])
         raise SystemExit(f"error: {flag} {name}: its weights cannot be read "
                          f"({type(e).__name__}: {why})") from None
     if missing:
