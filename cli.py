@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import json
 import math
+import os
 import sys
 import types
 import typing
@@ -112,9 +113,12 @@ def parse_config(cls, argv=None, description=None):
                                 choices=choices, default=field.default, help=docs.get(name))
     first, _ = parser.parse_known_args(argv)
     if first.config:
-        parser.set_defaults(**read_toml_config(first.config, fields))
+        parser.set_defaults(**read_toml_config(os.path.expanduser(first.config), fields))
     args = vars(parser.parse_args(argv))
     config_file, dry_run = args.pop("config"), args.pop("dry_run")
+    for name, value in args.items():  # the shell expands `--out ~/x`, not `--out=~/x` or TOML's
+        if isinstance(value, str) and value.startswith("~"):
+            args[name] = os.path.expanduser(value)
     if args.get("gpu_gb") and not dry_run:
         import torch
         check(torch.cuda.is_available(), f"--gpu-gb {args['gpu_gb']:g}: this machine has no GPU, "

@@ -193,6 +193,27 @@ def check_trackers(report_to: str):
               f"not installed; pip install {name}")
 
 
+OFFLINE = ("offline", "disabled", "dryrun")  # (WANDB_MODE's values that need no API key)
+
+
+def log_in_trackers(report_to: str):
+    """wandb's API key found -- or asked for, on a terminal -- before the models load: wandb.init
+    would first look for it after them. No network (verify=False); WANDB_MODE=offline needs none."""
+    if "wandb" in report_to.split(",") and os.environ.get("WANDB_MODE") not in OFFLINE:
+        import wandb
+        try:
+            wandb.login(verify=False)
+        except Exception as e:
+            raise SystemExit(tracker_failed(report_to, e)) from None
+
+
+def tracker_failed(report_to: str, e: Exception) -> str:
+    """A tracker's own error (wandb not logged in, no network) as one line."""
+    why = escaped(" / ".join(line.strip() for line in str(e).splitlines() if line.strip())[:400])
+    return f"error: --report-to {report_to}: {type(e).__name__}: {why} (`wandb login`, or " \
+           f"WANDB_MODE=offline)"
+
+
 class RunLog:
     """Where a run's metrics go: the history, <out>/metrics.jsonl (rewritten from `history` on
     resume), the printed step line, and the trackers asked for with --report-to -- TensorBoard
@@ -225,11 +246,8 @@ class RunLog:
         except ImportError as e:
             raise SystemExit(f"error: --report-to {report_to}: {e.name} is not installed; "
                              f"pip install {e.name}") from None
-        except Exception as e:  # (wandb not logged in, no network: its own error, in one line)
-            why = escaped(" / ".join(line.strip() for line in str(e).splitlines()
-                                     if line.strip())[:400])
-            raise SystemExit(f"error: --report-to {report_to}: {type(e).__name__}: {why} (`wandb "
-                             f"login`, or WANDB_MODE=offline)") from None
+        except Exception as e:  # (its project unreachable, say: log_in_trackers ran before)
+            raise SystemExit(tracker_failed(report_to, e)) from None
 
     def __call__(self, record: dict):
         self.history.append(record)

@@ -106,6 +106,9 @@ def resolve(name: str, what: str = "--model", tokenizer_only: bool = False) -> s
                 (tokenizer_only and (Path(path) / "tokenizer_config.json").is_file()):
             no_model_in(Path(path), what, name)
         return known_architecture(path, what, name)
+    if Path(path).is_symlink():  # (exists() follows the link: one to nothing is not there)
+        raise SystemExit(printable(f"error: {what} {name}: a link to {os.readlink(path)}, "
+                                   f"which is not there"))
     if not ("/" in path and not path.startswith((".", "/"))):
         raise SystemExit(f"error: {what} {name!r} is neither a local folder nor a hub id "
                          f"(owner/name); the offline default is {DEFAULT_MODEL!r}")
@@ -114,10 +117,13 @@ def resolve(name: str, what: str = "--model", tokenizer_only: bool = False) -> s
         try:
             found = snapshot_download(name, local_files_only=True)  # downloaded before: use that
         except Exception:
-            raise SystemExit(f"error: {what} {name}: the Hugging Face hub cannot be reached and "
-                             f"the model is not in the local cache; pass a local folder with the "
-                             f"model ({what} path/to/folder), or run where the hub is reachable"
-                             ) from None
+            parent = Path(path).parent  # models/x where models/ is here: a mistyped folder, likely
+            here = f"no such folder here ({parent}/ holds no {Path(path).name}), and " \
+                if parent.is_dir() else ""
+            raise SystemExit(printable(
+                f"error: {what} {name}: {here}the Hugging Face hub cannot be reached and the "
+                f"model is not in the local cache; pass a local folder with the model "
+                f"({what} path/to/folder), or run where the hub is reachable")) from None
         return known_architecture(found, what, name)
     return path
 

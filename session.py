@@ -37,7 +37,7 @@ from charts import plot_curves
 from checkpoint import DriverState, find_checkpoint, load_driver_state, newest_checkpoint
 from checkpoint import save_checkpoint
 from data import escaped
-from evaluate import RunLog
+from evaluate import RunLog, log_in_trackers
 from hardware import DECODE_PINS, machine
 from report import write_report
 from run_folder import check_out, check_room, left_behind, lock_out, prune_superseded, read_paths
@@ -96,6 +96,7 @@ def open_run(cfg) -> RunFolder:
         folder = RunFolder(out, resume_dir, left_behind(out, resume_dir), samples_of(resume_dir),
                            reads)
         check_room(out, cfg, reads, moving=folder.aside)
+        log_in_trackers(cfg.report_to)
     except SystemExit:
         release_out(out)
         raise

@@ -371,3 +371,58 @@ def test_a_tracker_that_fails_to_start_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"^error: --report-to wandb: RuntimeError: api_key not "
                                          r"configured \(no-tty\) / more lines \(`wandb login`"):
         RunLog(tmp_path, [], "wandb", {})
+
+
+def test_a_home_path_is_expanded_wherever_a_path_is_given(tmp_path, monkeypatch):
+    """The shell expands `--out ~/x`, but not `--out=~/x` nor a TOML value: left as it is, `~`
+    became a folder named `~` in the current one (--out) or a path that is not there (--model)."""
+    from reward import load_function, weighted
+    monkeypatch.setenv("HOME", str(tmp_path))
+    toml = tmp_path / "c.toml"
+    toml.write_text('init_from = "~/start"\nreward_model = "~/rm=0.5,~/rm2"\n')
+    cfg = parse_config(Config, ["--config=~/c.toml", "--out=~/runs/a", "--data", "~/d.jsonl",
+                                "--eval-data=~"])
+    assert (cfg.out, cfg.data, cfg.eval_data, cfg.init_from) == (
+        f"{tmp_path}/runs/a", f"{tmp_path}/d.jsonl", str(tmp_path), f"{tmp_path}/start")
+    assert weighted(cfg.reward_model) == [(f"{tmp_path}/rm", 0.5), (f"{tmp_path}/rm2", 1.0)]
+    assert weighted("correctness=1,~/r.py:fn") == [("correctness", 1.0), (f"{tmp_path}/r.py:fn", 1.0)]
+    (tmp_path / "t.py").write_text("def f():\n    return 7\n")
+    assert load_function("~/t.py:f")() == 7
+    assert parse_config(Config, ["--out", "a~b"]).out == "a~b"  # (only a leading ~ is a home)
+
+
+def test_a_dangling_link_given_as_a_model_is_named_as_one(tmp_path, monkeypatch):
+    """A link to a model that was moved or deleted is not "the hub cannot be reached"; nor is a
+    mistyped folder under one that exists here."""
+    from model import resolve
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "link").symlink_to(tmp_path / "gone")
+    with pytest.raises(SystemExit) as stop:
+        resolve("models/link")
+    assert str(stop.value) == f"error: --model models/link: a link to {tmp_path / 'gone'}, " \
+                              f"which is not there"
+    with pytest.raises(SystemExit) as stop:
+        resolve("models/smol-135m", "--init-from")
+    assert str(stop.value).startswith("error: --init-from models/smol-135m: no such folder here "
+                                      "(models/ holds no smol-135m), and ")
+
+
+def test_wandb_without_credentials_is_refused_before_the_models_load(tmp_path, monkeypatch):
+    """wandb.init looks for the API key once the models have loaded (minutes, for a large one):
+    open_run asks wandb.login (no network: verify=False) first, and leaves --out unlocked."""
+    import wandb
+    from session import open_run
+    from run_folder import _held
+
+    def no_key(**kw):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+    monkeypatch.setattr(wandb, "login", no_key)
+    out = tmp_path / "o"
+    with pytest.raises(SystemExit, match=r"^error: --report-to tensorboard,wandb: UsageError: No "
+                                         r"API key configured\. Use `wandb login` to log in\. "
+                                         r"\(`wandb login`, or WANDB_MODE=offline\)$"):
+        open_run(Config(out=str(out), model="unused", data="arith",
+                        report_to="tensorboard,wandb"))
+    assert os.path.realpath(out) not in _held
