@@ -132,9 +132,15 @@ def no_model_in(path: Path, what: str, name: str):
     """Stop with one printable line for a path given as a model that holds none: an empty folder,
     a run's checkpoints/, a tokenizer's folder, a file, a LoRA checkpoint (adapters only) --
     transformers would load the data and the tokenizer first, then end in a traceback."""
+    saved = sorted((p for p in (path / "checkpoints").glob("step_*")  # (a run still training)
+                    if p.name[5:].isdigit() and (p / "config.json").is_file()),
+                   key=lambda p: int(p.name[5:]))
     if (path / "adapter_config.json").is_file():
         why = ("a LoRA checkpoint, adapters without their model: resume its run with --resume, "
                "or give the run's merged model (its --out/model)")
+    elif saved:
+        why = (f"a run's folder without its model/ yet (written when the run ends); its latest "
+               f"checkpoint holds the weights: {what} {saved[-1]}")
     else:
         why = (f"{'a folder' if path.is_dir() else 'a file'} without a config.json, so not a "
                f"model's folder (a run's --out holds its model in model/)")

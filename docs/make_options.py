@@ -51,7 +51,7 @@ How to read it:
   a `name=weight` list, a `file.py:function` -- as the shell expands `--out ~/runs/a` (only there).
 - A model flag (`--model`, `--init-from`, `--teacher`, `--critic-from`, ...) that names no model
   stops with one line before the data loads: a folder without a config.json (a LoRA checkpoint's
-  adapters named as such), a link to nothing, a mistyped folder under one that exists here, or,
+  adapters named as such; a run still training pointed to its latest checkpoint), a link to nothing, a mistyped folder under one that exists here, or,
   with the hub out of reach, a hub id not in the local cache.
 - `--report-to wandb` looks for wandb's API key (`wandb login`; no network) before any model
   loads: without one it stops in one line, unless `WANDB_MODE=offline`.

@@ -235,6 +235,14 @@ def test_a_path_that_is_no_model_folder_is_one_line(tmp_path):
             f"error: --critic-from {tmp_path / given}: {why}".replace("\x1b", "\\x1b") \
             .replace("\x07", "\\x07"), line
     assert resolve(str(tmp_path / "tokenizer"), tokenizer_only=True) == str(tmp_path / "tokenizer")
+    for step in (2, 10, 9):  # a run still training: checkpoints, no model/ yet (10 after 9)
+        (tmp_path / "run" / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "run" / "checkpoints" / f"step_{step}" / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as stop:
+        resolve(str(tmp_path / "run"), "--init-from")
+    assert str(stop.value) == f"error: --init-from {tmp_path / 'run'}: a run's folder without its " \
+        f"model/ yet (written when the run ends); its latest checkpoint holds the weights: " \
+        f"--init-from {tmp_path / 'run' / 'checkpoints' / 'step_10'}"
 
 
 def test_bad_data_for_the_default_model_is_named_before_its_conversion(tmp_path):
