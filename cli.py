@@ -116,9 +116,8 @@ def parse_config(cls, argv=None, description=None):
         parser.set_defaults(**read_toml_config(os.path.expanduser(first.config), fields))
     args = vars(parser.parse_args(argv))
     config_file, dry_run = args.pop("config"), args.pop("dry_run")
-    for name, value in args.items():  # the shell expands `--out ~/x`, not `--out=~/x` or TOML's
-        if isinstance(value, str) and value.startswith("~"):
-            args[name] = os.path.expanduser(value)
+    for name in PATH_OPTIONS.intersection(args):
+        args[name] = home(args[name])
     if args.get("gpu_gb") and not dry_run:
         import torch
         check(torch.cuda.is_available(), f"--gpu-gb {args['gpu_gb']:g}: this machine has no GPU, "
@@ -134,6 +133,22 @@ def parse_config(cls, argv=None, description=None):
             print(f"{name} = {json.dumps(value)}")
         raise SystemExit(0)
     return cfg
+
+
+# The options that name files or folders, some as lists (`--reward-model a=0.5,b`, `--tools
+# calc,t.py:f`, evaluate.py's `--data a.jsonl,b.jsonl`): where `~` is the home folder.
+PATH_OPTIONS = {"model", "init_from", "teacher", "critic_from", "reward_model", "judge",
+                "judge_prompt", "data", "eval_data", "replay", "resume", "out", "reward", "tools",
+                "env"}
+
+
+def home(value):
+    """`~` (or `~user`) at the start of each comma-separated item expanded: the shell does it for
+    `--out ~/x` alone, not for `--out=~/x`, a TOML value or a list's later items."""
+    if not isinstance(value, str):
+        return value
+    return ",".join(os.path.expanduser(item.strip()) if item.strip().startswith("~") else item
+                    for item in value.split(","))
 
 
 def read_toml_config(path: str, fields: dict) -> dict:

@@ -197,14 +197,24 @@ OFFLINE = ("offline", "disabled", "dryrun")  # (WANDB_MODE's values that need no
 
 
 def log_in_trackers(report_to: str):
-    """wandb's API key found -- or asked for, on a terminal -- before the models load: wandb.init
-    would first look for it after them. No network (verify=False); WANDB_MODE=offline needs none."""
-    if "wandb" in report_to.split(",") and os.environ.get("WANDB_MODE") not in OFFLINE:
+    """wandb's API key found before the models load, where wandb.init would look for it after
+    them (and, on a terminal, wait for it to be typed): without one the run stops in one line.
+    With WANDB_MODE=offline none is needed; with one, wandb asks its server whose it is."""
+    if "wandb" not in report_to.split(","):
+        return
+    try:
         import wandb
-        try:
-            wandb.login(verify=False)
-        except Exception as e:
-            raise SystemExit(tracker_failed(report_to, e)) from None
+        if wandb.setup().settings.mode in OFFLINE:  # (WANDB_MODE, or `wandb offline`'s file)
+            return
+        found = wandb.login(verify=False, prompt=False)
+    except ImportError as e:
+        raise SystemExit(f"error: --report-to {report_to}: {e.name} is not installed; pip "
+                         f"install {e.name}") from None
+    except Exception as e:  # (a key of the wrong form, a package that fails to import)
+        raise SystemExit(tracker_failed(report_to, e)) from None
+    if not found:
+        raise SystemExit(f"error: --report-to {report_to}: no wandb API key here (`wandb "
+                         f"login`, or WANDB_API_KEY; WANDB_MODE=offline logs without one)")
 
 
 def tracker_failed(report_to: str, e: Exception) -> str:

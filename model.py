@@ -106,9 +106,11 @@ def resolve(name: str, what: str = "--model", tokenizer_only: bool = False) -> s
                 (tokenizer_only and (Path(path) / "tokenizer_config.json").is_file()):
             no_model_in(Path(path), what, name)
         return known_architecture(path, what, name)
-    if Path(path).is_symlink():  # (exists() follows the link: one to nothing is not there)
-        raise SystemExit(printable(f"error: {what} {name}: a link to {os.readlink(path)}, "
-                                   f"which is not there"))
+    for link in (Path(path), *Path(path).parents):  # (one to a folder moved or deleted, say)
+        if link.is_symlink() and not link.exists():
+            target = os.path.normpath(link.parent / os.readlink(link))  # (from here, not the link)
+            raise SystemExit(printable(f"error: {what} {name}: {link} is a link to {target}, "
+                                       f"which leads to nothing"))
     if not ("/" in path and not path.startswith((".", "/"))):
         raise SystemExit(f"error: {what} {name!r} is neither a local folder nor a hub id "
                          f"(owner/name); the offline default is {DEFAULT_MODEL!r}")

@@ -306,16 +306,14 @@ def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> li
 
 def weighted(spec: str) -> list[tuple[str, float]]:
     """`name=weight,...` as (name, weight) pairs, weight 1 where none is given (NaN where it is no
-    number: options.RLOptions names it before anything loads); a name that is a path may start
-    with `~` (the shell expands only the first)."""
+    number: options.RLOptions names it before anything loads)."""
     out = []
     for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
         name, _, weight = part.rpartition("=") if "=" in part else (part, "", "1")
-        name = os.path.expanduser(name.strip())
         try:
-            out.append((name, float(weight)))
+            out.append((name.strip(), float(weight)))
         except ValueError:
-            out.append((name, math.nan))
+            out.append((name.strip(), math.nan))
     return out
 
 
@@ -457,7 +455,7 @@ def load_function(spec: str, what: str = "function", builtins=BUILTIN):
                          f"path/to/file.py:function or module.function")
     try:
         if where.endswith(".py") or "/" in where:
-            path = Path(where).expanduser()  # (`--tools=~/t.py:f`: no shell expanded it)
+            path = Path(where)
             if not path.is_file():
                 raise ImportError(f"no such file: {where}")
             module_spec = importlib.util.spec_from_file_location(path.stem, path)

@@ -47,14 +47,18 @@ How to read it:
   number included), or one option spelled both ways stops with one line naming the file and the key.
 - `--bf16` and `--no-bf16` (and `bf16 = ...` in a TOML file) were replaced by `--dtype`: they
   stop with one line naming the replacement ([precision.md](precision.md)).
-- A path may start with `~` wherever one is given -- `--out=~/runs/a`, a TOML value, each path of
-  a `name=weight` list, a `file.py:function` -- as the shell expands `--out ~/runs/a` (only there).
-- A model flag (`--model`, `--init-from`, `--teacher`, `--critic-from`, ...) that names no model
-  stops with one line before the data loads: a folder without a config.json (a LoRA checkpoint's
-  adapters named as such; a run still training pointed to its latest checkpoint), a link to nothing, a mistyped folder under one that exists here, or,
-  with the hub out of reach, a hub id not in the local cache.
-- `--report-to wandb` looks for wandb's API key (`wandb login`; no network) before any model
-  loads: without one it stops in one line, unless `WANDB_MODE=offline`.
+- A path may start with `~` in any option that names files or folders (`--out=~/runs/a`, a TOML
+  value, each item of a list: `--reward-model=~/rm=0.5,~/rm2`, a `~/r.py:function`), as the shell
+  expands `--out ~/runs/a` (only there); a column name (`--answer-field`, ...) is left as written.
+- A model flag (`--model`, `--init-from`, `--teacher`, `--critic-from`) that names no model stops
+  with one line before the data loads (`--reward-model`, `--judge`: before any model loads): a
+  folder without a config.json (a LoRA checkpoint's adapters named as such; a run still training
+  pointed to its latest checkpoint), a link (or a folder on the path) that leads to nothing, and,
+  with the hub out of reach, a mistyped folder under one that exists here or a hub id not in the
+  local cache (with the hub in reach, such a name is asked of the hub).
+- `--report-to wandb` looks for wandb's API key (`wandb login`, WANDB_API_KEY) before any model
+  loads, without prompting for it: without one it stops in one line, unless WANDB_MODE=offline
+  (or `wandb offline`); a key it finds, wandb checks with its server, as wandb.init would.
 """
 
 COMMON = [("`--config`", "path", "", "a TOML file setting any of the options below"),

@@ -5,6 +5,7 @@ import os
 import runpy
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -382,21 +383,27 @@ def test_a_tracker_that_fails_to_start_is_one_line(tmp_path, monkeypatch):
 
 
 def test_a_home_path_is_expanded_wherever_a_path_is_given(tmp_path, monkeypatch):
-    """The shell expands `--out ~/x`, but not `--out=~/x` nor a TOML value: left as it is, `~`
-    became a folder named `~` in the current one (--out) or a path that is not there (--model)."""
-    from reward import load_function, weighted
+    """The shell expands `--out ~/x`, but not `--out=~/x`, a TOML value nor a list's later items:
+    left as it is, `~` became a folder named `~` in the current one (--out) or a path that is not
+    there (--model). Only the options that name paths: a column may be called `~`."""
+    from evaluate import EvalConfig
+    from run_folder import read_paths
     monkeypatch.setenv("HOME", str(tmp_path))
-    toml = tmp_path / "c.toml"
-    toml.write_text('init_from = "~/start"\nreward_model = "~/rm=0.5,~/rm2"\n')
+    (tmp_path / "c.toml").write_text('init_from = "~/start"\nreward_model = "~/rm=0.5, ~/rm2"\n'
+                                     'answer_field = "~"\n')
     cfg = parse_config(Config, ["--config=~/c.toml", "--out=~/runs/a", "--data", "~/d.jsonl",
-                                "--eval-data=~"])
+                                "--eval-data=~", "--reward=correctness=1,~/r.py:fn",
+                                "--prompt-field=~root"])
     assert (cfg.out, cfg.data, cfg.eval_data, cfg.init_from) == (
         f"{tmp_path}/runs/a", f"{tmp_path}/d.jsonl", str(tmp_path), f"{tmp_path}/start")
-    assert weighted(cfg.reward_model) == [(f"{tmp_path}/rm", 0.5), (f"{tmp_path}/rm2", 1.0)]
-    assert weighted("correctness=1,~/r.py:fn") == [("correctness", 1.0), (f"{tmp_path}/r.py:fn", 1.0)]
-    (tmp_path / "t.py").write_text("def f():\n    return 7\n")
-    assert load_function("~/t.py:f")() == 7
+    assert (cfg.reward_model, cfg.reward) == (f"{tmp_path}/rm=0.5,{tmp_path}/rm2",
+                                              f"correctness=1,{tmp_path}/r.py:fn")
+    assert (cfg.answer_field, cfg.prompt_field) == ("~", "~root")  # (columns, not paths)
+    (tmp_path / "rm2").mkdir()
+    assert tmp_path / "rm2" in read_paths(cfg)  # (what pruning superseded/ never deletes)
     assert parse_config(Config, ["--out", "a~b"]).out == "a~b"  # (only a leading ~ is a home)
+    assert parse_config(EvalConfig, ["--data=~/a.jsonl,~/b.jsonl"]).data == \
+        f"{tmp_path}/a.jsonl,{tmp_path}/b.jsonl"
 
 
 def test_a_dangling_link_given_as_a_model_is_named_as_one(tmp_path, monkeypatch):
@@ -407,10 +414,16 @@ def test_a_dangling_link_given_as_a_model_is_named_as_one(tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "link").symlink_to(tmp_path / "gone")
-    with pytest.raises(SystemExit) as stop:
-        resolve("models/link")
-    assert str(stop.value) == f"error: --model models/link: a link to {tmp_path / 'gone'}, " \
-                              f"which is not there"
+    (tmp_path / "models" / "relative").symlink_to("../gone")
+    (tmp_path / "models" / "loop").symlink_to("loop")
+    for given, link, to in [("models/link", "models/link", tmp_path / "gone"),
+                            ("models/link/", "models/link", tmp_path / "gone"),
+                            ("models/relative/model", "models/relative", "gone"),
+                            ("models/loop", "models/loop", "models/loop")]:
+        with pytest.raises(SystemExit) as stop:
+            resolve(given)
+        assert str(stop.value) == f"error: --model {given}: {link} is a link to {to}, which " \
+                                  f"leads to nothing", given
     with pytest.raises(SystemExit) as stop:
         resolve("models/smol-135m", "--init-from")
     assert str(stop.value).startswith("error: --init-from models/smol-135m: no such folder here "
@@ -418,19 +431,36 @@ def test_a_dangling_link_given_as_a_model_is_named_as_one(tmp_path, monkeypatch)
 
 
 def test_wandb_without_credentials_is_refused_before_the_models_load(tmp_path, monkeypatch):
-    """wandb.init looks for the API key once the models have loaded (minutes, for a large one):
-    open_run asks wandb.login (no network: verify=False) first, and leaves --out unlocked."""
+    """wandb.init looks for the API key once the models have loaded (minutes, for a large one),
+    and on a terminal waits for it to be typed: open_run asks wandb.login (prompt=False) first,
+    in one line, and leaves --out unlocked."""
     import wandb
     from session import open_run
     from run_folder import _held
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    asked = []
 
     def no_key(**kw):
-        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+        asked.append(kw)
+        return False
     monkeypatch.setattr(wandb, "login", no_key)
     out = tmp_path / "o"
-    with pytest.raises(SystemExit, match=r"^error: --report-to tensorboard,wandb: UsageError: No "
-                                         r"API key configured\. Use `wandb login` to log in\. "
-                                         r"\(`wandb login`, or WANDB_MODE=offline\)$"):
+    with pytest.raises(SystemExit, match=r"^error: --report-to tensorboard,wandb: no wandb API key "
+                                         r"here \(`wandb login`, or WANDB_API_KEY; "
+                                         r"WANDB_MODE=offline logs without one\)$"):
         open_run(Config(out=str(out), model="unused", data="arith",
                         report_to="tensorboard,wandb"))
+    assert asked == [{"verify": False, "prompt": False}]
     assert os.path.realpath(out) not in _held
+
+    def bad_key(**kw):
+        raise wandb.errors.AuthenticationError("WANDB_API_KEY invalid: API key must have 40+ "
+                                               "characters, has 3.")
+    monkeypatch.setattr(wandb, "login", bad_key)
+    with pytest.raises(SystemExit, match=r"^error: --report-to wandb: AuthenticationError: "
+                                         r"WANDB_API_KEY invalid: .* \(`wandb login`, or "):
+        open_run(Config(out=str(out), model="unused", data="arith", report_to="wandb"))
+    monkeypatch.setenv("WANDB_MODE", "offline")  # (no key needed: login not asked)
+    monkeypatch.setattr(wandb, "setup", lambda: types.SimpleNamespace(
+        settings=types.SimpleNamespace(mode="offline")))
+    open_run(Config(out=str(tmp_path / "p"), model="unused", data="arith", report_to="wandb"))
