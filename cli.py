@@ -18,9 +18,10 @@ import os
 import sys
 import types
 import typing
+from contextlib import contextmanager
 from dataclasses import asdict
 
-from data import InputError, task_summary
+from data import InputError, escaped, task_summary
 
 
 def flag(name: str) -> str:
@@ -122,7 +123,8 @@ def parse_config(cls, argv=None, description=None):
         import torch
         check(torch.cuda.is_available(), f"--gpu-gb {args['gpu_gb']:g}: this machine has no GPU, "
               f"so the plan is all it can give: add --dry-run")
-    cfg = cls(**args)  # __post_init__ checks the values
+    with readable_paths():
+        cfg = cls(**args)  # __post_init__ checks the values
     if dry_run:
         if hasattr(cfg, "task"):
             print(f"# {task_summary(cfg)}")
@@ -133,6 +135,18 @@ def parse_config(cls, argv=None, description=None):
             print(f"{name} = {json.dumps(value)}")
         raise SystemExit(0)
     return cfg
+
+
+@contextmanager
+def readable_paths():
+    """A path a flag names that this user may not read (a folder of another user's on its way):
+    one line naming it, not os.stat's traceback from wherever the path was first looked at."""
+    try:
+        yield
+    except PermissionError as e:
+        raise SystemExit(escaped(f"error: {e.filename}: permission denied: this user (uid "
+                                 f"{os.geteuid()}) may not read it, or a folder on its way")
+                         ) from None
 
 
 # The options that name files or folders, some as lists (`--reward-model a=0.5,b`, `--tools

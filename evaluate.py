@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 
-from cli import check, check_numbers, flag, parse_config
+from cli import check, check_numbers, flag, parse_config, readable_paths
 from data import TEMPLATES, Template, escaped, dataset_name, encode_prompts, load_rows
 from reward import Grader, extract_answer, fast_match
 from env import Agent, episode_metrics, load_environment, load_tools
@@ -559,4 +559,5 @@ def format_table(rows: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    with readable_paths():  # (a flag's path this user may not read: one line)
+        main()

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from charts import plot_curves
 from checkpoint import DriverState, find_checkpoint, load_driver_state, newest_checkpoint
 from checkpoint import save_checkpoint
+from cli import readable_paths
 from data import escaped
 from evaluate import RunLog, log_in_trackers
 from hardware import DECODE_PINS, machine
@@ -66,7 +67,8 @@ def one_run(main):
     @functools.wraps(main)
     def run(cfg):
         try:
-            return main(cfg)
+            with readable_paths():  # (a flag's path this user may not read: one line)
+                return main(cfg)
         finally:
             release_stop_signals()
     return run

@@ -50,6 +50,8 @@ How to read it:
 - A path may start with `~` in any option that names files or folders (`--out=~/runs/a`, a TOML
   value, each item of a list: `--reward-model=~/rm=0.5,~/rm2`, a `~/r.py:function`), as the shell
   expands `--out ~/runs/a` (only there); a column name (`--answer-field`, ...) is left as written.
+- A path a flag names that this user may not read (a folder of another user's on its way) stops
+  with one line naming it, wherever the run first looks at it.
 - A model flag (`--model`, `--init-from`, `--teacher`, `--critic-from`) that names no model stops
   with one line before the data loads (`--reward-model`, `--judge`: before any model loads): a
   folder without a config.json (a LoRA checkpoint's adapters named as such; a run still training

@@ -464,3 +464,36 @@ def test_wandb_without_credentials_is_refused_before_the_models_load(tmp_path, m
     monkeypatch.setattr(wandb, "setup", lambda: types.SimpleNamespace(
         settings=types.SimpleNamespace(mode="offline")))
     open_run(Config(out=str(tmp_path / "p"), model="unused", data="arith", report_to="wandb"))
+
+
+def test_a_path_this_user_may_not_read_is_one_line(tmp_path):
+    """A folder of another user's on the path a flag names: one line naming it, wherever it is
+    first looked at (the task read from --data's first row, --out, the paths pruning keeps, a
+    model's folder; evaluate.py's data), not os.stat's traceback. As root, the run is started
+    without the capabilities that let root read any file (the folder's mode 0 then holds)."""
+    import shutil
+    drop = []
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("running as root, and no setpriv to drop root's read-anything capabilities")
+        drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    secret = tmp_path / "secret"
+    (secret / "model").mkdir(parents=True)
+    (secret / "model" / "config.json").write_text("{}")
+    (secret / "d.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    secret.chmod(0)
+    try:
+        for script, flags, path in [
+                ("grpo.py", ["--data", str(secret / "d.jsonl")], secret / "d.jsonl"),
+                ("grpo.py", ["--model", str(secret / "model"), "--data", "arith"], secret / "model"),
+                ("grpo.py", ["--out", str(secret / "o")], secret / "o"),
+                ("evaluate.py", ["--data", f"arith,{secret / 'd.jsonl'}"], secret / "d.jsonl")]:
+            result = subprocess.run([*drop, sys.executable, script, "--out", str(tmp_path / "o"),
+                                     *flags], cwd=ROOT, capture_output=True, text=True,
+                                    timeout=120, env=env)
+            assert result.stderr.strip().splitlines() == [
+                f"error: {path}: permission denied: this user (uid {os.geteuid()}) may not read "
+                f"it, or a folder on its way"], (script, flags, result.stderr[-2000:])
+    finally:
+        secret.chmod(0o700)
