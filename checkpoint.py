@@ -377,5 +377,5 @@ def _run_of(checkpoint: Path) -> str | None:
 
 
 def _checkpoints(folder: Path) -> list[Path]:
-    return [p for p in folder.glob("step_*") if p.name[5:].isdigit()
+    return [p for p in folder.glob("step_*") if re.fullmatch(r"step_[0-9]+", p.name)
             and (p / "driver_state.pt").exists()]

@@ -123,7 +123,7 @@ def parse_config(cls, argv=None, description=None):
         import torch
         check(torch.cuda.is_available(), f"--gpu-gb {args['gpu_gb']:g}: this machine has no GPU, "
               f"so the plan is all it can give: add --dry-run")
-    with readable_paths():
+    with readable_paths(args):
         cfg = cls(**args)  # __post_init__ checks the values
     if dry_run:
         if hasattr(cfg, "task"):
@@ -138,15 +138,29 @@ def parse_config(cls, argv=None, description=None):
 
 
 @contextmanager
-def readable_paths():
-    """A path a flag names that this user may not read (a folder of another user's on its way):
-    one line naming it, not os.stat's traceback from wherever the path was first looked at."""
+def readable_paths(values: dict):
+    """A path a flag names (or one inside it) that this user may not reach -- a folder of another
+    user's on its way -- as one line naming it, not os.stat's traceback from wherever the run
+    first looked at it. `values`: the options, by field name. A PermissionError on any other path
+    (a user's environment or tool reading its own files) keeps its traceback."""
     try:
         yield
     except PermissionError as e:
+        if not isinstance(e.filename, str) or not named_by_flag(e.filename, values):
+            raise
         raise SystemExit(escaped(f"error: {e.filename}: permission denied: this user (uid "
-                                 f"{os.geteuid()}) may not read it, or a folder on its way")
+                                 f"{os.geteuid()}) may not reach it, or a folder on its way")
                          ) from None
+
+
+def named_by_flag(path: str, values: dict) -> bool:
+    """Whether `path` is, or lies in, a path one of the options names (each item of a list, with
+    and without a `=weight` or a `:function`)."""
+    named = {os.path.abspath(part) for name in PATH_OPTIONS.intersection(values)
+             for item in str(values[name] or "").split(",") if item.strip()
+             for part in (item.strip(), item.strip().rsplit("=", 1)[0], item.split(":")[0])}
+    path = os.path.abspath(path)
+    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in named)
 
 
 # The options that name files or folders, some as lists (`--reward-model a=0.5,b`, `--tools
@@ -174,6 +188,10 @@ def read_toml_config(path: str, fields: dict) -> dict:
         raise SystemExit(f"error: --config {path}: no such file") from None
     except IsADirectoryError:
         raise SystemExit(f"error: --config {path}: a folder, not a TOML file") from None
+    except PermissionError:
+        raise SystemExit(escaped(f"error: --config {path}: permission denied: this user (uid "
+                                 f"{os.geteuid()}) may not reach it, or a folder on its way")
+                         ) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise SystemExit(f"error: --config {path}: not valid TOML ({e})") from None
     values, spelled = {}, {}

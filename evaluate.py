@@ -19,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -199,12 +200,15 @@ OFFLINE = ("offline", "disabled", "dryrun")  # (WANDB_MODE's values that need no
 def log_in_trackers(report_to: str):
     """wandb's API key found before the models load, where wandb.init would look for it after
     them (and, on a terminal, wait for it to be typed): without one the run stops in one line.
-    With WANDB_MODE=offline none is needed; with one, wandb asks its server whose it is."""
+    With WANDB_MODE=offline none is needed. A key found is not verified (verify=False): one
+    revoked fails at wandb.init, after the models load."""
     if "wandb" not in report_to.split(","):
         return
     try:
         import wandb
         if wandb.setup().settings.mode in OFFLINE:  # (WANDB_MODE, or `wandb offline`'s file)
+            return
+        if wandb.run is not None:  # (a notebook's own run: logged in; login() would say False)
             return
         found = wandb.login(verify=False, prompt=False)
     except ImportError as e:
@@ -443,6 +447,13 @@ class EvalConfig:
 
 def main(argv=None):
     cfg = parse_config(EvalConfig, argv, description=__doc__.split("\n")[0])
+    with readable_paths(vars(cfg)):  # (a flag's path this user may not reach: one line)
+        evaluate_data(cfg)
+
+
+def evaluate_data(cfg):
+    """Every --data source sampled and graded, the table printed, results.json and samples.jsonl
+    written to --out."""
     # Load every dataset before the model, so a bad file fails in a second, not after a minute.
     sources, out = cfg.data.split(","), Path(cfg.out)
     check_sources(sources, out)
@@ -455,6 +466,11 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SystemExit(escaped(f"error: --out {out}: cannot make that folder ({e.strerror}); "
+                                 f"choose another --out")) from None
+    try:  # (a folder there already that this user may not write in: likewise)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise SystemExit(escaped(f"error: --out {out}: cannot write there ({e.strerror}); "
                                  f"choose another --out")) from None
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # before the model, too
     agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
@@ -559,5 +575,4 @@ def format_table(rows: dict) -> str:
 
 
 if __name__ == "__main__":
-    with readable_paths():  # (a flag's path this user may not read: one line)
-        main()
+    main()

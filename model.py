@@ -135,14 +135,17 @@ def no_model_in(path: Path, what: str, name: str):
     a run's checkpoints/, a tokenizer's folder, a file, a LoRA checkpoint (adapters only) --
     transformers would load the data and the tokenizer first, then end in a traceback."""
     saved = sorted((p for p in (path / "checkpoints").glob("step_*")  # (a run still training)
-                    if p.name[5:].isdigit() and (p / "config.json").is_file()),
-                   key=lambda p: int(p.name[5:]))
+                    if re.fullmatch(r"step_[0-9]+", p.name)), key=lambda p: int(p.name[5:]))
     if (path / "adapter_config.json").is_file():
         why = ("a LoRA checkpoint, adapters without their model: resume its run with --resume, "
                "or give the run's merged model (its --out/model)")
-    elif saved:
+    elif saved and (saved[-1] / "config.json").is_file():
         why = (f"a run's folder without its model/ yet (written when the run ends); its latest "
                f"checkpoint holds the weights: {what} {saved[-1]}")
+    elif saved:
+        why = ("a LoRA run's folder without its merged model/ yet (written when the run ends; "
+               "its checkpoints hold adapters alone): resume the run with --resume, or give its "
+               "--out once it has ended")
     else:
         why = (f"{'a folder' if path.is_dir() else 'a file'} without a config.json, so not a "
                f"model's folder (a run's --out holds its model in model/)")

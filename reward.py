@@ -306,10 +306,12 @@ def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> li
 
 def weighted(spec: str) -> list[tuple[str, float]]:
     """`name=weight,...` as (name, weight) pairs, weight 1 where none is given (NaN where it is no
-    number: options.RLOptions names it before anything loads)."""
+    number: options.RLOptions names it before anything loads) or where the item as written is a
+    path that exists (a sweep's folder lr=1e-5)."""
     out = []
     for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
-        name, _, weight = part.rpartition("=") if "=" in part else (part, "", "1")
+        whole = "=" not in part or os.path.exists(part)  # (a path may hold a `=`: lr=1e-5/)
+        name, _, weight = (part, "", "1") if whole else part.rpartition("=")
         try:
             out.append((name.strip(), float(weight)))
         except ValueError:

@@ -51,6 +51,7 @@ from pathlib import Path
 from checkpoint import CONFIG_FILES, checkpoint_step, claim_checkpoints, in_checkpoints
 from data import escaped, printable
 from model import DEFAULT_MODEL, default_model_folder
+from reward import weighted
 
 # What a run writes in --out, besides checkpoints/ (checkpoint.py) and its lock.
 RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", "report.html", "curves.png", "machine.json")
@@ -405,14 +406,19 @@ def _weights(paths) -> bool:
 
 READ_FLAGS = ("model", "init_from", "teacher", "critic_from", "reward_model", "judge",
               "judge_prompt", "data", "eval_data", "replay", "resume")
+WEIGHTED = ("reward_model", "judge")  # (`path=weight` lists)
 
 
 def read_paths(cfg) -> list[Path]:
     """The files and folders the run's flags name that exist (a `path=weight` list's paths
-    too), resolved: what pruning superseded/ never deletes under the run."""
-    items = [item.rsplit("=", 1)[0].strip() for name in READ_FLAGS
-             for item in str(getattr(cfg, name, None) or "").split(",")]
-    return [Path(item).resolve() for item in items if item and Path(item).exists()]
+    too, reward.weighted's way: a path may hold a `=`), resolved: what pruning superseded/ never
+    deletes under the run."""
+    items = []
+    for name in READ_FLAGS:
+        value = str(getattr(cfg, name, None) or "")
+        items += [path for path, _ in weighted(value)] if name in WEIGHTED else value.split(",")
+    return [Path(item.strip()).resolve() for item in items
+            if item.strip() and Path(item.strip()).exists()]
 
 
 def samples_of(resume_dir: str) -> Path | None:

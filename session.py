@@ -67,7 +67,7 @@ def one_run(main):
     @functools.wraps(main)
     def run(cfg):
         try:
-            with readable_paths():  # (a flag's path this user may not read: one line)
+            with readable_paths(vars(cfg)):  # (a flag's path this user may not reach)
                 return main(cfg)
         finally:
             release_stop_signals()

@@ -50,17 +50,21 @@ How to read it:
 - A path may start with `~` in any option that names files or folders (`--out=~/runs/a`, a TOML
   value, each item of a list: `--reward-model=~/rm=0.5,~/rm2`, a `~/r.py:function`), as the shell
   expands `--out ~/runs/a` (only there); a column name (`--answer-field`, ...) is left as written.
-- A path a flag names that this user may not read (a folder of another user's on its way) stops
-  with one line naming it, wherever the run first looks at it.
+- A path a flag names (`--config` included), or a file in it, that this user may not reach (a
+  folder of another user's on its way) stops with one line naming it, wherever the run first
+  looks at it; any other permission error (your environment's own files, say) keeps its
+  traceback. evaluate.py checks that it may write in `--out` before the model loads.
 - A model flag (`--model`, `--init-from`, `--teacher`, `--critic-from`) that names no model stops
   with one line before the data loads (`--reward-model`, `--judge`: before any model loads): a
   folder without a config.json (a LoRA checkpoint's adapters named as such; a run still training
-  pointed to its latest checkpoint), a link (or a folder on the path) that leads to nothing, and,
-  with the hub out of reach, a mistyped folder under one that exists here or a hub id not in the
-  local cache (with the hub in reach, such a name is asked of the hub).
+  pointed to its latest checkpoint, a LoRA one to --resume), a link (or a folder on the path)
+  that leads to nothing, and, with the hub out of reach, a mistyped folder under one that exists
+  here or a hub id not in the local cache (with the hub in reach, such a name is asked of the
+  hub).
 - `--report-to wandb` looks for wandb's API key (`wandb login`, WANDB_API_KEY) before any model
   loads, without prompting for it: without one it stops in one line, unless WANDB_MODE=offline
-  (or `wandb offline`); a key it finds, wandb checks with its server, as wandb.init would.
+  (or `wandb offline`), or a wandb run of yours is already active. A key found is not verified
+  there: a revoked one fails at wandb.init, after the models load.
 """
 
 COMMON = [("`--config`", "path", "", "a TOML file setting any of the options below"),

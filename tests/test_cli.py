@@ -244,6 +244,16 @@ def test_a_path_that_is_no_model_folder_is_one_line(tmp_path):
     assert str(stop.value) == f"error: --init-from {tmp_path / 'run'}: a run's folder without its " \
         f"model/ yet (written when the run ends); its latest checkpoint holds the weights: " \
         f"--init-from {tmp_path / 'run' / 'checkpoints' / 'step_10'}"
+    (tmp_path / "run" / "checkpoints" / "step_\u00b2").mkdir()  # (a digit to isdigit, not to int)
+    (tmp_path / "lora-run" / "checkpoints" / "step_3").mkdir(parents=True)
+    (tmp_path / "lora-run" / "checkpoints" / "step_3" / "adapter_config.json").write_text("{}")
+    with pytest.raises(SystemExit) as stop:
+        resolve(str(tmp_path / "lora-run"))
+    assert str(stop.value) == f"error: --model {tmp_path / 'lora-run'}: a LoRA run's folder " \
+        f"without its merged model/ yet (written when the run ends; its checkpoints hold " \
+        f"adapters alone): resume the run with --resume, or give its --out once it has ended"
+    with pytest.raises(SystemExit, match="step_10$"):
+        resolve(str(tmp_path / "run"))
 
 
 def test_bad_data_for_the_default_model_is_named_before_its_conversion(tmp_path):
@@ -460,6 +470,9 @@ def test_wandb_without_credentials_is_refused_before_the_models_load(tmp_path, m
     with pytest.raises(SystemExit, match=r"^error: --report-to wandb: AuthenticationError: "
                                          r"WANDB_API_KEY invalid: .* \(`wandb login`, or "):
         open_run(Config(out=str(out), model="unused", data="arith", report_to="wandb"))
+    monkeypatch.setattr(wandb, "run", object())  # (a notebook's own run: login() says False)
+    open_run(Config(out=str(tmp_path / "q"), model="unused", data="arith", report_to="wandb"))
+    monkeypatch.setattr(wandb, "run", None)
     monkeypatch.setenv("WANDB_MODE", "offline")  # (no key needed: login not asked)
     monkeypatch.setattr(wandb, "setup", lambda: types.SimpleNamespace(
         settings=types.SimpleNamespace(mode="offline")))
@@ -469,31 +482,60 @@ def test_wandb_without_credentials_is_refused_before_the_models_load(tmp_path, m
 def test_a_path_this_user_may_not_read_is_one_line(tmp_path):
     """A folder of another user's on the path a flag names: one line naming it, wherever it is
     first looked at (the task read from --data's first row, --out, the paths pruning keeps, a
-    model's folder; evaluate.py's data), not os.stat's traceback. As root, the run is started
-    without the capabilities that let root read any file (the folder's mode 0 then holds)."""
+    model's folder, --config; evaluate.py's data, and its --out checked for writing before the
+    model loads), not os.stat's traceback. A PermissionError on a path no flag names -- a user's
+    environment reading its own files -- keeps its traceback. As root, the cases run without the
+    capabilities that let root read any file (the folders' modes then hold)."""
     import shutil
     drop = []
     if os.geteuid() == 0:
         if not shutil.which("setpriv"):
             pytest.skip("running as root, and no setpriv to drop root's read-anything capabilities")
         drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
-    secret = tmp_path / "secret"
+    secret, read_only = tmp_path / "secret", tmp_path / "ro"
     (secret / "model").mkdir(parents=True)
     (secret / "model" / "config.json").write_text("{}")
     (secret / "d.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    secret.chmod(0)
+    (secret / "c.toml").write_text("steps = 2\n")
+    read_only.mkdir()
+    cases = [("grpo", ["--data", f"{secret}/d.jsonl"], f"{secret}/d.jsonl"),
+             ("grpo", ["--model", f"{secret}/model", "--data", "arith"], f"{secret}/model"),
+             ("grpo", ["--out", f"{secret}/o"], f"{secret}/o"),
+             ("grpo", ["--config", f"{secret}/c.toml"], f"--config {secret}/c.toml"),
+             ("evaluate", ["--data", f"arith,{secret}/d.jsonl"], f"{secret}/d.jsonl"),
+             ("evaluate", ["--out", str(read_only)], "")]
+    child = f"""
+import sys; sys.argv = ["x"]
+from cli import parse_config, readable_paths
+import evaluate, grpo
+for script, flags, _ in {cases!r}:
     try:
-        for script, flags, path in [
-                ("grpo.py", ["--data", str(secret / "d.jsonl")], secret / "d.jsonl"),
-                ("grpo.py", ["--model", str(secret / "model"), "--data", "arith"], secret / "model"),
-                ("grpo.py", ["--out", str(secret / "o")], secret / "o"),
-                ("evaluate.py", ["--data", f"arith,{secret / 'd.jsonl'}"], secret / "d.jsonl")]:
-            result = subprocess.run([*drop, sys.executable, script, "--out", str(tmp_path / "o"),
-                                     *flags], cwd=ROOT, capture_output=True, text=True,
-                                    timeout=120, env=env)
-            assert result.stderr.strip().splitlines() == [
-                f"error: {path}: permission denied: this user (uid {os.geteuid()}) may not read "
-                f"it, or a folder on its way"], (script, flags, result.stderr[-2000:])
+        if script == "grpo":
+            grpo.main(parse_config(grpo.Config, ["--out", "{tmp_path}/o", *flags]))
+        else:
+            evaluate.main(["--out", "{tmp_path}/o", *flags])
+    except SystemExit as e:
+        print("said:", e)
+try:
+    with readable_paths({{"data": "{secret}/d.jsonl"}}):  # (a path no flag names)
+        open("{secret}/lexicon.txt")
+except PermissionError as e:
+    print("said: kept", type(e).__name__, e.filename)
+"""
+    secret.chmod(0)
+    read_only.chmod(0o555)
+    try:
+        result = subprocess.run([*drop, sys.executable, "-c", child], cwd=ROOT,
+                                capture_output=True, text=True, timeout=120,
+                                env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                                     "HF_HUB_OFFLINE": "1"})
     finally:
         secret.chmod(0o700)
+        read_only.chmod(0o755)
+    denied = f"permission denied: this user (uid {os.geteuid()}) may not reach it, or a " \
+             f"folder on its way"
+    said = [line[6:] for line in result.stdout.splitlines() if line.startswith("said: ")]
+    assert said == [
+        *(f"error: {path}: {denied}" for _, _, path in cases[:-1]),
+        f"error: --out {read_only}: cannot write there (Permission denied); choose another --out",
+        f"kept PermissionError {secret}/lexicon.txt"], result.stdout[-3000:] + result.stderr[-3000:]

@@ -588,3 +588,20 @@ def test_the_room_check_counts_a_model_saved_in_two_formats_once(tiny_model_dir,
     weights = (both / "model.safetensors").stat().st_size
     _free(monkeypatch, weights * 3 // 2)
     open_run(grpo.Config(out=str(tmp_path / "out"), model=str(both), data="arith"))
+
+
+def test_a_path_with_an_equals_sign_is_kept_whole(tmp_path):
+    """A sweep's folder named lr=1e-5: --init-from runs/lr=1e-5/superseded/T/model was read as
+    runs/lr, so pruning superseded/ did not know the run reads it and could delete it; as a
+    --reward-model it became runs/lr at weight 1e-5. A name=weight item that is a path as written
+    is that path, at weight 1."""
+    import grpo
+    from reward import weighted
+    from run_folder import read_paths
+    model = tmp_path / "lr=1e-5" / "superseded" / "20260101-000000" / "model"
+    model.mkdir(parents=True)
+    cfg = grpo.Config(out=str(tmp_path / "o"), model="unused", data="arith",
+                      init_from=str(model), reward_model=f"{tmp_path}/lr=1e-5=0.5")
+    assert read_paths(cfg) == [model, tmp_path / "lr=1e-5"]
+    assert weighted(f"{tmp_path}/lr=1e-5,{tmp_path}/lr=1e-5=0.5,correctness=2") == [
+        (f"{tmp_path}/lr=1e-5", 1.0), (f"{tmp_path}/lr=1e-5", 0.5), ("correctness", 2.0)]
