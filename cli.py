@@ -154,13 +154,26 @@ def readable_paths(values: dict):
 
 
 def named_by_flag(path: str, values: dict) -> bool:
-    """Whether `path` is, or lies in, a path one of the options names (each item of a list, with
-    and without a `=weight` or a `:function`)."""
-    named = {os.path.abspath(part) for name in PATH_OPTIONS.intersection(values)
-             for item in str(values[name] or "").split(",") if item.strip()
-             for part in (item.strip(), item.strip().rsplit("=", 1)[0], item.split(":")[0])}
+    """Whether `path` is a path an option names (each item of a list, with and without a
+    `=weight` or a `:function`), a folder on its way, or a file at most two folders into it (a
+    model's config.json, a checkpoint's state, a run folder's model/) -- but not into --out,
+    where the files are the run's own (checked before it starts) and, with `--out .`, a user's
+    tool's too."""
     path = os.path.abspath(path)
-    return any(path == p or path.startswith(p.rstrip("/") + "/") for p in named)
+    for name in PATH_OPTIONS.intersection(values):
+        for item in (i.strip() for i in str(values[name] or "").split(",") if i.strip()):
+            for named in {os.path.abspath(part) for part in
+                          (item, item.rsplit("=", 1)[0], item.split(":")[0]) if part}:
+                if _within(named, path) or name != "out" and _within(path, named, depth=2):
+                    return True
+    return False
+
+
+def _within(path: str, folder: str, depth: int = 1 << 30) -> bool:
+    """`path` is `folder`, or lies in it at most `depth` levels down."""
+    down = os.path.relpath(path, folder)
+    outside = down == ".." or down.startswith("../")
+    return down == "." or not outside and down.count("/") < depth
 
 
 # The options that name files or folders, some as lists (`--reward-model a=0.5,b`, `--tools

@@ -208,8 +208,8 @@ def log_in_trackers(report_to: str):
         import wandb
         if wandb.setup().settings.mode in OFFLINE:  # (WANDB_MODE, or `wandb offline`'s file)
             return
-        if wandb.run is not None:  # (a notebook's own run: logged in; login() would say False)
-            return
+        if wandb.run is not None:  # (a notebook's own run: login() says False then, key or
+            return  # not; unchecked here -- with an offline one and no key, wandb.init fails)
         found = wandb.login(verify=False, prompt=False)
     except ImportError as e:
         raise SystemExit(f"error: --report-to {report_to}: {e.name} is not installed; pip "
@@ -472,6 +472,8 @@ def evaluate_data(cfg):
     except OSError as e:
         raise SystemExit(escaped(f"error: --out {out}: cannot write there ({e.strerror}); "
                                  f"choose another --out")) from None
+    from run_folder import check_movable
+    check_movable(out, earlier_results(out))  # (write_results moves them aside first)
     tools, env_class = load_tools(cfg.tools), load_environment(cfg.env)  # before the model, too
     agent = Agent.for_run(cfg, TEMPLATES[cfg.template][0], tools, env_class)
     from hardware import choose_dtype, pick_device
@@ -539,8 +541,7 @@ def write_results(out: Path, results: dict, samples: list[dict]) -> str:
     to <out>/superseded/<time>/ (run_folder.set_aside): nothing is overwritten. The line that
     says where it went ("" when there was none)."""
     from run_folder import set_aside
-    earlier = [out / name for name in ("results.json", "samples.jsonl")
-               if os.path.lexists(out / name)]
+    earlier = earlier_results(out)
     _, aside, _ = set_aside(out, earlier, "", None)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     with open(out / "samples.jsonl", "w") as f:
@@ -550,6 +551,12 @@ def write_results(out: Path, results: dict, samples: list[dict]) -> str:
         return ""
     return escaped(f"{out} held an earlier evaluation: its {', '.join(p.name for p in earlier)} "
                    f"are moved to {aside} (delete it when you no longer need it)")
+
+
+def earlier_results(out: Path) -> list[Path]:
+    """An earlier evaluation's files in --out, which write_results moves aside."""
+    return [out / name for name in ("results.json", "samples.jsonl")
+            if os.path.lexists(out / name)]
 
 
 def longest_prompt(tokenizer, datasets: dict, cfg, agent=None) -> int:

@@ -37,7 +37,7 @@ from cli import check, parse_config
 from data import ProblemStream
 from evaluate import step_record
 from options import RLOptions
-from reward import Grader, RewardFunctions
+from reward import Grader, RewardFunctions, weighted
 from rl import Scored, end_step, finish_session, sampling_seed, score, start_rollout
 from rl import log_rollouts, replayed, start_session, train_batch, with_detail
 from sampling import policy_lag
@@ -306,8 +306,8 @@ def sapo_term(ratio, A, tau_pos: float, tau_neg: float):
 
 def unit_clashes(cfg) -> list[str]:
     """The options with which --adv-scale unit's +-1 would not be right and wrong (Config)."""
-    specs = [r.strip() for r in (cfg.reward or "").split(",") if r.strip()]
-    weights = [w for _, eq, w in (r.rpartition("=") for r in specs) if eq]  # (as reward.py reads)
+    specs = weighted(cfg.reward)
+    weights = [w for _, w in specs]
     sources = len(specs) + bool(cfg.env)
     return [name for name, on in [
         ("--leave-one-out (a baseline: unit has none)", cfg.leave_one_out),
@@ -321,15 +321,7 @@ def unit_clashes(cfg) -> list[str]:
         (f"{sources} reward sources (--reward {cfg.reward!r}"
          f"{' and the environment' if cfg.env else ''}: their sum is no verdict)", sources > 1),
         (f"a weight of 0 or less (--reward {cfg.reward!r})",
-         any(not positive(w) for w in weights))] if on]
-
-
-def positive(number: str) -> bool:
-    """Whether `number` reads as a float above 0 (one that does not read is reward.py's to say)."""
-    try:
-        return float(number) > 0
-    except ValueError:
-        return True
+         any(w <= 0 for w in weights))] if on]  # (NaN: RLOptions names it)
 
 
 # ---------------------------------------------------------------------------------------------

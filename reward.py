@@ -306,12 +306,14 @@ def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> li
 
 def weighted(spec: str) -> list[tuple[str, float]]:
     """`name=weight,...` as (name, weight) pairs, weight 1 where none is given (NaN where it is no
-    number: options.RLOptions names it before anything loads) or where the item as written is a
-    path that exists (a sweep's folder lr=1e-5)."""
+    number: options.RLOptions names it before anything loads). A `=` followed by a `/` is a
+    path's (a sweep's folder: runs/lr=1e-5/rm); a folder whose own name ends in `=number` needs
+    its weight written (runs/lr=1e-5=1)."""
     out = []
     for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
-        whole = "=" not in part or os.path.exists(part)  # (a path may hold a `=`: lr=1e-5/)
-        name, _, weight = (part, "", "1") if whole else part.rpartition("=")
+        name, _, weight = part.rpartition("=")
+        if not name or "/" in weight:  # (no weight; or a path that holds `=`: runs/lr=1e-5/rm)
+            name, weight = part, "1"
         try:
             out.append((name.strip(), float(weight)))
         except ValueError:

@@ -316,6 +316,29 @@ def _went_past(out: Path, step: int) -> bool:
         return True
 
 
+def check_movable(out: Path, paths: list[Path]):
+    """Before any model loads: that set_aside can move `paths` (--out's earlier run or
+    evaluation) to <out>/superseded/ -- this user may write in --out, in superseded/ where it is
+    already, and in each folder to move (a folder's `..` changes), and, where --out is another
+    user's with the sticky bit (/tmp's kind), owns each -- so the first write does not fail after
+    the models loaded and the work is done. One line otherwise."""
+    def refuse(why: str):
+        raise SystemExit(escaped(f"error: --out {out} holds an earlier run's or evaluation's "
+                                 f"{', '.join(p.name for p in paths)}, which it would move aside, "
+                                 f"but {why}: choose another --out"))
+    if not paths:
+        return
+    mine = os.geteuid()
+    for folder in [out, out / "superseded", *(p for p in paths if p.is_dir())]:
+        if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK, effective_ids=True):
+            refuse(f"this user (uid {mine}) may not write in {folder}")
+    sticky = out.stat().st_mode & stat.S_ISVTX and out.stat().st_uid != mine and mine != 0
+    for p in paths:  # (root is taken to hold CAP_FOWNER, which moves anyone's)
+        if sticky and p.lstat().st_uid != mine:
+            refuse(f"{p.name} is another user's, in a folder (sticky) where only its owner may "
+                   f"move it")
+
+
 def set_aside(out: Path, paths: list[Path], resume_dir: str, samples: Path | None
               ) -> tuple[str, Path | None, Path | None]:
     """`paths` moved whole to a new <out>/superseded/<time>/, each to its place there (nothing

@@ -41,8 +41,9 @@ from data import escaped
 from evaluate import RunLog, log_in_trackers
 from hardware import DECODE_PINS, machine
 from report import write_report
-from run_folder import check_out, check_room, left_behind, lock_out, prune_superseded, read_paths
-from run_folder import recover_export, release_out, room_left, samples_of, set_aside
+from run_folder import check_movable, check_out, check_room, left_behind, lock_out
+from run_folder import prune_superseded, read_paths, recover_export, release_out, room_left
+from run_folder import samples_of, set_aside
 from stopping import asked, catch_stop_signals, exit_now, release_stop_signals
 
 
@@ -98,6 +99,7 @@ def open_run(cfg) -> RunFolder:
         folder = RunFolder(out, resume_dir, left_behind(out, resume_dir), samples_of(resume_dir),
                            reads)
         check_room(out, cfg, reads, moving=folder.aside)
+        check_movable(out, folder.aside)
         log_in_trackers(cfg.report_to)
     except SystemExit:
         release_out(out)

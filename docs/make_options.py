@@ -52,8 +52,9 @@ How to read it:
   expands `--out ~/runs/a` (only there); a column name (`--answer-field`, ...) is left as written.
 - A path a flag names (`--config` included), or a file in it, that this user may not reach (a
   folder of another user's on its way) stops with one line naming it, wherever the run first
-  looks at it; any other permission error (your environment's own files, say) keeps its
-  traceback. evaluate.py checks that it may write in `--out` before the model loads.
+  looks at it (a file at most two folders into it, but not into `--out`); any other permission
+  error (your environment's own files, say) keeps its traceback. Before any model loads, a run
+  and evaluate.py check that they may write in `--out` and move an earlier run's files aside.
 - A model flag (`--model`, `--init-from`, `--teacher`, `--critic-from`) that names no model stops
   with one line before the data loads (`--reward-model`, `--judge`: before any model loads): a
   folder without a config.json (a LoRA checkpoint's adapters named as such; a run still training
@@ -63,8 +64,8 @@ How to read it:
   hub).
 - `--report-to wandb` looks for wandb's API key (`wandb login`, WANDB_API_KEY) before any model
   loads, without prompting for it: without one it stops in one line, unless WANDB_MODE=offline
-  (or `wandb offline`), or a wandb run of yours is already active. A key found is not verified
-  there: a revoked one fails at wandb.init, after the models load.
+  (or `wandb offline`). Not checked while a wandb run of yours is active (wandb cannot tell
+  then), and a key found is not verified: those fail at wandb.init, after the models load.
 """
 
 COMMON = [("`--config`", "path", "", "a TOML file setting any of the options below"),

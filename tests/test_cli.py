@@ -498,12 +498,20 @@ def test_a_path_this_user_may_not_read_is_one_line(tmp_path):
     (secret / "d.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n')
     (secret / "c.toml").write_text("steps = 2\n")
     read_only.mkdir()
+    (secret / "t.py").write_text("def f(x):\n    return x\n")
+    theirs = tmp_path / "theirs"  # (earlier results to move aside into a superseded/ ...)
+    (theirs / "superseded").mkdir(parents=True)
+    (theirs / "results.json").write_text("{}")
+    if drop:
+        os.chown(theirs / "superseded", 65534, 65534)  # (... of another user's)
     cases = [("grpo", ["--data", f"{secret}/d.jsonl"], f"{secret}/d.jsonl"),
              ("grpo", ["--model", f"{secret}/model", "--data", "arith"], f"{secret}/model"),
              ("grpo", ["--out", f"{secret}/o"], f"{secret}/o"),
              ("grpo", ["--config", f"{secret}/c.toml"], f"--config {secret}/c.toml"),
+             ("grpo", ["--tools", f"calculator, {secret}/t.py:f"], f"{secret}/t.py"),
              ("evaluate", ["--data", f"arith,{secret}/d.jsonl"], f"{secret}/d.jsonl"),
-             ("evaluate", ["--out", str(read_only)], "")]
+             ("evaluate", ["--out", str(read_only)], ""),
+             ("evaluate", ["--out", str(theirs)], "")]
     child = f"""
 import sys; sys.argv = ["x"]
 from cli import parse_config, readable_paths
@@ -516,14 +524,17 @@ for script, flags, _ in {cases!r}:
             evaluate.main(["--out", "{tmp_path}/o", *flags])
     except SystemExit as e:
         print("said:", e)
-try:
-    with readable_paths({{"data": "{secret}/d.jsonl"}}):  # (a path no flag names)
-        open("{secret}/lexicon.txt")
-except PermissionError as e:
-    print("said: kept", type(e).__name__, e.filename)
+import os; os.chdir("{tmp_path}")
+for values in [{{"data": "{secret}/d.jsonl"}}, {{"out": "."}}]:  # (no flag names the file)
+    try:
+        with readable_paths(values):
+            open("secret/lexicon.txt")
+    except PermissionError as e:
+        print("said: kept", type(e).__name__, e.filename)
 """
     secret.chmod(0)
     read_only.chmod(0o555)
+    (theirs / "superseded").chmod(0o755 if drop else 0o555)
     try:
         result = subprocess.run([*drop, sys.executable, "-c", child], cwd=ROOT,
                                 capture_output=True, text=True, timeout=120,
@@ -532,10 +543,31 @@ except PermissionError as e:
     finally:
         secret.chmod(0o700)
         read_only.chmod(0o755)
+        (theirs / "superseded").chmod(0o755)
     denied = f"permission denied: this user (uid {os.geteuid()}) may not reach it, or a " \
              f"folder on its way"
     said = [line[6:] for line in result.stdout.splitlines() if line.startswith("said: ")]
+    moving = "holds an earlier run's or evaluation's results.json, which it would move aside, but"
     assert said == [
-        *(f"error: {path}: {denied}" for _, _, path in cases[:-1]),
+        *(f"error: {path}: {denied}" for _, _, path in cases[:-2]),
         f"error: --out {read_only}: cannot write there (Permission denied); choose another --out",
-        f"kept PermissionError {secret}/lexicon.txt"], result.stdout[-3000:] + result.stderr[-3000:]
+        f"error: --out {theirs} {moving} this user (uid {os.geteuid()}) may not write in "
+        f"{theirs}/superseded: choose another --out",
+        "kept PermissionError secret/lexicon.txt", "kept PermissionError secret/lexicon.txt"], result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_earlier_files_in_a_sticky_folder_of_another_users_are_not_moved_late(tmp_path,
+                                                                               monkeypatch):
+    """--out in a folder like /tmp (anyone writes, only owners move): another user's earlier
+    results.json there could not be moved aside after the whole evaluation; refused before."""
+    from run_folder import check_movable
+    out = tmp_path / "shared"
+    out.mkdir()
+    (out / "results.json").write_text("{}")
+    out.chmod(0o1777)
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(out).st_uid + 1)  # (someone else)
+    with pytest.raises(SystemExit, match=r"results.json is another user's, in a folder \(sticky\) "
+                                         r"where only its owner may move it: choose another --out$"):
+        check_movable(out, [out / "results.json"])
+    monkeypatch.setattr(os, "geteuid", lambda: os.stat(out).st_uid)  # (the owner moves it)
+    check_movable(out, [out / "results.json"])

@@ -593,8 +593,8 @@ def test_the_room_check_counts_a_model_saved_in_two_formats_once(tiny_model_dir,
 def test_a_path_with_an_equals_sign_is_kept_whole(tmp_path):
     """A sweep's folder named lr=1e-5: --init-from runs/lr=1e-5/superseded/T/model was read as
     runs/lr, so pruning superseded/ did not know the run reads it and could delete it; as a
-    --reward-model it became runs/lr at weight 1e-5. A name=weight item that is a path as written
-    is that path, at weight 1."""
+    --reward-model it became runs/lr at weight 1e-5. A `=` followed by a `/` is the path's; a
+    folder whose own name ends in =number takes its weight written out (lr=1e-5=1)."""
     import grpo
     from reward import weighted
     from run_folder import read_paths
@@ -603,5 +603,7 @@ def test_a_path_with_an_equals_sign_is_kept_whole(tmp_path):
     cfg = grpo.Config(out=str(tmp_path / "o"), model="unused", data="arith",
                       init_from=str(model), reward_model=f"{tmp_path}/lr=1e-5=0.5")
     assert read_paths(cfg) == [model, tmp_path / "lr=1e-5"]
-    assert weighted(f"{tmp_path}/lr=1e-5,{tmp_path}/lr=1e-5=0.5,correctness=2") == [
-        (f"{tmp_path}/lr=1e-5", 1.0), (f"{tmp_path}/lr=1e-5", 0.5), ("correctness", 2.0)]
+    assert weighted(f"{tmp_path}/lr=1e-5/rm, {tmp_path}/lr=1e-5=0.5,correctness=2,"
+                    f"runs/a=b/r.py:fn,format") == [
+        (f"{tmp_path}/lr=1e-5/rm", 1.0), (f"{tmp_path}/lr=1e-5", 0.5), ("correctness", 2.0),
+        ("runs/a=b/r.py:fn", 1.0), ("format", 1.0)]
