@@ -155,16 +155,17 @@ def readable_paths(values: dict):
 
 def named_by_flag(path: str, values: dict) -> bool:
     """Whether `path` is a path an option names (each item of a list, with and without a
-    `=weight` or a `:function`), a folder on its way, or a file at most two folders into it (a
-    model's config.json, a checkpoint's state, a run folder's model/) -- but not into --out,
-    where the files are the run's own (checked before it starts) and, with `--out .`, a user's
-    tool's too."""
+    `=weight` or a `:function`), a folder on its way, or a path at most two levels into it (a
+    model's config.json, a run folder's model/config.json) -- three into --out (its
+    checkpoints/step_N/driver_state.pt), unless the run works inside --out (`--out .`): then a
+    file there may as well be a user's tool's own, whose traceback stays."""
     path = os.path.abspath(path)
     for name in PATH_OPTIONS.intersection(values):
         for item in (i.strip() for i in str(values[name] or "").split(",") if i.strip()):
             for named in {os.path.abspath(part) for part in
                           (item, item.rsplit("=", 1)[0], item.split(":")[0]) if part}:
-                if _within(named, path) or name != "out" and _within(path, named, depth=2):
+                depth = 2 if name != "out" else 0 if _within(os.getcwd(), named) else 3
+                if _within(named, path) or depth and _within(path, named, depth):
                     return True
     return False
 

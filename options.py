@@ -338,9 +338,11 @@ class RLOptions(ScaleOptions, RunOptions, TrainOptions, RLLoopOptions, EpisodeOp
               "trainers: use it with --num-trainers N, N > 1")
         for spec, name in [(self.reward, "--reward"), (self.reward_model, "--reward-model"),
                            (self.judge, "--judge")]:
-            for source, weight in weighted(spec):
+            for source, weight in weighted(spec, paths=name != "--reward"):
                 check(math.isfinite(weight), f"{name} {source}: its weight is not a finite "
-                      f"number (name=weight, e.g. {source}=0.5)")
+                      f"number (name=weight, e.g. {source}=0.5)" + (
+                          "; a folder whose name holds '=' is given whole, or with its weight "
+                          "(path=1)" if name != "--reward" else ""))
         check(self.rollout_tokens >= -1, f"--rollout-tokens {self.rollout_tokens}: groups a step "
               f"kept token by token: 0 or more, or -1 for every sample")
 

@@ -304,16 +304,17 @@ def overlong_penalty(lengths: list[int], max_new_tokens: int, buffer: int) -> li
     return [0.0 if n <= start else -min(1.0, (n - start) / buffer) for n in lengths]
 
 
-def weighted(spec: str) -> list[tuple[str, float]]:
+def weighted(spec: str, paths: bool = False) -> list[tuple[str, float]]:
     """`name=weight,...` as (name, weight) pairs, weight 1 where none is given (NaN where it is no
     number: options.RLOptions names it before anything loads). A `=` followed by a `/` is a
-    path's (a sweep's folder: runs/lr=1e-5/rm); a folder whose own name ends in `=number` needs
-    its weight written (runs/lr=1e-5=1)."""
+    path's (a sweep's folder: runs/lr=1e-5/rm); with `paths` (--reward-model, --judge), so is
+    one in an item that is, as written, a path that exists (runs/rm_lr=1e-5). Reward functions'
+    names are never looked up on disk: a folder --out made could not turn format=0.5 into one."""
     out = []
     for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
         name, _, weight = part.rpartition("=")
-        if not name or "/" in weight:  # (no weight; or a path that holds `=`: runs/lr=1e-5/rm)
-            name, weight = part, "1"
+        if not name or "/" in weight or paths and os.path.exists(part):
+            name, weight = part, "1"  # (no weight given; or a path that holds `=`)
         try:
             out.append((name.strip(), float(weight)))
         except ValueError:

@@ -40,8 +40,8 @@ def learned_rewards(reward_models: str, judges: str, judge_prompt: str, template
                     dtype: torch.dtype) -> list[tuple]:
     """(name, scoring function, weight) for every --reward-model and --judge, loaded now."""
     sources = []
-    for (path, weight), kind in [(s, RewardModel) for s in weighted(reward_models)] + \
-                                [(s, Judge) for s in weighted(judges)]:
+    for (path, weight), kind in [(s, RewardModel) for s in weighted(reward_models, True)] + \
+                                [(s, Judge) for s in weighted(judges, True)]:
         source = kind(path, template, dtype, judge_prompt)
         sources.append((source.name, source, weight))
     return sources
@@ -51,7 +51,7 @@ def check_learned_rewards(reward_models: str, judges: str, judge_prompt: str):
     """Before any model loads: every --reward-model is a sequence-classification model with one
     label and a trained head in its weights, every --judge a causal LM, --judge-prompt a file with
     {prompt} and {completion}; one line naming the flag and the path otherwise."""
-    for path, _ in weighted(reward_models):
+    for path, _ in weighted(reward_models, paths=True):
         config = _config(path, "--reward-model")
         kinds = config.get("architectures") or []
         if not any(k.endswith("ForSequenceClassification") for k in kinds) or \
@@ -60,7 +60,7 @@ def check_learned_rewards(reward_models: str, judges: str, judge_prompt: str):
                              f"classification model with one label; its config says "
                              f"{', '.join(kinds) or 'no architecture'}): train one with rm.py")
         check_reward_head(path, "--reward-model")  # (its head's weights there, not a random one)
-    for path, _ in weighted(judges):
+    for path, _ in weighted(judges, paths=True):
         kinds = _config(path, "--judge").get("architectures") or []
         if not any(k.endswith("ForCausalLM") for k in kinds):
             raise SystemExit(f"error: --judge {path}: not a causal language model (its config "
@@ -281,8 +281,8 @@ def _right_padded(ids: list[list[int]], pad_id, device) -> dict:
 def frozen_models(reward_models: str, judges: str) -> tuple:
     """(name, folder or hub id, head) of every --reward-model and --judge: the frozen models a run
     keeps on its device beside the policy (gpu_memory.plan_memory counts them)."""
-    specs = [(s, "--reward-model", "rm", "reward") for s, _ in weighted(reward_models)] + \
-        [(s, "--judge", "judge", "lm") for s, _ in weighted(judges)]
+    specs = [(s, "--reward-model", "rm", "reward") for s, _ in weighted(reward_models, True)] + \
+        [(s, "--judge", "judge", "lm") for s, _ in weighted(judges, True)]
     out = []
     for given, flag, kind, head in specs:
         out.append((f"{kind}:{Path(given).name or given}", resolve(given, flag), head))

@@ -318,25 +318,44 @@ def _went_past(out: Path, step: int) -> bool:
 
 def check_movable(out: Path, paths: list[Path]):
     """Before any model loads: that set_aside can move `paths` (--out's earlier run or
-    evaluation) to <out>/superseded/ -- this user may write in --out, in superseded/ where it is
-    already, and in each folder to move (a folder's `..` changes), and, where --out is another
-    user's with the sticky bit (/tmp's kind), owns each -- so the first write does not fail after
-    the models loaded and the work is done. One line otherwise."""
+    evaluation, or a branch's later checkpoints) to <out>/superseded/ -- a folder there, on
+    --out's disk (rename moves nothing between disks); this user may write in it, in --out, in
+    each path's folder and in each folder to move (its `..` changes; not a link's target); and
+    where a path's folder has the sticky bit (/tmp's kind) and is another user's, owns each path
+    -- so the first write does not fail after the models loaded and the work is done."""
     def refuse(why: str):
         raise SystemExit(escaped(f"error: --out {out} holds an earlier run's or evaluation's "
                                  f"{', '.join(p.name for p in paths)}, which it would move aside, "
                                  f"but {why}: choose another --out"))
     if not paths:
         return
-    mine = os.geteuid()
-    for folder in [out, out / "superseded", *(p for p in paths if p.is_dir())]:
+    aside, mine = out / "superseded", os.geteuid()
+    if os.path.lexists(aside) and (aside.is_symlink() or not aside.is_dir()):
+        refuse(f"{aside} is not a folder of its own (a file or a link)")
+    if aside.is_dir() and aside.stat().st_dev != out.stat().st_dev:
+        refuse(f"{aside} is on another disk (a mount)")
+    folders = {out, aside, *(p.parent for p in paths),
+               *(p for p in paths if p.is_dir() and not p.is_symlink())}
+    for folder in sorted(folders):
         if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK, effective_ids=True):
             refuse(f"this user (uid {mine}) may not write in {folder}")
-    sticky = out.stat().st_mode & stat.S_ISVTX and out.stat().st_uid != mine and mine != 0
-    for p in paths:  # (root is taken to hold CAP_FOWNER, which moves anyone's)
-        if sticky and p.lstat().st_uid != mine:
+    for p in paths:
+        where = p.parent.stat()
+        if where.st_mode & stat.S_ISVTX and mine not in (where.st_uid, p.lstat().st_uid) \
+                and not moves_anyones():
             refuse(f"{p.name} is another user's, in a folder (sticky) where only its owner may "
                    f"move it")
+
+
+def moves_anyones() -> bool:
+    """Whether this process may move another user's files out of a sticky folder: it holds
+    CAP_FOWNER (root, unless a container dropped it)."""
+    try:
+        with open("/proc/self/status") as f:
+            effective = next(line for line in f if line.startswith("CapEff:")).split()[1]
+        return bool(int(effective, 16) >> 3 & 1)  # (CAP_FOWNER is capability 3)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return os.geteuid() == 0
 
 
 def set_aside(out: Path, paths: list[Path], resume_dir: str, samples: Path | None
@@ -439,7 +458,8 @@ def read_paths(cfg) -> list[Path]:
     items = []
     for name in READ_FLAGS:
         value = str(getattr(cfg, name, None) or "")
-        items += [path for path, _ in weighted(value)] if name in WEIGHTED else value.split(",")
+        items += [path for path, _ in weighted(value, paths=True)] if name in WEIGHTED \
+            else value.split(",")
     return [Path(item.strip()).resolve() for item in items
             if item.strip() and Path(item.strip()).exists()]
 

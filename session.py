@@ -101,7 +101,7 @@ def open_run(cfg) -> RunFolder:
         check_room(out, cfg, reads, moving=folder.aside)
         check_movable(out, folder.aside)
         log_in_trackers(cfg.report_to)
-    except SystemExit:
+    except BaseException:  # (a refusal, or a fault: --out free again for the next run)
         release_out(out)
         raise
     return folder

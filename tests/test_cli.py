@@ -504,11 +504,15 @@ def test_a_path_this_user_may_not_read_is_one_line(tmp_path):
     (theirs / "results.json").write_text("{}")
     if drop:
         os.chown(theirs / "superseded", 65534, 65534)  # (... of another user's)
+    locked = tmp_path / "run" / "checkpoints" / "step_1"  # (a checkpoint in --out: another user's)
+    locked.mkdir(parents=True)
     cases = [("grpo", ["--data", f"{secret}/d.jsonl"], f"{secret}/d.jsonl"),
              ("grpo", ["--model", f"{secret}/model", "--data", "arith"], f"{secret}/model"),
              ("grpo", ["--out", f"{secret}/o"], f"{secret}/o"),
              ("grpo", ["--config", f"{secret}/c.toml"], f"--config {secret}/c.toml"),
              ("grpo", ["--tools", f"calculator, {secret}/t.py:f"], f"{secret}/t.py"),
+             ("grpo", ["--out", str(locked.parents[1]), "--resume", "auto"],
+              f"{locked}/driver_state.pt"),
              ("evaluate", ["--data", f"arith,{secret}/d.jsonl"], f"{secret}/d.jsonl"),
              ("evaluate", ["--out", str(read_only)], ""),
              ("evaluate", ["--out", str(theirs)], "")]
@@ -533,6 +537,7 @@ for values in [{{"data": "{secret}/d.jsonl"}}, {{"out": "."}}]:  # (no flag name
         print("said: kept", type(e).__name__, e.filename)
 """
     secret.chmod(0)
+    locked.chmod(0)
     read_only.chmod(0o555)
     (theirs / "superseded").chmod(0o755 if drop else 0o555)
     try:
@@ -542,6 +547,7 @@ for values in [{{"data": "{secret}/d.jsonl"}}, {{"out": "."}}]:  # (no flag name
                                      "HF_HUB_OFFLINE": "1"})
     finally:
         secret.chmod(0o700)
+        locked.chmod(0o700)
         read_only.chmod(0o755)
         (theirs / "superseded").chmod(0o755)
     denied = f"permission denied: this user (uid {os.geteuid()}) may not reach it, or a " \
@@ -560,7 +566,9 @@ def test_earlier_files_in_a_sticky_folder_of_another_users_are_not_moved_late(tm
                                                                                monkeypatch):
     """--out in a folder like /tmp (anyone writes, only owners move): another user's earlier
     results.json there could not be moved aside after the whole evaluation; refused before."""
+    import run_folder
     from run_folder import check_movable
+    monkeypatch.setattr(run_folder, "moves_anyones", lambda: False)  # (no CAP_FOWNER: not root)
     out = tmp_path / "shared"
     out.mkdir()
     (out / "results.json").write_text("{}")

@@ -5,6 +5,7 @@ superseded/ is bounded and the disk is checked before training; a damaged checkp
 
 import importlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -607,3 +608,48 @@ def test_a_path_with_an_equals_sign_is_kept_whole(tmp_path):
                     f"runs/a=b/r.py:fn,format") == [
         (f"{tmp_path}/lr=1e-5/rm", 1.0), (f"{tmp_path}/lr=1e-5", 0.5), ("correctness", 2.0),
         ("runs/a=b/r.py:fn", 1.0), ("format", 1.0)]
+    (tmp_path / "rm_lr").mkdir()  # (a sweep's sibling folders: rm_lr and rm_lr=1e-5)
+    (tmp_path / "rm_lr=1e-5").mkdir()
+    assert weighted(f"{tmp_path}/rm_lr=1e-5", paths=True) == [(f"{tmp_path}/rm_lr=1e-5", 1.0)]
+    assert weighted(f"{tmp_path}/rm_lr=1e-5") == [(f"{tmp_path}/rm_lr", 1e-5)]  # (a reward
+    # function's name is never looked up on disk)
+
+
+def test_what_would_not_move_aside_is_refused_before_the_models_load(tmp_path, monkeypatch):
+    """set_aside's first move failing after the models loaded -- an evaluation's whole work lost
+    with it -- is said first, in one line: superseded/ a file or a link (to another disk), a
+    folder this user may not write in (--out's, a resumed branch's checkpoints/, a folder to
+    move). A folder to move that is a link moves as a link: its target's rights do not count."""
+    from run_folder import check_movable
+    denied = set()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: Path(path) not in denied and
+                        real_access(path, mode, **kw))
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step_4").mkdir(parents=True)
+    (out / "results.json").write_text("{}")
+    elsewhere = tmp_path / "shared-model"
+    elsewhere.mkdir()
+    (out / "model").symlink_to(elsewhere)
+    moving = [out / "results.json", out / "model", out / "checkpoints" / "step_4"]
+    denied.add(elsewhere)  # (a read-only model linked in: the link moves, not the model)
+    check_movable(out, moving)
+    start = f"error: --out {out} holds an earlier run's or evaluation's results.json, model, " \
+            f"step_4, which it would move aside, but "
+    for folder in (out, out / "checkpoints", out / "checkpoints" / "step_4"):
+        denied.clear()
+        denied.add(folder)
+        with pytest.raises(SystemExit) as stop:
+            check_movable(out, moving)
+        assert str(stop.value) == f"{start}this user (uid {os.geteuid()}) may not write in " \
+                                  f"{folder}: choose another --out"
+    denied.clear()
+    for kind in ("file", "link"):
+        (out / "superseded").write_text("") if kind == "file" else \
+            (out / "superseded").symlink_to(tmp_path)
+        with pytest.raises(SystemExit) as stop:
+            check_movable(out, moving)
+        assert str(stop.value) == f"{start}{out / 'superseded'} is not a folder of its own (a " \
+                                  f"file or a link): choose another --out"
+        (out / "superseded").unlink()
+    check_movable(out, moving)
