@@ -313,6 +313,11 @@ def weighted(spec: str, paths: bool = False) -> list[tuple[str, float]]:
     out = []
     for part in (p.strip() for p in (spec or "").split(",") if p.strip()):
         name, _, weight = part.rpartition("=")
+        if paths and name and "/" not in weight and os.path.exists(part) and \
+                os.path.exists(name):  # (a run's --out named like the item, say)
+            line = f"error: {part}: both the folder {part} and {name} at weight {weight} " \
+                   f"exist: write {part}=1 for the one, {name}/={weight} for the other"
+            raise SystemExit("".join(c if c.isprintable() else repr(c)[1:-1] for c in line))
         if not name or "/" in weight or paths and os.path.exists(part):
             name, weight = part, "1"  # (no weight given; or a path that holds `=`)
         try:

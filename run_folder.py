@@ -331,13 +331,17 @@ def check_movable(out: Path, paths: list[Path]):
         return
     aside, mine = out / "superseded", os.geteuid()
     if os.path.lexists(aside) and (aside.is_symlink() or not aside.is_dir()):
-        refuse(f"{aside} is not a folder of its own (a file or a link)")
-    if aside.is_dir() and aside.stat().st_dev != out.stat().st_dev:
-        refuse(f"{aside} is on another disk (a mount)")
-    folders = {out, aside, *(p.parent for p in paths),
-               *(p for p in paths if p.is_dir() and not p.is_symlink())}
-    for folder in sorted(folders):
+        refuse(f"{aside} is not a folder of its own (a file or a link: move it away)")
+    mounted = mount_points()
+    for path in [aside, *paths]:
+        if path.is_dir() and (path.stat().st_dev != out.stat().st_dev or
+                              os.path.realpath(path) in mounted):
+            refuse(f"{path} is a mount, which files cannot be moved into or out of")
+    for folder in sorted({out, aside, *(p.parent for p in paths)}):
         if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK, effective_ids=True):
+            refuse(f"this user (uid {mine}) may not write in {folder}")
+    for folder in (p for p in paths if p.is_dir() and not p.is_symlink()):  # (its `..` changes)
+        if not os.access(folder, os.W_OK, effective_ids=True):
             refuse(f"this user (uid {mine}) may not write in {folder}")
     for p in paths:
         where = p.parent.stat()
@@ -345,6 +349,17 @@ def check_movable(out: Path, paths: list[Path]):
                 and not moves_anyones():
             refuse(f"{p.name} is another user's, in a folder (sticky) where only its owner may "
                    f"move it")
+
+
+def mount_points() -> set[str]:
+    """Where filesystems are mounted (/proc/self/mountinfo's fifth field; a bind mount of the
+    same disk too, which st_dev does not tell apart), empty where it cannot be read."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])
+                    for line in f if len(line.split()) > 4}
+    except OSError:
+        return set()
 
 
 def moves_anyones() -> bool:

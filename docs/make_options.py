@@ -42,8 +42,8 @@ How to read it:
   only where that means no limit (`--eps-high`, `--max-grad-norm`, `--stop-grace`, ...); `--seed`
   runs from 0 to 2^32 - 1; a `name=weight` list (`--reward`, `--reward-model`, `--judge`) needs
   numbers for weights (a `=` followed by `/` is a path's: `--reward-model runs/lr=1e-5/rm`; a
-  reward model's folder named `rm=1` as it is, if it exists). Flags are spelled whole: no prefix
-  stands for a flag.
+  reward model's folder named `rm=1` as it is, if it exists -- and if `rm` exists too, one line
+  asks which: `rm=1=1` or `rm/=1`). Flags are spelled whole: no prefix stands for a flag.
 - Any option can be set in a TOML file, `--config FILE.toml` (keys spelled like the fields, with
   `_` or `-`); flags on the command line override it. An unknown key, a wrong type (`true` for a
   number included), or one option spelled both ways stops with one line naming the file and the key.
@@ -57,7 +57,7 @@ How to read it:
   looks at it (or at a path up to two levels into it; three into `--out`, unless the run works
   inside `--out`); any other permission error (your environment's own files, say) keeps its
   traceback. Before any model loads, a run and evaluate.py check that they may write in `--out`
-  and move an earlier run's files aside to its superseded/.
+  and move an earlier run's files aside to its superseded/ (not a link, not a mount).
 - A model flag (`--model`, `--init-from`, `--teacher`, `--critic-from`) that names no model stops
   with one line before the data loads (`--reward-model`, `--judge`: before any model loads): a
   folder without a config.json (a LoRA checkpoint's adapters named as such; a run still training

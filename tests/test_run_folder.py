@@ -608,11 +608,18 @@ def test_a_path_with_an_equals_sign_is_kept_whole(tmp_path):
                     f"runs/a=b/r.py:fn,format") == [
         (f"{tmp_path}/lr=1e-5/rm", 1.0), (f"{tmp_path}/lr=1e-5", 0.5), ("correctness", 2.0),
         ("runs/a=b/r.py:fn", 1.0), ("format", 1.0)]
-    (tmp_path / "rm_lr").mkdir()  # (a sweep's sibling folders: rm_lr and rm_lr=1e-5)
-    (tmp_path / "rm_lr=1e-5").mkdir()
+    (tmp_path / "rm_lr=1e-5").mkdir()  # (a sweep's reward model)
     assert weighted(f"{tmp_path}/rm_lr=1e-5", paths=True) == [(f"{tmp_path}/rm_lr=1e-5", 1.0)]
     assert weighted(f"{tmp_path}/rm_lr=1e-5") == [(f"{tmp_path}/rm_lr", 1e-5)]  # (a reward
     # function's name is never looked up on disk)
+    (tmp_path / "rm_lr").mkdir()  # (and its sibling -- or a run's --out named like the item)
+    with pytest.raises(SystemExit, match=rf"^error: {tmp_path}/rm_lr=1e-5: both the folder "
+                                         rf"{tmp_path}/rm_lr=1e-5 and {tmp_path}/rm_lr at weight "
+                                         rf"1e-5 exist: write {tmp_path}/rm_lr=1e-5=1 for the "
+                                         rf"one, {tmp_path}/rm_lr/=1e-5 for the other$"):
+        weighted(f"{tmp_path}/rm_lr=1e-5", paths=True)
+    assert weighted(f"{tmp_path}/rm_lr/=1e-5,{tmp_path}/rm_lr=1e-5=1", paths=True) == [
+        (f"{tmp_path}/rm_lr/", 1e-5), (f"{tmp_path}/rm_lr=1e-5", 1.0)]
 
 
 def test_what_would_not_move_aside_is_refused_before_the_models_load(tmp_path, monkeypatch):
@@ -620,6 +627,7 @@ def test_what_would_not_move_aside_is_refused_before_the_models_load(tmp_path, m
     with it -- is said first, in one line: superseded/ a file or a link (to another disk), a
     folder this user may not write in (--out's, a resumed branch's checkpoints/, a folder to
     move). A folder to move that is a link moves as a link: its target's rights do not count."""
+    import run_folder
     from run_folder import check_movable
     denied = set()
     real_access = os.access
@@ -650,6 +658,12 @@ def test_what_would_not_move_aside_is_refused_before_the_models_load(tmp_path, m
         with pytest.raises(SystemExit) as stop:
             check_movable(out, moving)
         assert str(stop.value) == f"{start}{out / 'superseded'} is not a folder of its own (a " \
-                                  f"file or a link): choose another --out"
+                                  f"file or a link: move it away): choose another --out"
         (out / "superseded").unlink()
     check_movable(out, moving)
+    (out / "superseded").mkdir()  # (a bind mount of the same disk: one st_dev, yet rename fails)
+    monkeypatch.setattr(run_folder, "mount_points", lambda: {os.path.realpath(out / "superseded")})
+    with pytest.raises(SystemExit) as stop:
+        check_movable(out, moving)
+    assert str(stop.value) == f"{start}{out / 'superseded'} is a mount, which files cannot be " \
+                              f"moved into or out of: choose another --out"
