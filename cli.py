@@ -148,9 +148,13 @@ def readable_paths(values: dict):
     except PermissionError as e:
         if not isinstance(e.filename, str) or not named_by_flag(e.filename, values):
             raise
-        raise SystemExit(escaped(f"error: {e.filename}: permission denied: this user (uid "
-                                 f"{os.geteuid()}) may not reach it, or a folder on its way")
-                         ) from None
+        raise SystemExit(denied(e.filename)) from None
+
+
+def denied(path: str) -> str:
+    """The line for a path this user may not reach."""
+    return escaped(f"error: {path}: permission denied: this user (uid {os.geteuid()}) may not "
+                   f"reach it, or a folder on its way")
 
 
 def named_by_flag(path: str, values: dict) -> bool:
@@ -203,9 +207,7 @@ def read_toml_config(path: str, fields: dict) -> dict:
     except IsADirectoryError:
         raise SystemExit(f"error: --config {path}: a folder, not a TOML file") from None
     except PermissionError:
-        raise SystemExit(escaped(f"error: --config {path}: permission denied: this user (uid "
-                                 f"{os.geteuid()}) may not reach it, or a folder on its way")
-                         ) from None
+        raise SystemExit(denied(f"--config {path}")) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise SystemExit(f"error: --config {path}: not valid TOML ({e})") from None
     values, spelled = {}, {}
