@@ -16,7 +16,9 @@ second splits one step of the HF engine's forward (hidden states, then the LM he
 weights packed as the engine packs them where it does (packed_linear.py), then with the plain
 layers: "the rest" is the decoder's time less its matmuls timed alone -- attention, norms, rotary
 embeddings, the cache's concatenation, the embedding, the mask, Python -- assuming the matmuls run
-inside the forward as fast as alone. The loop's sampling (sampling.draw) is not in it.
+inside the forward as fast as alone. The third takes the same step's operators' own time from
+torch.profiler: eager's floor, what the same ops take with no Python between them -- below it
+only fused (compiled) kernels go. The loop's sampling (sampling.draw) is not in it.
 """
 
 import contextlib
@@ -136,3 +138,39 @@ if __name__ == "__main__":
         for name, t in [("the layers' matmuls", mm), ("the LM head", head_s),
                         ("the rest (the decoder less its matmuls alone)", body - mm)]:
             print(f"  {name:50s}{t * 1e3:8.1f} ms")
+
+    # What eager execution can reach: the same step's operators' own time (each op's self time on
+    # this thread, under torch.profiler: the matmuls, the cache's concatenation, every other op)
+    # against the step's wall time without the profiler. What is left is Python and dispatch
+    # between the ops: all a leaner forward of the same ops could remove. Running the ops faster
+    # than their own time takes fusing them (a compiled step), and that computes other numbers in
+    # bf16 than the trainer's eager forward does (docs/benchmarks.md).
+    from torch.profiler import profile
+
+    def op_seconds(run, repeats: int = 5) -> dict[str, float]:
+        """Seconds a call of `run` spends in its ops, by kind (the profiler's cost inside each)."""
+        run()
+        with profile() as prof:
+            for _ in range(repeats):
+                run()
+        kinds = {"matmuls": 0.0, "aten::cat (the cache; rotary halves)": 0.0, "other ops": 0.0}
+        for event in prof.key_averages():
+            name = event.key
+            kind = ("matmuls" if "linear" in name or name in ("aten::mm", "aten::addmm",
+                                                               "aten::bmm", "aten::baddbmm")
+                    else "aten::cat (the cache; rotary halves)" if name == "aten::cat"
+                    else "other ops")
+            kinds[kind] += event.self_cpu_time_total / 1e6 / repeats
+        return kinds
+
+    step = torch.no_grad()(lambda: (decoder(), head_module(inputs[head.shape[1]])))
+    with packed_linears(net, R, dtype) if engine.packs else contextlib.nullcontext():
+        wall, kinds = seconds(step), op_seconds(step)
+    ops = sum(kinds.values())
+    print(f"\nthe same step's operators (torch.profiler's self times), {R} rows: "
+          f"{wall * 1e3:.0f} ms a step unprofiled")
+    for name, t in kinds.items():
+        print(f"  {name:50s}{t * 1e3:8.1f} ms")
+    print(f"  {'Python and dispatch (the step less its ops)':50s}{(wall - ops) * 1e3:8.1f} ms")
+    print(f"eager's floor, the ops alone with nothing between them: {ops * 1e3:.0f} ms, "
+          f"{floor / ops:.0%} of the roofline (the step itself: {floor / wall:.0%})")
