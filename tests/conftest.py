@@ -151,6 +151,10 @@ def run_grpo(args):
     return SimpleNamespace(stdout=printed.getvalue(), returncode=0)
 
 
+# The simulated clusters' health checks (Ray 2.60's defaults: every 3,000 ms, 5 missed in a row)
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}
+
+
 @contextlib.contextmanager
 def simulated_nodes(count: int):
     """A Ray cluster of `count` nodes simulated on this machine (ray.cluster_utils: each node a
@@ -165,8 +169,13 @@ def simulated_nodes(count: int):
     before = os.environ.get("RAY_TMPDIR")
     # (short: a raylet's socket paths must fit 107 bytes)
     os.environ["RAY_TMPDIR"] = folder = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    # A node is declared dead after HEALTH_CHECKS[failure_threshold] missed health checks:
+    # checked every second rather than Ray's 3 s, a lost node is known ~5 s after it goes,
+    # not ~15 s (test_nodes.py waits for that). Each check still has Ray's 10 s to be answered,
+    # so a live node on a busy machine is no sooner taken for dead.
     cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 0, "include_dashboard": False})
+                      head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                      "_system_config": HEALTH_CHECKS})
     try:
         nodes = [cluster.add_node(num_cpus=1) for _ in range(count)]
         cluster.wait_for_nodes()

@@ -73,7 +73,8 @@ def test_a_node_lost_mid_run_stops_it_in_one_line_and_the_nodes_left_finish_it_e
     node; step 1's checkpoint is whole, and `--resume auto` on the two nodes left -- the same
     command, as many trainers -- ends with the uninterrupted run's weights, bit for bit; in one
     process, to within rounding. (Ray declares the node dead once it misses 5 health checks,
-    3 s apart: the run stops ~15 s after the node.)"""
+    1 s apart on these simulated nodes -- conftest.HEALTH_CHECKS; Ray's default is 3 s: the run
+    stops ~5 s after the node, ~15 s on a cluster of Ray's defaults.)"""
     cluster, workers_nodes = nodes
     args = [*small_run_args(tiny_model_dir, tmp_path), *STEPS, *ON_RAY,
             "--ray-address", cluster.address]
