@@ -2,12 +2,10 @@
 weights, checkpoints hold adapters and resume exactly, the final model is a merged HF folder."""
 
 import json
-import subprocess
-import sys
 
 import torch
 
-from conftest import rl_trainer, ROOT, make_batch, read_metrics, run_grpo, small_run_args
+from conftest import rl_trainer, make_batch, read_metrics, run_grpo, run_script, small_run_args
 from grpo import Config, train_on_rollout
 from logprobs import completion_logprobs, pack
 from model import is_lora
@@ -110,10 +108,10 @@ def test_dpo_with_lora(tiny_model_dir, tmp_path):
     data = tmp_path / "prefs.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + 1?", "chosen": str(i + 1),
                                         "rejected": str(i + 7)}) + "\n" for i in range(10)))
-    result = subprocess.run([sys.executable, "dpo.py", "--model", tiny_model_dir, "--data",
-                             str(data), "--batch-size", "4", "--epochs", "1", "--eval-every", "0",
-                             "--lora-rank", "4", "--lr", "1e-2", "--out", str(tmp_path / "o")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    # (in this process, as __main__: a fresh interpreter would import torch again, ~6 s)
+    result = run_script("dpo.py", ["--model", tiny_model_dir, "--data", str(data), "--batch-size",
+                                   "4", "--epochs", "1", "--eval-every", "0", "--lora-rank", "4",
+                                   "--lr", "1e-2", "--out", str(tmp_path / "o")])
     assert result.returncode == 0, result.stderr[-3000:]
     from transformers import AutoModelForCausalLM
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "o" / "model")

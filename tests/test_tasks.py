@@ -3,14 +3,12 @@ and settings, explicit flags win, and the math task runs end to end on a tiny Qw
 
 import json
 import re
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT
+from conftest import run_script
 from data import load_problems, task_summary
 from grpo import Config
 
@@ -77,11 +75,11 @@ def test_a_task_end_to_end_on_a_tiny_qwen2(task, rows, tmp_path, tokenizer):
     tokenizer.save_pretrained(model_dir)
     data = _parquet(tmp_path / f"{task}.parquet", rows)
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "grpo.py", "--model", str(model_dir), "--data", data,
-                             "--steps", "2", "--prompts-per-step", "2", "--num-generations", "2",
-                             "--max-new-tokens", "8", "--eval-every", "2", "--eval-size", "4",
-                             "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
+    # (in this process, as __main__: a fresh interpreter would import torch again, ~6 s a run)
+    result = run_script("grpo.py", ["--model", str(model_dir), "--data", data, "--steps", "2",
+                                    "--prompts-per-step", "2", "--num-generations", "2",
+                                    "--max-new-tokens", "8", "--eval-every", "2",
+                                    "--eval-size", "4", "--out", str(out)])
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"task {task}: train on" in result.stdout and "template boxed" in result.stdout
     config = json.loads((out / "grpo_config.json").read_text())

@@ -4,21 +4,18 @@ a non-finite step never touches the weights, and a lone trainer issues no collec
 
 import copy
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch._inductor import config as inductor_config
 
 from conftest import rl_trainer, REL_TOL, assert_close_to_scale, make_batch, record_grads
+from conftest import run_script
 from grpo import Config, grpo_loss, train_on_rollout
 import logprobs as logprobs_module
 from logprobs import completion_logprobs, length_mask
 from trainer import finish_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6], [7, 8, 9], [10], [11, 12], [13, 14, 15], [16]]
 COMPLETIONS = [[20, 21, 2], [22, 2], [23, 24, 25, 26], [27, 2], [28, 29], [30, 31, 32, 2]]
 ADVANTAGES = [1.0, 0.0, -0.5, 0.0, 2.0, -1.0]  # positive, zero and negative
@@ -106,27 +103,25 @@ def test_a_non_finite_step_leaves_the_weights_alone(tiny_model_dir):
     assert trainer.scheduler.last_epoch == 0
 
 
-NAN_AFTER_STEP_1 = r"""
-import sys, torch
-sys.path.insert(0, ".")
-import grpo
-real, calls = grpo.group_advantages, []
-def poisoned(*args, **kwargs):  # step 1 is fine, every later step's advantages are NaN
-    calls.append(1)
-    adv = real(*args, **kwargs)
-    return adv if len(calls) == 1 else adv * float("nan")
-grpo.group_advantages = poisoned
-grpo.main(grpo.parse_config(grpo.Config, sys.argv[1:]))
-"""
+def test_a_run_stops_after_three_non_finite_steps_in_a_row(tiny_model_dir, tmp_path,
+                                                            monkeypatch):
+    """python grpo.py whose step 1 is fine and every later step's advantages NaN: each later
+    update is skipped, and the third in a row stops the run in one line. (In this process, as
+    __main__: conftest.run_script; grpo.py's main block runs the imported grpo, patched here.)"""
+    import grpo
+    real, calls = grpo.group_advantages, []
 
+    def poisoned(*args, **kwargs):
+        calls.append(1)
+        adv = real(*args, **kwargs)
+        return adv if len(calls) == 1 else adv * float("nan")
 
-def test_a_run_stops_after_three_non_finite_steps_in_a_row(tiny_model_dir, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-c", NAN_AFTER_STEP_1, "--model", tiny_model_dir, "--data", "arith",
-         "--steps", "8",
-         "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "6",
-         "--beta", "0.01", "--eval-every", "0", "--save-every", "1", "--keep-last", "0",
-         "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    monkeypatch.setattr(grpo, "group_advantages", poisoned)
+    result = run_script("grpo.py", [
+        "--model", tiny_model_dir, "--data", "arith", "--steps", "8",
+        "--prompts-per-step", "2", "--num-generations", "4", "--max-new-tokens", "6",
+        "--beta", "0.01", "--eval-every", "0", "--save-every", "1", "--keep-last", "0",
+        "--out", str(tmp_path)])
     assert result.returncode != 0
     assert "error: 3 steps in a row had a non-finite loss or gradient" in result.stderr
     assert "update skipped" in result.stdout
