@@ -17,15 +17,34 @@ from grpo import Config
 GB = 2**30
 
 
+SHAPES = {  # (hidden, intermediate, layers, heads, KV heads, vocabulary, tied embeddings)
+    "135m": (576, 1536, 30, 9, 3, 49152, True),  # SmolLM2-135M
+    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),  # Qwen2.5-1.5B
+    "7b": (3584, 18944, 28, 28, 4, 152064, False),  # Qwen2.5-7B
+}
+ALGORITHMS = ("grpo", "ppo", "distill", "sft", "dpo", "rm")
+
+
 @pytest.fixture(scope="module")
-def qwen_1_5b(tmp_path_factory):
-    """Qwen2.5-1.5B's config alone: the plan builds the model on the meta device."""
+def shapes(tmp_path_factory):
+    """Config folders alone, at each shape: the plan builds the models on the meta device."""
     from transformers import Qwen2Config
-    path = tmp_path_factory.mktemp("qwen2.5-1.5b-config")
-    Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                num_attention_heads=12, num_key_value_heads=2, tie_word_embeddings=True,
-                max_position_embeddings=4096).save_pretrained(path)
-    return str(path)
+    folders = {}
+    for name, (hidden, inter, layers, heads, kv, vocab, tied) in SHAPES.items():
+        folders[name] = str(tmp_path_factory.mktemp(f"shape-{name}"))
+        Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                    tie_word_embeddings=tied, max_position_embeddings=4096
+                    ).save_pretrained(folders[name])
+    return folders
+
+
+@pytest.fixture(scope="module")
+def qwen_1_5b(shapes):
+    """Qwen2.5-1.5B's config alone: the plan builds the model on the meta device. The folder of
+    `shapes`: gpu_memory.layer_bytes measures a folder's activations once (its cache is by path),
+    and a measurement at these widths takes seconds."""
+    return shapes["1.5b"]
 
 
 def _plan(path, gb, **kw):
@@ -400,28 +419,6 @@ def test_sft_on_a_gpu_gets_settings_that_fit(qwen_1_5b, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # Any GPU planned from a laptop (--gpu-gb), for every algorithm.
-
-SHAPES = {  # (hidden, intermediate, layers, heads, KV heads, vocabulary, tied embeddings)
-    "135m": (576, 1536, 30, 9, 3, 49152, True),  # SmolLM2-135M
-    "1.5b": (1536, 8960, 28, 12, 2, 151936, True),  # Qwen2.5-1.5B
-    "7b": (3584, 18944, 28, 28, 4, 152064, False),  # Qwen2.5-7B
-}
-ALGORITHMS = ("grpo", "ppo", "distill", "sft", "dpo", "rm")
-
-
-@pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    """Config folders alone, at each shape: the plan builds the models on the meta device."""
-    from transformers import Qwen2Config
-    folders = {}
-    for name, (hidden, inter, layers, heads, kv, vocab, tied) in SHAPES.items():
-        folders[name] = str(tmp_path_factory.mktemp(f"shape-{name}"))
-        Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
-                    num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                    tie_word_embeddings=tied, max_position_embeddings=4096
-                    ).save_pretrained(folders[name])
-    return folders
-
 
 def _dry_run(algorithm, argv, capsys) -> tuple[int, str]:
     """python ALGORITHM.py ARGV --dry-run, in this process: (exit code, what it printed)."""
