@@ -156,10 +156,12 @@ HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold
 
 
 @contextlib.contextmanager
-def simulated_nodes(count: int):
+def simulated_nodes(count: int, head_cpus: int = 0):
     """A Ray cluster of `count` nodes simulated on this machine (ray.cluster_utils: each node a
-    raylet of its own, with 1 CPU) beside a head node with none, where a driver connects as on a
-    real cluster (Ray refuses to remove the driver's own node). Yields (cluster, its nodes); a
+    raylet of its own, with 1 CPU) beside a head node with `head_cpus` CPUs: none by default,
+    the node where a driver connects, as on a real cluster (Ray refuses to remove the driver's
+    own node); simulated_nodes(0, head_cpus=2) is a one-node local Ray that several runs join
+    instead of each starting and stopping its own (~6 s a run). Yields (cluster, its nodes); a
     run joins it with --ray-address cluster.address. Its files are in a temporary folder of its
     own (RAY_TMPDIR): Ray writes a cluster's address to <temp>/ray/ray_current_cluster, where a
     local run's ray.init() in another test file (pytest-xdist) would find it and join this
@@ -174,7 +176,7 @@ def simulated_nodes(count: int):
     # not ~15 s (test_nodes.py waits for that). Each check still has Ray's 10 s to be answered,
     # so a live node on a busy machine is no sooner taken for dead.
     cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": 0, "include_dashboard": False,
+                      head_node_args={"num_cpus": head_cpus, "include_dashboard": False,
                                       "_system_config": HEALTH_CHECKS})
     try:
         nodes = [cluster.add_node(num_cpus=1) for _ in range(count)]

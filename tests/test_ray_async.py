@@ -4,12 +4,21 @@ import pytest
 
 pytest.importorskip("ray")
 
-from conftest import read_metrics, run_grpo  # noqa: E402
+from conftest import read_metrics, run_grpo, simulated_nodes  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """The address of a one-node Ray with 2 CPUs, as grpo.py's own local Ray has on a 2-core
+    machine, that the file's Ray runs join: started once, not once a run (~6 s each to start and
+    stop; grpo.py starting its own local Ray is tested by test_faults.py's Ray run)."""
+    with simulated_nodes(0, head_cpus=2) as (cluster, _):
+        yield cluster.address
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(dtype, tiny_model_dir,
-                                                                           tmp_path):
+                                                                           tmp_path, local_ray):
     """grpo.py on Ray (2 trainers + 1 engine, colocated, collective weight sync) with
     --async-steps 1: the engine samples step t+1 while the trainers train step t. With lr 0 the lag
     cannot change what is sampled, so in fp32 everything but the numerics of pi_old (the engine's
@@ -24,14 +33,14 @@ def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(dtype,
     AMX Xeon was not measured again, and a Ray worker computes on fewer threads (OMP_NUM_THREADS),
     so bf16 equality is not asserted here. What must hold in both dtypes is the lag and that the
     trainer's log-probs describe what the engine sampled: the async ratio pi_theta / pi_engine is
-    1 within the dtype's rounding. (In a file of its own: grpo.py starts its own local Ray, and
-    the suite's files run in parallel, one per core.)"""
+    1 within the dtype's rounding. (In a file of its own: its runs join one local Ray, which
+    another file's run must not find, and the suite's files run in parallel, one per core.)"""
     args = ["--model", tiny_model_dir, "--data", "arith", "--steps", "2", "--prompts-per-step",
             "2", "--num-generations", "4", "--max-new-tokens", "6", "--eval-every", "2",
             "--eval-size", "4", "--temperature", "1.0", "--lr", "0", "--beta", "0.01",
             "--reward", "tests.rewards:parity_reward", "--dtype", dtype]
-    run_grpo([*args, "--num-trainers", "2", "--num-engines", "1", "--colocate",
-              "--async-steps", "1", "--out", str(tmp_path / "a")])
+    on_ray = ["--num-trainers", "2", "--num-engines", "1", "--colocate", "--ray-address", local_ray]
+    run_grpo([*args, *on_ray, "--async-steps", "1", "--out", str(tmp_path / "a")])
     lagged = read_metrics(tmp_path / "a")
     assert [r["step"] for r in lagged] == [0, 1, 2] and "eval_accuracy" in lagged[-1]
     assert (tmp_path / "a" / "model" / "model.safetensors").exists()  # saved by trainer rank 0
@@ -50,8 +59,7 @@ def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(dtype,
     assert lagged[-1]["eval_accuracy"] == synced[-1]["eval_accuracy"]
     # Synchronous on Ray, colocated: the engine decodes from trainer 0's own tensors (no copy, no
     # sync) and the two trainers each keep half of AdamW's moments -- the same run again.
-    run_grpo([*args, "--num-trainers", "2", "--num-engines", "1", "--colocate",
-              "--out", str(tmp_path / "r")])
+    run_grpo([*args, *on_ray, "--out", str(tmp_path / "r")])
     ray_sync = read_metrics(tmp_path / "r")
     assert ray_sync[-1]["eval_accuracy"] == synced[-1]["eval_accuracy"]
     for r, s in zip(ray_sync[1:], synced[1:]):
