@@ -145,6 +145,9 @@ if __name__ == "__main__":
     # between the ops: all a leaner forward of the same ops could remove. Running the ops faster
     # than their own time takes fusing them (a compiled step), and that computes other numbers in
     # bf16 than the trainer's eager forward does (docs/benchmarks.md).
+    # (On a CPU only: on a GPU an op's CPU time is its launch, not its work.)
+    if device != "cpu":
+        sys.exit(0)
     from torch.profiler import profile
 
     def op_seconds(run, repeats: int = 5) -> dict[str, float]:
