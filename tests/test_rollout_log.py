@@ -78,13 +78,14 @@ def test_replay_reproduces_the_run_exactly(tiny_model_dir, tmp_path, task):
         [r["completion_ids"] for r in _train(original)]
 
 
-def test_a_replay_that_cannot_be_stops_in_one_line(tiny_model_dir, tmp_path):
+def test_a_replay_that_cannot_be_stops_in_one_line(two_steps, tmp_path):
     """No log there, too few steps in it, another group size, its own --out: one line each, before
     any model loads (--model points nowhere: reaching the load would fail otherwise)."""
+    import shutil
     import grpo
     from cli import parse_config
     original = tmp_path / "original"
-    run_grpo(small_run_args(tiny_model_dir, original) + ["--steps", "2"])
+    shutil.copytree(two_steps, original)  # (a 2-step run's folder; its log is damaged below)
     base = small_run_args("no/such/model", tmp_path / "b")
     for extra, message in [(["--replay", str(tmp_path)], "no rollouts.jsonl there"),
                            (["--replay", str(original), "--steps", "3"],
