@@ -6,6 +6,7 @@ experiments/run_all.py."""
 import importlib
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,15 +17,33 @@ FINDINGS = sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
                   if p.stem not in ("common", "run_all"))
 
 
+@pytest.fixture(scope="module")
+def with_tiny_model(tmp_path_factory):
+    """with_tiny_model(runs): `runs` holding the folder experiments/common.tiny_model writes
+    there, where tiny_model then finds it. Written once for the file (~2 s: the default model's
+    tokenizer loaded, the model built and saved) and copied for each test: the same files, its
+    weights drawn with seed 0."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(ROOT / "experiments"))
+        import common
+        made = Path(common.tiny_model(tmp_path_factory.mktemp("atlas")))
+
+    def into(runs: Path) -> Path:
+        shutil.copytree(made, runs / made.name)
+        return runs
+    return into
+
+
 def test_there_are_eleven_findings_or_more():
     assert len(FINDINGS) >= 11, FINDINGS
 
 
 @pytest.mark.parametrize("name", FINDINGS)
 def test_a_finding_runs_tiny_and_writes_its_picture_and_numbers(name, tmp_path, monkeypatch,
-                                                                 capsys):
+                                                                 capsys, with_tiny_model):
     monkeypatch.syspath_prepend(str(ROOT / "experiments"))
     finding = importlib.import_module(name)
+    with_tiny_model(tmp_path / "runs")
     monkeypatch.setattr(sys, "argv", [f"{name}.py", "--tiny", "--runs", str(tmp_path / "runs"),
                                       "--out", str(tmp_path / "findings")])
     finding.main()
@@ -70,15 +89,17 @@ def test_run_all_holds_a_finding_to_every_verdict_it_recorded(monkeypatch):
         "not held (b: inconclusive -> absent)"
 
 
-def test_a_measure_every_step_leaves_the_runs_own_steps_unchanged(tmp_path, monkeypatch):
+def test_a_measure_every_step_leaves_the_runs_own_steps_unchanged(tmp_path, monkeypatch,
+                                                                   with_tiny_model):
     """clip_higher's probe samples the policy after every step with seeds of its own: the run's
     samples, rewards and updates are those of the same run without it."""
     common = _common(monkeypatch)
     from types import SimpleNamespace
     from data import arith_heldout
     args = SimpleNamespace(runs=tmp_path, fresh=False, tiny=True)
+    model = common.tiny_model(with_tiny_model(tmp_path))
     line = lambda out: ["--data", "arith", "--steps", "2", "--seed", "0", "--out",  # noqa: E731
-                        str(tmp_path / "x" / out), "--model", common.tiny_model(tmp_path),
+                        str(tmp_path / "x" / out), "--model", model,
                         *common.TINY, "--eval-every", "0"]
     probe = common.ProbeEntropy(arith_heldout(2), n=2, max_new_tokens=4)
     plain = common.run_once("plain", "grpo", line("plain"), args)
@@ -93,7 +114,7 @@ def test_a_measure_every_step_leaves_the_runs_own_steps_unchanged(tmp_path, monk
 
 
 def test_a_run_the_atlas_was_stopped_in_goes_on_from_its_checkpoint(tmp_path, monkeypatch,
-                                                                    capsys):
+                                                                    capsys, with_tiny_model):
     """A stopped atlas (SIGTERM: the step ends and is checkpointed) started again resumes each
     stopped run of the same config -- it refused before ("holds another run's checkpoints") --
     and the resumed run ends as it would have had it never stopped."""
@@ -102,8 +123,8 @@ def test_a_run_the_atlas_was_stopped_in_goes_on_from_its_checkpoint(tmp_path, mo
     from types import SimpleNamespace
     args = SimpleNamespace(runs=tmp_path, fresh=False, tiny=True)
     line = ["--data", "arith", "--steps", "2", "--seed", "0", "--save-every", "1", "--out",
-            str(tmp_path / "x" / "run"), "--model", common.tiny_model(tmp_path), *common.TINY,
-            "--eval-every", "0"]
+            str(tmp_path / "x" / "run"), "--model", common.tiny_model(with_tiny_model(tmp_path)),
+            *common.TINY, "--eval-every", "0"]
     run = common.run_once("whole", "grpo", line, args)
     rows = lambda: [(r["step"], r["reward"], r["loss"], r["grad_norm"]) for r in  # noqa: E731
                     map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
@@ -140,7 +161,7 @@ def test_a_run_the_atlas_was_stopped_in_goes_on_from_its_checkpoint(tmp_path, mo
 
 
 def test_a_folder_holding_any_run_is_left_as_it_is_and_the_next_free_one_is_taken(
-        tmp_path, monkeypatch, capsys):
+        tmp_path, monkeypatch, capsys, with_tiny_model):
     """An atlas run keeps no checkpoints: a finished run of another config (pos_neg's arms after
     their design changed) or a --fresh rerun went into the same folder, and the run itself moved
     the finished one into superseded/, where the atlas no longer sees it and --keep-superseded
@@ -152,7 +173,8 @@ def test_a_folder_holding_any_run_is_left_as_it_is_and_the_next_free_one_is_take
     from types import SimpleNamespace
     args = SimpleNamespace(runs=tmp_path, fresh=False, tiny=True)
     line = ["--data", "arith", "--steps", "1", "--seed", "0", "--out", str(tmp_path / "x" / "run"),
-            "--model", common.tiny_model(tmp_path), *common.TINY, "--eval-every", "0"]
+            "--model", common.tiny_model(with_tiny_model(tmp_path)), *common.TINY,
+            "--eval-every", "0"]
     first = common.run_once("first", "grpo", line, args)
     model = (first / "model" / "model.safetensors").read_bytes()
     before = sorted(p.relative_to(first).as_posix() for p in first.rglob("*"))
@@ -348,7 +370,7 @@ def test_steps_to_a_target_and_a_correlation(monkeypatch):
 
 
 def test_the_length_bias_mechanism_sees_seq_mean_push_long_wrong_answers_down_less(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, with_tiny_model):
     """length_bias.one_update_shift on one batch (the tiny model, two groups of 8, one right
     answer each, wrong ones of 2 to 48 tokens): after one update by seq-mean, a wrong answer's
     change of log-prob per token rises with its length (it is pushed down less); by seq-sum-norm
@@ -364,7 +386,8 @@ def test_the_length_bias_mechanism_sees_seq_mean_push_long_wrong_answers_down_le
     rewards = torch.tensor([1.0] + [0.0] * 14 + [1.0])
     advantages = group_advantages(rewards, 8)
     wrong = [i for i in range(16) if rewards[i] == 0]
-    shifts = {agg: length_bias.one_update_shift(tiny_model(tmp_path), [[1, 2, 3, 4, 5]] * 16,
+    model = tiny_model(with_tiny_model(tmp_path))
+    shifts = {agg: length_bias.one_update_shift(model, [[1, 2, 3, 4, 5]] * 16,
                                                 completions, advantages, agg, 1.0, 48)
               for agg in ("seq-mean", "seq-sum-norm", "token-mean")}
     corr = {agg: pearson([lens[i] for i in wrong], [float(s[i]) for i in wrong])
