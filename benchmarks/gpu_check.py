@@ -397,7 +397,10 @@ def speed(module_name: str, cfg, last: dict, seen: dict, gpu: bool) -> dict:
 # initialised before its fork -- that part and the rest run in fresh interpreters (spawn), as
 # slow as before and no worse.
 PRELOAD = ["torch", "transformers", "data", "model", "trainer", "grpo", "ppo", "distill", "sft",
-           "dpo", "rm"]
+           "dpo", "rm",
+           # imported by every part on first use, ~0.5 s each: its run draws its curves (charts.py).
+           # (The forkserver passes over a preload that is not installed.)
+           "matplotlib.pyplot"]
 BAD_FORK = 86  # a part's exit code when CUDA was initialised before its fork
 _start = ["forkserver"]  # how parts start: "spawn" once forking has failed
 
