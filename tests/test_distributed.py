@@ -303,18 +303,6 @@ def test_unsatisfiable_placement_fails_fast_with_a_clear_message(cluster):
         Cluster(num_trainers=3, num_engines=3)
 
 
-def test_a_dead_worker_ends_the_run_with_a_message(engine_pool, tiny_model_dir, tokenizer):
-    engines = _again(engine_pool, _engine_setup, tiny_model_dir)
-    ray.kill(engines.workers[1])
-    with pytest.raises(SystemExit, match="an engine worker died") as died:
-        engines.generate([tokenizer("Hi")["input_ids"]] * 2, 1, Sampling(4, temperature=0.0))
-    # one line: which worker, where, what Ray says of it, what to change
-    line = str(died.value)
-    assert "\n" not in line and re.search(r"\(engine 1, pid \d+, node [0-9a-f]{56} on \S+ "
-                                          r"\(\S+\)\): .*ray.kill.*; the usual cause is memory",
-                                          line), line
-
-
 def test_a_workers_oserror_outside_a_checkpoint_is_a_failed_worker_not_a_traceback(monkeypatch):
     """Only a full disk (or a file-size limit) is the driver's to name as such (a checkpoint's
     write, session.write_checkpoint): any other OSError a worker raises -- the model's folder
@@ -561,3 +549,17 @@ def test_a_driver_with_a_gpu_says_the_cluster_has_none(cluster, monkeypatch, cap
     with pytest.raises(SystemExit, match="needs 6 CPU bundles"):
         Cluster(num_trainers=3, num_engines=3)
     assert "note: the driver has a GPU, the Ray cluster none" in capsys.readouterr().out
+
+
+# Last of the file's tests: it kills an engine worker, and a test after it that wanted the
+# engines would wait for two to start again (engine_pool: ~5 s each, importing torch).
+def test_a_dead_worker_ends_the_run_with_a_message(engine_pool, tiny_model_dir, tokenizer):
+    engines = _again(engine_pool, _engine_setup, tiny_model_dir)
+    ray.kill(engines.workers[1])
+    with pytest.raises(SystemExit, match="an engine worker died") as died:
+        engines.generate([tokenizer("Hi")["input_ids"]] * 2, 1, Sampling(4, temperature=0.0))
+    # one line: which worker, where, what Ray says of it, what to change
+    line = str(died.value)
+    assert "\n" not in line and re.search(r"\(engine 1, pid \d+, node [0-9a-f]{56} on \S+ "
+                                          r"\(\S+\)\): .*ray.kill.*; the usual cause is memory",
+                                          line), line
