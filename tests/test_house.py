@@ -77,7 +77,7 @@ def test_every_mutant_still_finds_the_line_it_changes():
     """benchmarks/mutants.py names each mutant's file and line; when code moves between files
     (as it did for this house) a mutant whose line is gone would silently test nothing."""
     import sys
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.append(str(ROOT / "benchmarks"))  # after the root: see test_gpu_check.py
     import mutants
     lost = [f"{m.name}: {m.file}" for m in mutants.MUTANTS
             if (ROOT / m.file).read_text().count(m.old) != 1]
@@ -153,3 +153,18 @@ def test_the_suite_deletes_each_passing_tests_folder(pytestconfig):
     # The suite's checkpoints come to about 10 GB a run; kept, they filled CI's disk (stop 75).
     assert pytestconfig.getini("tmp_path_retention_policy") == "failed"
     assert int(pytestconfig.getini("tmp_path_retention_count")) <= 1
+
+
+def test_no_test_puts_a_folder_of_scripts_before_the_repository_on_the_path():
+    """benchmarks/weight_sync.py, rollout_log.py and reward_models.py share a name with the module
+    each measures: a test that put benchmarks/ first on sys.path made every test file collected
+    after it in the same worker import the benchmark instead (`pytest tests/test_gpu_check.py
+    tests/test_distributed.py`: "cannot import name 'WeightGroup'"). Such folders are appended."""
+    shadowing = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")
+                       if (ROOT / p.name).exists())
+    assert shadowing, "no benchmark shares a name with a module any more: drop this test"
+    first = [f"{p.name}:{i}" for p in sorted((ROOT / "tests").glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if line.lstrip().startswith("sys.path.insert(0")
+             and ("benchmarks" in line or "experiments" in line)]
+    assert not first, f"put benchmarks/ or experiments/ first on sys.path: {first}"
