@@ -397,10 +397,11 @@ def speed(module_name: str, cfg, last: dict, seen: dict, gpu: bool) -> dict:
 # initialised before its fork -- that part and the rest run in fresh interpreters (spawn), as
 # slow as before and no worse.
 PRELOAD = ["torch", "transformers", "data", "model", "trainer", "grpo", "ppo", "distill", "sft",
-           "dpo", "rm",
-           # imported by every part on first use, ~0.5 s each: its run draws its curves (charts.py).
-           # (The forkserver passes over a preload that is not installed.)
-           "matplotlib.pyplot"]
+           "dpo", "rm"]
+# Imported by every part on first use, ~0.5 s each: its run draws its curves (charts.py). Preloaded
+# only where this process can import it: the forkserver passes over an ImportError but dies of
+# any other failure (MPLBACKEND=nonsense), which would send every part to spawn for a picture.
+DRAWING = "matplotlib.pyplot"
 BAD_FORK = 86  # a part's exit code when CUDA was initialised before its fork
 _start = ["forkserver"]  # how parts start: "spawn" once forking has failed
 
@@ -409,6 +410,11 @@ def start_forking(preload: list[str]):
     """The environment the parts' processes get, and what their parent imports first."""
     os.environ.update(PYTHONUNBUFFERED="1", TQDM_DISABLE="1", PYTORCH_NVML_BASED_CUDA_CHECK="1",
                       PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    try:
+        importlib.import_module(DRAWING)
+        preload = [*preload, DRAWING]
+    except Exception as e:
+        print(f"gpu_check: {DRAWING} not preloaded ({type(e).__name__}: {e})", flush=True)
     multiprocessing.get_context("forkserver").set_forkserver_preload(preload)
 
 

@@ -8,8 +8,10 @@ import json
 import os
 import runpy
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 from types import SimpleNamespace
@@ -192,12 +194,25 @@ def simulated_nodes(count: int, head_cpus: int = 0):
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def run_script(script, args):
+class RanTooLong(BaseException):
+    """Raised in a script run_script runs past its deadline: a BaseException, so that no
+    `except Exception` in the product takes it for a failed step and goes on."""
+
+
+def run_script(script, args, deadline=600):
     """python SCRIPT ARGS, run in this process as __main__ (runpy): its exit code, stdout and
     stderr, a SystemExit's message or an uncaught exception's traceback written there as the
     interpreter writes them. For a check that must stop a run with one line before any model
     loads, without a fresh interpreter importing torch and transformers again. (What only a fresh
-    process shows -- a warning printed at import, say -- needs a subprocess: an exact stderr.)"""
+    process shows -- a warning printed at import, say -- needs a subprocess: an exact stderr.)
+    A run still going after `deadline` seconds fails the test (RanTooLong), as a subprocess's
+    timeout would, instead of holding up its worker."""
+    def too_long(*_):
+        raise RanTooLong(f"{script} {' '.join(map(str, args))}: still running after {deadline} s")
+    timed = threading.current_thread() is threading.main_thread()  # (signals reach only it)
+    if timed:
+        before = signal.signal(signal.SIGALRM, too_long)
+        left = signal.alarm(deadline)  # (a caller's own alarm, given back below)
     out, err = io.StringIO(), io.StringIO()
     code = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -213,6 +228,9 @@ def run_script(script, args):
             code = 1
         finally:
             sys.argv = argv
+            if timed:
+                signal.alarm(left)
+                signal.signal(signal.SIGALRM, before)
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 

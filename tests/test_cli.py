@@ -579,3 +579,28 @@ def test_earlier_files_in_a_sticky_folder_of_another_users_are_not_moved_late(tm
         check_movable(out, [out / "results.json"])
     monkeypatch.setattr(os, "geteuid", lambda: os.stat(out).st_uid)  # (the owner moves it)
     check_movable(out, [out / "results.json"])
+
+
+def test_a_script_run_in_process_that_hangs_fails_its_test_and_the_callers_alarm_comes_back():
+    """conftest.run_script runs a script in the test's own process: one that hangs would hold up
+    its worker for good, where a subprocess had a timeout. It raises RanTooLong at its deadline
+    -- past any `except Exception` in the script -- and gives back an alarm its caller had set."""
+    import signal
+    import tempfile
+    import time
+    from conftest import RanTooLong, run_script
+    with tempfile.NamedTemporaryFile("w", suffix=".py") as script:
+        script.write("import time\ntry:\n    time.sleep(30)\nexcept Exception:\n    pass\n")
+        script.flush()
+        signal.signal(signal.SIGALRM, signal.default_int_handler)  # (never fires: set back below)
+        signal.alarm(100)
+        start = time.monotonic()
+        try:
+            with pytest.raises(RanTooLong, match=r"still running after 1 s"):
+                run_script(script.name, [], deadline=1)
+            assert time.monotonic() - start < 5
+            assert 95 <= signal.alarm(0) <= 100
+            assert signal.getsignal(signal.SIGALRM) is signal.default_int_handler
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)

@@ -85,3 +85,22 @@ def test_a_process_that_cannot_be_forked_falls_back_to_a_fresh_interpreter(capsy
         "[bad] spawn",
         f"[bad] failed (exit code {gpu_check.BAD_FORK})",
         "[next] spawn"], out
+
+
+def test_a_drawing_library_that_fails_to_import_is_not_preloaded(tmp_path, monkeypatch, capsys):
+    """The forkserver passes over a preload's ImportError but dies of any other exception, and
+    every part would then start in a fresh interpreter: matplotlib is preloaded only where this
+    process imports it (MPLBACKEND=nonsense made pyplot's import raise a ValueError)."""
+    import multiprocessing.forkserver as forkserver
+    (tmp_path / "broken_drawing.py").write_text("raise ValueError('no such backend')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(gpu_check, "DRAWING", "broken_drawing")
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # (start_forking sets the parts' own)
+    monkeypatch.setattr(forkserver._forkserver, "_preload_modules",
+                        forkserver._forkserver._preload_modules)
+    gpu_check.start_forking(["json"])
+    assert forkserver._forkserver._preload_modules == ["json"]
+    assert "broken_drawing not preloaded (ValueError: no such backend)" in capsys.readouterr().out
+    monkeypatch.setattr(gpu_check, "DRAWING", "email.message")  # (any module that imports)
+    gpu_check.start_forking(["json"])
+    assert forkserver._forkserver._preload_modules == ["json", "email.message"]

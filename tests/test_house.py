@@ -155,16 +155,26 @@ def test_the_suite_deletes_each_passing_tests_folder(pytestconfig):
     assert int(pytestconfig.getini("tmp_path_retention_count")) <= 1
 
 
+
 def test_no_test_puts_a_folder_of_scripts_before_the_repository_on_the_path():
     """benchmarks/weight_sync.py, rollout_log.py and reward_models.py share a name with the module
     each measures: a test that put benchmarks/ first on sys.path made every test file collected
     after it in the same worker import the benchmark instead (`pytest tests/test_gpu_check.py
-    tests/test_distributed.py`: "cannot import name 'WeightGroup'"). Such folders are appended."""
-    shadowing = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")
+    tests/test_distributed.py`: "cannot import name 'WeightGroup'"). Such folders are appended.
+    Checked as Python sees it -- each test file that changes sys.path imported, then each name
+    looked up on the path -- and, for a change inside a test, from the lines that make it."""
+    import importlib
+    from importlib.machinery import PathFinder
+    shadowing = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
                        if (ROOT / p.name).exists())
     assert shadowing, "no benchmark shares a name with a module any more: drop this test"
-    first = [f"{p.name}:{i}" for p in sorted((ROOT / "tests").glob("*.py"))
+    changers = [p for p in sorted((ROOT / "tests").glob("test_*.py"))
+                if "sys.path" in p.read_text() and p.stem != "test_house"]
+    for path in changers:
+        importlib.import_module(path.stem)  # (collected already where the suite runs)
+    found = {name: PathFinder.find_spec(name).origin for name in shadowing}
+    assert all(Path(origin).parent == ROOT for origin in found.values()), found
+    first = [f"{p.name}:{i}" for p in changers
              for i, line in enumerate(p.read_text().splitlines(), 1)
-             if line.lstrip().startswith("sys.path.insert(0")
-             and ("benchmarks" in line or "experiments" in line)]
-    assert not first, f"put benchmarks/ or experiments/ first on sys.path: {first}"
+             if "sys.path" in line and "benchmarks" in line and ".append(" not in line]
+    assert not first, f"puts benchmarks/ before the repository on sys.path: {first}"
