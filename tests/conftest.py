@@ -206,13 +206,22 @@ def run_script(script, args, deadline=600):
     loads, without a fresh interpreter importing torch and transformers again. (What only a fresh
     process shows -- a warning printed at import, say -- needs a subprocess: an exact stderr.)
     A run still going after `deadline` seconds fails the test (RanTooLong), as a subprocess's
-    timeout would, instead of holding up its worker."""
+    timeout would, instead of holding up its worker. Where the caller has an alarm of its own
+    running (a nested run_script, a test's own limit), that alarm is the run's deadline, left as
+    it is; a script that takes SIGALRM for itself fails the test, its deadline gone."""
+    armed = []  # (non-empty while the run's own deadline may fire)
+
     def too_long(*_):
-        raise RanTooLong(f"{script} {' '.join(map(str, args))}: still running after {deadline} s")
-    timed = threading.current_thread() is threading.main_thread()  # (signals reach only it)
+        if armed:
+            raise RanTooLong(f"{script} {' '.join(map(str, args))}: still running after "
+                             f"{deadline} s")
+    # signals reach the main thread only; a caller's timer already running bounds the run
+    timed = (threading.current_thread() is threading.main_thread()
+             and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
     if timed:
         before = signal.signal(signal.SIGALRM, too_long)
-        left = signal.alarm(deadline)  # (a caller's own alarm, given back below)
+        armed.append(True)
+        signal.alarm(deadline)
     out, err = io.StringIO(), io.StringIO()
     code = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -227,10 +236,13 @@ def run_script(script, args, deadline=600):
             traceback.print_exc()
             code = 1
         finally:
+            armed.clear()  # (first: an alarm due from here on is a no-op)
             sys.argv = argv
             if timed:
-                signal.alarm(left)
-                signal.signal(signal.SIGALRM, before)
+                signal.alarm(0)
+                taken = signal.signal(signal.SIGALRM, before)
+    if timed and taken is not too_long:
+        raise AssertionError(f"{script} set its own SIGALRM handler: run_script's deadline was off")
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 

@@ -581,26 +581,55 @@ def test_earlier_files_in_a_sticky_folder_of_another_users_are_not_moved_late(tm
     check_movable(out, [out / "results.json"])
 
 
-def test_a_script_run_in_process_that_hangs_fails_its_test_and_the_callers_alarm_comes_back():
+
+def test_a_script_run_in_process_that_hangs_fails_its_test_at_its_deadline_or_the_callers():
     """conftest.run_script runs a script in the test's own process: one that hangs would hold up
     its worker for good, where a subprocess had a timeout. It raises RanTooLong at its deadline
-    -- past any `except Exception` in the script -- and gives back an alarm its caller had set."""
+    -- past any `except Exception` in the script -- and puts the SIGALRM handler back; a caller's
+    alarm already running is the deadline instead, neither postponed nor re-armed; a script that
+    takes SIGALRM for itself fails the test (helper-49's cases)."""
     import signal
-    import tempfile
     import time
     from conftest import RanTooLong, run_script
-    with tempfile.NamedTemporaryFile("w", suffix=".py") as script:
-        script.write("import time\ntry:\n    time.sleep(30)\nexcept Exception:\n    pass\n")
-        script.flush()
-        signal.signal(signal.SIGALRM, signal.default_int_handler)  # (never fires: set back below)
-        signal.alarm(100)
-        start = time.monotonic()
+
+    class CallersLimit(BaseException):
+        pass
+
+    def callers_limit(*_):
+        raise CallersLimit
+
+    def script(tmp, text):
+        path = Path(tmp) / f"s{len(list(Path(tmp).iterdir()))}.py"
+        path.write_text(text)
+        return str(path)
+
+    hangs = "import time\ntry:\n    time.sleep(30)\nexcept Exception:\n    pass\n"
+    original = signal.getsignal(signal.SIGALRM)
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
         try:
+            start = time.monotonic()
             with pytest.raises(RanTooLong, match=r"still running after 1 s"):
-                run_script(script.name, [], deadline=1)
+                run_script(script(tmp, hangs), [], deadline=1)
             assert time.monotonic() - start < 5
-            assert 95 <= signal.alarm(0) <= 100
-            assert signal.getsignal(signal.SIGALRM) is signal.default_int_handler
+            assert signal.getsignal(signal.SIGALRM) is original
+            assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
+            # the caller's alarm, due in 1 s, fires during the run, as the caller's
+            signal.signal(signal.SIGALRM, callers_limit)
+            signal.alarm(1)
+            start = time.monotonic()
+            with pytest.raises(CallersLimit):
+                run_script(script(tmp, hangs), [], deadline=600)
+            assert time.monotonic() - start < 5
+            # a quick run under a caller's alarm leaves it running, not re-armed
+            signal.setitimer(signal.ITIMER_REAL, 50)
+            run_script(script(tmp, "import time\ntime.sleep(1.5)\n"), [])
+            assert 47 < signal.getitimer(signal.ITIMER_REAL)[0] < 48.6
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, original)
+            takes = "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+            with pytest.raises(AssertionError, match="set its own SIGALRM handler"):
+                run_script(script(tmp, takes), [], deadline=5)
         finally:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, original)

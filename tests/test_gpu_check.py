@@ -7,9 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Appended, not put first: three benchmarks share a name with the module they measure
-# (weight_sync.py, rollout_log.py, reward_models.py), and a test file collected after this one
-# must still import the repository's own.
+# (after the repository: its modules come first, whatever a script is named)
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_check  # noqa: E402
 

@@ -77,7 +77,7 @@ def test_every_mutant_still_finds_the_line_it_changes():
     """benchmarks/mutants.py names each mutant's file and line; when code moves between files
     (as it did for this house) a mutant whose line is gone would silently test nothing."""
     import sys
-    sys.path.append(str(ROOT / "benchmarks"))  # after the root: see test_gpu_check.py
+    sys.path.append(str(ROOT / "benchmarks"))  # (after the repository, as test_gpu_check.py)
     import mutants
     lost = [f"{m.name}: {m.file}" for m in mutants.MUTANTS
             if (ROOT / m.file).read_text().count(m.old) != 1]
@@ -156,25 +156,16 @@ def test_the_suite_deletes_each_passing_tests_folder(pytestconfig):
 
 
 
-def test_no_test_puts_a_folder_of_scripts_before_the_repository_on_the_path():
-    """benchmarks/weight_sync.py, rollout_log.py and reward_models.py share a name with the module
-    each measures: a test that put benchmarks/ first on sys.path made every test file collected
-    after it in the same worker import the benchmark instead (`pytest tests/test_gpu_check.py
-    tests/test_distributed.py`: "cannot import name 'WeightGroup'"). Such folders are appended.
-    Checked as Python sees it -- each test file that changes sys.path imported, then each name
-    looked up on the path -- and, for a change inside a test, from the lines that make it."""
-    import importlib
-    from importlib.machinery import PathFinder
-    shadowing = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
-                       if (ROOT / p.name).exists())
-    assert shadowing, "no benchmark shares a name with a module any more: drop this test"
-    changers = [p for p in sorted((ROOT / "tests").glob("test_*.py"))
-                if "sys.path" in p.read_text() and p.stem != "test_house"]
-    for path in changers:
-        importlib.import_module(path.stem)  # (collected already where the suite runs)
-    found = {name: PathFinder.find_spec(name).origin for name in shadowing}
-    assert all(Path(origin).parent == ROOT for origin in found.values()), found
-    first = [f"{p.name}:{i}" for p in changers
-             for i, line in enumerate(p.read_text().splitlines(), 1)
-             if "sys.path" in line and "benchmarks" in line and ".append(" not in line]
-    assert not first, f"puts benchmarks/ before the repository on sys.path: {first}"
+
+def test_no_script_in_a_folder_shares_a_name_with_a_module():
+    """Tests put benchmarks/, experiments/, course/ and docs/ on sys.path to import their
+    scripts. When benchmarks/weight_sync.py, rollout_log.py and reward_models.py shared a name with
+    the module each measured, a test that put benchmarks/ first made every file collected after it
+    in the same worker import the benchmark instead (`pytest tests/test_gpu_check.py
+    tests/test_distributed.py`: "cannot import name 'WeightGroup'"); whatever the order of the path,
+    a name used once imports one file."""
+    modules = {p.name for p in ROOT.glob("*.py")}
+    shared = sorted(f"{folder}/{p.name}" for folder in ("benchmarks", "experiments", "course",
+                                                         "docs", "recipes", "tests")
+                    for p in (ROOT / folder).glob("*.py") if p.name in modules)
+    assert not shared, f"named as a module at the repository's root: {shared}"

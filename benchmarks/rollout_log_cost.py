@@ -1,7 +1,7 @@
 """What keeping the rollouts costs a run, and what its report page costs a reader.
 
-    python benchmarks/rollout_log.py out/grpo          # a finished run of `python grpo.py`
-    python benchmarks/rollout_log.py out/grpo --run    # run `python grpo.py --out out/grpo` first
+    python benchmarks/rollout_log_cost.py out/grpo          # a finished run of `python grpo.py`
+    python benchmarks/rollout_log_cost.py out/grpo --run    # run `python grpo.py --out out/grpo` first
 
 Both sides come from the one run: every step logs `rollout_log_seconds` (building the step's
 records, decoding the detailed samples' token pieces, writing them; held-out samples too) and

@@ -2,8 +2,8 @@
 buckets in a process group of their own) against Ray's object store (rank 0 puts a bf16 state
 dict there, every engine pulls a copy).
 
-    python benchmarks/weight_sync.py                  # the offline default model (135M)
-    python benchmarks/weight_sync.py --qwen2-1.5b     # a random Qwen2.5-1.5B-shaped model
+    python benchmarks/broadcast_vs_object_store.py                  # the offline default model (135M)
+    python benchmarks/broadcast_vs_object_store.py --qwen2-1.5b     # a random Qwen2.5-1.5B-shaped model
 
 Prints, per method, the seconds of a sync (mean of --repeats after a warm-up) and the host memory
 it takes: the peak of the machine's used memory (MemTotal - MemAvailable, sampled every 5 ms)

@@ -5,7 +5,7 @@ accuracy, step by step (docs/reward-models.md).
     python rm.py --out out/rm                                     # the reward model
     python grpo.py --eval-every 2 --out out/rl-true               # the verifiable reward
     python grpo.py --reward "" --reward-model out/rm --eval-every 2 --out out/rl-proxy
-    python benchmarks/reward_models.py out/rl-true out/rl-proxy [more runs...] --out plot.png
+    python benchmarks/proxy_vs_gold.py out/rl-true out/rl-proxy [more runs...] --out plot.png
 
 Each run folder is drawn with its --out as its label: held-out greedy accuracy (the truth) against
 the step, and, for runs whose reward came from a reward model, the mean proxy reward of the step's
