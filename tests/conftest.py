@@ -209,18 +209,16 @@ def run_script(script, args, deadline=600):
     timeout would, instead of holding up its worker. Where the caller has an alarm of its own
     running (a nested run_script, a test's own limit), that alarm is the run's deadline, left as
     it is; a script that takes SIGALRM for itself fails the test, its deadline gone."""
-    armed = []  # (non-empty while the run's own deadline may fire)
+    # signals reach the main thread only; a caller's timer already running bounds the run
+    timed = running = (threading.current_thread() is threading.main_thread()
+                       and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
 
     def too_long(*_):
-        if armed:
+        if running:  # (an alarm due once the run is over does nothing)
             raise RanTooLong(f"{script} {' '.join(map(str, args))}: still running after "
                              f"{deadline} s")
-    # signals reach the main thread only; a caller's timer already running bounds the run
-    timed = (threading.current_thread() is threading.main_thread()
-             and signal.getitimer(signal.ITIMER_REAL)[0] == 0)
     if timed:
         before = signal.signal(signal.SIGALRM, too_long)
-        armed.append(True)
         signal.alarm(deadline)
     out, err = io.StringIO(), io.StringIO()
     code = 0
@@ -236,7 +234,7 @@ def run_script(script, args, deadline=600):
             traceback.print_exc()
             code = 1
         finally:
-            armed.clear()  # (first: an alarm due from here on is a no-op)
+            running = False  # (first)
             sys.argv = argv
             if timed:
                 signal.alarm(0)
