@@ -581,8 +581,8 @@ def test_earlier_files_in_a_sticky_folder_of_another_users_are_not_moved_late(tm
     check_movable(out, [out / "results.json"])
 
 
-
-def test_a_script_run_in_process_that_hangs_fails_its_test_at_its_deadline_or_the_callers():
+def test_a_script_run_in_process_that_hangs_fails_its_test_at_its_deadline_or_the_callers(
+        tmp_path):
     """conftest.run_script runs a script in the test's own process: one that hangs would hold up
     its worker for good, where a subprocess had a timeout. It raises RanTooLong at its deadline
     -- past any `except Exception` in the script -- and puts the SIGALRM handler back; a caller's
@@ -598,38 +598,37 @@ def test_a_script_run_in_process_that_hangs_fails_its_test_at_its_deadline_or_th
     def callers_limit(*_):
         raise CallersLimit
 
-    def script(tmp, text):
-        path = Path(tmp) / f"s{len(list(Path(tmp).iterdir()))}.py"
-        path.write_text(text)
-        return str(path)
+    def script(name, text):
+        (tmp_path / name).write_text(text)
+        return str(tmp_path / name)
 
-    hangs = "import time\ntry:\n    time.sleep(30)\nexcept Exception:\n    pass\n"
+    hangs = script("hangs.py",
+                   "import time\ntry:\n    time.sleep(30)\nexcept Exception:\n    pass\n")
+    quick = script("quick.py", "import time\ntime.sleep(1.5)\n")
+    takes = script("takes.py", "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n")
     original = signal.getsignal(signal.SIGALRM)
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            start = time.monotonic()
-            with pytest.raises(RanTooLong, match=r"still running after 1 s"):
-                run_script(script(tmp, hangs), [], deadline=1)
-            assert time.monotonic() - start < 5
-            assert signal.getsignal(signal.SIGALRM) is original
-            assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
-            # the caller's alarm, due in 1 s, fires during the run, as the caller's
-            signal.signal(signal.SIGALRM, callers_limit)
-            signal.alarm(1)
-            start = time.monotonic()
-            with pytest.raises(CallersLimit):
-                run_script(script(tmp, hangs), [], deadline=600)
-            assert time.monotonic() - start < 5
-            # a quick run under a caller's alarm leaves it running, not re-armed
-            signal.setitimer(signal.ITIMER_REAL, 50)
-            run_script(script(tmp, "import time\ntime.sleep(1.5)\n"), [])
-            assert 47 < signal.getitimer(signal.ITIMER_REAL)[0] < 48.6
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, original)
-            takes = "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
-            with pytest.raises(AssertionError, match="set its own SIGALRM handler"):
-                run_script(script(tmp, takes), [], deadline=5)
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, original)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RanTooLong, match=r"still running after 1 s"):
+            run_script(hangs, [], deadline=1)
+        assert time.monotonic() - start < 5
+        assert signal.getsignal(signal.SIGALRM) is original
+        assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
+        # the caller's alarm, due in 1 s, fires during the run, as the caller's
+        signal.signal(signal.SIGALRM, callers_limit)
+        signal.alarm(1)
+        start = time.monotonic()
+        with pytest.raises(CallersLimit):
+            run_script(hangs, [], deadline=600)
+        assert time.monotonic() - start < 5
+        # a quick run under a caller's alarm leaves it running, not re-armed
+        signal.setitimer(signal.ITIMER_REAL, 50)
+        run_script(quick, [])
+        assert 47 < signal.getitimer(signal.ITIMER_REAL)[0] < 48.6
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, original)
+        with pytest.raises(AssertionError, match="set its own SIGALRM handler"):
+            run_script(takes, [], deadline=5)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, original)

@@ -155,8 +155,6 @@ def test_the_suite_deletes_each_passing_tests_folder(pytestconfig):
     assert int(pytestconfig.getini("tmp_path_retention_count")) <= 1
 
 
-
-
 def test_no_script_in_a_folder_shares_a_name_with_a_module():
     """Tests put benchmarks/, experiments/, course/ and docs/ on sys.path to import their
     scripts. When benchmarks/weight_sync.py, rollout_log.py and reward_models.py shared a name with
