@@ -239,7 +239,15 @@ class SmallAttention(torch.autograd.Function):
     backward of o = p v, p = softmax(s), s = q k^T scaling:
 
         dv = p^T do      dp = do v^T      ds = p * (dp - rowsum(dp * p))
-        dq = ds k scaling                 dk = ds^T q scaling"""
+        dq = ds k scaling                 dk = ds^T q scaling
+
+    The scores and the softmax are fp32 (_probs); the other products take their operands in the
+    input dtype, summing in fp32 as a CPU's and a GPU's bf16 matmuls do -- p and ds rounded to
+    bf16 first, as FlashAttention-2 rounds them for its p v, dv, dq and dk products, and as the
+    engine's decode_attention rounds p. An fp32 model computes all of it in fp32. In bf16 on a
+    CPU those products run ~2.5x faster than in fp32 (a 2-core Zen 4, at the default run's
+    shapes: one layer's forward and backward 17-19 -> 12 ms), and the fp32 copies of v and d_out
+    go; the output differs from p v in fp32 by p's rounding and its own (tests/test_model.py)."""
 
     @staticmethod
     @outside_autocast
@@ -248,8 +256,8 @@ class SmallAttention(torch.autograd.Function):
         KV = k.shape[1]
         ctx.save_for_backward(q, k, v, mask)
         ctx.scaling = scaling
-        p = _probs(q.reshape(B, KV, H // KV * n, D), k, mask, scaling)
-        return (p @ v.float()).view(B, H, n, D).to(v.dtype)
+        p = _probs(q.reshape(B, KV, H // KV * n, D), k, mask, scaling)  # (B, KV, g n, m) fp32
+        return (p.to(v.dtype) @ v).view(B, H, n, D)
 
     @staticmethod
     @outside_autocast
@@ -258,14 +266,14 @@ class SmallAttention(torch.autograd.Function):
         B, H, n, D = q.shape
         KV = k.shape[1]
         q = q.reshape(B, KV, H // KV * n, D)  # (B, KV, g n, D)
-        p = _probs(q, k, mask, ctx.scaling)  # (B, KV, g n, m), recomputed
-        d_out = d_out.float().reshape(B, KV, H // KV * n, D)
-        dv = p.transpose(-1, -2) @ d_out  # (B, KV, m, D)
-        dp = d_out @ v.float().transpose(-1, -2)  # (B, KV, g n, m)
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scaling
-        dq = (ds @ k.float()).view(B, H, n, D)
-        dk = ds.transpose(-1, -2) @ q.float()  # (B, KV, m, D): summed over each head's g queries
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        p = _probs(q, k, mask, ctx.scaling)  # (B, KV, g n, m) fp32, recomputed
+        d_out = d_out.to(v.dtype).reshape(B, KV, H // KV * n, D)
+        dv = p.to(v.dtype).transpose(-1, -2) @ d_out  # (B, KV, m, D)
+        dp = (d_out @ v.transpose(-1, -2)).float()  # (B, KV, g n, m)
+        ds = (p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scaling).to(q.dtype)
+        dq = (ds @ k).view(B, H, n, D)
+        dk = ds.transpose(-1, -2) @ q  # (B, KV, m, D): summed over each head's g queries
+        return dq, dk, dv, None, None
 
 
 def decode_attention(query, key, value, attention_mask, scaling, softcap: float | None = None):

@@ -9,7 +9,9 @@ Chunks. The logits of a batch are never built: a (B, T, V) fp32 tensor is 8 x 81
 bytes = 40 GB for a Qwen batch. The decoder runs once; the hidden states that predict completion
 tokens are picked, and pushed through the LM head a chunk of tokens at a time (chunk_logprobs);
 backward recomputes a chunk's logits instead of keeping every chunk's (chunk, V) alive
-(LinearHeadLogprobs writes that backward out, for the bias-free linear heads of most models).
+(LinearHeadLogprobs writes that backward out, for the bias-free linear heads of most models) --
+except where the batch is one chunk: then its logits are kept, since the head's backward, which
+comes next, would hold as much again anyway.
 
 fp32. The softmax runs in fp32 whatever dtype the matmuls run in: bf16 keeps under three
 significant digits, too few for log-probs whose differences the losses weigh. Logits are divided
@@ -57,14 +59,16 @@ def head_logits(model, hidden):
     return logits
 
 
-def chunk_logprobs(model, hidden, targets, temperature):
+def chunk_logprobs(model, hidden, targets, temperature, only_chunk: bool = False):
     """(n,) log-probs of `targets` and (n,) entropies (detached) from final hidden states (n, H).
     A bias-free linear head -- most models, and Gemma's soft-capped one -- goes through
-    LinearHeadLogprobs; any other head through head_logits under autograd, checkpointed so that
+    LinearHeadLogprobs (which keeps its logits for the backward where this is the batch's
+    `only_chunk`); any other head through head_logits under autograd, checkpointed so that
     backward recomputes its logits."""
     head, scale, cap = linear_head(model)
     if head is not None:
-        return LinearHeadLogprobs.apply(hidden, head.weight, targets, scale, cap, temperature)
+        return LinearHeadLogprobs.apply(hidden, head.weight, targets, scale, cap, temperature,
+                                        only_chunk)
     if torch.is_grad_enabled():
         return checkpoint(_logprobs_by_autograd, model, hidden, targets, temperature,
                           use_reentrant=False)
@@ -126,10 +130,16 @@ class LinearHeadLogprobs(torch.autograd.Function):
     d log p_y / d logits = onehot(y) - softmax(logits), so backward recomputes the logits from
     the saved (n, H) states and subtracts their saved log-sum-exp (and multiplies by the cap's
     derivative, 1 - tanh^2). The matmuls run in the autocast dtype (bf16), the softmax in fp32, as
-    under autograd; the fp32 work goes a few rows at a time (_row_blocks)."""
+    under autograd; the fp32 work goes a few rows at a time (_row_blocks).
+
+    `keep_logits`: keep the (n, V) logits for the backward instead, which overwrites them with
+    their gradient -- for a batch that is one chunk, whose backward begins with this one: the
+    memory at its peak is the same (the recomputed logits were the same tensor's size), and the
+    head's (n, H) x (H, V) product is not run a second time (~3 % of a GRPO update on a CPU at
+    SmolLM2's 49,152 entries: a fifth of the model's FLOPs a token are the head's)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, scale, cap, temperature):
+    def forward(ctx, hidden, weight, targets, scale, cap, temperature, keep_logits=False):
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) \
             else weight.dtype
@@ -140,23 +150,24 @@ class LinearHeadLogprobs(torch.autograd.Function):
             for b in _row_blocks(logits):
                 token_logp[b], lse[b], entropy[b] = _softmax_stats(logits[b], targets[b], scale,
                                                                    cap, temperature)
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets, lse, logits if keep_logits else None)
         ctx.scale, ctx.cap, ctx.temperature, ctx.dtype = scale, cap, temperature, dtype
         ctx.mark_non_differentiable(entropy)
         return token_logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, _grad_entropy):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse, kept = ctx.saved_tensors
         g = grad_logp * ctx.scale / ctx.temperature  # (n,) and through logits = scale h W^T / T
-        grad = hidden.to(ctx.dtype) @ weight.to(ctx.dtype).T  # (n, V): logits, then overwritten
+        # (n, V): the logits, kept or made again as the forward made them, then overwritten
+        grad = kept if kept is not None else hidden.to(ctx.dtype) @ weight.to(ctx.dtype).T
         for b in _row_blocks(grad):
             grad[b] = _logits_gradient(grad[b], targets[b], lse[b], g[b], ctx.scale, ctx.cap,
                                        ctx.temperature)
         need_hidden, need_weight = ctx.needs_input_grad[:2]  # (LoRA: the head is frozen)
         grad_hidden = (grad @ weight.to(ctx.dtype)).to(hidden.dtype) if need_hidden else None
         grad_weight = (grad.T @ hidden.to(ctx.dtype)).to(weight.dtype) if need_weight else None
-        return grad_hidden, grad_weight, None, None, None, None  # (n, H), (V, H)
+        return grad_hidden, grad_weight, None, None, None, None, None  # (n, H), (V, H)
 
 
 def _logits_gradient(logits, targets, lse, g, scale: float, cap: float, temperature: float):
@@ -218,7 +229,7 @@ def completion_logprobs(model, input_ids, prompt_lens, completion_lens, *, tempe
     lp_chunks, ent_chunks = [], []
     for s in range(0, hidden.shape[0], chunk_tokens):
         lp, ent = chunk_logprobs(model, hidden[s:s + chunk_tokens], targets[s:s + chunk_tokens],
-                                 temperature)
+                                 temperature, only_chunk=hidden.shape[0] <= chunk_tokens)
         lp_chunks.append(lp)
         ent_chunks.append(ent)
     logprobs = torch.zeros(B, T, device=input_ids.device, dtype=torch.float32)

@@ -393,7 +393,8 @@ def token_logprobs(model, rows: PackedRows, device: str, bf16: bool, chunk_token
         states = hidden[r, t - 1]  # (n, H): the state at t-1 predicts token t
         targets = rows.input_ids[r, t]  # (n,)
         parts = [chunk_logprobs(model, states[s:s + chunk_tokens], targets[s:s + chunk_tokens],
-                                1.0) for s in range(0, len(targets), chunk_tokens)]
+                                1.0, only_chunk=len(targets) <= chunk_tokens)
+                 for s in range(0, len(targets), chunk_tokens)]
     logprobs = torch.zeros(rows.input_ids.shape, device=device)  # (R, L)
     logprobs = logprobs.index_put((r, t), torch.cat([lp for lp, _ in parts]))  # differentiable
     return logprobs, torch.cat([entropy for _, entropy in parts])

@@ -138,6 +138,55 @@ def test_linear_head_backward_equals_autograd(name, bf16, monkeypatch):
             torch.testing.assert_close(run_[2][name], slow[2][name], **tol, msg=name)
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_a_batch_of_one_chunk_runs_the_head_once(bf16, monkeypatch):
+    """The head's (n, H) x (H, V) product: a batch that is one log-prob chunk keeps its logits for
+    the backward (LinearHeadLogprobs' keep_logits) and runs the product once, forward only; a
+    batch of several chunks makes each chunk's again in the backward, so that only one chunk's
+    logits are ever alive. The log-probs and every gradient are the same bit for bit as the
+    chunk's with its logits made again: the product made again is the one kept."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import logprobs as logprobs_module
+
+    torch.manual_seed(0)
+    model = ARCHITECTURES["llama"]()
+    V = model.config.vocab_size
+
+    class HeadProducts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func == torch.ops.aten.mm.default and out.shape[-1] == V:
+                self.count += 1  # a product whose output has the vocabulary's width: logits
+            return out
+
+    input_ids, pl, cl = pack([[5, 6, 7], [8]], [[9, 2], [10, 11, 12, 13, 2]], pad_id=0)
+    weights = torch.randn(2, 5)
+
+    def run(chunk_tokens):
+        model.zero_grad()
+        products = HeadProducts()
+        with autocast("cpu", bf16), products:
+            lp, _ = completion_logprobs(model, input_ids, pl, cl, temperature=0.7,
+                                        chunk_tokens=chunk_tokens)
+            (lp * weights).sum().backward()
+        return products.count, lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    kept, several = run(2048), run(4)  # 7 completion tokens: one chunk, then two
+    chunk_logprobs = logprobs_module.chunk_logprobs
+    monkeypatch.setattr(logprobs_module, "chunk_logprobs",
+                        lambda *args, only_chunk: chunk_logprobs(*args, only_chunk=False))
+    made_again = run(2048)
+    assert (kept[0], made_again[0], several[0]) == (1, 2, 2 * 2)
+    assert torch.equal(kept[1], made_again[1])
+    for name, grad in kept[2].items():
+        assert torch.equal(grad, made_again[2][name]), name
+
+
 @pytest.mark.parametrize("attention", ["sdpa", "smolrl", "smolrl-long-rows",
                                        "smolrl-long-rows-on-cuda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -471,6 +520,49 @@ def test_small_attention_recomputes_in_its_backward_the_gradients_sdpa_gives(dty
     torch.testing.assert_close(got.double(), want, **tol)
     for mine, theirs in zip((q, k, v), ref):
         torch.testing.assert_close(mine.grad.double(), theirs.grad, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_attention_computes_only_its_scores_in_fp32(dtype):
+    """SmallAttention's products, forward and backward: the scores q k^T (and their recomputation)
+    in fp32 whatever the dtype, the four others -- p v, dv, dp, dq and dk -- in the input dtype
+    (bf16 products run ~2.5x faster on a CPU than fp32 ones; FlashAttention-2 rounds p and ds
+    alike). Before, a bf16 model ran all seven in fp32. In bf16 the output differs from the same
+    attention with p kept in fp32 by no more than p's rounding and its own; in fp32 it is that
+    attention bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from attention import SmallAttention, _probs
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+                self.dtypes.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    B, H, KV, n, m, D = 2, 6, 2, 5, 9, 8
+    q, k, v = (torch.randn(B, h, length, D).to(dtype).requires_grad_()
+               for h, length in ((H, n), (KV, m), (KV, m)))
+    mask = torch.rand(B, 1, n, m) < 0.6
+    mask[..., 0] = True
+    products = Products()
+    with products:
+        out = SmallAttention.apply(q, k, v, mask, 0.3)
+        out.backward(torch.randn_like(out))
+    assert products.dtypes == [torch.float32] + [dtype] + [torch.float32] + [dtype] * 4
+    p = _probs(q.detach().reshape(B, KV, H // KV * n, D), k.detach(), mask, 0.3)
+    fp32_p = (p @ v.detach().float()).view(B, H, n, D)
+    if dtype == torch.float32:
+        assert torch.equal(out.detach(), fp32_p)
+    else:  # p rounded to bf16 (half a unit, 2^-9 of each p) and the output rounded once more
+        bound = 2.0 ** -9 * (p @ v.detach().float().abs()).view(B, H, n, D) \
+            + 2.0 ** -8 * fp32_p.abs()
+        assert bool(((out.detach().float() - fp32_p).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
