@@ -221,6 +221,34 @@ def test_bf16_copy_sums_micro_batches_in_fp32_and_takes_the_new_master_weights(t
         assert float((other - one).norm() / one.norm()) < 0.02  # measured: 0.002, 0.007
 
 
+def test_master_gradients_land_in_buffers_kept_from_step_to_step_on_a_cpu(tiny_model_dir,
+                                                                          monkeypatch):
+    """On a CPU the bf16 copy's gradients go into fp32 buffers made once (trainer.bf16_copy): a
+    step's gradients are where the last step's were, though that step's are still referenced
+    here -- fresh ones could not be. On a GPU (the device pretended) each step's are made afresh
+    and freed after it. The gradients are the same bit for bit either way, over micro-batches
+    that add up."""
+    import trainer as trainer_module
+    batch = make_batch(PROMPTS, COMPLETIONS, ADVANTAGES)
+    values = {}
+    for gpu in (False, True):
+        monkeypatch.setattr(trainer_module, "on_cuda", lambda device: gpu)
+        trainer = rl_trainer(Config(data="arith", model=tiny_model_dir, dtype="bf16", beta=0.0,
+                                    lr=1e-3, micro_batch_size=2))
+        steps = []  # each step's gradients as the optimizer saw them: the tensors themselves
+        trainer.optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: steps.append(
+            [(p.grad, p.grad.clone()) for p in trainer.model.parameters()]))
+        for _ in range(2):
+            train_on_rollout(trainer, batch)
+            assert all(p.grad is None for p in trainer.model.parameters())  # set to None
+        same_place = [first.data_ptr() == second.data_ptr()
+                      for (first, _), (second, _) in zip(*steps)]
+        assert all(same_place) if not gpu else not any(same_place)
+        values[gpu] = [[copy for _, copy in step] for step in steps]
+    for cpu_step, gpu_step in zip(values[False], values[True]):
+        assert all(torch.equal(a, b) for a, b in zip(cpu_step, gpu_step))
+
+
 @pytest.mark.skipif(not shutil.which(inductor_config.cpp.cxx[-1]), reason="no C++ compiler")
 def test_compiled_layers_train_as_the_eager_ones_do(tiny_model_dir, capsys):
     """--compile: the compute copy's decoder layers run through torch.compile -- inductor really
