@@ -209,8 +209,10 @@ def bf16_copy(model):
     On a CPU the master gradients are written into buffers kept from step to step: fp32
     gradients made afresh each step (540 MB for SmolLM2-135M) are memory the kernel maps and
     zeroes again each time -- ~100 ms a step of page faults, ~4 % of the default run's update on a
-    Zen 4 -- and the update needs them at its peak anyway. On a GPU, whose allocator keeps
-    freed memory itself, they are freed after each step, for a colocated engine to use."""
+    Zen 4. The price is memory: the buffers are there from the backward's start, where fresh
+    gradients came as its activations went (the default run's peak resident memory 4.2-4.4 ->
+    4.7-4.8 GB). On a GPU, whose allocator keeps freed memory itself, they are made as before and
+    freed after each step, for a colocated engine to use."""
     compute = cast_copy(model, torch.bfloat16)
     kept = not on_cuda(next(model.parameters()).device)
     for master, p in zip(model.parameters(), compute.parameters()):
