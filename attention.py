@@ -242,12 +242,16 @@ class SmallAttention(torch.autograd.Function):
         dq = ds k scaling                 dk = ds^T q scaling
 
     The scores and the softmax are fp32 (_probs); the other products take their operands in the
-    input dtype, summing in fp32 as a CPU's and a GPU's bf16 matmuls do -- p and ds rounded to
-    bf16 first, as FlashAttention-2 rounds them for its p v, dv, dq and dk products, and as the
-    engine's decode_attention rounds p. An fp32 model computes all of it in fp32. In bf16 on a
-    CPU those products run ~2.5x faster than in fp32 (a 2-core Zen 4, at the default run's
-    shapes: one layer's forward and backward 17-19 -> 12 ms), and the fp32 copies of v and d_out
-    go; the output differs from p v in fp32 by p's rounding and its own (tests/test_model.py)."""
+    queries' dtype and sum in fp32 inside the matmul, as a CPU's and a GPU's bf16 matmuls do. In
+    a bf16 model that rounds p and ds to bf16 before their products, as FlashAttention-2 does,
+    and dp as it comes out of its product (FlashAttention-2 keeps dp in fp32). The gradients of
+    q and k then err against fp64 by ~2.9e-3 of their size (at 64 to 512 keys; 2.4e-3 with dp in
+    fp32, and about two thirds of that with every product in fp32, as before). The engine's
+    decode_attention rounds p alike. In bf16 on a CPU those products run ~2.5x faster than in
+    fp32 (a 2-core Zen 4, at the default run's shapes: one layer's forward and backward 17-19 ->
+    12 ms), and the fp32 copies of v and d_out go. An fp32 model computes all of it in fp32, and
+    so does one under bf16 autocast (LoRA, FSDP2), whose rotary embedding hands over q and k in
+    fp32 beside a bf16 v: their numbers are what they were before (tests/test_model.py)."""
 
     @staticmethod
     @outside_autocast
@@ -257,7 +261,7 @@ class SmallAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, mask)
         ctx.scaling = scaling
         p = _probs(q.reshape(B, KV, H // KV * n, D), k, mask, scaling)  # (B, KV, g n, m) fp32
-        return (p.to(v.dtype) @ v).view(B, H, n, D)
+        return (p.to(q.dtype) @ v.to(q.dtype)).view(B, H, n, D).to(v.dtype)
 
     @staticmethod
     @outside_autocast
@@ -265,15 +269,16 @@ class SmallAttention(torch.autograd.Function):
         q, k, v, mask = ctx.saved_tensors
         B, H, n, D = q.shape
         KV = k.shape[1]
+        dtype = q.dtype  # the products'
         q = q.reshape(B, KV, H // KV * n, D)  # (B, KV, g n, D)
         p = _probs(q, k, mask, ctx.scaling)  # (B, KV, g n, m) fp32, recomputed
-        d_out = d_out.to(v.dtype).reshape(B, KV, H // KV * n, D)
-        dv = p.to(v.dtype).transpose(-1, -2) @ d_out  # (B, KV, m, D)
-        dp = (d_out @ v.transpose(-1, -2)).float()  # (B, KV, g n, m)
-        ds = (p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scaling).to(q.dtype)
-        dq = (ds @ k).view(B, H, n, D)
+        d_out = d_out.to(dtype).reshape(B, KV, H // KV * n, D)
+        dv = p.to(dtype).transpose(-1, -2) @ d_out  # (B, KV, m, D)
+        dp = (d_out @ v.to(dtype).transpose(-1, -2)).float()  # (B, KV, g n, m)
+        ds = (p * (dp - (dp * p).sum(-1, keepdim=True)) * ctx.scaling).to(dtype)
+        dq = (ds @ k.to(dtype)).view(B, H, n, D)
         dk = ds.transpose(-1, -2) @ q  # (B, KV, m, D): summed over each head's g queries
-        return dq, dk, dv, None, None
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def decode_attention(query, key, value, attention_mask, scaling, softcap: float | None = None):

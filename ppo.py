@@ -282,7 +282,8 @@ def train_on_rollout(trainer, batch) -> dict:
         policy.train()
         for k, idx in enumerate(mbs):
             metrics, mask = {}, masks[k]
-            logprobs, entropy = policy_logprobs(policy, batch, idx, cfg, device)
+            with torch.set_grad_enabled(batch.train_policy):  # (no graph in the critic's warm-up)
+                logprobs, entropy = policy_logprobs(policy, batch, idx, cfg, device)
             pi_old = old[k] if old else logprobs.detach()  # (one update: pi_old == pi_theta)
             # (the trainer/engine mismatch metrics, with vLLM; grpo.py's --is-cap correction
             # is not offered here)

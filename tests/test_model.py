@@ -522,14 +522,17 @@ def test_small_attention_recomputes_in_its_backward_the_gradients_sdpa_gives(dty
         torch.testing.assert_close(mine.grad.double(), theirs.grad, **tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_small_attention_computes_only_its_scores_in_fp32(dtype):
+@pytest.mark.parametrize("dtypes", ["bf16", "fp32", "autocast: fp32 q and k, bf16 v"])
+def test_small_attention_computes_only_its_scores_in_fp32(dtypes):
     """SmallAttention's products, forward and backward: the scores q k^T (and their recomputation)
-    in fp32 whatever the dtype, the four others -- p v, dv, dp, dq and dk -- in the input dtype
+    in fp32 whatever the dtype, the five others -- p v, dv, dp, dq and dk -- in the queries' dtype
     (bf16 products run ~2.5x faster on a CPU than fp32 ones; FlashAttention-2 rounds p and ds
     alike). Before, a bf16 model ran all seven in fp32. In bf16 the output differs from the same
-    attention with p kept in fp32 by no more than p's rounding and its own; in fp32 it is that
-    attention bit for bit."""
+    attention with p kept in fp32 by no more than p's rounding and its own. In fp32, and under
+    bf16 autocast (LoRA, FSDP2: rotary hands over q and k in fp32 beside a bf16 v), every product
+    is fp32: the output is the fp32 formula's bit for bit and the gradients autograd's through it
+    to fp32's rounding (the code before this change gave the same bits in both: checked once,
+    2026-12-06)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from attention import SmallAttention, _probs
@@ -546,23 +549,34 @@ def test_small_attention_computes_only_its_scores_in_fp32(dtype):
 
     torch.manual_seed(0)
     B, H, KV, n, m, D = 2, 6, 2, 5, 9, 8
+    qk_dtype = torch.bfloat16 if dtypes == "bf16" else torch.float32
+    v_dtype = torch.float32 if dtypes == "fp32" else torch.bfloat16
     q, k, v = (torch.randn(B, h, length, D).to(dtype).requires_grad_()
-               for h, length in ((H, n), (KV, m), (KV, m)))
+               for h, length, dtype in ((H, n, qk_dtype), (KV, m, qk_dtype), (KV, m, v_dtype)))
     mask = torch.rand(B, 1, n, m) < 0.6
     mask[..., 0] = True
+    d_out = torch.randn(B, H, n, D).to(v_dtype)
     products = Products()
     with products:
         out = SmallAttention.apply(q, k, v, mask, 0.3)
-        out.backward(torch.randn_like(out))
-    assert products.dtypes == [torch.float32] + [dtype] + [torch.float32] + [dtype] * 4
-    p = _probs(q.detach().reshape(B, KV, H // KV * n, D), k.detach(), mask, 0.3)
-    fp32_p = (p @ v.detach().float()).view(B, H, n, D)
-    if dtype == torch.float32:
-        assert torch.equal(out.detach(), fp32_p)
+        out.backward(d_out)
+    assert out.dtype == v_dtype and (q.grad.dtype, k.grad.dtype, v.grad.dtype) == \
+        (qk_dtype, qk_dtype, v_dtype)
+    fp32 = torch.float32
+    assert products.dtypes == [fp32, qk_dtype, fp32] + [qk_dtype] * 4
+    # The fp32 formula, as SmallAttention computed every case before: autograd through it.
+    ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    p = _probs(ref[0].reshape(B, KV, H // KV * n, D), ref[1], mask, 0.3)
+    fp32_out = (p @ ref[2]).view(B, H, n, D)
+    if dtypes != "bf16":
+        assert torch.equal(out.detach(), fp32_out.detach().to(v_dtype))
+        fp32_out.backward(d_out.float())
+        for mine, theirs in zip((q, k, v), ref):
+            torch.testing.assert_close(mine.grad, theirs.grad.to(mine.dtype), rtol=1e-6,
+                                       atol=1e-7)
     else:  # p rounded to bf16 (half a unit, 2^-9 of each p) and the output rounded once more
-        bound = 2.0 ** -9 * (p @ v.detach().float().abs()).view(B, H, n, D) \
-            + 2.0 ** -8 * fp32_p.abs()
-        assert bool(((out.detach().float() - fp32_p).abs() <= bound).all())
+        bound = 2.0 ** -9 * (p @ ref[2].abs()).view(B, H, n, D) + 2.0 ** -8 * fp32_out.abs()
+        assert bool(((out.detach().float() - fp32_out.detach()).abs() <= bound).all())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -172,11 +172,22 @@ def test_each_model_gets_the_gradient_of_its_own_loss_only(tiny_model_dir, monke
     assert all(seen["policy"].values()) and all(seen["critic"].values())
 
 
-def test_a_critic_warm_up_step_moves_the_critic_alone(tiny_model_dir):
+def test_a_critic_warm_up_step_moves_the_critic_alone(tiny_model_dir, monkeypatch):
+    """...and builds no graph through the policy, whose backward never comes (found by review:
+    each micro-batch's graph lived through the next one's forward, a batch of one chunk's
+    logits with it)."""
     trainer = _cfg(tiny_model_dir).setup()
     before = {n: p.clone() for n, p in trainer.model.named_parameters()}
     critic_before = {n: p.clone() for n, p in trainer.critic.model.named_parameters()}
+    graphs, policy_logprobs = [], ppo.policy_logprobs
+
+    def recorded(*args):
+        logprobs, entropy = policy_logprobs(*args)
+        graphs.append(logprobs.grad_fn)
+        return logprobs, entropy
+    monkeypatch.setattr(ppo, "policy_logprobs", recorded)
     ppo.train_on_rollout(trainer, replace(_batch(), train_policy=False))
+    assert graphs and all(graph is None for graph in graphs)
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
     assert any(not torch.equal(p, critic_before[n])
                for n, p in trainer.critic.model.named_parameters())
