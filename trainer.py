@@ -216,7 +216,9 @@ def bf16_copy(model):
     compute = cast_copy(model, torch.bfloat16)
     kept = not on_cuda(next(model.parameters()).device)
     for master, p in zip(model.parameters(), compute.parameters()):
-        buffer = torch.empty_like(master) if kept and master.requires_grad else None
+        if not p.requires_grad:  # frozen: no gradient, and torch takes no hook on it
+            continue
+        buffer = torch.empty_like(master) if kept else None
         p.register_post_accumulate_grad_hook(functools.partial(_into_master_grad, master, buffer))
     return compute
 

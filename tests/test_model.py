@@ -522,7 +522,8 @@ def test_small_attention_recomputes_in_its_backward_the_gradients_sdpa_gives(dty
         torch.testing.assert_close(mine.grad.double(), theirs.grad, **tol)
 
 
-@pytest.mark.parametrize("dtypes", ["bf16", "fp32", "autocast: fp32 q and k, bf16 v"])
+@pytest.mark.parametrize("dtypes", ["bf16", "fp32", "autocast: fp32 q and k, bf16 v",
+                                    "fp32 q, bf16 k and v"])
 def test_small_attention_computes_only_its_scores_in_fp32(dtypes):
     """SmallAttention's products, forward and backward: the scores q k^T (and their recomputation)
     in fp32 whatever the dtype, the five others -- p v, dv, dp, dq and dk -- in the queries' dtype
@@ -549,10 +550,11 @@ def test_small_attention_computes_only_its_scores_in_fp32(dtypes):
 
     torch.manual_seed(0)
     B, H, KV, n, m, D = 2, 6, 2, 5, 9, 8
-    qk_dtype = torch.bfloat16 if dtypes == "bf16" else torch.float32
+    qk_dtype = torch.bfloat16 if dtypes == "bf16" else torch.float32  # the queries'
+    k_dtype = torch.bfloat16 if dtypes.startswith(("bf16", "fp32 q,")) else torch.float32
     v_dtype = torch.float32 if dtypes == "fp32" else torch.bfloat16
     q, k, v = (torch.randn(B, h, length, D).to(dtype).requires_grad_()
-               for h, length, dtype in ((H, n, qk_dtype), (KV, m, qk_dtype), (KV, m, v_dtype)))
+               for h, length, dtype in ((H, n, qk_dtype), (KV, m, k_dtype), (KV, m, v_dtype)))
     mask = torch.rand(B, 1, n, m) < 0.6
     mask[..., 0] = True
     d_out = torch.randn(B, H, n, D).to(v_dtype)
@@ -561,7 +563,7 @@ def test_small_attention_computes_only_its_scores_in_fp32(dtypes):
         out = SmallAttention.apply(q, k, v, mask, 0.3)
         out.backward(d_out)
     assert out.dtype == v_dtype and (q.grad.dtype, k.grad.dtype, v.grad.dtype) == \
-        (qk_dtype, qk_dtype, v_dtype)
+        (qk_dtype, k_dtype, v_dtype)
     fp32 = torch.float32
     assert products.dtypes == [fp32, qk_dtype, fp32] + [qk_dtype] * 4
     # The fp32 formula, as SmallAttention computed every case before: autograd through it.

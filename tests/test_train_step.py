@@ -221,6 +221,21 @@ def test_bf16_copy_sums_micro_batches_in_fp32_and_takes_the_new_master_weights(t
         assert float((other - one).norm() / one.norm()) < 0.02  # measured: 0.002, 0.007
 
 
+def test_a_frozen_parameter_has_no_master_gradient_in_the_bf16_copy(tiny_model_dir):
+    """(found by review) trainer.bf16_copy hooked every parameter's bf16 copy, and torch takes no
+    hook on a tensor that needs no gradient: a model with a frozen parameter stopped there. Now
+    the frozen one is left alone (no hook, no buffer) and the others train."""
+    from trainer import bf16_copy
+    from model import load_model
+    model = load_model(tiny_model_dir)[0]
+    frozen = model.get_input_embeddings().weight
+    frozen.requires_grad_(False)
+    compute = bf16_copy(model)
+    compute(input_ids=torch.tensor([[5, 6, 7]])).logits.float().sum().backward()
+    assert frozen.grad is None
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
 def test_master_gradients_land_in_buffers_kept_from_step_to_step_on_a_cpu(tiny_model_dir,
                                                                           monkeypatch):
     """On a CPU the bf16 copy's gradients go into fp32 buffers made once (trainer.bf16_copy): a
