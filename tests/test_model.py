@@ -568,7 +568,7 @@ def test_small_attention_computes_only_its_scores_in_fp32(dtypes):
     assert products.dtypes == [fp32, qk_dtype, fp32] + [qk_dtype] * 4
     # The fp32 formula, as SmallAttention computed every case before: autograd through it.
     ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    p = _probs(ref[0].reshape(B, KV, H // KV * n, D), ref[1], mask, 0.3)
+    p = _probs(ref[0], ref[1], mask, 0.3)
     fp32_out = (p @ ref[2]).view(B, H, n, D)
     if dtypes != "bf16":
         assert torch.equal(out.detach(), fp32_out.detach().to(v_dtype))
@@ -579,6 +579,56 @@ def test_small_attention_computes_only_its_scores_in_fp32(dtypes):
     else:  # p rounded to bf16 (half a unit, 2^-9 of each p) and the output rounded once more
         bound = 2.0 ** -9 * (p @ ref[2].abs()).view(B, H, n, D) + 2.0 ** -8 * fp32_out.abs()
         assert bool(((out.detach().float() - fp32_out.detach()).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_attention_makes_few_tensors_the_size_of_its_scores(dtype):
+    """At the default run's shapes SmallAttention's time went as much to the passes over its
+    (B, KV, g n, m) scores as to its products: each fresh tensor that size costs a pass and its
+    page faults on a CPU. In bf16 the forward makes three -- the product, the softmax, p in the
+    products' dtype -- and the backward seven (the scores' three again, dp and its fp32 copy,
+    dp p, ds rounded), where the plain formula made 5 and 12 (in fp32 2 and 4, against 4 and 9);
+    masked_fill with a
+    broadcast mask ran ~14x slower than adding 0 or fp32's lowest, which gives the same bits
+    (lowest + s is lowest). The probabilities are the plain formula's bit for bit: the scores
+    q k^T in fp32, scaled, masked_fill'ed, softmax'ed -- with q and the keys as the model hands
+    them over, strided views of its projections."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from attention import SmallAttention, _probs
+
+    class Made(TorchDispatchMode):
+        def __init__(self, numel):
+            super().__init__()
+            self.numel, self.count = numel, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in args
+                      if isinstance(a, torch.Tensor)}
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.numel() == self.numel and \
+                        t.untyped_storage().data_ptr() not in inputs:
+                    self.count += 1
+            return out
+
+    torch.manual_seed(0)
+    B, H, KV, n, m, D = 4, 6, 2, 5, 9, 8
+    q, k, v = (torch.randn(B, length, h, D).to(dtype).transpose(1, 2).requires_grad_()
+               for h, length in ((H, n), (KV, m), (KV, m)))  # (B, heads, length, D) views
+    mask = torch.rand(B, 1, n, m) < 0.6
+    mask[..., 0] = True
+    plain = (q.float().reshape(B, KV, H // KV * n, D) @ k.float().transpose(-1, -2)) * 0.3
+    plain = torch.softmax(plain.view(B, KV, H // KV, n, m).masked_fill(
+        ~mask[:, :, None], torch.finfo(torch.float32).min), dim=-1).view(B, KV, H // KV * n, m)
+    assert torch.equal(_probs(q.detach(), k.detach(), mask, 0.3), plain.detach())
+    forward, backward = Made(B * H * n * m), Made(B * H * n * m)
+    with forward:
+        out = SmallAttention.apply(q, k, v, mask, 0.3)
+    with backward:
+        out.backward(torch.randn(B, H, n, D).to(dtype))
+    bf16 = dtype == torch.bfloat16  # (in fp32 p, dp and ds need no copy in the products' dtype)
+    assert (forward.count, backward.count) == ((3, 7) if bf16 else (2, 4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
