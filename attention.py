@@ -214,24 +214,33 @@ def sdpa_takes_gqa(query, masked: bool) -> bool:
 def _probs(q, k, mask, scaling):
     """softmax(q k^T scaling) where `mask` allows, in fp32 throughout as SDPA's kernel accumulates
     (scores rounded to bf16 would be off by ~0.4 % of their size). Each KV head's keys are read
-    once for its g query heads: q (B, H, n, D), k (B, KV, m, D), mask (B, 1, n, m) bool -> (B,
-    KV, g n, m), g = H / KV. Each a few passes over the scores fewer than the plain formula, as
-    these ran ~30 % of SmallAttention's time on a CPU: q and the keys, transposed, go to fp32 in
-    one contiguous copy each (the product copied a strided fp32 view again); the scaling and the
-    mask are applied in place (a fresh tensor a step costs its page faults); and the mask is
-    added, 0 or fp32's lowest (masked_fill with a broadcast mask ran ~14x slower than an add):
-    lowest + s is lowest for any |s| < 2^103, so the result is masked_fill's bit for bit, but a
-    NaN or infinite score where the mask hides it is no longer hidden."""
-    B, H, n, D = q.shape
-    KV, m = k.shape[1], k.shape[2]
-    contiguous = torch.contiguous_format
-    q32 = q.to(torch.float32, memory_format=contiguous).reshape(B, KV, H // KV * n, D)
-    keys = k.transpose(-1, -2).to(torch.float32, memory_format=contiguous)  # (B, KV, D, m)
-    scores = (q32 @ keys).mul_(scaling).view(B, KV, H // KV, n, m)
+    once for its g query heads: q (B, KV, g n, D), k (B, KV, m, D), mask (B, 1, n, m) bool ->
+    (B, KV, g n, m). The scaling and the mask go in place -- a fresh tensor the scores' size
+    costs a pass and its page faults on a CPU -- and the mask is added, 0 or fp32's lowest, as
+    masked_fill with a broadcast mask ran ~14x slower than the add. lowest + s is lowest for
+    |s| < 2^103, so the probabilities are masked_fill's bit for bit in any row with a key to see
+    (every layout here has one): a NaN or infinite score where the mask hides it is no longer
+    hidden, and a row with no key to see would come out NaN, not uniform. The product takes q
+    and k laid out as the plain formula gave them: the CPU's fp32 matmul sums in another order
+    for another layout of the same numbers."""
+    B, KV, gn, _ = q.shape
+    n, m = mask.shape[-2], k.shape[2]
+    scores = (q.float() @ k.float().transpose(-1, -2)).mul_(scaling)
     # (MASKED's value written out: torch.compile cannot trace a module global inside the
     # autograd.Function SmallAttention whose forward this is)
     hidden = torch.where(mask, 0.0, torch.finfo(torch.float32).min).float()[:, :, None]
-    return torch.softmax(scores.add_(hidden), dim=-1).view(B, KV, H // KV * n, m)
+    scores = scores.view(B, KV, gn // n, n, m).add_(hidden)  # (B, KV, g, n, m)
+    return torch.softmax(scores, dim=-1).view(B, KV, gn, m)
+
+
+def _softmax_backward(p, dp, scaling):
+    """p (dp - rowsum(dp p)) scaling, in place on dp where no graph is recorded: the formula's
+    bits without two fresh tensors the scores' size. A double backward (create_graph) records
+    this, and dp * p keeps dp for it: there, out of place."""
+    rowsum = (dp * p).sum(-1, keepdim=True)
+    if torch.is_grad_enabled():
+        return p * (dp - rowsum) * scaling
+    return dp.sub_(rowsum).mul_(p).mul_(scaling)
 
 
 def outside_autocast(fn):
@@ -269,7 +278,7 @@ class SmallAttention(torch.autograd.Function):
         KV = k.shape[1]
         ctx.save_for_backward(q, k, v, mask)
         ctx.scaling = scaling
-        p = _probs(q, k, mask, scaling)  # (B, KV, g n, m) fp32
+        p = _probs(q.reshape(B, KV, H // KV * n, D), k, mask, scaling)  # (B, KV, g n, m) fp32
         return (p.to(q.dtype) @ v.to(q.dtype)).view(B, H, n, D).to(v.dtype)
 
     @staticmethod
@@ -279,13 +288,12 @@ class SmallAttention(torch.autograd.Function):
         B, H, n, D = q.shape
         KV = k.shape[1]
         dtype = q.dtype  # the products'
-        p = _probs(q, k, mask, ctx.scaling)  # (B, KV, g n, m) fp32, recomputed
         q = q.reshape(B, KV, H // KV * n, D)  # (B, KV, g n, D)
+        p = _probs(q, k, mask, ctx.scaling)  # (B, KV, g n, m) fp32, recomputed
         d_out = d_out.to(dtype).reshape(B, KV, H // KV * n, D)
         dv = p.to(dtype).transpose(-1, -2) @ d_out  # (B, KV, m, D)
         dp = (d_out @ v.to(dtype).transpose(-1, -2)).float()  # (B, KV, g n, m)
-        # p (dp - rowsum(dp p)) scaling in place: the formula's bits without its fresh tensors
-        ds = dp.sub_((dp * p).sum(-1, keepdim=True)).mul_(p).mul_(ctx.scaling).to(dtype)
+        ds = _softmax_backward(p, dp, ctx.scaling).to(dtype)
         dq = (ds @ k.to(dtype)).view(B, H, n, D)
         dk = ds.transpose(-1, -2) @ q  # (B, KV, m, D): summed over each head's g queries
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None

@@ -181,7 +181,8 @@ class MeanSquare(torch.autograd.Function):
     expanded to x's shape and divided by N (mean's), then times 2x (pow's) -- makes four tensors
     of x's size, ~1.3 of the 5.5 ms an RMSNorm's forward and backward took at the default run's
     1,302 x 576 in bf16. Here one, x (2g / N), with the same bits: 2x and 2(g / N) are exact
-    doublings, so both ways round 2 x g / N once (tests/test_recompute.py)."""
+    doublings, so both ways round 2 x g / N once (tests/test_recompute.py) -- unless one of them
+    overflows (|x| or |g| / N over ~1.7e38 in fp32, where the loss is not finite anyway)."""
 
     @staticmethod
     def forward(ctx, x):

@@ -568,7 +568,7 @@ def test_small_attention_computes_only_its_scores_in_fp32(dtypes):
     assert products.dtypes == [fp32, qk_dtype, fp32] + [qk_dtype] * 4
     # The fp32 formula, as SmallAttention computed every case before: autograd through it.
     ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
-    p = _probs(ref[0], ref[1], mask, 0.3)
+    p = _probs(ref[0].reshape(B, KV, H // KV * n, D), ref[1], mask, 0.3)
     fp32_out = (p @ ref[2]).view(B, H, n, D)
     if dtypes != "bf16":
         assert torch.equal(out.detach(), fp32_out.detach().to(v_dtype))
@@ -587,12 +587,13 @@ def test_small_attention_makes_few_tensors_the_size_of_its_scores(dtype):
     (B, KV, g n, m) scores as to its products: each fresh tensor that size costs a pass and its
     page faults on a CPU. In bf16 the forward makes three -- the product, the softmax, p in the
     products' dtype -- and the backward seven (the scores' three again, dp and its fp32 copy,
-    dp p, ds rounded), where the plain formula made 5 and 12 (in fp32 2 and 4, against 4 and 9);
-    masked_fill with a
-    broadcast mask ran ~14x slower than adding 0 or fp32's lowest, which gives the same bits
-    (lowest + s is lowest). The probabilities are the plain formula's bit for bit: the scores
-    q k^T in fp32, scaled, masked_fill'ed, softmax'ed -- with q and the keys as the model hands
-    them over, strided views of its projections."""
+    dp p, ds rounded), where the plain formula made 5 and 12 (in fp32 2 and 4, against 4 and 9):
+    the scaling and the mask go in place, the mask added as 0 or fp32's lowest (masked_fill with
+    a broadcast mask ran ~14x slower), ds in place. The probabilities stay the plain formula's
+    bit for bit -- q k^T in fp32, scaled, masked_fill'ed, softmax'ed -- with q and the keys as the
+    model hands them over (strided views of its projections), at shapes whose keys the CPU's
+    matmul takes as they are (B = 1, one KV head, one query) and in every dtype mix: given
+    another layout of the same keys, it sums in another order."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from attention import SmallAttention, _probs
@@ -612,16 +613,27 @@ def test_small_attention_makes_few_tensors_the_size_of_its_scores(dtype):
                     self.count += 1
             return out
 
+    def views(B, H, KV, n, m, D, q_dtype, kv_dtype):  # (B, heads, length, D), as the model's
+        return [torch.randn(B, length, h, D).to(t).transpose(1, 2).requires_grad_()
+                for h, length, t in ((H, n, q_dtype), (KV, m, kv_dtype), (KV, m, kv_dtype))]
+
     torch.manual_seed(0)
+    for B, H, KV, n, m, D in ((4, 6, 2, 5, 9, 8), (1, 6, 2, 5, 9, 8), (4, 6, 1, 5, 9, 8),
+                              (1, 6, 2, 1, 100, 128), (4, 8, 1, 2, 7, 33)):
+        for q_dtype in {dtype, torch.float32}:  # (fp32 q beside bf16 keys: under autocast)
+            q, k, _ = views(B, H, KV, n, m, D, q_dtype, dtype)
+            mask = torch.rand(B, 1, n, m) < 0.6
+            mask[..., 0] = True
+            q = q.detach().reshape(B, KV, H // KV * n, D)
+            plain = (q.float() @ k.detach().float().transpose(-1, -2)) * 0.3
+            plain = torch.softmax(plain.view(B, KV, H // KV, n, m).masked_fill(
+                ~mask[:, :, None], torch.finfo(torch.float32).min), dim=-1)
+            assert torch.equal(_probs(q, k.detach(), mask, 0.3),
+                               plain.view(B, KV, H // KV * n, m)), (B, H, KV, n, m, D, q_dtype)
     B, H, KV, n, m, D = 4, 6, 2, 5, 9, 8
-    q, k, v = (torch.randn(B, length, h, D).to(dtype).transpose(1, 2).requires_grad_()
-               for h, length in ((H, n), (KV, m), (KV, m)))  # (B, heads, length, D) views
+    q, k, v = views(B, H, KV, n, m, D, dtype, dtype)
     mask = torch.rand(B, 1, n, m) < 0.6
     mask[..., 0] = True
-    plain = (q.float().reshape(B, KV, H // KV * n, D) @ k.float().transpose(-1, -2)) * 0.3
-    plain = torch.softmax(plain.view(B, KV, H // KV, n, m).masked_fill(
-        ~mask[:, :, None], torch.finfo(torch.float32).min), dim=-1).view(B, KV, H // KV * n, m)
-    assert torch.equal(_probs(q.detach(), k.detach(), mask, 0.3), plain.detach())
     forward, backward = Made(B * H * n * m), Made(B * H * n * m)
     with forward:
         out = SmallAttention.apply(q, k, v, mask, 0.3)
