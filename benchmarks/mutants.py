@@ -93,7 +93,8 @@ SANDBOX = ["tests/test_sandbox.py"]  # (the whole file: about 15 s)
 
 
 def first(*killers, then):
-    """The expected killers, then the area's tests (each once, in order)."""
+    """The expected killers, then the area's tests (each once, in order; run() runs the named
+    tests in a pytest of their own first)."""
     return list(dict.fromkeys([*killers, *then]))
 
 
@@ -852,8 +853,13 @@ def run(mutant: Mutant, tree: Path, timeout: int, pinned_only: bool = False) -> 
     original = path.read_text()
     path.write_text(apply(tree, mutant))
     try:
-        outcome, test, _ = ("passed", "", 0.0) if pinned_only else \
-            pytest(tree, mutant.tests, timeout)
+        outcome, test = "passed", ""
+        # The named tests in a pytest of their own: given a test and its file, pytest runs the
+        # file in its order, and "killed by" would name the file's first test that fails.
+        named = [t for t in mutant.tests if "::" in t]
+        for tests in ([] if pinned_only else [named, [t for t in mutant.tests if "::" not in t]]):
+            if tests and outcome == "passed":
+                outcome, test, _ = pytest(tree, tests, timeout)
         if outcome == "passed" and mutant.pinned:
             outcome, test, _ = pytest(tree, list(mutant.pinned), timeout)
             if outcome != "passed":
