@@ -12,13 +12,12 @@ backward keeps anyway:
 
 (gate, up, x, its rsqrt, the keys and values: their own ops' gradients need them.) So those are
 stored as *how to make them*, a Recipe, and made again by the same ops on the same inputs when the
-backward asks (once, however many ops saved it): the gradients are bit-identical, and the extra
-work is element-wise ops and gathers, no matmul. The scope is a decoder layer's forward: inside it,
-saved-tensor hooks store a tensor given to remake() as its recipe -- while it is what the recipe
-makes: one changed in place after it was registered (a forward hook that scales a norm's output,
-Mixtral's router jitter `hidden_states *= noise`), or whose recipe's inputs were, is kept as it is;
-an input changed after an op saved the recipe is an error in the backward, as autograd's own check
-is.
+backward asks: the gradients are bit-identical, and the extra work is element-wise ops and
+gathers, no matmul. The scope is a decoder layer's forward: inside it, saved-tensor hooks store
+a tensor given to remake() as its recipe -- while it is what the recipe makes: one changed in
+place after it was registered (a forward hook that scales a norm's output, Mixtral's router
+jitter `hidden_states *= noise`), or whose recipe's inputs were, is kept as it is; an input
+changed after an op saved the recipe is an error in the backward, as autograd's own check is.
 SmolLM2-135M, the default update's 32 sequences: 1.05 -> 0.52 GB held for the backward, forward +
 backward 6.0 -> 5.8 s (`python benchmarks/activations.py`; tests/test_recompute.py counts the
 bytes that go, and checks the gradients equal, fp32 and bf16).
@@ -41,24 +40,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
-class Remaking:
-    """One registered tensor made again in the backward, held from the first op that unpacks it to
-    the last: a norm's output, which the query, key and value projections each saved, is made
-    once, not three times (the MLP's norm's, saved by gate and up, once, not twice: ~90 of the
-    default update's ~210 remade norms). `saves`: how many ops saved it as a recipe; a backward
-    run again (retain_graph) makes it again."""
-    __slots__ = ("saves", "unpacked", "tensor")
-
-    def __init__(self):
-        self.saves, self.unpacked, self.tensor = 0, 0, None
-
-    def get(self, make, inputs) -> torch.Tensor:
-        tensor = self.tensor if self.tensor is not None else make(*inputs)
-        self.unpacked += 1
-        self.tensor = None if self.unpacked % self.saves == 0 else tensor  # (the last: let go)
-        return tensor
-
-
 class Registered(NamedTuple):
     """A tensor given to remake(), as it was then."""
     tensor: torch.Tensor
@@ -67,7 +48,6 @@ class Registered(NamedTuple):
     make: Callable[..., torch.Tensor]  # make(*inputs) makes it again
     inputs: tuple  # every tensor make reads ...
     versions: tuple  # ... and their versions
-    remaking: Remaking  # in the backward
 
     def changed(self) -> bool:
         return self.tensor._version != self.version or _changed(self.inputs, self.versions)
@@ -80,7 +60,6 @@ class Recipe(NamedTuple):
     size: tuple  # the saved tensor: the registered one or a view of it (a linear keeps its
     stride: tuple  # input flattened to 2-D, attention its keys transposed)
     offset: int
-    remaking: Remaking  # shared by every op that saved the registered tensor
 
 
 class Kept(NamedTuple):
@@ -124,9 +103,8 @@ class Remade:
             # backpropagated. Its version, so that an in-place change before the backward is
             # still an error.
             return Kept(t.detach(), t._version)
-        registered.remaking.saves += 1
         return Recipe(registered.make, registered.inputs, registered.versions, t.shape,
-                      t.stride(), t.storage_offset(), registered.remaking)
+                      t.stride(), t.storage_offset())
 
 
 def _changed(tensors: tuple, versions: tuple) -> bool:
@@ -138,8 +116,7 @@ def _unpack(saved):
         if _changed(saved.inputs, saved.versions):  # (it would make something else)
             raise RuntimeError("a tensor the backward makes again was modified in place after "
                                "the forward saved it: what it is made from has changed")
-        made = saved.remaking.get(saved.make, saved.inputs)
-        return made.as_strided(saved.size, saved.stride, saved.offset)
+        return saved.make(*saved.inputs).as_strided(saved.size, saved.stride, saved.offset)
     if saved.tensor._version != saved.version:
         raise RuntimeError(f"a tensor the backward needs, {tuple(saved.tensor.shape)}, was "
                            f"modified in place after the forward saved it (version "
@@ -154,7 +131,7 @@ def remake(tensor: torch.Tensor, make: Callable[..., torch.Tensor], *inputs) -> 
     error, never a silently different tensor)."""
     if _scopes() and torch.is_grad_enabled() and tensor.numel():  # (every empty one is at 0)
         _scopes()[-1].recipes[tensor.untyped_storage().data_ptr()] = Registered(
-            tensor, tensor._version, make, inputs, tuple(x._version for x in inputs), Remaking())
+            tensor, tensor._version, make, inputs, tuple(x._version for x in inputs))
     return tensor
 
 

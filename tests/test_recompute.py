@@ -218,37 +218,6 @@ def test_the_norms_mean_square_has_autograds_gradient_in_one_product():
             assert made.count == 1
 
 
-def test_a_tensor_several_ops_saved_is_made_once_and_let_go():
-    """A norm's output is saved by every linear it feeds -- the query, key and value projections
-    -- and each unpacked its own remade copy: three norms' worth of work for one. Made once, held
-    from the first unpack to the last and then let go (nothing kept after the backward); a
-    backward run again on the retained graph makes it once more; the gradients stay autograd's."""
-    import weakref
-
-    made = []
-
-    def make(x):
-        made.append(weakref.ref(out := x * 2))
-        return out
-
-    torch.manual_seed(0)
-    x = torch.randn(4, 3, requires_grad=True)
-    weights = [torch.randn(3, 3, requires_grad=True) for _ in range(3)]
-    with Remade():
-        y = remake(x * 2, make, x)
-        loss = sum(((y @ w) ** 2).sum() for w in weights)  # (each product saves y)
-    del y
-    loss.backward(retain_graph=True)
-    assert len(made) == 1 and made[0]() is None
-    grads = [t.grad.clone() for t in [x] + weights]
-    loss.backward()
-    assert len(made) == 2 and made[1]() is None
-    plain = [t.detach().requires_grad_() for t in [x] + weights]
-    sum((((plain[0] * 2) @ w) ** 2).sum() for w in plain[1:]).backward()
-    for mine, theirs in zip(grads, plain):
-        assert torch.equal(mine, theirs.grad)
-
-
 def test_an_in_place_change_to_a_kept_tensor_is_still_an_error():
     x = torch.randn(5, requires_grad=True)
     with Remade():
