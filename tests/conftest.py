@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -328,6 +329,25 @@ def peak_rss_growth(fn) -> tuple[int, object]:
     before = status("VmRSS:")
     result = fn()
     return status("VmHWM:") - before, result
+
+
+class FreshTensors(TorchDispatchMode):
+    """Counts the tensors of `numel` elements the ops make while active -- fresh storage, not a
+    view of an op's input: each is a pass over that many elements and, on a CPU, its page
+    faults. How the tests of SmallAttention's and the norm's passes count them."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.numel() == self.numel and \
+                    t.untyped_storage().data_ptr() not in inputs:
+                self.count += 1
+        return out
 
 
 def rl_trainer(cfg, resume_dir: str = ""):

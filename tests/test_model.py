@@ -594,24 +594,8 @@ def test_small_attention_makes_few_tensors_the_size_of_its_scores(dtype):
     model hands them over (strided views of its projections), at shapes whose keys the CPU's
     matmul takes as they are (B = 1, one KV head, one query) and in every dtype mix: given
     another layout of the same keys, it sums in another order."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from attention import SmallAttention, _probs
-
-    class Made(TorchDispatchMode):
-        def __init__(self, numel):
-            super().__init__()
-            self.numel, self.count = numel, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = {a.untyped_storage().data_ptr() for a in args
-                      if isinstance(a, torch.Tensor)}
-            for t in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(t, torch.Tensor) and t.numel() == self.numel and \
-                        t.untyped_storage().data_ptr() not in inputs:
-                    self.count += 1
-            return out
+    from conftest import FreshTensors
 
     def views(B, H, KV, n, m, D, q_dtype, kv_dtype):  # (B, heads, length, D), as the model's
         return [torch.randn(B, length, h, D).to(t).transpose(1, 2).requires_grad_()
@@ -634,7 +618,7 @@ def test_small_attention_makes_few_tensors_the_size_of_its_scores(dtype):
     q, k, v = views(B, H, KV, n, m, D, dtype, dtype)
     mask = torch.rand(B, 1, n, m) < 0.6
     mask[..., 0] = True
-    forward, backward = Made(B * H * n * m), Made(B * H * n * m)
+    forward, backward = FreshTensors(B * H * n * m), FreshTensors(B * H * n * m)
     with forward:
         out = SmallAttention.apply(q, k, v, mask, 0.3)
     with backward:

@@ -186,20 +186,7 @@ def test_the_norms_mean_square_has_autograds_gradient_in_one_product():
     differently: the model-level tests above do not see it, this one does. Widths: SmolLM2's
     norms (576), a head's (64, Qwen3's q_norm), 2048, a prime; magnitudes over ten orders; fp32
     and bf16-upcast inputs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Made(TorchDispatchMode):  # tensors of x's size an op makes
-        def __init__(self, numel):
-            super().__init__()
-            self.numel, self.count = numel, 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = {a.untyped_storage().data_ptr() for a in args
-                      if isinstance(a, torch.Tensor)}
-            self.count += isinstance(out, torch.Tensor) and out.numel() == self.numel and \
-                out.untyped_storage().data_ptr() not in inputs  # (not a view)
-            return out
+    from conftest import FreshTensors
 
     for seed in range(6):
         for width in (576, 64, 2048, 7):
@@ -211,7 +198,7 @@ def test_the_norms_mean_square_has_autograds_gradient_in_one_product():
             theirs.pow(2).mean(-1, keepdim=True).backward(grad)
             out = MeanSquare.apply(mine)
             assert torch.equal(out, theirs.pow(2).mean(-1, keepdim=True))
-            made = Made(x.numel())
+            made = FreshTensors(x.numel())
             with made:
                 out.backward(grad)
             assert torch.equal(mine.grad, theirs.grad), (seed, width)
