@@ -627,6 +627,34 @@ def test_small_attention_makes_few_tensors_the_size_of_its_scores(dtype):
     assert (forward.count, backward.count) == ((3, 7) if bf16 else (2, 4))
 
 
+def test_small_attention_takes_a_double_backward():
+    """Its backward runs ds in place only where no graph is recorded: with create_graph (a
+    gradient penalty, a Hessian-vector product) dp * p keeps dp for the second backward, and an
+    in-place ds raised there. Second-order gradients against autograd through plain attention."""
+    from attention import SmallAttention
+
+    torch.manual_seed(0)
+    B, H, KV, n, m, D = 2, 4, 2, 3, 5, 8
+    base = [torch.randn(B, length, h, D, dtype=torch.float64).transpose(1, 2)
+            for h, length in ((H, n), (KV, m), (KV, m))]
+    mask = torch.ones(n, m, dtype=torch.bool).tril(m - n).expand(B, 1, n, m)
+    d_out = torch.randn(B, H, n, D, dtype=torch.float64)
+
+    def plain(q, k, v):
+        k, v = k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1)
+        s = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~mask, torch.finfo(torch.float32).min)
+        return torch.softmax(s, -1) @ v
+
+    def second_order(attend):
+        q, k, v = [t.float().requires_grad_() for t in base]
+        grads = torch.autograd.grad(attend(q, k, v), (q, k, v), d_out.float(), create_graph=True)
+        return torch.autograd.grad(sum(g.square().sum() for g in grads), (q, k, v))
+
+    mine = second_order(lambda q, k, v: SmallAttention.apply(q, k, v, mask, 0.3))
+    for got, want in zip(mine, second_order(plain)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_rows_on_cuda_run_sdpas_causal_kernels_without_a_mask(dtype, monkeypatch):
     """Rows too long for SmallAttention go to SDPA. On CUDA FlashAttention takes grouped KV heads
