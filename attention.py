@@ -219,8 +219,9 @@ def _probs(q, k, mask, scaling):
     costs a pass and its page faults on a CPU -- and the mask is added, 0 or fp32's lowest, as
     masked_fill with a broadcast mask ran ~14x slower than the add. lowest + s is lowest for
     |s| < 2^103, so the probabilities are masked_fill's bit for bit in any row with a key to see
-    (every layout here has one): a NaN or infinite score where the mask hides it is no longer
-    hidden, and a row with no key to see would come out NaN, not uniform. The product takes q
+    (every layout here has one): a NaN or +inf score where the mask hides it is no longer hidden,
+    and a row with no key to see comes out uniform as before unless a score in it is below about
+    -2^103 (lowest + s overflows to -inf: NaN). The product takes q
     and k laid out as the plain formula gave them: the CPU's fp32 matmul sums in another order
     for another layout of the same numbers."""
     B, KV, gn, _ = q.shape
