@@ -214,16 +214,15 @@ def sdpa_takes_gqa(query, masked: bool) -> bool:
 def _probs(q, k, mask, scaling):
     """softmax(q k^T scaling) where `mask` allows, in fp32 throughout as SDPA's kernel accumulates
     (scores rounded to bf16 would be off by ~0.4 % of their size). Each KV head's keys are read
-    once for its g query heads: q (B, KV, g n, D), k (B, KV, m, D), mask (B, 1, n, m) bool ->
-    (B, KV, g n, m). The scaling and the mask go in place -- a fresh tensor the scores' size
-    costs a pass and its page faults on a CPU -- and the mask is added, 0 or fp32's lowest, as
-    masked_fill with a broadcast mask ran ~14x slower than the add. lowest + s is lowest for
-    |s| < 2^103, so the probabilities are masked_fill's bit for bit in any row with a key to see
-    (every layout here has one): a NaN or +inf score where the mask hides it is no longer hidden,
-    and a row with no key to see comes out uniform as before unless a score in it is below about
-    -2^103 (lowest + s overflows to -inf: NaN). The product takes q
-    and k laid out as the plain formula gave them: the CPU's fp32 matmul sums in another order
-    for another layout of the same numbers."""
+    once for its g query heads: q (B, KV, g n, D), k (B, KV, m, D), mask (B, 1, n, m) bool -> (B,
+    KV, g n, m). The scaling and the mask go in place -- a fresh tensor the scores' size costs a
+    pass and its page faults on a CPU -- and the mask is added, 0 or fp32's lowest, as masked_fill
+    with a broadcast mask ran ~14x slower than the add. lowest + s is lowest for |s| < 2^103, so
+    the probabilities are masked_fill's bit for bit in any row with a key to see (every layout here
+    has one): a NaN or +inf score where the mask hides it is no longer hidden, and a row with no
+    key to see comes out uniform as before unless a score in it is below about -2^103 (lowest + s
+    overflows to -inf: NaN). The product takes q and k laid out as the plain formula gave them: the
+    CPU's fp32 matmul sums in another order for another layout of the same numbers."""
     B, KV, gn, _ = q.shape
     n, m = mask.shape[-2], k.shape[2]
     scores = (q.float() @ k.float().transpose(-1, -2)).mul_(scaling)

@@ -174,8 +174,9 @@ class MeanSquare(torch.autograd.Function):
 
 def rms_norm_forward(self, hidden):
     """Llama's RMSNorm, in fp32, the result in the input's dtype; x * rsqrt and the result remade."""
-    dtype, x = hidden.dtype, hidden.to(torch.float32)  # (a recipe must not hold `hidden`: in
-    # bf16 no op does.) MeanSquare where a backward will run: decoding skips apply()'s ~5 us.
+    # (a recipe must not hold `hidden`: in bf16 no op does)
+    dtype, x = hidden.dtype, hidden.to(torch.float32)
+    # MeanSquare only where a backward will run: decoding skips apply()'s ~5 us a call
     squares = MeanSquare.apply(x) if x.requires_grad else x.pow(2).mean(-1, keepdim=True)
     rstd = torch.rsqrt(squares + self.variance_epsilon)
     normed = lambda x, rstd: (x * rstd).to(dtype)  # noqa: E731
