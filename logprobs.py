@@ -137,8 +137,9 @@ class LinearHeadLogprobs(torch.autograd.Function):
     memory at its peak is the same (the recomputed logits were the same tensor's size), and the
     head's (n, H) x (H, V) product is not run a second time (~3 % of a GRPO update on a CPU at
     SmolLM2's 49,152 entries: a fifth of the model's FLOPs a token are the head's). Such a graph
-    takes one backward (a second, after retain_graph, raises torch's error about a tensor modified in place), and a
-    forward with grad that no backward follows holds the logits as long as its outputs live."""
+    takes one backward (a second, after retain_graph, raises torch's error about a tensor
+    modified in place), and a forward with grad that no backward follows holds the logits as
+    long as its outputs live."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, scale, cap, temperature, keep_logits=False):
