@@ -5,8 +5,9 @@ Llama-style decoder layer half of those bytes are results a few cheap ops away f
 backward keeps anyway:
 
     MLP        down(act(gate) * up)            act(gate) and the product: from gate and up
-    RMSNorm    y = w * (x * rsqrt(mean(x^2)))  x * rsqrt and y (every linear after it keeps y):
-                                               from x and its rsqrt
+    RMSNorm    y = w * (x * rsqrt(mean(x^2)))  x * rsqrt: from x and its rsqrt; and in fp32 y
+                                               (every linear after it keeps y) -- in bf16 x,
+                                               from the bf16 input (rms_norm_forward)
     attention  each completion's keys and      gathered from the layer's keys and values (a
                values (attention.py)           shared prompt's once for each completion)
 
@@ -173,15 +174,24 @@ class MeanSquare(torch.autograd.Function):
 
 
 def rms_norm_forward(self, hidden):
-    """Llama's RMSNorm, in fp32, the result in the input's dtype; x * rsqrt and the result remade."""
-    # (a recipe must not hold `hidden`: in bf16 no op does)
-    dtype, x = hidden.dtype, hidden.to(torch.float32)
+    """Llama's RMSNorm, in fp32, the result in the input's dtype. Kept for the backward, four bytes
+    an element either way: an fp32 input (x itself), its result and x * rsqrt remade from it; a
+    bf16 input as it came, and the result, with x in fp32 and x * rsqrt remade from the input. A
+    remade result is made again for each op that saved it -- q, k and v's projections each ask
+    for the attention's norm, the gate and up projections for the MLP's --, its fp32 x * rsqrt
+    with it: kept, in the bytes of the fp32 x it replaces, the update ran ~6 % faster (the
+    default run's batch in bf16 on a Zen 4; the same gradients, bit for bit)."""
+    dtype = hidden.dtype
+    narrow = dtype != torch.float32
+    up = lambda h: h.to(torch.float32)  # noqa: E731
+    x = remake(up(hidden), up, hidden) if narrow else hidden
     # MeanSquare only where a backward will run: decoding skips apply()'s ~5 us a call
     squares = MeanSquare.apply(x) if x.requires_grad else x.pow(2).mean(-1, keepdim=True)
     rstd = torch.rsqrt(squares + self.variance_epsilon)
-    normed = lambda x, rstd: (x * rstd).to(dtype)  # noqa: E731
-    return remake(self.weight * remake(normed(x, rstd), normed, x, rstd),
-                  lambda w, x, rstd: w * normed(x, rstd), self.weight, x, rstd)
+    normed = lambda h, rstd: (up(h) * rstd).to(dtype)  # noqa: E731 (h: the input, or x)
+    y = self.weight * remake(normed(x, rstd), normed, hidden, rstd)
+    return y if narrow else remake(y, lambda w, h, rstd: w * normed(h, rstd), self.weight,
+                                   hidden, rstd)
 
 
 def _forward_for(module) -> Callable | None:
