@@ -212,8 +212,8 @@ def test_the_norms_mean_square_has_autograds_gradient_in_one_product():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_bf16_norms_result_is_made_once_not_again_for_each_projection(llama, dtype):
     """The attention's norm feeds q, k and v's projections, which each keep its result. Remade, it
-    was made again for each of the three in the backward (its fp32 x * rsqrt too), ~6 % of the
-    default run's bf16 update on a Zen 4; in bf16 it is kept instead, in the bytes of the fp32 x
+    was made again for each of the three in the backward (its fp32 x * rsqrt too), ~1.5 % of
+    the default run's bf16 update on a Zen 4; in bf16 it is kept instead, in the bytes of the fp32 x
     it no longer keeps (the test above counts them), and the norm's weight multiplies twice in
     all: the forward's product and its gradient's. In fp32 keeping it would add its bytes: there
     it is remade, three times more."""
