@@ -17,8 +17,10 @@ backward asks: the gradients are bit-identical, and the extra work is element-wi
 gathers, no matmul. The scope is a decoder layer's forward: inside it, saved-tensor hooks store
 a tensor given to remake() as its recipe -- while it is what the recipe makes: one changed in
 place after it was registered (a forward hook that scales a norm's output, Mixtral's router
-jitter `hidden_states *= noise`), or whose recipe's inputs were, is kept as it is; an input
-changed after an op saved the recipe is an error in the backward, as autograd's own check is.
+jitter `hidden_states *= noise`), or whose recipe's inputs were, is kept as it is -- so is one
+whose inputs change after an op saved the recipe, while the scope lasts (a hook that scales a
+bf16 norm's input after the norm); an input changed after the scope is an error in the backward,
+as autograd's own check is.
 SmolLM2-135M, the default update's 32 sequences: 1.05 -> 0.52 GB held for the backward, forward +
 backward 6.0 -> 5.8 s (`python benchmarks/activations.py`; tests/test_recompute.py counts the
 bytes that go, and checks the gradients equal, fp32 and bf16).
@@ -49,6 +51,7 @@ class Registered(NamedTuple):
     make: Callable[..., torch.Tensor]  # make(*inputs) makes it again
     inputs: tuple  # every tensor make reads ...
     versions: tuple  # ... and their versions
+    held: list  # the tensor itself, where its inputs changed in place before the scope ended
 
     def changed(self) -> bool:
         return self.tensor._version != self.version or _changed(self.inputs, self.versions)
@@ -61,6 +64,7 @@ class Recipe(NamedTuple):
     size: tuple  # the saved tensor: the registered one or a view of it (a linear keeps its
     stride: tuple  # input flattened to 2-D, attention its keys transposed)
     offset: int
+    held: list  # Registered.held: [Kept] where the recipe can no longer make it
 
 
 class Kept(NamedTuple):
@@ -93,6 +97,12 @@ class Remade:
     def __exit__(self, *exc):
         self.hooks.__exit__(*exc)
         _scopes().pop()
+        for r in self.recipes.values():
+            # What a recipe reads, changed in place after an op saved the recipe but inside the
+            # scope (a hook scaling a bf16 norm's input, which the norm's recipe for its fp32 x
+            # reads): the recipe would make another tensor, so the tensor itself is kept.
+            if _changed(r.inputs, r.versions) and r.tensor._version == r.version:
+                r.held.append(Kept(r.tensor.detach(), r.version))
         self.recipes.clear()
 
     def _pack(self, t: torch.Tensor):
@@ -105,7 +115,7 @@ class Remade:
             # still an error.
             return Kept(t.detach(), t._version)
         return Recipe(registered.make, registered.inputs, registered.versions, t.shape,
-                      t.stride(), t.storage_offset())
+                      t.stride(), t.storage_offset(), registered.held)
 
 
 def _changed(tensors: tuple, versions: tuple) -> bool:
@@ -114,6 +124,8 @@ def _changed(tensors: tuple, versions: tuple) -> bool:
 
 def _unpack(saved):
     if isinstance(saved, Recipe):
+        if saved.held:  # (see Remade.__exit__)
+            return _unpack(saved.held[0]).as_strided(saved.size, saved.stride, saved.offset)
         if _changed(saved.inputs, saved.versions):  # (it would make something else)
             raise RuntimeError("a tensor the backward makes again was modified in place after "
                                "the forward saved it: what it is made from has changed")
@@ -132,7 +144,7 @@ def remake(tensor: torch.Tensor, make: Callable[..., torch.Tensor], *inputs) -> 
     error, never a silently different tensor)."""
     if _scopes() and torch.is_grad_enabled() and tensor.numel():  # (every empty one is at 0)
         _scopes()[-1].recipes[tensor.untyped_storage().data_ptr()] = Registered(
-            tensor, tensor._version, make, inputs, tuple(x._version for x in inputs))
+            tensor, tensor._version, make, inputs, tuple(x._version for x in inputs), [])
     return tensor
 
 
@@ -176,14 +188,15 @@ class MeanSquare(torch.autograd.Function):
 def rms_norm_forward(self, hidden):
     """Llama's RMSNorm, in fp32, the result in the input's dtype. Kept for the backward, four bytes
     an element either way: an fp32 input (x itself), its result and x * rsqrt remade from it; a
-    bf16 input as it came, and the result, with x in fp32 and x * rsqrt remade from the input. A
+    bf16 input as it came, and the result, with x in fp32 and x * rsqrt remade from the input
+    (_keeps_input says where). A
     remade result is made again for each op that saved it -- q, k and v's projections each ask
     for the attention's norm, the gate and up projections for the MLP's --, its fp32 x * rsqrt
     with it: kept, in the bytes of the fp32 x it replaces, the update ran ~1.5 % faster (0.05-0.07
     s of ~4.2 at the default run's shapes in bf16 on a Zen 4, faster in 27 of 40 paired rounds;
     the same gradients, bit for bit)."""
     dtype = hidden.dtype
-    narrow = dtype.itemsize < 4  # (bf16, fp16: the input takes fewer bytes than x)
+    narrow = _keeps_input(self.weight, hidden)
     up = lambda h: h.to(torch.float32)  # noqa: E731
     x = remake(up(hidden), up, hidden) if narrow else up(hidden)
     # MeanSquare only where a backward will run: decoding skips apply()'s ~5 us a call
@@ -193,6 +206,15 @@ def rms_norm_forward(self, hidden):
     y = self.weight * remake(normed(x, rstd), normed, hidden if narrow else x, rstd)
     return y if narrow else remake(y, lambda w, h, rstd: w * normed(h, rstd), self.weight, x,
                                    rstd)
+
+
+def _keeps_input(weight, hidden) -> bool:
+    """Whether the norm keeps its input and its result rather than its fp32 x: where both take
+    fewer bytes than fp32 (bf16, fp16; not an fp32 weight's result under autocast) and the input
+    is the whole of its storage (a slice of a wider tensor would keep all of it)."""
+    size = hidden.element_size()
+    return (size < 4 and torch.promote_types(weight.dtype, hidden.dtype).itemsize < 4
+            and hidden.numel() * size == hidden.untyped_storage().nbytes())
 
 
 def _forward_for(module) -> Callable | None:

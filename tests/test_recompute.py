@@ -30,7 +30,7 @@ def forward_backward(model, ids):
     return held, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_backward_keeps_less_and_computes_the_same_gradients(llama, dtype):
     ids = torch.randint(0, 300, (3, 50))
     plain = copy.deepcopy(llama).to(dtype)
@@ -39,11 +39,11 @@ def test_the_backward_keeps_less_and_computes_the_same_gradients(llama, dtype):
     held, grads = forward_backward(plain, ids)
     held_less, grads_less = forward_backward(ours, ids)
     # Gone: each layer's act(gate) and product (intermediate-wide); its two norms' normalised x
-    # and output (which the linears after them keep) -- in bf16 the norm keeps its output and its
-    # bf16 input in place of its fp32 x, the same bytes --; the last norm's normalised x, and in
-    # bf16 half its x's bytes (its input kept instead; its output no linear keeps here).
+    # and output (which the linears after them keep) -- in bf16 or fp16 the norm keeps its output
+    # and its input in place of its fp32 x, the same bytes --; the last norm's normalised x, and
+    # there half its x's bytes (its input kept instead; its output no linear keeps here).
     tokens, size = ids.numel(), dtype.itemsize
-    last = HIDDEN * (2 if dtype == torch.bfloat16 else 1)
+    last = HIDDEN * (2 if size < 4 else 1)
     assert held - held_less == tokens * size * (LAYERS * (2 * INTERMEDIATE + 4 * HIDDEN) + last)
     assert grads.keys() == grads_less.keys()
     for name in grads:
@@ -209,7 +209,7 @@ def test_the_norms_mean_square_has_autograds_gradient_in_one_product():
             assert made.count == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_bf16_norms_result_is_made_once_not_again_for_each_projection(llama, dtype):
     """The attention's norm feeds q, k and v's projections, which each keep its result. Remade, it
     was made again for each of the three in the backward (its fp32 x * rsqrt too), ~1.5 % of
@@ -241,7 +241,7 @@ def test_a_bf16_norms_result_is_made_once_not_again_for_each_projection(llama, d
                     position_ids=position)
         out = out[0] if isinstance(out, tuple) else out
         out.float().square().sum().backward()
-    assert WeightProducts.count == (2 if dtype == torch.bfloat16 else 5), WeightProducts.count
+    assert WeightProducts.count == (2 if dtype.itemsize < 4 else 5), WeightProducts.count
 
 
 def test_an_in_place_change_to_a_kept_tensor_is_still_an_error():
@@ -309,9 +309,10 @@ def test_a_registered_tensor_changed_in_place_is_kept_not_remade(llama, dtype, w
 
 
 def test_a_recipes_input_changed_in_place_is_kept_or_an_error():
-    """What a recipe reads, changed in place: before an op saves the registered tensor, the tensor
-    is kept as it is (the recipe would make another); after, the backward stops, as autograd does
-    for a tensor it keeps -- not a silent, wrong gradient. (x needs no gradient, as a frozen
+    """What a recipe reads, changed in place: before an op saves the registered tensor, or after
+    but while the scope lasts, the tensor is kept as it is (the recipe would make another); after
+    the scope, the backward stops, as autograd does for a tensor it keeps -- not a silent, wrong
+    gradient. (x needs no gradient, as a frozen
     model's inputs: no op of autograd's own keeps it, so nothing else would notice.)"""
     w = torch.randn(4, requires_grad=True)
     x = torch.randn(4)
@@ -322,12 +323,62 @@ def test_a_recipes_input_changed_in_place_is_kept_or_an_error():
         (h * w).sum().backward()
     assert torch.equal(w.grad, expected)
     x = torch.randn(4)
+    expected, w.grad = 2 * x, None
     with Remade():
         h = remake(x * 2, lambda x: x * 2, x)
         out = (h * w).sum()  # saves h: as its recipe
-    x.add_(1)
+        x.add_(1)  # after, but inside the scope: h itself is kept when it ends
+    out.backward()
+    assert torch.equal(w.grad, expected)
+    x = torch.randn(4)
+    with Remade():
+        h = remake(x * 2, lambda x: x * 2, x)
+        out = (h * w).sum()
+    x.add_(1)  # after the scope
     with pytest.raises(RuntimeError, match="modified in place"):
         out.backward()
+
+
+def test_a_norm_keeps_its_input_only_where_that_holds_no_more_than_its_fp32_x():
+    """A bf16 or fp16 norm keeps its input and its result in the bytes of the fp32 x it no longer
+    keeps -- not under autocast with an fp32 weight (its result is fp32: 6 bytes an element), nor
+    for an input that is a slice of a wider tensor (keeping it would keep the whole; DeepSeek-V3's
+    kv_a_layernorm reads a split). Found by review."""
+    from recompute import _keeps_input
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    wide = torch.randn(6, 4 * HIDDEN, dtype=bf16)
+    assert _keeps_input(torch.ones(HIDDEN, dtype=bf16), torch.randn(6, HIDDEN, dtype=bf16))
+    assert _keeps_input(torch.ones(HIDDEN, dtype=fp16), torch.randn(6, HIDDEN, dtype=fp16))
+    assert _keeps_input(torch.ones(HIDDEN, dtype=bf16), wide.view(6, 4, HIDDEN))  # (all of it)
+    assert not _keeps_input(torch.ones(HIDDEN, dtype=fp32), torch.randn(6, HIDDEN, dtype=bf16))
+    assert not _keeps_input(torch.ones(HIDDEN, dtype=fp32), torch.randn(6, HIDDEN))
+    assert not _keeps_input(torch.ones(HIDDEN, dtype=bf16), wide[:, -HIDDEN:])
+
+
+def _scales_its_input(module, args, output):
+    args[0].mul_(1.5)  # (after the norm's forward: the residual stream goes on scaled)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norms_input_scaled_in_place_after_it_trains_as_without_recompute(llama, dtype):
+    """A bf16 norm's fp32 x is made again from its input: a hook scaling that input in place after
+    the norm ran changed what the recipe reads. In bf16 no op of the plain model keeps the input,
+    which trains on; so does ours, the same gradients bit for bit (the layer's scope keeps x
+    itself when it ends). In fp32 x is the input, which the plain model keeps: both stop."""
+    plain = copy.deepcopy(llama).to(dtype)
+    ours = copy.deepcopy(plain)
+    keep_less(ours)
+    for model in (plain, ours):
+        model.model.layers[1].input_layernorm.register_forward_hook(_scales_its_input)
+    ids = torch.randint(0, 300, (2, 30))
+    if dtype == torch.float32:
+        for model in (plain, ours):
+            with pytest.raises(RuntimeError, match="modified by an inplace|modified in place"):
+                forward_backward(model, ids)
+        return
+    (_, grads), (_, grads_less) = forward_backward(plain, ids), forward_backward(ours, ids)
+    for name in grads:
+        assert torch.equal(grads[name], grads_less[name]), name
 
 
 def test_mixtrals_router_jitter_gives_the_gradients_of_the_model_without_recompute():
