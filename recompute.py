@@ -19,8 +19,10 @@ a tensor given to remake() as its recipe -- while it is what the recipe makes: o
 place after it was registered (a forward hook that scales a norm's output, Mixtral's router
 jitter `hidden_states *= noise`), or whose recipe's inputs were, is kept as it is -- so is one
 whose inputs change after an op saved the recipe, while the scope lasts (a hook that scales a
-bf16 norm's input after the norm); an input changed after the scope is an error in the backward,
-as autograd's own check is.
+bf16 norm's input after the norm); an input changed after the scope is an error in the backward
+(a bf16 norm whose scope a hook outlives -- on the layer, on the last norm -- keeps its fp32 x
+instead, as no recipe then reads its input). What is left: a caller changing a bf16 model's
+embeddings in place after its forward stops the backward, where plain autograd trains.
 SmolLM2-135M, the default update's 32 sequences: 1.05 -> 0.52 GB held for the backward, forward +
 backward 6.0 -> 5.8 s (`python benchmarks/activations.py`; tests/test_recompute.py counts the
 bytes that go, and checks the gradients equal, fp32 and bf16).
@@ -83,10 +85,13 @@ def _scopes() -> list["Remade"]:
 class Remade:
     """A scope whose saved tensors, where remake() was told how to make them, are stored as that."""
 
-    def __init__(self):
+    def __init__(self, hooked: bool = False):
         # storage address -> the tensor and its recipe. The tensor is held until the scope ends,
         # so that no other tensor can take its address meanwhile and be mistaken for it.
         self.recipes: dict[int, Registered] = {}
+        # Whether hooks run on the scoped module's call after the scope ends: one may change its
+        # input in place where no recipe's change is seen any more (rms_norm_forward asks).
+        self.hooked = hooked
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def __enter__(self):
@@ -196,7 +201,9 @@ def rms_norm_forward(self, hidden):
     s of ~4.2 at the default run's shapes in bf16 on a Zen 4, faster in 27 of 40 paired rounds;
     the same gradients, bit for bit)."""
     dtype = hidden.dtype
-    narrow = _keeps_input(self.weight, hidden)
+    # (a hook on the layer, or on a norm with a scope of its own, runs after the scope: it could
+    # change the input the recipe of x reads, unseen; there the norm keeps x, as before)
+    narrow = _keeps_input(self.weight, hidden) and not (_scopes() and _scopes()[-1].hooked)
     up = lambda h: h.to(torch.float32)  # noqa: E731
     x = remake(up(hidden), up, hidden) if narrow else up(hidden)
     # MeanSquare only where a backward will run: decoding skips apply()'s ~5 us a call
@@ -259,7 +266,7 @@ def _computes_the_same(module, forward, autocast: bool) -> bool:
 def _scoped_forward(self, *args, **kwargs):
     if not torch.is_grad_enabled():  # (decoding, evaluation: nothing is saved, no scope needed)
         return self.unscoped_forward(*args, **kwargs)
-    with Remade():
+    with Remade(hooked=_hooked(self)):
         return self.unscoped_forward(*args, **kwargs)
 
 

@@ -359,17 +359,22 @@ def _scales_its_input(module, args, output):
     args[0].mul_(1.5)  # (after the norm's forward: the residual stream goes on scaled)
 
 
+@pytest.mark.parametrize("where", ["input_layernorm", "last norm", "layer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_norms_input_scaled_in_place_after_it_trains_as_without_recompute(llama, dtype):
+def test_a_norms_input_scaled_in_place_after_it_trains_as_without_recompute(llama, dtype, where):
     """A bf16 norm's fp32 x is made again from its input: a hook scaling that input in place after
     the norm ran changed what the recipe reads. In bf16 no op of the plain model keeps the input,
     which trains on; so does ours, the same gradients bit for bit (the layer's scope keeps x
-    itself when it ends). In fp32 x is the input, which the plain model keeps: both stop."""
+    itself when it ends). A hook on a module that has a scope of its own -- a decoder layer, the
+    last norm -- runs after that scope ends: there the norm keeps x, as before (found by review).
+    In fp32 x is the input, which the plain model keeps: both stop."""
     plain = copy.deepcopy(llama).to(dtype)
     ours = copy.deepcopy(plain)
     keep_less(ours)
     for model in (plain, ours):
-        model.model.layers[1].input_layernorm.register_forward_hook(_scales_its_input)
+        module = {"input_layernorm": model.model.layers[1].input_layernorm,
+                  "last norm": model.model.norm, "layer": model.model.layers[1]}[where]
+        module.register_forward_hook(_scales_its_input)
     ids = torch.randint(0, 300, (2, 30))
     if dtype == torch.float32:
         for model in (plain, ours):
