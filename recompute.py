@@ -194,12 +194,11 @@ def rms_norm_forward(self, hidden):
     """Llama's RMSNorm, in fp32, the result in the input's dtype. Kept for the backward, four bytes
     an element either way: an fp32 input (x itself), its result and x * rsqrt remade from it; a
     bf16 input as it came, and the result, with x in fp32 and x * rsqrt remade from the input
-    (_keeps_input says where). A
-    remade result is made again for each op that saved it -- q, k and v's projections each ask
-    for the attention's norm, the gate and up projections for the MLP's --, its fp32 x * rsqrt
-    with it: kept, in the bytes of the fp32 x it replaces, the update ran ~1.5 % faster (0.05-0.07
-    s of ~4.2 at the default run's shapes in bf16 on a Zen 4, faster in 27 of 40 paired rounds;
-    the same gradients, bit for bit)."""
+    (_keeps_input says where). A remade result is made again for each op that saved it -- q, k
+    and v's projections each ask for the attention's norm, the gate and up projections for the
+    MLP's --, its fp32 x * rsqrt with it: kept, in the bytes of the fp32 x it replaces, the
+    update ran ~1.5 % faster (0.05-0.07 s of ~4.2 at the default run's shapes in bf16 on a Zen 4,
+    faster in 27 of 40 paired rounds; the same gradients, bit for bit)."""
     dtype = hidden.dtype
     # (a hook on the layer, or on a norm with a scope of its own, runs after the scope: it could
     # change the input the recipe of x reads, unseen; there the norm keeps x, as before)
