@@ -212,11 +212,11 @@ def test_the_norms_mean_square_has_autograds_gradient_in_one_product():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_bf16_norms_result_is_made_once_not_again_for_each_projection(llama, dtype):
     """The attention's norm feeds q, k and v's projections, which each keep its result. Remade, it
-    was made again for each of the three in the backward (its fp32 x * rsqrt too), ~1.5 % of
-    the default run's bf16 update on a Zen 4; in bf16 it is kept instead, in the bytes of the fp32 x
-    it no longer keeps (the test above counts them), and the norm's weight multiplies twice in
-    all: the forward's product and its gradient's. In fp32 keeping it would add its bytes: there
-    it is remade, three times more."""
+    was made again for each of the three in the backward (its fp32 x * rsqrt too), ~1.5 % of the
+    default run's bf16 update on a Zen 4; in bf16 (and fp16) it is kept instead, in the bytes of
+    the fp32 x it no longer keeps (the test above counts them), and the norm's weight multiplies
+    twice in all: the forward's product and its gradient's. In fp32 keeping it would add its
+    bytes: there it is remade, three times more."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     model = copy.deepcopy(llama).to(dtype)
@@ -312,8 +312,8 @@ def test_a_recipes_input_changed_in_place_is_kept_or_an_error():
     """What a recipe reads, changed in place: before an op saves the registered tensor, or after
     but while the scope lasts, the tensor is kept as it is (the recipe would make another); after
     the scope, the backward stops, as autograd does for a tensor it keeps -- not a silent, wrong
-    gradient. (x needs no gradient, as a frozen
-    model's inputs: no op of autograd's own keeps it, so nothing else would notice.)"""
+    gradient. (x needs no gradient, as a frozen model's inputs: no op of autograd's own keeps it,
+    so nothing else would notice.)"""
     w = torch.randn(4, requires_grad=True)
     x = torch.randn(4)
     expected = 2 * x
