@@ -15,17 +15,18 @@ backward keeps anyway:
 stored as *how to make them*, a Recipe, and made again by the same ops on the same inputs when the
 backward asks: the gradients are bit-identical, and the extra work is element-wise ops and
 gathers, no matmul. The scope is a decoder layer's forward: inside it, saved-tensor hooks store
-a tensor given to remake() as its recipe -- while it is what the recipe makes: one changed in
-place after it was registered (a forward hook that scales a norm's output, Mixtral's router
-jitter `hidden_states *= noise`), or whose recipe's inputs were, is kept as it is -- so is one
-whose inputs change after an op saved the recipe, while the scope lasts (a hook that scales a
-bf16 norm's input after the norm); an input changed after the scope is an error in the backward
-(a bf16 norm whose scope a hook outlives -- on the layer, on the last norm -- keeps its fp32 x
-instead, as no recipe then reads its input). What is left: a caller changing a bf16 model's
-embeddings in place after its forward stops the backward, where plain autograd trains.
+a tensor given to remake() as its recipe -- while it is what the recipe makes. A tensor changed
+in place after it was registered (a forward hook that scales a norm's output, Mixtral's router
+jitter `hidden_states *= noise`), or whose recipe's inputs were, is kept as it is. So is one
+whose inputs change after an op saved its recipe while the scope lasts (a hook that scales a
+bf16 norm's input after the norm): the scope keeps it when it ends. An input changed after the
+scope is an error in the backward, as autograd's own check is; so a bf16 norm whose scope a
+hook outlives (on the layer, on the last norm) keeps its fp32 x, and no recipe reads its input.
+What is left: a caller changing a bf16 model's embeddings in place after its forward stops the
+backward, where plain autograd trains.
 SmolLM2-135M, the default update's 32 sequences: 1.05 -> 0.52 GB held for the backward, forward +
 backward 6.0 -> 5.8 s (`python benchmarks/activations.py`; tests/test_recompute.py counts the
-bytes that go, and checks the gradients equal, fp32 and bf16).
+bytes that go, and checks the gradients equal, fp32, bf16 and fp16).
 Liger-Kernel's fused SwiGLU and RMSNorm keep the same tensors.
 
 keep_less() gives the MLP and RMSNorm forwards below to the modules whose own forward they
