@@ -3,17 +3,80 @@ operator and shape, with the matmuls' own FLOP rate against this CPU's.
 
     python benchmarks/update_profile.py            # arith's batch: 8 groups of 8, 55 + 5-24 tokens
     python benchmarks/update_profile.py --bench    # grpo_step.py --train-all's: 8 x 4, 40 + 64
+    python benchmarks/update_profile.py --by-op    # each operator timed alone, no profiler
 
 The profiler costs time of its own at every operator (the profiled step takes ~2x the plain one,
-printed beside it): read the shares, not the milliseconds. The offline default model, in the
-dtype `auto` picks here, a random batch, every sequence trained (beta 0).
+printed beside it): read the shares, not the milliseconds. `--by-op` times each operator's own
+seconds instead (a dispatch mode around the update: on a CPU an operator has finished when it
+returns), so small operators are not inflated: their sum against the plain update says how much
+of it is the operators themselves, the matmuls' rate is theirs, and the optimizer step (clipping,
+AdamW, the bf16 copy's refresh: a cost per step, whatever its tokens) is timed apart. The offline
+default model, in the dtype `auto` picks here, a random batch, every sequence trained (beta 0).
 """
 
 import argparse
+import math
 import sys
 import time
+from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
+
+MATMULS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}  # (a, b) operands
+
+
+def by_op(trainer, batch, plain: float, rate: float, described: str):
+    """One update with each operator's own seconds recorded (OpTimes), printed by share."""
+    import grpo
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpTimes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seconds, self.calls = defaultdict(float), defaultdict(int)  # (name, shape) ->
+            self.mm_seconds = self.mm_flops = 0.0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t0 = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            seconds = time.perf_counter() - t0
+            name = func.name()
+            shape = tuple(args[0].shape) if args and hasattr(args[0], "shape") else ()
+            self.seconds[name, shape] += seconds
+            self.calls[name, shape] += 1
+            if func.name() in MATMULS:  # 2 m k n (times the batch, bmm)
+                a, b = (args[i] for i in MATMULS[func.name()])
+                self.mm_seconds += seconds
+                self.mm_flops += 2 * math.prod(a.shape) * b.shape[-1]
+            return out
+
+    step = grpo.optimizer_step
+    optimizer_seconds = []
+
+    def timed_step(*a):
+        t0 = time.perf_counter()
+        out = step(*a)
+        optimizer_seconds.append(time.perf_counter() - t0)
+        return out
+
+    grpo.optimizer_step = timed_step
+    times = OpTimes()
+    with times:
+        grpo.train_on_rollout(trainer, batch)
+    grpo.optimizer_step = step
+    total = sum(times.seconds.values())
+    print(f"machine: {hardware_line()}, {trainer.cfg.dtype}")
+    print(f"batch: {described}; one update {plain:.2f} s; its operators' own time {total:.2f} s "
+          f"({sum(times.calls.values()):,} calls)")
+    print(f"matmuls (mm, addmm, bmm): {times.mm_seconds:.2f} s, {100 * times.mm_seconds / total:.0f}"
+          f" % of the operators' time, {times.mm_flops / 1e9:,.0f} GFLOP at "
+          f"{times.mm_flops / times.mm_seconds / 1e9:,.0f} GFLOP/s; this CPU's matmul at 1600x576 @ "
+          f"576x1536: {rate:,.0f} GFLOP/s")
+    print(f"the optimizer step (clipping, AdamW, the bf16 copy's refresh): "
+          f"{sum(optimizer_seconds):.3f} s, under the timer")
+    print(f"{'ms':>8s} {'calls':>6s}  operator, first input's shape")
+    for (name, shape), seconds in sorted(times.seconds.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"{1e3 * seconds:8.1f} {times.calls[name, shape]:6d}  {name} {list(shape)}")
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -31,6 +94,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bench", action="store_true", help="grpo_step.py --train-all's batch")
     parser.add_argument("--rows", type=int, default=6, help="shapes printed per operator")
+    parser.add_argument("--by-op", action="store_true", help="each operator's own time, no profiler")
     args = parser.parse_args()
     B, P, T, G = (32, 40, 64, 4) if args.bench else (64, 55, 24, 8)
     cfg = replace(parse_config(Config, []), beta=0.0, micro_batch_size=B)
@@ -47,6 +111,10 @@ if __name__ == "__main__":
     t0 = time.perf_counter()
     train_on_rollout(trainer, batch)
     plain = time.perf_counter() - t0
+    described = f"{B // G} groups of {G}, {P} + {'' if args.bench else '5-'}{T} tokens"
+    if args.by_op:
+        by_op(trainer, batch, plain, matmul_gflops(DTYPES[cfg.dtype]), described)
+        raise SystemExit
     with profile(activities=[ProfilerActivity.CPU], with_flops=True, record_shapes=True) as prof:
         train_on_rollout(trainer, batch)
     rate = matmul_gflops(DTYPES[cfg.dtype])
@@ -56,8 +124,7 @@ if __name__ == "__main__":
     mm_time = sum(e.self_cpu_time_total for e in matmuls)
     mm_flops = sum(e.flops for e in matmuls)
     print(f"machine: {hardware_line()}, {cfg.dtype}")
-    print(f"batch: {B // G} groups of {G}, {P} + {'' if args.bench else '5-'}{T} tokens; one "
-          f"update {plain:.2f} s, {total / 1e6:.2f} s profiled")
+    print(f"batch: {described}; one update {plain:.2f} s, {total / 1e6:.2f} s profiled")
     print(f"matmuls (mm, addmm, bmm): {100 * mm_time / total:.0f} % of the profiled time, "
           f"{mm_flops / 1e9:,.0f} GFLOP at {mm_flops / mm_time / 1e3:,.0f} GFLOP/s; this CPU's "
           f"matmul at 1600x576 @ 576x1536: {rate:,.0f} GFLOP/s")
