@@ -1,82 +1,111 @@
-"""Where one GRPO update's time goes: a train_on_rollout under torch.profiler, by operator and by
-operator and shape, with the matmuls' own FLOP rate against this CPU's.
+"""Where one GRPO update's time goes, operator by operator, with the matmuls' FLOP rate.
 
     python benchmarks/update_profile.py            # arith's batch: 8 groups of 8, 55 + 5-24 tokens
     python benchmarks/update_profile.py --bench    # grpo_step.py --train-all's: 8 x 4, 40 + 64
     python benchmarks/update_profile.py --by-op    # each operator timed alone, no profiler
 
-The profiler costs time of its own at every operator (the profiled step takes ~2x the plain one,
-printed beside it): read the shares, not the milliseconds. `--by-op` times each operator's own
-seconds instead (a dispatch mode around the update: on a CPU an operator has finished when it
-returns), so small operators are not inflated: their sum against the plain update says how much
-of it is the operators themselves, the matmuls' rate is theirs, and the optimizer step (clipping,
-AdamW, the bf16 copy's refresh: a cost per step, whatever its tokens) is timed apart. The offline
-default model, in the dtype `auto` picks here, a random batch, every sequence trained (beta 0).
+A train_on_rollout under torch.profiler, by operator and by operator and shape. The profiler
+costs time of its own at every operator (the profiled step takes ~2x the plain one, printed
+beside it): read the shares, not the milliseconds. `--by-op` (a CPU's: an operator there has
+finished when it returns) times each operator's own seconds instead, in a dispatch mode around the
+update, so small operators are not inflated: their sum -- each with the Python call into it, so a
+bound from above -- against the plain update (the median of three) says how much of it is the
+operators themselves; the matmuls' rate is theirs; the optimizer step (clipping, AdamW, the bf16
+copy's refresh: a cost per step, whatever its tokens) is timed apart. The offline default model,
+in the dtype `auto` picks here, a random batch, every sequence trained (beta 0).
 """
 
 import argparse
 import math
+import statistics
 import sys
 import time
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
-MATMULS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1)}  # (a, b) operands
+MATMULS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1),
+           "aten::baddbmm": (1, 2)}  # op (every overload) -> its two multiplied operands
 
 
-def by_op(trainer, batch, plain: float, rate: float, described: str):
-    """One update with each operator's own seconds recorded (OpTimes), printed by share."""
+def by_op(trainer, batch, plains: list[float], rate: float, described: str):
+    """One update with each operator's own seconds recorded, printed by share (see the module's
+    docstring): an operator is its name and its tensor arguments' shapes."""
     import grpo
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hardware import hardware_line
+
+    if torch.device(trainer.device).type != "cpu":  # (a GPU's operator returns when launched, not when done)
+        raise SystemExit("error: --by-op times operators on a CPU only; on a GPU use the profiler")
 
     class OpTimes(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.seconds, self.calls = defaultdict(float), defaultdict(int)  # (name, shape) ->
+            self.seconds, self.calls = defaultdict(float), defaultdict(int)  # (name, shapes) ->
             self.mm_seconds = self.mm_flops = 0.0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             t0 = time.perf_counter()
             out = func(*args, **(kwargs or {}))
             seconds = time.perf_counter() - t0
-            name = func.name()
-            shape = tuple(args[0].shape) if args and hasattr(args[0], "shape") else ()
-            self.seconds[name, shape] += seconds
-            self.calls[name, shape] += 1
-            if func.name() in MATMULS:  # 2 m k n (times the batch, bmm)
-                a, b = (args[i] for i in MATMULS[func.name()])
+            name = func._schema.name  # (aten::mm for mm and mm.out alike)
+            key = name, tuple(_shape(a) for a in args if _shape(a) is not None)
+            self.seconds[key] += seconds
+            self.calls[key] += 1
+            if name in MATMULS:  # 2 m k n (times the batch, bmm)
+                a, b = (args[i] for i in MATMULS[name])
                 self.mm_seconds += seconds
                 self.mm_flops += 2 * math.prod(a.shape) * b.shape[-1]
             return out
 
-    step = grpo.optimizer_step
     optimizer_seconds = []
+    step = grpo.optimizer_step
 
-    def timed_step(*a):
+    def timed_step(*args, **kwargs):
         t0 = time.perf_counter()
-        out = step(*a)
+        out = step(*args, **kwargs)
         optimizer_seconds.append(time.perf_counter() - t0)
         return out
 
-    grpo.optimizer_step = timed_step
     times = OpTimes()
-    with times:
-        grpo.train_on_rollout(trainer, batch)
-    grpo.optimizer_step = step
+    grpo.optimizer_step = timed_step  # (train_on_rollout calls it by its name in grpo)
+    try:
+        t0 = time.perf_counter()
+        with times:
+            grpo.train_on_rollout(trainer, batch)
+        timed = time.perf_counter() - t0
+    finally:
+        grpo.optimizer_step = step
     total = sum(times.seconds.values())
     print(f"machine: {hardware_line()}, {trainer.cfg.dtype}")
-    print(f"batch: {described}; one update {plain:.2f} s; its operators' own time {total:.2f} s "
-          f"({sum(times.calls.values()):,} calls)")
-    print(f"matmuls (mm, addmm, bmm): {times.mm_seconds:.2f} s, {100 * times.mm_seconds / total:.0f}"
-          f" % of the operators' time, {times.mm_flops / 1e9:,.0f} GFLOP at "
-          f"{times.mm_flops / times.mm_seconds / 1e9:,.0f} GFLOP/s; this CPU's matmul at 1600x576 @ "
-          f"576x1536: {rate:,.0f} GFLOP/s")
+    print(f"batch: {described}; one update {statistics.median(plains):.2f} s (median of "
+          f"{len(plains)}: {', '.join(f'{t:.2f}' for t in plains)}); timed op by op {timed:.2f} s, "
+          f"of which the operators' own {total:.2f} s ({sum(times.calls.values()):,} calls; each "
+          f"with the Python call into it: a bound on what they cost from above)")
+    print(f"matmuls (mm, addmm, bmm, baddbmm): {times.mm_seconds:.2f} s, "
+          f"{100 * times.mm_seconds / total:.0f} % of the operators' own time, "
+          f"{times.mm_flops / 1e9:,.0f} GFLOP at {times.mm_flops / times.mm_seconds / 1e9:,.0f} "
+          f"GFLOP/s; this CPU's matmul at 1600x576 @ 576x1536: {rate:,.0f} GFLOP/s. (SDPA's "
+          f"kernels, which long rows take, are listed below, not counted here)")
     print(f"the optimizer step (clipping, AdamW, the bf16 copy's refresh): "
-          f"{sum(optimizer_seconds):.3f} s, under the timer")
-    print(f"{'ms':>8s} {'calls':>6s}  operator, first input's shape")
-    for (name, shape), seconds in sorted(times.seconds.items(), key=lambda kv: -kv[1])[:30]:
-        print(f"{1e3 * seconds:8.1f} {times.calls[name, shape]:6d}  {name} {list(shape)}")
+          f"{sum(optimizer_seconds):.3f} s of the op-by-op update (its operators are in the list "
+          f"too)")
+    print(f"{'ms':>8s} {'calls':>6s}  operator: its tensor arguments' shapes ([...] a list)")
+    for (name, shapes), seconds in sorted(times.seconds.items(), key=lambda kv: -kv[1])[:30]:
+        print(f"{1e3 * seconds:8.1f} {times.calls[name, shapes]:6d}  {name}: "
+              f"{', '.join(map(str, shapes))}")
+
+
+def _shape(arg) -> str | None:
+    """A tensor argument's shape (2x3), a list of tensors' ([272 tensors]); None for the rest."""
+    if hasattr(arg, "shape"):
+        return "x".join(map(str, arg.shape)) or "scalar"
+    if isinstance(arg, (list, tuple)) and arg and all(hasattr(t, "shape") for t in arg):
+        return f"[{len(arg)} tensors]"
+    return None
+
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -108,12 +137,15 @@ if __name__ == "__main__":
                        torch.ones(B, dtype=torch.bool), None,
                        loss_denominator(cfg.loss_agg, lens, T))
     train_on_rollout(trainer, batch)  # (warm-up)
-    t0 = time.perf_counter()
-    train_on_rollout(trainer, batch)
-    plain = time.perf_counter() - t0
+    plains = []
+    for _ in range(3 if args.by_op else 1):  # (one update's time swings by a tenth on a VM)
+        t0 = time.perf_counter()
+        train_on_rollout(trainer, batch)
+        plains.append(time.perf_counter() - t0)
+    plain = plains[0]
     described = f"{B // G} groups of {G}, {P} + {'' if args.bench else '5-'}{T} tokens"
     if args.by_op:
-        by_op(trainer, batch, plain, matmul_gflops(DTYPES[cfg.dtype]), described)
+        by_op(trainer, batch, plains, matmul_gflops(DTYPES[cfg.dtype]), described)
         raise SystemExit
     with profile(activities=[ProfilerActivity.CPU], with_flops=True, record_shapes=True) as prof:
         train_on_rollout(trainer, batch)
