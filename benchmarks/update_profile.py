@@ -30,7 +30,8 @@ MATMULS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1),
 
 def by_op(trainer, batch, plains: list[float], rate: float, described: str):
     """One update with each operator's own seconds recorded, printed by share (see the module's
-    docstring): an operator is its name and its tensor arguments' shapes."""
+    docstring): an operator is its name and its tensor arguments' shapes. Returns the record
+    (its seconds and calls by operator, the matmuls' seconds and FLOPs)."""
     import grpo
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -96,6 +97,7 @@ def by_op(trainer, batch, plains: list[float], rate: float, described: str):
     for (name, shapes), seconds in sorted(times.seconds.items(), key=lambda kv: -kv[1])[:30]:
         print(f"{1e3 * seconds:8.1f} {times.calls[name, shapes]:6d}  {name}: "
               f"{', '.join(map(str, shapes))}")
+    return times
 
 
 def _shape(arg) -> str | None:

@@ -1,9 +1,12 @@
 """train_on_rollout: what it skips changes nothing (zero advantages, overlong-filtered samples),
 micro-batching changes nothing, the KL starts at 0, the engine mismatch covers every sampled token,
-a non-finite step never touches the weights, and a lone trainer issues no collective."""
+a non-finite step never touches the weights, and a lone trainer issues no collective; and
+benchmarks/update_profile.py --by-op, which times one, counts its matmuls as torch does."""
 
 import copy
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -324,3 +327,32 @@ def test_a_skipped_update_leaves_the_applied_ones_metrics_whole(tiny_model_dir, 
     assert metrics["skipped_updates"] == 1
     assert metrics["loss"] == pytest.approx(loss)
     assert metrics["grad_norm"] == pytest.approx(grad_norm)
+
+
+def test_by_op_counts_the_updates_matmul_flops_as_torch_does_and_gives_the_step_back(
+        tiny_model_dir, monkeypatch, capsys):
+    """update_profile.by_op (--by-op): its matmul FLOPs are torch's FlopCounterMode's for the same
+    update, and grpo.optimizer_step, which it times by swapping it, is grpo's own again after an
+    update -- one that raises too."""
+    import grpo
+    from torch.utils.flop_counter import FlopCounterMode
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from update_profile import by_op
+    # (groups sharing a prompt: their attention is SmallAttention's batched products)
+    trainer, batch = _trainer(tiny_model_dir), make_batch(SHARED, COMPLETIONS, ADVANTAGES)
+    train_on_rollout(trainer, batch)  # (the first measures this CPU's peak: a matmul of its own)
+    with FlopCounterMode(display=False) as counted:  # (its numbers only: it changes gradients)
+        train_on_rollout(trainer, batch)
+    step = grpo.optimizer_step
+    times = by_op(trainer, batch, [1.0], 1.0, "six sequences")
+    assert times.mm_flops == counted.get_total_flops() > 0
+    assert {"aten::mm", "aten::bmm"} <= {name for name, _ in times.seconds}
+    assert "aten::mm" in capsys.readouterr().out and grpo.optimizer_step is step
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a step that fails")
+
+    monkeypatch.setattr(grpo, "policy_logprobs", broken)
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        by_op(trainer, batch, [1.0], 1.0, "six sequences")
+    assert grpo.optimizer_step is step
