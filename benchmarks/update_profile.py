@@ -38,7 +38,8 @@ def by_op(trainer, batch, plains: list[float], rate: float, described: str):
 
     from hardware import hardware_line
 
-    if torch.device(trainer.device).type != "cpu":  # (a GPU's operator returns when launched, not when done)
+    # (a GPU's operator returns when it is launched, not when it is done)
+    if torch.device(trainer.device).type != "cpu":
         raise SystemExit("error: --by-op times operators on a CPU only; on a GPU use the profiler")
 
     class OpTimes(TorchDispatchMode):
@@ -84,7 +85,7 @@ def by_op(trainer, batch, plains: list[float], rate: float, described: str):
     print(f"batch: {described}; one update {statistics.median(plains):.2f} s (median of "
           f"{len(plains)}: {', '.join(f'{t:.2f}' for t in plains)}); timed op by op {timed:.2f} s, "
           f"of which the operators' own {total:.2f} s ({sum(times.calls.values()):,} calls; each "
-          f"with the Python call into it: a bound on what they cost from above)")
+          f"with the Python call into it: an upper bound on what they cost)")
     print(f"matmuls (mm, addmm, bmm, baddbmm): {times.mm_seconds:.2f} s, "
           f"{100 * times.mm_seconds / total:.0f} % of the operators' own time, "
           f"{times.mm_flops / 1e9:,.0f} GFLOP at {times.mm_flops / times.mm_seconds / 1e9:,.0f} "
