@@ -126,7 +126,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bench", action="store_true", help="grpo_step.py --train-all's batch")
     parser.add_argument("--rows", type=int, default=6, help="shapes printed per operator")
-    parser.add_argument("--by-op", action="store_true", help="each operator's own time, no profiler")
+    parser.add_argument("--by-op", action="store_true", help="operators timed alone, no profiler")
     args = parser.parse_args()
     B, P, T, G = (32, 40, 64, 4) if args.bench else (64, 55, 24, 8)
     cfg = replace(parse_config(Config, []), beta=0.0, micro_batch_size=B)
