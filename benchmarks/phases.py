@@ -18,11 +18,14 @@ take at the machine's limit, and their ratio (hardware.py):
                  (none where the HF engine decodes from the trainer's own tensors)
     evaluation   as generation, for the greedy held-out pass                eval_roofline_frac
     rewards      grading on the CPU: no bound is claimed
+    rollout log  the log-probs of its detail rows after the update, a no-grad pass: none claimed
 
 The bandwidth and peak are a GPU's datasheet figures, or on a CPU measured once by the run (a
 256 MB copy, a 512x2048x2048 matmul on all threads, a 128x512x512 one where the dtype is
-emulated); both are printed. The last line names the
-phase with the most seconds above its bound: where the next speed-up is.
+emulated); both are printed. Then the update's seconds against its trained tokens (update_line):
+what each step pays whatever its size -- the optimizer step, passes over the weights -- which
+holds a run of small updates below the mfu its tokens reach. The last line names the phase with
+the most seconds above its bound: where the next speed-up is.
 """
 
 import argparse
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -47,8 +51,9 @@ def table(folder: Path) -> list[tuple]:
     steps = [r for r in rows if "gen_seconds" in r]
     evals = [r for r in rows if "eval_seconds" in r]
     med = lambda rs, key: statistics.median(r.get(key, 0.0) for r in rs)  # noqa: E731
-    gen, train, sync = med(steps, "gen_seconds"), med(steps, "train_seconds"), \
-        med(steps, "sync_seconds")
+    gen, sync = med(steps, "gen_seconds"), med(steps, "sync_seconds")
+    # (the update as mfu counts it: without the rollout log's pass over the trained rows)
+    train = statistics.median(r["train_seconds"] - r.get("detail_seconds", 0.0) for r in steps)
     model, _ = load_model(config["model"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = DTYPES[config["dtype"]] if config["dtype"] in DTYPES else torch.float32
@@ -63,12 +68,37 @@ def table(folder: Path) -> list[tuple]:
             f"policy forward + backward{reference} over {peak / 1e9:.0f} GFLOP/s matmul peak"),
            ("sync", sync, sync_bytes / bandwidth, f"{params / 1e6:.0f}M weights read and written")
            if sync else ("sync", 0.0, None, "none: the HF engine decodes from the trainer's own"),
-           ("rewards", med(steps, "reward_seconds"), None, "grading (no bound claimed)")]
+           ("rewards", med(steps, "reward_seconds"), None, "grading (no bound claimed)"),
+           ("rollout log", med(steps, "detail_seconds"), None,
+            "its pass over the trained rows after the update (no bound claimed)")]
     if evals:
         ev = med(evals, "eval_seconds")
         out.insert(3, ("evaluation", ev, ev * med(evals, "eval_roofline_frac") or None,
                        binding(evals, "eval") + ", greedy held-out"))
     return out
+
+
+class UpdateLine(NamedTuple):
+    """A least-squares line through a run's updates: seconds = fixed + per_token x tokens."""
+    fixed: float  # seconds a step, whatever its tokens
+    per_token: float  # seconds a trained token
+    mfu_without: float | None  # the steps' median mfu with `fixed` taken out (None: fixed <= 0)
+
+
+def update_line(steps: list[dict]) -> UpdateLine | None:
+    """The update's seconds (less the rollout log's pass, as mfu counts them) against its trained
+    tokens over the steps after the first (whose update also measures the matmul peak); None
+    with fewer than three token counts to draw it through."""
+    points = [(r["trained_tokens"], r["train_seconds"] - r.get("detail_seconds", 0.0), r)
+              for r in steps[1:] if r.get("trained_tokens") and r.get("model_flops")]
+    if len({tokens for tokens, _, _ in points}) < 3:
+        return None
+    per_token, fixed = statistics.linear_regression([t for t, _, _ in points],
+                                                    [s for _, s, _ in points])
+    rest = [(s - fixed, r) for _, s, r in points]
+    without = statistics.median(r["model_flops"] / (s * r["peak_flops"]) for s, r in rest) \
+        if fixed > 0 and all(s > 0 for s, _ in rest) else None
+    return UpdateLine(fixed, per_token, without)
 
 
 def binding(rows: list[dict], phase: str) -> str:
@@ -101,6 +131,13 @@ def main():
     for phase, seconds, bound, what in rows:
         ratio = f"{bound / seconds:6.1%}" if bound and seconds else f"{'-':>6}"
         print(f"{phase:>11} {seconds:8.2f} {bound or 0:8.2f} {ratio}  {what}")
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    line = update_line([r for r in metrics if "gen_seconds" in r])
+    if line:
+        without = f"; without it the steps' median mfu would be {line.mfu_without:.1%}" \
+            if line.mfu_without else ""
+        print(f"update: {line.fixed:.2f} s a step + {1e3 * line.per_token:.3f} ms a trained token "
+              f"(a line through the steps after the first){without}")
     slack = max(rows, key=lambda r: r[1] - (r[2] or 0))
     each = "an evaluation" if slack[0] == "evaluation" else "a step"
     print(f"most seconds above its bound: {slack[0]} ({slack[1] - (slack[2] or 0):.1f} s {each})")

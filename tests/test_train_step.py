@@ -1,7 +1,8 @@
 """train_on_rollout: what it skips changes nothing (zero advantages, overlong-filtered samples),
 micro-batching changes nothing, the KL starts at 0, the engine mismatch covers every sampled token,
 a non-finite step never touches the weights, and a lone trainer issues no collective; and
-benchmarks/update_profile.py --by-op, which times one, counts its matmuls as torch does."""
+benchmarks/update_profile.py --by-op, which times one, counts its matmuls as torch does, and
+benchmarks/phases.py draws a run's update seconds against its tokens."""
 
 import copy
 import shutil
@@ -356,3 +357,23 @@ def test_by_op_counts_the_updates_matmul_flops_as_torch_does_and_gives_the_step_
     with pytest.raises(RuntimeError, match="a step that fails"):
         by_op(trainer, batch, [1.0], 1.0, "six sequences")
     assert grpo.optimizer_step is step
+
+
+def test_phases_draws_the_updates_line_through_the_steps_after_the_first():
+    """benchmarks/phases.py's update_line: seconds = fixed + per-token x tokens over the steps
+    after the first (whose update also measures the peak), the rollout log's pass left out as mfu
+    leaves it; and the median mfu the tokens alone reach."""
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from phases import update_line
+
+    def step(tokens, fixed=0.3, detail=0.1):  # 1 ms a token at half of a 2 GFLOP/s peak
+        return {"trained_tokens": tokens, "train_seconds": fixed + 1e-3 * tokens + detail,
+                "detail_seconds": detail, "model_flops": 1e6 * tokens, "peak_flops": 2e9}
+
+    first = {**step(500), "train_seconds": 60.0}  # (a first step's compile or peak: left out)
+    line = update_line([first] + [step(t) for t in (1000, 2500, 1800, 4000)])
+    assert line.fixed == pytest.approx(0.3) and line.per_token == pytest.approx(1e-3)
+    assert line.mfu_without == pytest.approx(0.5)
+    assert update_line([first] + [step(t) for t in (1000, 2500, 1000)]) is None  # two counts
+    assert update_line([first] + [step(t, fixed=-0.2) for t in (1000, 2000, 3000)]).mfu_without \
+        is None
