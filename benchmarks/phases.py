@@ -29,7 +29,9 @@ the most seconds above its bound: where the next speed-up is.
 """
 
 import argparse
+import itertools
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -52,16 +54,17 @@ def table(folder: Path) -> list[tuple]:
     evals = [r for r in rows if "eval_seconds" in r]
     med = lambda rs, key: statistics.median(r.get(key, 0.0) for r in rs)  # noqa: E731
     gen, sync = med(steps, "gen_seconds"), med(steps, "sync_seconds")
-    # (the update as mfu counts it: without the rollout log's pass over the trained rows)
-    train = statistics.median(r["train_seconds"] - r.get("detail_seconds", 0.0) for r in steps)
+    # (the update as mfu counts it: the steps that trained, without the rollout log's pass)
+    trained = [r for r in steps if r.get("trained_tokens")] or steps
+    train = statistics.median(r["train_seconds"] - r.get("detail_seconds", 0.0) for r in trained)
     model, _ = load_model(config["model"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = DTYPES[config["dtype"]] if config["dtype"] in DTYPES else torch.float32
     bandwidth = memory_bandwidth(device)[0]
     params = sum(p.numel() for p in model.parameters())
     sync_bytes = params * (4 + torch.empty((), dtype=dtype).element_size())
-    peak = med(steps, "peak_flops")
-    update_bound = med(steps, "model_flops") / peak if peak else None
+    peak = med(trained, "peak_flops")
+    update_bound = med(trained, "model_flops") / peak if peak else None
     reference = " and the KL reference's forward" if config.get("beta", 0) > 0 else ""
     out = [("generation", gen, gen * med(steps, "gen_roofline_frac"), binding(steps, "gen")),
            ("update", train, update_bound,
@@ -70,7 +73,8 @@ def table(folder: Path) -> list[tuple]:
            if sync else ("sync", 0.0, None, "none: the HF engine decodes from the trainer's own"),
            ("rewards", med(steps, "reward_seconds"), None, "grading (no bound claimed)"),
            ("rollout log", med(steps, "detail_seconds"), None,
-            "its pass over the trained rows after the update (no bound claimed)")]
+            "its pass over the trained rows after the update (no bound claimed)"
+            if any("detail_seconds" in r for r in steps) else "not recorded by this run")]
     if evals:
         ev = med(evals, "eval_seconds")
         out.insert(3, ("evaluation", ev, ev * med(evals, "eval_roofline_frac") or None,
@@ -79,25 +83,36 @@ def table(folder: Path) -> list[tuple]:
 
 
 class UpdateLine(NamedTuple):
-    """A least-squares line through a run's updates: seconds = fixed + per_token x tokens."""
+    """A line through a run's updates: seconds = fixed + per_token x trained tokens."""
     fixed: float  # seconds a step, whatever its tokens
     per_token: float  # seconds a trained token
-    mfu_without: float | None  # the steps' median mfu with `fixed` taken out (None: fixed <= 0)
+    mfu_without: float  # the steps' median mfu with `fixed` taken out of each
+
+
+WIDEST = 1.5  # the steps' most trained tokens at least this many times their fewest
 
 
 def update_line(steps: list[dict]) -> UpdateLine | None:
     """The update's seconds (less the rollout log's pass, as mfu counts them) against its trained
-    tokens over the steps after the first (whose update also measures the matmul peak); None
-    with fewer than three token counts to draw it through."""
+    tokens, over the steps that trained after the first (which carries the process's warm-ups).
+    Theil-Sen's line -- the median of the slopes between every two steps, then the median
+    intercept -- so that one slow step (a compile, a resumed process's first, a busy neighbour)
+    does not tilt it, as it tilts least squares. None where no line says anything: fewer than
+    three token counts, or too alike (WIDEST), or a line that is no cost model (a slope or a fixed
+    part at or below 0, a fixed part above a step's own seconds)."""
     points = [(r["trained_tokens"], r["train_seconds"] - r.get("detail_seconds", 0.0), r)
-              for r in steps[1:] if r.get("trained_tokens") and r.get("model_flops")]
-    if len({tokens for tokens, _, _ in points}) < 3:
+              for r in steps[1:] if r.get("trained_tokens") and r.get("model_flops")
+              and r.get("peak_flops") and math.isfinite(r["train_seconds"])]
+    counts = {tokens for tokens, _, _ in points}
+    if len(counts) < 3 or max(counts) < WIDEST * min(counts):
         return None
-    per_token, fixed = statistics.linear_regression([t for t, _, _ in points],
-                                                    [s for _, s, _ in points])
-    rest = [(s - fixed, r) for _, s, r in points]
-    without = statistics.median(r["model_flops"] / (s * r["peak_flops"]) for s, r in rest) \
-        if fixed > 0 and all(s > 0 for s, _ in rest) else None
+    per_token = statistics.median((s2 - s1) / (t2 - t1) for (t1, s1, _), (t2, s2, _)
+                                  in itertools.combinations(points, 2) if t2 != t1)
+    fixed = statistics.median(s - per_token * t for t, s, _ in points)
+    if per_token <= 0 or not 0 < fixed < min(s for _, s, _ in points):
+        return None
+    without = statistics.median(r["model_flops"] / ((s - fixed) * r["peak_flops"])
+                                for _, s, r in points)
     return UpdateLine(fixed, per_token, without)
 
 
@@ -133,11 +148,10 @@ def main():
         print(f"{phase:>11} {seconds:8.2f} {bound or 0:8.2f} {ratio}  {what}")
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     line = update_line([r for r in metrics if "gen_seconds" in r])
-    if line:
-        without = f"; without it the steps' median mfu would be {line.mfu_without:.1%}" \
-            if line.mfu_without else ""
-        print(f"update: {line.fixed:.2f} s a step + {1e3 * line.per_token:.3f} ms a trained token "
-              f"(a line through the steps after the first){without}")
+    print(f"update: {line.fixed:.2f} s a step + {1e3 * line.per_token:.3f} ms a trained token "
+          f"(Theil-Sen's line through the steps after the first); without the fixed part the "
+          f"steps' median mfu would be {line.mfu_without:.1%}" if line else
+          "update: no line through its seconds against its tokens (too few steps, or too alike)")
     slack = max(rows, key=lambda r: r[1] - (r[2] or 0))
     each = "an evaluation" if slack[0] == "evaluation" else "a step"
     print(f"most seconds above its bound: {slack[0]} ({slack[1] - (slack[2] or 0):.1f} s {each})")

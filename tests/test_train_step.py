@@ -361,19 +361,27 @@ def test_by_op_counts_the_updates_matmul_flops_as_torch_does_and_gives_the_step_
 
 def test_phases_draws_the_updates_line_through_the_steps_after_the_first():
     """benchmarks/phases.py's update_line: seconds = fixed + per-token x tokens over the steps
-    after the first (whose update also measures the peak), the rollout log's pass left out as mfu
-    leaves it; and the median mfu the tokens alone reach."""
+    after the first that trained, the rollout log's pass left out as mfu leaves it; one slow step
+    does not tilt it (Theil-Sen); the median mfu the tokens alone reach, each step at its own
+    peak; and no line where none says anything."""
     sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from phases import update_line
 
-    def step(tokens, fixed=0.3, detail=0.1):  # 1 ms a token at half of a 2 GFLOP/s peak
+    def step(tokens, fixed=0.3, detail=0.1, peak=2e9):  # 1 ms a token, at half of a 2e9 peak
         return {"trained_tokens": tokens, "train_seconds": fixed + 1e-3 * tokens + detail,
-                "detail_seconds": detail, "model_flops": 1e6 * tokens, "peak_flops": 2e9}
+                "detail_seconds": detail, "model_flops": 1e6 * tokens, "peak_flops": peak}
 
-    first = {**step(500), "train_seconds": 60.0}  # (a first step's compile or peak: left out)
-    line = update_line([first] + [step(t) for t in (1000, 2500, 1800, 4000)])
+    first = {**step(500), "train_seconds": 60.0}  # (a first step's warm-ups: left out)
+    nothing = {"trained_tokens": 0, "train_seconds": 1.4}  # (a step that trained nothing)
+    slow = {**step(2200), "train_seconds": 9.0}  # (a compile, a busy neighbour)
+    steps = [first, nothing, slow] + [step(t) for t in (1000, 2500, 1800, 4000, 3100)]
+    line = update_line(steps + [{**step(3600, peak=4e9), "train_seconds": 0.3 + 1.8 + 0.1}])
     assert line.fixed == pytest.approx(0.3) and line.per_token == pytest.approx(1e-3)
-    assert line.mfu_without == pytest.approx(0.5)
+    assert line.mfu_without == pytest.approx(0.5)  # (the faster step at twice the peak: 0.5 too)
+    fast = [{**step(t, peak=4e9), "train_seconds": 0.3 + 0.5e-3 * t + 0.1} for t in (1e3, 2e3, 3e3)]
+    assert update_line([first] + fast).mfu_without == pytest.approx(0.5)  # (at 4e9, not 2e9)
     assert update_line([first] + [step(t) for t in (1000, 2500, 1000)]) is None  # two counts
-    assert update_line([first] + [step(t, fixed=-0.2) for t in (1000, 2000, 3000)]).mfu_without \
-        is None
+    assert update_line([first] + [step(t) for t in (3000, 3100, 3200, 3300)]) is None  # alike
+    assert update_line([first] + [step(t, fixed=-0.5) for t in (1000, 2000, 3000)]) is None
+    falling = [{**step(t), "train_seconds": 5.0 - 1e-3 * t} for t in (1000, 2000, 3000)]
+    assert update_line([first] + falling) is None  # (no cost model: more tokens, less time)
