@@ -151,7 +151,8 @@ def main():
     print(f"update: {line.fixed:.2f} s a step + {1e3 * line.per_token:.3f} ms a trained token "
           f"(Theil-Sen's line through the steps after the first); without the fixed part the "
           f"steps' median mfu would be {line.mfu_without:.1%}" if line else
-          "update: no line through its seconds against its tokens (too few steps, or too alike)")
+          "update: no line through its seconds against its tokens (too few steps, too alike, or "
+          "none with a fixed part and a slope above 0)")
     slack = max(rows, key=lambda r: r[1] - (r[2] or 0))
     each = "an evaluation" if slack[0] == "evaluation" else "a step"
     print(f"most seconds above its bound: {slack[0]} ({slack[1] - (slack[2] or 0):.1f} s {each})")
