@@ -43,12 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def table(folder: Path) -> list[tuple]:
-    """(phase, seconds, bound seconds or None, what bounds it) from a run folder's metrics."""
+def table(folder: Path, rows: list[dict]) -> list[tuple]:
+    """(phase, seconds, bound seconds or None, what bounds it) from a run's metrics.jsonl rows and
+    its folder's config."""
     import torch
     from hardware import DTYPES, memory_bandwidth
     from model import load_model
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     config = json.loads(next(folder.glob("*_config.json")).read_text())  # (grpo_config.json)
     steps = [r for r in rows if "gen_seconds" in r]
     evals = [r for r in rows if "eval_seconds" in r]
@@ -142,11 +142,11 @@ def main():
     from hardware import hardware_line
     print(f"machine: {hardware_line()}; run: {folder}")
     print(f"{'phase':>11} {'seconds':>8} {'bound s':>8} {'ratio':>6}  bound")
-    rows = table(folder)
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    rows = table(folder, metrics)
     for phase, seconds, bound, what in rows:
         ratio = f"{bound / seconds:6.1%}" if bound and seconds else f"{'-':>6}"
         print(f"{phase:>11} {seconds:8.2f} {bound or 0:8.2f} {ratio}  {what}")
-    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     line = update_line([r for r in metrics if "gen_seconds" in r])
     print(f"update: {line.fixed:.2f} s a step + {1e3 * line.per_token:.3f} ms a trained token "
           f"(Theil-Sen's line through the steps after the first); without the fixed part the "
