@@ -14,9 +14,12 @@ A tree with uncommitted changes makes every run anew (--fresh), into a folder of
 own (rerun-<commit>-uncommitted-<time>), where no rerun of the commit itself looks; an edit or a
 commit while it runs stops it before the next finding (or the finding just rerun) is reported.
 The rerun table: finding, each term's recorded effect and 95 % interval, the rerun's, and whether
-the finding held -- every term's verdict (common.verdict) the same again -- and the minutes it
-took. The page's table (--table) is written between its two markers from
-docs/findings/*.json alone: tests/test_experiments.py fails when the page and the records differ.
+the finding held -- every term's verdict (common.verdict) the same again -- the commit and the
+minutes it took. Each rerun's record (the finding's JSON, with `rerun_commit` and `rerun_minutes`)
+is kept beside its runs, in <runs>/records/; copied to docs/findings/rerun/, it is the page's.
+The page's two tables (--table) are written between their markers from the records alone -- the
+findings from docs/findings/*.json, the rerun from docs/findings/rerun/*.json and the records
+they rerun: tests/test_experiments.py fails when the page and the records differ.
 """
 
 import argparse
@@ -24,30 +27,39 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "docs" / "findings"
+RERUNS = RECORDED / "rerun"
 PAGE = ROOT / "docs" / "findings.md"
 BEGIN = "<!-- the findings table: written by `python experiments/run_all.py --table` from " \
         "docs/findings/*.json; do not edit by hand -->"
 END = "<!-- end of the findings table -->"
+RERUN_BEGIN = "<!-- the rerun table: written by `python experiments/run_all.py --table` from " \
+              "docs/findings/rerun/*.json; do not edit by hand -->"
+RERUN_END = "<!-- end of the rerun table -->"
 
 
-def rerun(name: str, runs: Path, tiny: bool, clean: bool) -> tuple[dict, float]:
-    """The finding run again into `runs`: its numbers, and its seconds. Runs finished there before
-    are taken again (a stopped rerun goes on) only for a `clean` tree (committed): with
-    uncommitted changes, or outside git, a folder's name cannot tell one tree from another, so
-    every run is made anew (--fresh)."""
-    out = Path(tempfile.mkdtemp(prefix=f"rerun-{name}-"))
+def rerun(name: str, runs: Path, tiny: bool, clean: bool) -> dict:
+    """The finding run again into `runs`: its record, which also says the commit and the minutes,
+    kept as <runs>/records/<name>.json (its picture beside it). Runs finished there before are
+    taken again (a stopped rerun goes on) only for a `clean` tree (committed): with uncommitted
+    changes, or outside git, a folder's name cannot tell one tree from another, so every run is
+    made anew (--fresh)."""
+    out = runs / "records"
+    out.mkdir(parents=True, exist_ok=True)
     fresh = [] if clean else ["--fresh"]
     t0 = time.time()
     subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), *fresh,
                     "--runs", str(runs), "--out", str(out)] + (["--tiny"] if tiny else []),
                    check=True)
-    return json.loads((out / f"{name}.json").read_text()), time.time() - t0
+    again = json.loads((out / f"{name}.json").read_text())
+    again.update(rerun_commit=commit() + ("" if clean else " (uncommitted)"),
+                 rerun_minutes=round((time.time() - t0) / 60))
+    (out / f"{name}.json").write_text(json.dumps(again, indent=1) + "\n")
+    return again
 
 
 def git(*args: str) -> str | None:
@@ -132,16 +144,44 @@ def table(records: dict[str, dict]) -> str:
     return "\n".join(rows)
 
 
-def recorded() -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(RECORDED.glob("*.json"))}
+RERUN_HEAD = ["| finding | recorded: effect [95 % interval] | rerun | held? | commit | minutes |",
+              "|---|---|---|---|---|---|"]
 
 
-def page_with_table(page: str, records: dict[str, dict]) -> str:
-    """The page, its table between the markers written anew."""
-    if BEGIN not in page or END not in page:
-        raise SystemExit(f"error: {PAGE}: no table markers ({BEGIN} ... {END})")
-    head, rest = page.split(BEGIN, 1)
-    return head + BEGIN + "\n" + table(records) + "\n" + END + rest.split(END, 1)[1]
+def rerun_row(name: str, was: dict, again: dict) -> str:
+    """A finding's row of the rerun table: its terms as recorded and as rerun, whether it held."""
+    return (f"| {name} | " + "<br>".join(f"{label}: {interval(t)}" for label, t in
+                                         terms(was).items()) + " | " +
+            "<br>".join(f"{label}: {interval(t)}" for label, t in terms(again).items()) +
+            f" | {held(was, again)} | {again.get('rerun_commit', '–')} | "
+            f"{again.get('rerun_minutes', '–')} |")
+
+
+def recorded(folder: Path = RECORDED) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
+def between(page: str, begin: str, end: str, text: str) -> str:
+    """The page with `text` between its markers `begin` and `end`."""
+    if begin not in page or end not in page:
+        raise SystemExit(f"error: {PAGE}: no table markers ({begin} ... {end})")
+    head, rest = page.split(begin, 1)
+    return head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1]
+
+
+def page_with_table(page: str, records: dict[str, dict], reruns: dict[str, dict]) -> str:
+    """The page, its two tables written anew: the findings from their records, the rerun from
+    the rerun's records (a rerun of a finding that has no record is refused)."""
+    stray = sorted(set(reruns) - set(records))
+    if stray:
+        raise SystemExit(f"error: {RERUNS}: reruns of findings with no record: {stray}")
+    for name, again in sorted(reruns.items()):  # (the tiny model's or a dirty tree's: nothing)
+        if again.get("tiny") or "uncommitted" in str(again.get("rerun_commit")):
+            raise SystemExit(f"error: {RERUNS / name}.json: a rerun of the tiny model or of an "
+                             f"uncommitted tree is no rerun of the finding")
+    rows = [rerun_row(name, records[name], again) for name, again in sorted(reruns.items())]
+    return between(between(page, BEGIN, END, table(records)), RERUN_BEGIN, RERUN_END,
+                   "\n".join(RERUN_HEAD + rows))
 
 
 def main():
@@ -155,8 +195,8 @@ def main():
                         "from docs/findings/*.json (and rerun nothing)")
     args = parser.parse_args()
     if args.table:
-        PAGE.write_text(page_with_table(PAGE.read_text(), recorded()))
-        print(f"wrote the table of {PAGE}")
+        PAGE.write_text(page_with_table(PAGE.read_text(), recorded(), recorded(RERUNS)))
+        print(f"wrote the tables of {PAGE}")
         return
     clean, start = committed(), tree()
     if not clean and args.runs:
@@ -170,8 +210,7 @@ def main():
         print(f"the tree has uncommitted changes (or no git): every run made anew, in {runs}")
     names = args.names or sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
                                  if p.stem not in ("common", "run_all"))
-    rows = ["| finding | recorded: effect [95 % interval] | rerun | held? | minutes |",
-            "|---|---|---|---|---|"]
+    rows = list(RERUN_HEAD)
     for name in names:
         path = RECORDED / f"{name}.json"
         if not path.exists():
@@ -179,16 +218,13 @@ def main():
                              f"experiments/{name}.py first")
         was = json.loads(path.read_text())
         unchanged(start, f"{name} and the findings after it are not rerun")
-        again, seconds = rerun(name, runs, args.tiny, clean)
+        again = rerun(name, runs, args.tiny, clean)
         unchanged(start, f"{name}'s rerun may have run the new code: its runs in {runs} "
                                 f"are not reported")
-        now = terms(again)
-        rows.append(f"| {name} | " + "<br>".join(f"{label}: {interval(t)}" for label, t in
-                                                 terms(was).items()) + " | " +
-                    "<br>".join(f"{label}: {interval(t)}" for label, t in now.items()) +
-                    f" | {held(was, again)} | {seconds / 60:.0f} |")
+        rows.append(rerun_row(name, was, again))
         print(rows[-1], flush=True)
     print("\n".join(rows))
+    print(f"the records: {runs / 'records'} (for the page: copy them to {RERUNS}, then --table)")
 
 
 if __name__ == "__main__":

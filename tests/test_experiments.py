@@ -64,18 +64,31 @@ def test_the_pages_table_is_the_records(monkeypatch):
     record changed, or the page edited by hand, and they differ."""
     monkeypatch.syspath_prepend(str(ROOT / "experiments"))
     import run_all
-    records = run_all.recorded()
+    records, reruns = run_all.recorded(), run_all.recorded(run_all.RERUNS)
     assert set(records) <= set(FINDINGS)  # (a finding not yet run has no record, no row)
     page = (ROOT / "docs" / "findings.md").read_text()
-    assert run_all.page_with_table(page, records) == page, \
-        "docs/findings.md's table differs from docs/findings/*.json: python " \
-        "experiments/run_all.py --table"
+    assert run_all.page_with_table(page, records, reruns) == page, \
+        "docs/findings.md's tables differ from docs/findings/*.json and docs/findings/rerun/" \
+        "*.json: python experiments/run_all.py --table"
     for name, r in records.items():  # every verdict on the page is the record's
         for t in run_all.terms(r).values():
             assert f"**{t['verdict']}**" in page and run_all.interval(t) in page, (name, t)
     changed = json.loads(json.dumps(records))
     changed["one_example"]["terms"]["as much as all"]["verdict"] = "reproduced"
-    assert run_all.page_with_table(page, changed) != page
+    assert run_all.page_with_table(page, changed, reruns) != page
+    # The rerun table: a row a rerun record, its verdicts against the record's.
+    again = json.loads(json.dumps(records["one_example"]))
+    again.update(rerun_commit="abc1234", rerun_minutes=37)
+    rows = run_all.page_with_table(page, records, {**reruns, "one_example": again})
+    assert "| one_example | as much as all: " in rows and "| held | abc1234 | 37 |" in rows
+    again["terms"]["as much as all"]["verdict"] = "inconclusive"
+    assert "| not held (as much as all: contradicted -> inconclusive) | abc1234 | 37 |" in \
+        run_all.page_with_table(page, records, {**reruns, "one_example": again})
+    with pytest.raises(SystemExit, match="reruns of findings with no record: .'nothing'."):
+        run_all.page_with_table(page, records, {"nothing": again})
+    for made in ({"tiny": True}, {"rerun_commit": "abc1234 (uncommitted)"}):
+        with pytest.raises(SystemExit, match="one_example.json: a rerun of the tiny model or"):
+            run_all.page_with_table(page, records, {"one_example": {**again, **made}})
 
 
 def test_run_all_holds_a_finding_to_every_verdict_it_recorded(monkeypatch):
@@ -426,7 +439,6 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
         (out / f"{name}.json").write_text((run_all.RECORDED / f"{name}.json").read_text())
     monkeypatch.setattr(run_all.subprocess, "run", run)
     monkeypatch.setattr(run_all, "ROOT", tmp_path)
-    monkeypatch.setattr(run_all.tempfile, "tempdir", str(tmp_path))  # (the reruns' --out)
     monkeypatch.setattr(run_all, "commit", lambda: "abc1234")
     monkeypatch.setattr(run_all, "tree", lambda: "as it was")
     for clean in (True, False):
@@ -437,6 +449,11 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
     assert ["--fresh" in line for line in said] == [False, False, True, True]
     assert runs[0] == runs[1] == tmp_path / "out" / "experiments" / "rerun-abc1234"
     assert runs[2] == runs[3] and runs[2].name.startswith("rerun-abc1234-uncommitted-")
+    # Each rerun's record is kept beside its runs, saying which commit made it.
+    kept = json.loads((runs[0] / "records" / "sharpening.json").read_text())
+    assert kept["rerun_commit"] == "abc1234" and kept["rerun_minutes"] == 0
+    assert json.loads((runs[2] / "records" / "sharpening.json").read_text())["rerun_commit"] \
+        == "abc1234 (uncommitted)"
     # Read before and after each finding: an edit or a commit while it runs stops it, in one
     # line, before a finding whose runs would come from other code is reported (helper-27).
     # An already dirty tree edited again is caught too (its diff changed, helper-28).
