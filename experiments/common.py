@@ -430,26 +430,27 @@ def ci95(values: list) -> list[float] | None:
     return [m - half, m + half]
 
 
-EXPECT = ("positive", "negative", "none", "not positive")
+EXPECT = ("positive", "negative", "none", "not positive", "not negative")
 
 
 def verdict(ci: list[float] | None, expect: str, margin: float | None = None) -> str:
     """The verdict an interval gives a claim. expect: "positive" or "negative" (the sign the paper
-    predicts for the effect), "none" (no difference: the effect within +-margin) or "not positive"
-    (no gain: the effect at most +margin).
+    predicts for the effect), "none" (no difference: the effect within +-margin), "not positive"
+    (no gain: the effect at most +margin) or "not negative" (no loss: the effect at least -margin).
 
     positive / negative: reproduced where the interval excludes 0 on the predicted side,
     contradicted where it excludes 0 on the other; where it includes 0, "not at this scale" if it
     lies within +-margin (the experiment could have seen an effect of that size, and there was
     none), else inconclusive. none: reproduced where the interval lies within +-margin,
     contradicted where it lies wholly outside, inconclusive otherwise. not positive: reproduced
-    where the interval lies below +margin, contradicted where it lies above. No interval (under
-    two seeds): inconclusive."""
+    where the interval lies below +margin, contradicted where it lies above; not negative, its
+    mirror: reproduced where the interval lies above -margin, contradicted where it lies below. No
+    interval (under two seeds): inconclusive."""
     if expect not in EXPECT:
         raise ValueError(f"expect must be one of {', '.join(EXPECT)}, not {expect!r}")
-    if expect in ("none", "not positive") and margin is None:
-        raise ValueError(f"a claim of {'no difference' if expect == 'none' else 'no gain'} needs "
-                         f"its margin")
+    if expect in ("none", "not positive", "not negative") and margin is None:
+        raise ValueError(f"a claim of {'no difference' if expect == 'none' else 'no gain or loss'}"
+                         f" needs its margin")
     if ci is None:
         return "inconclusive"
     low, high = ci
@@ -459,6 +460,9 @@ def verdict(ci: list[float] | None, expect: str, margin: float | None = None) ->
         return "reproduced" if within else "contradicted" if outside else "inconclusive"
     if expect == "not positive":
         return "reproduced" if high <= margin else "contradicted" if low > margin \
+            else "inconclusive"
+    if expect == "not negative":
+        return "reproduced" if low >= -margin else "contradicted" if high < -margin \
             else "inconclusive"
     sign = 1 if expect == "positive" else -1
     if sign * low > 0 and sign * high > 0:

@@ -66,6 +66,13 @@ def pick_example(args) -> dict:
                                                  for k, h in history.items()}}
 
 
+def gain(series: list, steps: int) -> float | None:
+    """Held-out accuracy at the last step less before training; None (missing, never another
+    step's) for a run without either evaluation."""
+    at = dict(series)
+    return at[steps] - at[0] if {0, steps} <= at.keys() else None
+
+
 def main():
     args = arguments(__doc__, seeds=4, steps=24)
     example = pick_example(args)
@@ -78,8 +85,7 @@ def main():
             for arm, seeds in runs.items()}
     training = {arm: [metric(f, "accuracy") for f in seeds.values()]
                 for arm, seeds in runs.items()}
-    gains = {arm: [dict(s).get(args.steps, s[-1][1]) - s[0][1] if s else None for s in series]
-             for arm, series in held.items()}
+    gains = {arm: [gain(s, args.steps) for s in series] for arm, series in held.items()}
     after = [after_saturation(h, t) for h, t in zip(held["one example"],
                                                     training["one example"])]
     write_finding("one_example", {"held-out accuracy (greedy, 64 problems)": held,

@@ -13,8 +13,9 @@ N."), --lr 2e-5, evaluated greedily on the 128 held-out problems after every ste
 the step whose held-out accuracy is nearest that GRPO seed's is run again to that step, and its
 model is the one compared (matched accuracy; both accuracies recorded). Forgetting: the increase
 of the negative log-likelihood per token, over the starting model's, of a fixed held-out chat set
--- 32 everyday requests written below and the starting model's own greedy replies (48 tokens),
-made here, not taken from a hub. Forward KL: the mean per token of log pi_0(y) - log pi(y) over 4
+-- 32 everyday requests and a reply to each, written below (not taken from a hub; not the model's
+own greedy replies, as the first design took: any model sharper than the start finds its own mode
+likelier, and that read as negative forgetting in every run). Forward KL: the mean per token of log pi_0(y) - log pi(y) over 4
 samples of the starting model at T = 1.0 on each of 32 held-out arith prompts. Cost: the GRPO runs
 shared (~10 min without them), 3 SFT runs with 16 evaluations (~3 min each) and their reruns,
 ~15 min on a 2-core CPU.
@@ -32,23 +33,69 @@ GRPO = ["--data", "arith", "--lr", "2e-5", "--eval-every", "0", "--reward", "cor
 SFT = ["--eval-data", "arith", "--eval-size", "128", "--lr", "2e-5", "--batch-size", "16"]
 TINY_SFT = ["--eval-size", "4", "--batch-size", "2", "--max-new-tokens", "6"]
 SFT_STEPS, SFT_ROWS = 16, 256
-CHAT = [  # the held-out chat set's requests: everyday, nothing of arithmetic
-    "Give me three tips for sleeping better.", "What is a good name for a grey cat?",
-    "Write a short thank-you note to a neighbour.", "How do I boil an egg?",
-    "Describe autumn in two sentences.", "What should I pack for a day at the beach?",
-    "Suggest a title for a story about a lost key.", "Why is the sky blue?",
-    "How can I keep basil alive indoors?", "Write a haiku about rain.",
-    "What is the capital of France?", "Give me a tip for learning a new language.",
-    "How do I politely decline an invitation?", "Name three fruits that are red.",
-    "What is a healthy breakfast?", "Explain what a library is to a child.",
-    "Write one sentence encouraging a friend before an exam.", "What makes a good password?",
-    "How do bees make honey?", "Suggest a weekend activity for a rainy day.",
-    "What is the difference between a lake and a sea?", "How do I clean a wooden table?",
-    "Write a two-line poem about the moon.", "What should I do if I feel tired at work?",
-    "Give me an idea for a birthday gift for my mother.", "How does a bicycle stay upright?",
-    "What are clouds made of?", "Recommend a way to start journaling.",
-    "Describe a sunrise to someone who has never seen one.", "How do I make tea?",
-    "What is a polite way to ask for help?", "Write a sentence about the sea.",
+CHAT = [  # the held-out chat set: everyday requests, nothing of arithmetic, each with a reply
+    # written here (not the model's own, not taken from a hub): its NLL under a model is what
+    # the model still knows of plain chat -- text a sharper model does not find likelier for free
+    ("Give me three tips for sleeping better.", "Go to bed at the same time each night, keep "
+     "the room dark and cool, and put your phone away an hour before sleep."),
+    ("What is a good name for a grey cat?", "Smokey, Ash or Pebble would all suit a grey cat."),
+    ("Write a short thank-you note to a neighbour.", "Dear neighbour, thank you for watering my "
+     "plants while I was away. They look wonderful, and so does your garden."),
+    ("How do I boil an egg?", "Put the egg in boiling water for about eight minutes, then cool "
+     "it in cold water before you peel it."),
+    ("Describe autumn in two sentences.", "The leaves turn red and gold and fall in the wind. "
+     "The days grow shorter and the air smells of rain."),
+    ("What should I pack for a day at the beach?", "Bring sun cream, a hat, a towel, water and "
+     "something to eat."),
+    ("Suggest a title for a story about a lost key.", "The Key Under the Stairs."),
+    ("Why is the sky blue?", "Air scatters blue light from the sun more than red light, so blue "
+     "reaches our eyes from every part of the sky."),
+    ("How can I keep basil alive indoors?", "Give it a sunny window, water it when the soil "
+     "feels dry, and pinch off the flowers so it keeps making leaves."),
+    ("Write a haiku about rain.", "Soft rain on the roof / the garden drinks in silence / "
+     "puddles hold the sky"),
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("Give me a tip for learning a new language.", "Practise a little every day, and speak it "
+     "out loud, even if you make mistakes."),
+    ("How do I politely decline an invitation?", "Thank them for asking, say you cannot come "
+     "this time, and wish them a good evening."),
+    ("Name three fruits that are red.", "Strawberries, cherries and raspberries."),
+    ("What is a healthy breakfast?", "Porridge with fruit, or eggs with wholemeal toast, and a "
+     "glass of water."),
+    ("Explain what a library is to a child.", "A library is a building full of books that you "
+     "can borrow for free and bring back when you have read them."),
+    ("Write one sentence encouraging a friend before an exam.", "You have worked hard for this, "
+     "so take a deep breath and show them what you know."),
+    ("What makes a good password?", "A long one that is hard to guess, such as several random "
+     "words together, and different for every account."),
+    ("How do bees make honey?", "Bees collect nectar from flowers, store it in the hive and fan "
+     "it with their wings until most of the water dries off."),
+    ("Suggest a weekend activity for a rainy day.", "Bake some bread, play a board game or "
+     "visit a museum."),
+    ("What is the difference between a lake and a sea?", "A lake is surrounded by land and "
+     "usually holds fresh water, while a sea is salty and joined to the ocean."),
+    ("How do I clean a wooden table?", "Wipe it with a soft cloth and a little soapy water, then "
+     "dry it straight away."),
+    ("Write a two-line poem about the moon.", "The moon looks down on the sleeping town, / and "
+     "lays on every roof a silver gown."),
+    ("What should I do if I feel tired at work?", "Stand up and walk for a few minutes, drink "
+     "some water and step outside for fresh air if you can."),
+    ("Give me an idea for a birthday gift for my mother.", "A photo book of family pictures, "
+     "with a short note from you on the first page."),
+    ("How does a bicycle stay upright?", "When it moves, the rider steers into any lean, and the "
+     "shape of the front fork helps the wheel turn the right way."),
+    ("What are clouds made of?", "Clouds are made of tiny drops of water or bits of ice "
+     "floating in the air."),
+    ("Recommend a way to start journaling.", "Write three lines each evening about what happened "
+     "and how you felt."),
+    ("Describe a sunrise to someone who has never seen one.", "The dark sky slowly turns pink and "
+     "orange at one edge, and then a bright light climbs up and warms your face."),
+    ("How do I make tea?", "Pour boiling water over a tea bag, wait three minutes, then take the "
+     "bag out and add milk if you like."),
+    ("What is a polite way to ask for help?", "Excuse me, could you help me with something when "
+     "you have a moment?"),
+    ("Write a sentence about the sea.", "The sea rolled in grey and slow, and the gulls cried "
+     "over the waves."),
 ]
 MINUTES = 15
 TITLE = "RL's Razor"  # (its heading in docs/findings.md)
@@ -122,23 +169,27 @@ def sft_data(args) -> Path:
 
 
 class Probe:
-    """The starting model's replies to the chat set (greedy) and its samples on arith prompts
-    (T = 1.0), and its log-probs of both: what forgetting and the forward KL are read against."""
+    """The chat set (its written replies after the chat template's prompt) and the starting
+    model's samples on arith prompts (T = 1.0), and the starting model's log-probs of both: what
+    forgetting and the forward KL are read against."""
 
     def __init__(self, args):
         import torch
         from data import arith_heldout, encode_prompts
         from model import load_model
         from rollout import HFRollout
-        from sampling import Sampling
+        from sampling import Completions, Sampling
         self.start = start_model(args)
         model, self.tokenizer = load_model(self.start, "cpu", torch.float32)
         engine = HFRollout(model, self.tokenizer, dtype=torch.float32, shares_weights=True)
-        chat = [{"prompt": [{"role": "user", "content": c}]}
-                for c in CHAT[:4 if args.tiny else None]]  # (conversational rows)
+        pairs = CHAT[:4 if args.tiny else None]
         tokens = 6 if args.tiny else 48
-        self.chat = engine.generate(encode_prompts(self.tokenizer, chat, "answer-is"), 1,
-                                    Sampling(tokens, 0.0, seed=0))
+        prompts = encode_prompts(self.tokenizer, [{"prompt": [{"role": "user", "content": q}]}
+                                                  for q, _ in pairs], "answer-is")
+        # Each reply as the model would end it: its text, then the end-of-turn token.
+        replies = [(self.tokenizer(r, add_special_tokens=False)["input_ids"] +
+                    [self.tokenizer.eos_token_id])[:tokens] for _, r in pairs]
+        self.chat = Completions(prompts, replies, [False] * len(pairs), [r for _, r in pairs])
         task = encode_prompts(self.tokenizer, arith_heldout(4 if args.tiny else 32), "answer-is")
         self.task = engine.generate(task, 2 if args.tiny else 4,
                                     Sampling(tokens // 2, 1.0, seed=0))

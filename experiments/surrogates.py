@@ -36,15 +36,24 @@ MINUTES = 55
 TITLE = "CISPO and SAPO"  # (its heading in docs/findings.md)
 
 
-def best_rates(args) -> dict[str, str]:
-    """Each term's learning rate of RATES with the higher mean training accuracy over the steps,
-    seed 0 (OFF_POLICY's own rate replaced)."""
-    sweep = {f"{name} lr {lr}": [*argv, "--lr", lr] for name, argv in TERMS.items()
-             for lr in RATES}
-    runs = run_arms("surrogates", sweep, args, common=OFF_POLICY, seeds=[0])
-    area = {arm: mean_spread([v for _, v in metric(seeds[0], "accuracy")])[0] or 0.0
-            for arm, seeds in runs.items()}
-    return {name: max(RATES, key=lambda lr: area[f"{name} lr {lr}"]) for name in TERMS}
+def sweep(args) -> dict[str, dict[str, float | None]]:
+    """Each term's mean training accuracy over the steps at each learning rate of RATES, seed 0
+    (OFF_POLICY's own rate replaced): {term: {lr: accuracy}}, None for a run that logged none."""
+    arms = {f"{name} lr {lr}": [*argv, "--lr", lr] for name, argv in TERMS.items()
+            for lr in RATES}
+    runs = run_arms("surrogates", arms, args, common=OFF_POLICY, seeds=[0])
+    return {name: {lr: mean_spread([v for _, v in metric(runs[f"{name} lr {lr}"][0],
+                                                         "accuracy")])[0] for lr in RATES}
+            for name in TERMS}
+
+
+def best(accuracy: dict[str, float | None]) -> str:
+    """The learning rate of the highest accuracy (the first of a tie); a rate without one is never
+    chosen, and a term with none at any rate stops the finding."""
+    measured = {lr: a for lr, a in accuracy.items() if a is not None}
+    if not measured:
+        raise SystemExit(f"error: surrogates: no sweep run logged an accuracy ({accuracy})")
+    return max(measured, key=measured.get)
 
 
 def race(against: list, control: list, steps: int) -> list:
@@ -58,7 +67,8 @@ def race(against: list, control: list, steps: int) -> list:
 
 def main():
     args = arguments(__doc__, seeds=3, steps=12)
-    rates = best_rates(args)
+    swept = sweep(args)
+    rates = {name: best(accuracy) for name, accuracy in swept.items()}
     arms = {f"{name} (lr {rates[name]})": [*argv, "--lr", rates[name]]
             for name, argv in TERMS.items()}
     runs = run_arms("surrogates", arms, args, common=OFF_POLICY)
@@ -71,7 +81,7 @@ def main():
     write_finding("surrogates", panels, args,
                   claim="CISPO and SAPO, which cut no token's gradient, train faster than the clip",
                   paper="Chen et al. 2025 (MiniMax-M1, CISPO); Gao et al. 2025 (SAPO)",
-                  learning_rates=rates, steps_to_target=reached, target=TARGET,
+                  learning_rates=rates, sweep=swept, steps_to_target=reached, target=TARGET,
                   measured={arm: {"accuracy_last3": mean_spread(final(s, args.steps)),
                                   "entropy_trained_last3": mean_spread(final(
                                       panels["entropy of the trained tokens"][arm], args.steps))}

@@ -323,6 +323,23 @@ def test_final_averages_the_last_steps_by_number_and_leaves_a_seed_without_them_
     assert common.by_seed([0.5, None, 0.3], [0.25, 0.1, None]) == [0.25, None, None]
 
 
+def test_a_missing_value_is_never_replaced_by_another(monkeypatch):
+    """one example's held-out gain needs the evaluations before training and at the last step
+    (once, the last evaluation stood in for a missing step 24); the surrogates' sweep never
+    chooses a rate whose run logged no accuracy (once, counted as 0), and stops if none did."""
+    _common(monkeypatch)
+    import one_example
+    import surrogates
+    assert one_example.gain([(0, 0.05), (22, 0.5), (24, 0.6)], 24) == pytest.approx(0.55)
+    assert one_example.gain([(0, 0.05), (22, 0.5)], 24) is None
+    assert one_example.gain([(2, 0.05), (24, 0.5)], 24) is None
+    assert surrogates.best({"1e-5": None, "3e-5": 0.0}) == "3e-5"
+    assert surrogates.best({"1e-5": 0.3, "3e-5": 0.3}) == "1e-5"  # (a tie: the first)
+    assert surrogates.best({"1e-5": 0.2, "3e-5": 0.3}) == "3e-5"
+    with pytest.raises(SystemExit, match="no sweep run logged an accuracy"):
+        surrogates.best({"1e-5": None, "3e-5": None})
+
+
 def test_the_interval_is_students_t_over_the_seeds_that_have_a_value(monkeypatch):
     common = _common(monkeypatch)
     # 1, 2, 3: mean 2, sd 1, t(2) = 4.303: 2 +- 4.303 / sqrt(3) = 2 +- 2.4843
@@ -352,7 +369,11 @@ def test_the_verdict_follows_from_the_interval_the_sign_and_the_margin(monkeypat
     assert verdict([-0.2, 0.04], "not positive", margin=0.05) == "reproduced"
     assert verdict([0.06, 0.2], "not positive", margin=0.05) == "contradicted"
     assert verdict([-0.1, 0.2], "not positive", margin=0.05) == "inconclusive"
-    for expect in ("none", "not positive"):
+    # a claim of no loss (NSR keeps pass@k): above -margin, or wholly below it
+    assert verdict([-0.04, 0.2], "not negative", margin=0.05) == "reproduced"
+    assert verdict([-0.2, -0.06], "not negative", margin=0.05) == "contradicted"
+    assert verdict([-0.2, 0.1], "not negative", margin=0.05) == "inconclusive"
+    for expect in ("none", "not positive", "not negative"):
         with pytest.raises(ValueError, match="margin"):
             verdict([0.0, 0.1], expect)
     with pytest.raises(ValueError, match="expect"):
