@@ -449,8 +449,8 @@ def verdict(ci: list[float] | None, expect: str, margin: float | None = None) ->
     if expect not in EXPECT:
         raise ValueError(f"expect must be one of {', '.join(EXPECT)}, not {expect!r}")
     if expect in ("none", "not positive", "not negative") and margin is None:
-        raise ValueError(f"a claim of {'no difference' if expect == 'none' else 'no gain or loss'}"
-                         f" needs its margin")
+        kind = {"none": "no difference", "not positive": "no gain", "not negative": "no loss"}
+        raise ValueError(f"a claim of {kind[expect]} needs its margin")
     if ci is None:
         return "inconclusive"
     low, high = ci

@@ -15,8 +15,9 @@ model is the one compared (matched accuracy; both accuracies recorded). Forgetti
 of the negative log-likelihood per token, over the starting model's, of a fixed held-out chat set
 -- 32 everyday requests and a reply to each, written below (not taken from a hub; not the model's
 own greedy replies, as the first design took: any model sharper than the start finds its own mode
-likelier, and that read as negative forgetting in every run). Forward KL: the mean per token of log pi_0(y) - log pi(y) over 4
-samples of the starting model at T = 1.0 on each of 32 held-out arith prompts. Cost: the GRPO runs
+likelier, and that read as negative forgetting in every run). Forward KL: the mean per token of
+log pi_0(y) - log pi(y) over 4 samples of the starting model at T = 1.0 on each of 32 held-out
+arith prompts. Cost: the GRPO runs
 shared (~10 min without them), 3 SFT runs with 16 evaluations (~3 min each) and their reruns,
 ~15 min on a 2-core CPU.
 """

@@ -14,9 +14,11 @@ A tree with uncommitted changes makes every run anew (--fresh), into a folder of
 own (rerun-<commit>-uncommitted-<time>), where no rerun of the commit itself looks; an edit or a
 commit while it runs stops it before the next finding (or the finding just rerun) is reported.
 The rerun table: finding, each term's recorded effect and 95 % interval, the rerun's, and whether
-the finding held -- every term's verdict (common.verdict) the same again -- the commit and the
-minutes it took. Each rerun's record (the finding's JSON, with `rerun_commit` and `rerun_minutes`)
-is kept beside its runs, in <runs>/records/; copied to docs/findings/rerun/, it is the page's.
+the finding held -- every term's verdict (common.verdict) the same again, for the same claim --
+the commit and the minutes it took (of the command that finished it: a stopped rerun's earlier
+part is not counted). Each rerun's record (the finding's JSON, with `rerun_commit` and
+`rerun_minutes`) is kept beside its runs, in <runs>/records/, once the tree is known unchanged;
+copied to docs/findings/rerun/, it is the page's.
 The page's two tables (--table) are written between their markers from the records alone -- the
 findings from docs/findings/*.json, the rerun from docs/findings/rerun/*.json and the records
 they rerun: tests/test_experiments.py fails when the page and the records differ.
@@ -40,25 +42,34 @@ END = "<!-- end of the findings table -->"
 RERUN_BEGIN = "<!-- the rerun table: written by `python experiments/run_all.py --table` from " \
               "docs/findings/rerun/*.json; do not edit by hand -->"
 RERUN_END = "<!-- end of the rerun table -->"
+VERDICTS = ("reproduced", "contradicted", "not at this scale", "inconclusive")
 
 
-def rerun(name: str, runs: Path, tiny: bool, clean: bool) -> dict:
-    """The finding run again into `runs`: its record, which also says the commit and the minutes,
-    kept as <runs>/records/<name>.json (its picture beside it). Runs finished there before are
-    taken again (a stopped rerun goes on) only for a `clean` tree (committed): with uncommitted
-    changes, or outside git, a folder's name cannot tell one tree from another, so every run is
-    made anew (--fresh)."""
-    out = runs / "records"
+def rerun(name: str, runs: Path, tiny: bool, clean: bool) -> tuple[dict, float]:
+    """The finding run again into `runs`: its record (written to <runs>/records/partial/, where
+    nothing is taken for the page) and its minutes. Runs finished there before are taken again (a
+    stopped rerun goes on) only for a `clean` tree (committed): with uncommitted changes, or
+    outside git, a folder's name cannot tell one tree from another, so every run is made anew
+    (--fresh)."""
+    out = runs / "records" / "partial"
     out.mkdir(parents=True, exist_ok=True)
     fresh = [] if clean else ["--fresh"]
     t0 = time.time()
     subprocess.run([sys.executable, str(ROOT / "experiments" / f"{name}.py"), *fresh,
                     "--runs", str(runs), "--out", str(out)] + (["--tiny"] if tiny else []),
                    check=True)
-    again = json.loads((out / f"{name}.json").read_text())
-    again.update(rerun_commit=commit() + ("" if clean else " (uncommitted)"),
-                 rerun_minutes=round((time.time() - t0) / 60))
-    (out / f"{name}.json").write_text(json.dumps(again, indent=1) + "\n")
+    return json.loads((out / f"{name}.json").read_text()), (time.time() - t0) / 60
+
+
+def keep(name: str, again: dict, runs: Path, made_at: str, minutes: float) -> dict:
+    """The rerun's record, saying the commit its runs were made at and the minutes, kept as
+    <runs>/records/<name>.json, its picture beside it (called once the tree is known unchanged)."""
+    partial = runs / "records" / "partial"
+    again = {**again, "rerun_commit": made_at, "rerun_minutes": round(minutes)}
+    (runs / "records" / f"{name}.json").write_text(json.dumps(again, indent=1) + "\n")
+    if (partial / f"{name}.png").exists():
+        (partial / f"{name}.png").replace(runs / "records" / f"{name}.png")
+    (partial / f"{name}.json").unlink()
     return again
 
 
@@ -100,10 +111,18 @@ def terms(record: dict) -> dict[str, dict]:
         "effect_name", "effect", "effect_by_seed", "ci95", "verdict", "seeds_with_effect")}}
 
 
+CLAIM = ("effect_name", "expect", "margin")  # what a term claims: a rerun must claim the same
+
+
 def held(recorded: dict, again: dict) -> str:
     """"held" where every term of the record has the same verdict in the rerun, else what
-    changed."""
+    changed; "not comparable" where the rerun's design or a term's claim is not the record's."""
     was, now = terms(recorded), terms(again)
+    other = [name for name, t in was.items() if name in now and
+             any(now[name].get(k) != t.get(k) for k in CLAIM)]
+    if recorded.get("design") != again.get("design") or other:
+        return "not comparable (" + ("; ".join(f"{name}: another claim" for name in other) or
+                                     "another design") + ")"
     changed = [f"{name}: {t['verdict']} -> {now[name]['verdict'] if name in now else 'absent'}"
                for name, t in was.items() if name not in now or
                now[name]["verdict"] != t["verdict"]]
@@ -162,11 +181,30 @@ def recorded(folder: Path = RECORDED) -> dict[str, dict]:
 
 
 def between(page: str, begin: str, end: str, text: str) -> str:
-    """The page with `text` between its markers `begin` and `end`."""
-    if begin not in page or end not in page:
-        raise SystemExit(f"error: {PAGE}: no table markers ({begin} ... {end})")
+    """The page with `text` between its markers `begin` and `end` (each once, in that order)."""
+    if page.count(begin) != 1 or page.count(end) != 1 or page.index(begin) > page.index(end):
+        raise SystemExit(f"error: {PAGE}: its table markers must be there once each, in this "
+                         f"order: {begin} ... {end}")
     head, rest = page.split(begin, 1)
     return head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1]
+
+
+def check_rerun(name: str, again: dict) -> None:
+    """Stop, in one line, at a rerun record the page cannot take: the tiny model's, an uncommitted
+    tree's (or one without the commit it was made at: a finding's own --out copied), one without
+    its minutes, or a term without a verdict."""
+    where = f"error: {RERUNS / name}.json:"
+    if again.get("tiny") is not False:
+        raise SystemExit(f"{where} a rerun of the tiny model (or one that does not say) is no "
+                         f"rerun of the finding")
+    if not re.fullmatch(r"[0-9a-f]{7,40}", str(again.get("rerun_commit"))):
+        raise SystemExit(f"{where} rerun_commit {again.get('rerun_commit')!r} is no commit: a "
+                         f"rerun of an uncommitted tree, or a record run_all.py did not write")
+    if not isinstance(again.get("rerun_minutes"), int):
+        raise SystemExit(f"{where} no rerun_minutes: a record run_all.py did not write")
+    for label, t in terms(again).items():
+        if t.get("verdict") not in VERDICTS:
+            raise SystemExit(f"{where} term {label!r} has no verdict")
 
 
 def page_with_table(page: str, records: dict[str, dict], reruns: dict[str, dict]) -> str:
@@ -175,10 +213,8 @@ def page_with_table(page: str, records: dict[str, dict], reruns: dict[str, dict]
     stray = sorted(set(reruns) - set(records))
     if stray:
         raise SystemExit(f"error: {RERUNS}: reruns of findings with no record: {stray}")
-    for name, again in sorted(reruns.items()):  # (the tiny model's or a dirty tree's: nothing)
-        if again.get("tiny") or "uncommitted" in str(again.get("rerun_commit")):
-            raise SystemExit(f"error: {RERUNS / name}.json: a rerun of the tiny model or of an "
-                             f"uncommitted tree is no rerun of the finding")
+    for name, again in sorted(reruns.items()):
+        check_rerun(name, again)
     rows = [rerun_row(name, records[name], again) for name, again in sorted(reruns.items())]
     return between(between(page, BEGIN, END, table(records)), RERUN_BEGIN, RERUN_END,
                    "\n".join(RERUN_HEAD + rows))
@@ -198,7 +234,7 @@ def main():
         PAGE.write_text(page_with_table(PAGE.read_text(), recorded(), recorded(RERUNS)))
         print(f"wrote the tables of {PAGE}")
         return
-    clean, start = committed(), tree()
+    clean, start, made_at = committed(), tree(), commit()
     if not clean and args.runs:
         raise SystemExit("error: the tree has uncommitted changes (or no git): its reruns go to "
                          "a folder of their own, where no rerun of a commit looks; leave --runs "
@@ -218,9 +254,10 @@ def main():
                              f"experiments/{name}.py first")
         was = json.loads(path.read_text())
         unchanged(start, f"{name} and the findings after it are not rerun")
-        again = rerun(name, runs, args.tiny, clean)
+        again, minutes = rerun(name, runs, args.tiny, clean)
         unchanged(start, f"{name}'s rerun may have run the new code: its runs in {runs} "
                                 f"are not reported")
+        again = keep(name, again, runs, made_at + ("" if clean else " (uncommitted)"), minutes)
         rows.append(rerun_row(name, was, again))
         print(rows[-1], flush=True)
     print("\n".join(rows))

@@ -86,9 +86,39 @@ def test_the_pages_table_is_the_records(monkeypatch):
         run_all.page_with_table(page, records, {**reruns, "one_example": again})
     with pytest.raises(SystemExit, match="reruns of findings with no record: .'nothing'."):
         run_all.page_with_table(page, records, {"nothing": again})
-    for made in ({"tiny": True}, {"rerun_commit": "abc1234 (uncommitted)"}):
-        with pytest.raises(SystemExit, match="one_example.json: a rerun of the tiny model or"):
+    # A row for each rerun record, in the findings' order.
+    two = run_all.page_with_table(page, records, {**reruns, "one_example": again,
+                                                  "kl_penalty": {**records["kl_penalty"],
+                                                                 "rerun_commit": "abc1234",
+                                                                 "rerun_minutes": 48}})
+    assert two.index("| kl_penalty | beta 1 holds") < two.index("| one_example | as much as")
+    assert "| held | abc1234 | 48 |" in two
+    # A rerun of another claim is not compared.
+    other = json.loads(json.dumps(again))
+    other["terms"]["as much as all"]["margin"] = 0.2
+    assert "| not comparable (as much as all: another claim) |" in run_all.page_with_table(
+        page, records, {"one_example": other})
+    assert "| not comparable (another design) |" in run_all.page_with_table(
+        page, records, {"one_example": {**again, "design": "another"}})
+    # What the page cannot take, in one line naming the record.
+    for made, said in (({"tiny": True}, "a rerun of the tiny model"),
+                       ({"tiny": None}, "a rerun of the tiny model"),
+                       ({"rerun_commit": "abc1234 (uncommitted)"}, "is no commit"),
+                       ({"rerun_commit": None}, "is no commit"),
+                       ({"rerun_minutes": None}, "no rerun_minutes")):
+        with pytest.raises(SystemExit, match=f"one_example.json: .*{said}"):
             run_all.page_with_table(page, records, {"one_example": {**again, **made}})
+    bad = json.loads(json.dumps(again))
+    del bad["terms"]["after saturation"]["verdict"]
+    with pytest.raises(SystemExit, match="term 'after saturation' has no verdict"):
+        run_all.page_with_table(page, records, {"one_example": bad})
+    # The markers: once each, in order, or the page is refused.
+    for broken in (page + run_all.RERUN_BEGIN + "\n" + run_all.RERUN_END + "\n",
+                   page.replace(run_all.RERUN_BEGIN, "@@").replace(run_all.RERUN_END,
+                                                                   run_all.RERUN_BEGIN)
+                   .replace("@@", run_all.RERUN_END)):
+        with pytest.raises(SystemExit, match="markers must be there once each, in this order"):
+            run_all.page_with_table(broken, records, reruns)
 
 
 def test_run_all_holds_a_finding_to_every_verdict_it_recorded(monkeypatch):
@@ -338,6 +368,13 @@ def test_a_missing_value_is_never_replaced_by_another(monkeypatch):
     assert surrogates.best({"1e-5": 0.2, "3e-5": 0.3}) == "3e-5"
     with pytest.raises(SystemExit, match="no sweep run logged an accuracy"):
         surrogates.best({"1e-5": None, "3e-5": None})
+    # The sweep: a run that logged no accuracy is None there, not 0.
+    monkeypatch.setattr(surrogates, "run_arms", lambda name, arms, args, common, seeds: {
+        arm: {0: arm} for arm in arms})
+    monkeypatch.setattr(surrogates, "metric", lambda run, key: [] if run == "clip lr 3e-5" else
+                        [(1, 0.25), (2, 0.5)])
+    swept = surrogates.sweep(None)
+    assert swept["clip"] == {"1e-5": 0.375, "3e-5": None} and swept["sapo"]["3e-5"] == 0.375
 
 
 def test_the_interval_is_students_t_over_the_seeds_that_have_a_value(monkeypatch):
@@ -373,6 +410,11 @@ def test_the_verdict_follows_from_the_interval_the_sign_and_the_margin(monkeypat
     assert verdict([-0.04, 0.2], "not negative", margin=0.05) == "reproduced"
     assert verdict([-0.2, -0.06], "not negative", margin=0.05) == "contradicted"
     assert verdict([-0.2, 0.1], "not negative", margin=0.05) == "inconclusive"
+    # on the margin itself: within it reproduces, touching it from outside does not contradict
+    assert verdict([-0.05, 0.2], "not negative", margin=0.05) == "reproduced"
+    assert verdict([-0.3, -0.05], "not negative", margin=0.05) == "inconclusive"
+    assert verdict([-0.2, 0.05], "not positive", margin=0.05) == "reproduced"
+    assert verdict([0.05, 0.3], "not positive", margin=0.05) == "inconclusive"
     for expect in ("none", "not positive", "not negative"):
         with pytest.raises(ValueError, match="margin"):
             verdict([0.0, 0.1], expect)
@@ -476,8 +518,11 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
     assert json.loads((runs[2] / "records" / "sharpening.json").read_text())["rerun_commit"] \
         == "abc1234 (uncommitted)"
     # Read before and after each finding: an edit or a commit while it runs stops it, in one
-    # line, before a finding whose runs would come from other code is reported (helper-27).
-    # An already dirty tree edited again is caught too (its diff changed, helper-28).
+    # line, before a finding whose runs would come from other code is reported (helper-27) or
+    # its record kept (helper-60). An already dirty tree edited again is caught too (its diff
+    # changed, helper-28).
+    for folder in set(runs):
+        shutil.rmtree(folder / "records")
     for clean in (True, False):
         monkeypatch.setattr(run_all, "committed", lambda: clean)
         monkeypatch.setattr(run_all, "tree", lambda n=len(said): "as it was" if len(said) <= n
@@ -486,6 +531,7 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
         with pytest.raises(SystemExit, match="the tree changed while run_all ran .*: "
                                              "lenient_verifier's rerun may have run the new code"):
             run_all.main()
+    assert not any((folder / "records" / "lenient_verifier.json").exists() for folder in set(runs))
     # A dirty tree's runs never go where a commit's rerun looks: --runs of its own is refused.
     monkeypatch.setattr(run_all, "committed", lambda: False)
     monkeypatch.setattr(sys, "argv", ["run_all.py", "sharpening", "--runs", str(runs[0])])
