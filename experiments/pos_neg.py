@@ -16,7 +16,9 @@ sample, those of a group with no right answer too: at the base's ~3 % accuracy, 
 first full run kept GRPO's group-relative weights instead: its NSR trained on 3 steps of 12, the
 only ones with a right answer in some group.) Then each model samples 128 answers to each of
 the 32 held-out problems sharpening.py reads, at T = 0.7, and pass@k is read for k = 1 ... 128
-(the base model's and GRPO's counts are sharpening.py's, kept in their runs' folders). Cost: 6
+(the base model's and GRPO's counts are sharpening.py's, kept in their runs' folders). The terms,
+at k = 128: NSR keeps pass@k, a claim of no loss (NSR at most 0.03 below GRPO), and PSR narrows
+it (PSR below GRPO). Cost: 6
 runs of ~1-3 min and ~3 min of sampling for each of their 6 models: ~30 min on the 2-core AMX
 Xeon in bf16 (~90 estimated on an AVX2 one; --seeds 2 is two thirds of it, with an interval 3
 times as wide).

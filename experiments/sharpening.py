@@ -14,8 +14,10 @@ lenient arm, whose runs serve here); then the base model and each trained one sa
 to each of 32 held-out problems at T = 0.7, and pass@k (the unbiased estimator,
 evaluate.pass_at_k) is read for k = 1, 2, 4, ..., 128. Every problem's count of right answers is
 kept (counts), and so are the problems each trained model solves that the base model never does
-in 128 samples. Cost: ~12 min of sampling a model, ~50 min for the base and three (the GRPO runs
-shared; ~10 min more without them).
+in 128 samples. The terms: pass@1, GRPO minus base (positive: RL raises it), and at k = 128
+"catches up", a claim of no gain -- GRPO at most 0.05 ahead of the base model (the paper's
+crossing would put GRPO behind, which reproduces it too). Cost: ~12 min of sampling a model, ~50
+min for the base and three (the GRPO runs shared; ~10 min more without them).
 """
 
 import sys
