@@ -51,6 +51,7 @@ def test_a_run_across_nodes_trains_as_one_process_does_and_says_where_each_worke
     run_grpo([*small_run_args(tiny_model_dir, tmp_path), *STEPS])
     across, alone = read_metrics(out), read_metrics(tmp_path)
     assert [r["step"] for r in across] == [r["step"] for r in alone] == [1, 2]
+    assert [r["policy_lag"] for r in across] == [0, 0]  # (synchronous: no step sampled stale)
     for a, o in zip(across, alone):
         for key in ("reward", "completion_len", "zero_std_frac", "truncated_frac",
                     "trained_frac"):

@@ -57,16 +57,8 @@ def test_grpo_on_ray_with_async_steps_samples_what_a_synchronous_run_does(dtype,
             assert a[key] == s[key], key
         assert a["loss"] == pytest.approx(s["loss"], abs=0.02)
     assert lagged[-1]["eval_accuracy"] == synced[-1]["eval_accuracy"]
-    # Synchronous on Ray, colocated: the engine decodes from trainer 0's own tensors (no copy, no
-    # sync) and the two trainers each keep half of AdamW's moments -- the same run again.
-    run_grpo([*args, *on_ray, "--out", str(tmp_path / "r")])
-    ray_sync = read_metrics(tmp_path / "r")
-    assert ray_sync[-1]["eval_accuracy"] == synced[-1]["eval_accuracy"]
-    for r, s in zip(ray_sync[1:], synced[1:]):
-        for key in ("reward", "completion_len", "zero_std_frac", "truncated_frac", "trained_frac",
-                    "policy_lag"):
-            assert r[key] == s[key], key
-        assert r["loss"] == pytest.approx(s["loss"], abs=1e-5)
+    # (Synchronous on Ray, colocated, equal to one process: test_nodes.py's run across nodes,
+    # the same command with lr 1e-3, its losses and gradient norms to rel 1e-5.)
 
 
 def _words(text: str) -> str:
