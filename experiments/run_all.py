@@ -26,11 +26,14 @@ they rerun: tests/test_experiments.py fails when the page and the records differ
 
 import argparse
 import json
+import math
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common import VERDICTS
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "docs" / "findings"
@@ -42,7 +45,12 @@ END = "<!-- end of the findings table -->"
 RERUN_BEGIN = "<!-- the rerun table: written by `python experiments/run_all.py --table` from " \
               "docs/findings/rerun/*.json; do not edit by hand -->"
 RERUN_END = "<!-- end of the rerun table -->"
-VERDICTS = ("reproduced", "contradicted", "not at this scale", "inconclusive")
+
+
+def partial(runs: Path) -> Path:
+    """Where a finding's rerun writes its record before run_all keeps it: nothing there is taken
+    for the page."""
+    return runs / "records" / "partial"
 
 
 def rerun(name: str, runs: Path, tiny: bool, clean: bool) -> tuple[dict, float]:
@@ -51,7 +59,7 @@ def rerun(name: str, runs: Path, tiny: bool, clean: bool) -> tuple[dict, float]:
     stopped rerun goes on) only for a `clean` tree (committed): with uncommitted changes, or
     outside git, a folder's name cannot tell one tree from another, so every run is made anew
     (--fresh)."""
-    out = runs / "records" / "partial"
+    out = partial(runs)
     out.mkdir(parents=True, exist_ok=True)
     fresh = [] if clean else ["--fresh"]
     t0 = time.time()
@@ -64,12 +72,12 @@ def rerun(name: str, runs: Path, tiny: bool, clean: bool) -> tuple[dict, float]:
 def keep(name: str, again: dict, runs: Path, made_at: str, minutes: float) -> dict:
     """The rerun's record, saying the commit its runs were made at and the minutes, kept as
     <runs>/records/<name>.json, its picture beside it (called once the tree is known unchanged)."""
-    partial = runs / "records" / "partial"
+    staged = partial(runs)
     again = {**again, "rerun_commit": made_at, "rerun_minutes": round(minutes)}
     (runs / "records" / f"{name}.json").write_text(json.dumps(again, indent=1) + "\n")
-    if (partial / f"{name}.png").exists():
-        (partial / f"{name}.png").replace(runs / "records" / f"{name}.png")
-    (partial / f"{name}.json").unlink()
+    if (staged / f"{name}.png").exists():
+        (staged / f"{name}.png").replace(runs / "records" / f"{name}.png")
+    (staged / f"{name}.json").unlink()
     return again
 
 
@@ -105,24 +113,26 @@ def unchanged(start: str, what: str) -> None:
                          f"{what}; start it again")
 
 
-def terms(record: dict) -> dict[str, dict]:
-    """A record's terms (one, the headline, for a record that has no others)."""
-    return record.get("terms") or {"effect": {k: record.get(k) for k in (
-        "effect_name", "effect", "effect_by_seed", "ci95", "verdict", "seeds_with_effect")}}
-
-
 CLAIM = ("effect_name", "expect", "margin")  # what a term claims: a rerun must claim the same
+
+
+def terms(record: dict) -> dict[str, dict]:
+    """A record's terms (one, the headline, for a record that has no others: its claim kept, so
+    that a rerun is held to it too)."""
+    return record.get("terms") or {"effect": {k: record.get(k) for k in (
+        *CLAIM, "effect", "effect_by_seed", "ci95", "verdict", "seeds_with_effect")}}
 
 
 def held(recorded: dict, again: dict) -> str:
     """"held" where every term of the record has the same verdict in the rerun, else what
     changed; "not comparable" where the rerun's design or a term's claim is not the record's."""
     was, now = terms(recorded), terms(again)
-    other = [name for name, t in was.items() if name in now and
-             any(now[name].get(k) != t.get(k) for k in CLAIM)]
-    if recorded.get("design") != again.get("design") or other:
-        return "not comparable (" + ("; ".join(f"{name}: another claim" for name in other) or
-                                     "another design") + ")"
+    why = ["another design"] if recorded.get("design") != again.get("design") else []
+    why += [f"{name}: another claim" for name, t in was.items() if name in now and
+            any(now[name].get(k) != t.get(k) for k in CLAIM)]
+    why += [f"{name}: a term the record lacks" for name in now if name not in was]
+    if why:
+        return "not comparable (" + "; ".join(why) + ")"
     changed = [f"{name}: {t['verdict']} -> {now[name]['verdict'] if name in now else 'absent'}"
                for name, t in was.items() if name not in now or
                now[name]["verdict"] != t["verdict"]]
@@ -143,24 +153,23 @@ def interval(t: dict) -> str:
         if ci else f"{number(t.get('effect'))}, {seeds} seed{'s' * (seeds != 1)} (no interval)"
 
 
-def table(records: dict[str, dict]) -> str:
-    """docs/findings.md's table: a row a finding, a line a term (its effect, interval and
+TABLE_HEAD = ["| finding | the claim | paper | command | effect [95 % interval], seeds | verdict "
+              "| runs | cost |", "|---|---|---|---|---|---|---|---|"]
+
+
+def finding_row(name: str, r: dict) -> str:
+    """A finding's row of docs/findings.md's table: a line a term (its effect, interval and
     verdict)."""
-    rows = ["| finding | the claim | paper | command | effect [95 % interval], seeds | verdict "
-            "| runs | cost |", "|---|---|---|---|---|---|---|---|"]
-    for name, r in sorted(records.items()):
-        effects = "<br>".join(f"*{label}*: {t['effect_name']}: **{interval(t)}**"
-                              for label, t in terms(r).items())
-        verdicts = "<br>".join(f"*{label}*: **{t['verdict']}**" for label, t in terms(r).items())
-        runs = f"{r['seeds']} seeds x {r['steps']} steps" + (
-            f" ({r['design']})" if r.get("design") else "")
-        cost = f"~{r['estimated_minutes']} min" if r.get("estimated_minutes") else "–"
-        title = r.get("title", name)
-        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")  # (GitHub's anchor)
-        rows.append(f"| [{title}](#{slug}) | {r['claim']} | "
-                    f"{r['paper']} | `python experiments/{name}.py` | {effects} | {verdicts} | "
-                    f"{runs} | {cost} |")
-    return "\n".join(rows)
+    effects = "<br>".join(f"*{label}*: {t['effect_name']}: **{interval(t)}**"
+                          for label, t in terms(r).items())
+    verdicts = "<br>".join(f"*{label}*: **{t['verdict']}**" for label, t in terms(r).items())
+    runs = f"{r['seeds']} seeds x {r['steps']} steps" + (
+        f" ({r['design']})" if r.get("design") else "")
+    cost = f"~{r['estimated_minutes']} min" if r.get("estimated_minutes") else "–"
+    title = r.get("title", name)
+    slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")  # (GitHub's anchor)
+    return (f"| [{title}](#{slug}) | {r['claim']} | {r['paper']} | "
+            f"`python experiments/{name}.py` | {effects} | {verdicts} | {runs} | {cost} |")
 
 
 RERUN_HEAD = ["| finding | recorded: effect [95 % interval] | rerun | held? | commit | minutes |",
@@ -189,22 +198,51 @@ def between(page: str, begin: str, end: str, text: str) -> str:
     return head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1]
 
 
+def a_number(x) -> bool:
+    """Whether x is a number a record may hold: finite, not a bool, not a string that reads as
+    one."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
 def check_rerun(name: str, again: dict) -> None:
     """Stop, in one line, at a rerun record the page cannot take: the tiny model's, an uncommitted
     tree's (or one without the commit it was made at: a finding's own --out copied), one without
-    its minutes, or a term without a verdict."""
+    its minutes, or a term without a verdict or with an effect or interval that is no number."""
     where = f"error: {RERUNS / name}.json:"
     if again.get("tiny") is not False:
         raise SystemExit(f"{where} a rerun of the tiny model (or one that does not say) is no "
                          f"rerun of the finding")
-    if not re.fullmatch(r"[0-9a-f]{7,40}", str(again.get("rerun_commit"))):
-        raise SystemExit(f"{where} rerun_commit {again.get('rerun_commit')!r} is no commit: a "
-                         f"rerun of an uncommitted tree, or a record run_all.py did not write")
-    if not isinstance(again.get("rerun_minutes"), int):
-        raise SystemExit(f"{where} no rerun_minutes: a record run_all.py did not write")
+    made_at = again.get("rerun_commit")
+    if not isinstance(made_at, str) or not re.fullmatch(r"[0-9a-f]{7,40}", made_at):
+        raise SystemExit(f"{where} rerun_commit {made_at!r} is no commit: a rerun of an "
+                         f"uncommitted tree, or a record run_all.py did not write")
+    minutes = again.get("rerun_minutes")
+    if not (isinstance(minutes, int) and not isinstance(minutes, bool) and minutes >= 0):
+        raise SystemExit(f"{where} rerun_minutes {minutes!r} is no count of minutes (or none): "
+                         f"a record run_all.py did not write")
+    if "terms" in again and not isinstance(again["terms"], dict):
+        raise SystemExit(f"{where} terms must be a mapping of a term's name to the term")
     for label, t in terms(again).items():
+        if not isinstance(t, dict):
+            raise SystemExit(f"{where} term {label!r} is no record of a term")
         if t.get("verdict") not in VERDICTS:
             raise SystemExit(f"{where} term {label!r} has no verdict")
+        ci = t.get("ci95")
+        if not (t.get("effect") is None or a_number(t["effect"])) or not (
+                ci is None or isinstance(ci, list) and len(ci) == 2 and all(map(a_number, ci))):
+            raise SystemExit(f"{where} term {label!r}: its effect must be a number (or null) and "
+                             f"its ci95 two numbers (or null)")
+
+
+def one_line(row: str, head: str, source: Path) -> str:
+    """A table's row as it is, if it is one line of the head's columns holding no table marker:
+    a line break (a "\\r" too: the page read back splits on it) would end the row, a "|" add a
+    column, a marker move the table."""
+    if len(row.splitlines()) > 1 or row.count("|") != head.count("|") or \
+            any(m in row for m in (BEGIN, END, RERUN_BEGIN, RERUN_END)):
+        raise SystemExit(f"error: {source}: a field breaks the page's table (a line break, a "
+                         f"'|' or a table marker in its text)")
+    return row
 
 
 def page_with_table(page: str, records: dict[str, dict], reruns: dict[str, dict]) -> str:
@@ -215,9 +253,12 @@ def page_with_table(page: str, records: dict[str, dict], reruns: dict[str, dict]
         raise SystemExit(f"error: {RERUNS}: reruns of findings with no record: {stray}")
     for name, again in sorted(reruns.items()):
         check_rerun(name, again)
-    rows = [rerun_row(name, records[name], again) for name, again in sorted(reruns.items())]
-    return between(between(page, BEGIN, END, table(records)), RERUN_BEGIN, RERUN_END,
-                   "\n".join(RERUN_HEAD + rows))
+    findings = [one_line(finding_row(name, r), TABLE_HEAD[0], RECORDED / f"{name}.json")
+                for name, r in sorted(records.items())]
+    reran = [one_line(rerun_row(name, records[name], again), RERUN_HEAD[0], RERUNS / f"{name}.json")
+             for name, again in sorted(reruns.items())]
+    return between(between(page, BEGIN, END, "\n".join(TABLE_HEAD + findings)), RERUN_BEGIN,
+                   RERUN_END, "\n".join(RERUN_HEAD + reran))
 
 
 def main():

@@ -100,18 +100,44 @@ def test_the_pages_table_is_the_records(monkeypatch):
         page, records, {"one_example": other})
     assert "| not comparable (another design) |" in run_all.page_with_table(
         page, records, {"one_example": {**again, "design": "another"}})
+    extra = json.loads(json.dumps(again))
+    extra["terms"]["new"] = extra["terms"]["as much as all"]
+    assert "| not comparable (another design; new: a term the record lacks) |" in \
+        run_all.page_with_table(page, records, {"one_example": {**extra, "design": "another"}})
     # What the page cannot take, in one line naming the record.
     for made, said in (({"tiny": True}, "a rerun of the tiny model"),
                        ({"tiny": None}, "a rerun of the tiny model"),
                        ({"rerun_commit": "abc1234 (uncommitted)"}, "is no commit"),
                        ({"rerun_commit": None}, "is no commit"),
-                       ({"rerun_minutes": None}, "no rerun_minutes")):
+                       ({"rerun_commit": 1234567}, "is no commit"),
+                       ({"rerun_minutes": None}, "is no count of minutes"),
+                       ({"rerun_minutes": True}, "is no count of minutes"),
+                       ({"rerun_minutes": -3}, "is no count of minutes"),
+                       ({"rerun_minutes": 12.5}, "is no count of minutes"),
+                       ({"terms": ["as much as all"]}, "terms must be a mapping"),
+                       ({"terms": {"a": "reproduced"}}, "term 'a' is no record of a term")):
         with pytest.raises(SystemExit, match=f"one_example.json: .*{said}"):
             run_all.page_with_table(page, records, {"one_example": {**again, **made}})
-    bad = json.loads(json.dumps(again))
-    del bad["terms"]["after saturation"]["verdict"]
-    with pytest.raises(SystemExit, match="term 'after saturation' has no verdict"):
-        run_all.page_with_table(page, records, {"one_example": bad})
+    for key, value, said in (("verdict", None, "has no verdict"),
+                             ("effect", "0.3", "its effect must be a number"),
+                             ("effect", float("nan"), "its effect must be a number"),
+                             ("ci95", [0.1], "its ci95 two numbers"),
+                             ("ci95", [0.1, True], "its ci95 two numbers")):
+        bad = json.loads(json.dumps(again))
+        bad["terms"]["after saturation"][key] = value
+        with pytest.raises(SystemExit, match=f"one_example.json: term 'after saturation'.*{said}"):
+            run_all.page_with_table(page, records, {"one_example": bad})
+    # A field that would break a row (a line break, "\r" too, a "|", a marker) is refused, naming
+    # the record it came from.
+    for text in ("two\nlines", "a\rcarriage return", "a | column", run_all.RERUN_END):
+        odd = json.loads(json.dumps(again))
+        odd["terms"][text] = odd["terms"].pop("as much as all")  # (a term's name is in its row)
+        with pytest.raises(SystemExit, match=r"rerun/one_example.json: a field breaks"):
+            run_all.page_with_table(page, records, {"one_example": odd})
+        broken = json.loads(json.dumps(records))
+        broken["kl_penalty"]["claim"] = text
+        with pytest.raises(SystemExit, match=r"findings/kl_penalty.json: a field breaks"):
+            run_all.page_with_table(page, broken, reruns)
     # The markers: once each, in order, or the page is refused.
     for broken in (page + run_all.RERUN_BEGIN + "\n" + run_all.RERUN_END + "\n",
                    page.replace(run_all.RERUN_BEGIN, "@@").replace(run_all.RERUN_END,
@@ -130,6 +156,11 @@ def test_run_all_holds_a_finding_to_every_verdict_it_recorded(monkeypatch):
     assert run_all.held(was, again) == "not held (b: inconclusive -> contradicted)"
     assert run_all.held(was, {"terms": {"a": {"verdict": "reproduced"}}}) == \
         "not held (b: inconclusive -> absent)"
+    # A record of one term (no `terms`): its claim is compared too.
+    one = {"effect_name": "gain", "expect": "positive", "margin": None, "verdict": "reproduced"}
+    assert run_all.held(one, one) == "held"
+    assert run_all.held(one, {**one, "expect": "none", "margin": 0.1}) == \
+        "not comparable (effect: another claim)"
 
 
 def test_a_measure_every_step_leaves_the_runs_own_steps_unchanged(tmp_path, monkeypatch,
