@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import VERDICTS
+from common import EXPECT, VERDICTS, verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "docs" / "findings"
@@ -114,6 +114,7 @@ def unchanged(start: str, what: str) -> None:
 
 
 CLAIM = ("effect_name", "expect", "margin")  # what a term claims: a rerun must claim the same
+DESIGN = ("design", "seeds", "steps")  # what a finding runs: a rerun must run the same
 
 
 def terms(record: dict) -> dict[str, dict]:
@@ -127,7 +128,7 @@ def held(recorded: dict, again: dict) -> str:
     """"held" where every term of the record has the same verdict in the rerun, else what
     changed; "not comparable" where the rerun's design or a term's claim is not the record's."""
     was, now = terms(recorded), terms(again)
-    why = ["another design"] if recorded.get("design") != again.get("design") else []
+    why = ["another design"] if any(recorded.get(k) != again.get(k) for k in DESIGN) else []
     why += [f"{name}: another claim" for name, t in was.items() if name in now and
             any(now[name].get(k) != t.get(k) for k in CLAIM)]
     why += [f"{name}: a term the record lacks" for name in now if name not in was]
@@ -186,7 +187,14 @@ def rerun_row(name: str, was: dict, again: dict) -> str:
 
 
 def recorded(folder: Path = RECORDED) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+    """The records in `folder`, by finding (a file that is no JSON: one line naming it)."""
+    records = {}
+    for p in sorted(folder.glob("*.json")):
+        try:
+            records[p.stem] = json.loads(p.read_text())
+        except ValueError as e:  # (bad JSON, or an integer too long to read)
+            raise SystemExit(f"error: {p}: not a JSON record: {e}")
+    return records
 
 
 def between(page: str, begin: str, end: str, text: str) -> str:
@@ -201,17 +209,62 @@ def between(page: str, begin: str, end: str, text: str) -> str:
 def a_number(x) -> bool:
     """Whether x is a number a record may hold: finite, not a bool, not a string that reads as
     one."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # (an integer too large for a float)
+        return False
 
 
-def check_rerun(name: str, again: dict) -> None:
-    """Stop, in one line, at a rerun record the page cannot take: the tiny model's, an uncommitted
-    tree's (or one without the commit it was made at: a finding's own --out copied), one without
-    its minutes, or a term without a verdict or with an effect or interval that is no number."""
+def check_record(path: Path, r, name: str) -> None:
+    """Stop, in one line naming `path`, at a record the page cannot take: not a finding's record
+    (another finding's, the tiny model's, one without its claim, paper, seeds or steps), or a term
+    whose numbers are not numbers or whose verdict is not the one its interval gives its claim."""
+    def refuse(why: str):
+        raise SystemExit(f"error: {path}: {why}")
+    if not isinstance(r, dict):
+        refuse("not a finding's record (a JSON object)")
+    if r.get("finding") != name:
+        refuse(f"the record of {r.get('finding')!r}, not of {name!r}")
+    if r.get("tiny") is not False:
+        refuse("a run of the tiny model (or one that does not say) is no record of the finding")
+    for key, kind in (("claim", str), ("paper", str), ("seeds", int), ("steps", int)):
+        if not isinstance(r.get(key), kind) or isinstance(r.get(key), bool):
+            refuse(f"{key} must be a {kind.__name__}, not {r.get(key)!r}")
+    if "terms" in r and not (isinstance(r["terms"], dict) and r["terms"]):
+        refuse("terms must be a mapping of each term's name to the term, one term at least")
+    for label, t in terms(r).items():
+        if not isinstance(t, dict):
+            refuse(f"term {label!r} is no record of a term")
+        if t.get("verdict") not in VERDICTS:
+            refuse(f"term {label!r}: its verdict {t.get('verdict')!r} is none of {VERDICTS}")
+        ci, by_seed = t.get("ci95"), t.get("effect_by_seed")
+        if not (t.get("effect") is None or a_number(t["effect"])) or not (
+                ci is None or isinstance(ci, list) and len(ci) == 2 and all(map(a_number, ci))) \
+                or not (isinstance(by_seed, list) and
+                        all(v is None or a_number(v) for v in by_seed)):
+            refuse(f"term {label!r}: its effect must be a number (or null), its ci95 two numbers "
+                   f"(or null), its effect_by_seed a list of numbers (or nulls)")
+        if not isinstance(t.get("effect_name"), str) or t.get("expect") not in EXPECT or not (
+                t.get("margin") is None or a_number(t["margin"])):
+            refuse(f"term {label!r}: its claim must be an effect_name, an expect among {EXPECT} "
+                   f"and a margin (a number or null)")
+        try:
+            given = verdict(ci, t["expect"], t.get("margin"))
+        except ValueError as e:
+            refuse(f"term {label!r}: {e}")
+        if t["verdict"] != given:
+            refuse(f"term {label!r}: its verdict {t['verdict']!r} is not the one its interval "
+                   f"gives its claim ({given!r})")
+
+
+def check_rerun(name: str, again) -> None:
+    """Stop, in one line, at a rerun record the page cannot take: no record of the finding
+    (check_record), an uncommitted tree's (or one without the commit it was made at: a finding's
+    own --out copied), or one without its minutes."""
     where = f"error: {RERUNS / name}.json:"
-    if again.get("tiny") is not False:
-        raise SystemExit(f"{where} a rerun of the tiny model (or one that does not say) is no "
-                         f"rerun of the finding")
+    check_record(RERUNS / f"{name}.json", again, name)
     made_at = again.get("rerun_commit")
     if not isinstance(made_at, str) or not re.fullmatch(r"[0-9a-f]{7,40}", made_at):
         raise SystemExit(f"{where} rerun_commit {made_at!r} is no commit: a rerun of an "
@@ -220,18 +273,6 @@ def check_rerun(name: str, again: dict) -> None:
     if not (isinstance(minutes, int) and not isinstance(minutes, bool) and minutes >= 0):
         raise SystemExit(f"{where} rerun_minutes {minutes!r} is no count of minutes (or none): "
                          f"a record run_all.py did not write")
-    if "terms" in again and not isinstance(again["terms"], dict):
-        raise SystemExit(f"{where} terms must be a mapping of a term's name to the term")
-    for label, t in terms(again).items():
-        if not isinstance(t, dict):
-            raise SystemExit(f"{where} term {label!r} is no record of a term")
-        if t.get("verdict") not in VERDICTS:
-            raise SystemExit(f"{where} term {label!r} has no verdict")
-        ci = t.get("ci95")
-        if not (t.get("effect") is None or a_number(t["effect"])) or not (
-                ci is None or isinstance(ci, list) and len(ci) == 2 and all(map(a_number, ci))):
-            raise SystemExit(f"{where} term {label!r}: its effect must be a number (or null) and "
-                             f"its ci95 two numbers (or null)")
 
 
 def one_line(row: str, head: str, source: Path) -> str:
@@ -251,6 +292,8 @@ def page_with_table(page: str, records: dict[str, dict], reruns: dict[str, dict]
     stray = sorted(set(reruns) - set(records))
     if stray:
         raise SystemExit(f"error: {RERUNS}: reruns of findings with no record: {stray}")
+    for name, r in sorted(records.items()):
+        check_record(RECORDED / f"{name}.json", r, name)
     for name, again in sorted(reruns.items()):
         check_rerun(name, again)
     findings = [one_line(finding_row(name, r), TABLE_HEAD[0], RECORDED / f"{name}.json")

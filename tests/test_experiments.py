@@ -59,7 +59,7 @@ def test_a_finding_runs_tiny_and_writes_its_picture_and_numbers(name, tmp_path, 
         json.loads((ROOT / "docs" / "findings" / f"{name}.json").read_text())["tiny"] is False
 
 
-def test_the_pages_table_is_the_records(monkeypatch):
+def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
     """docs/findings.md's table is written from docs/findings/*.json (run_all.py --table): a
     record changed, or the page edited by hand, and they differ."""
     monkeypatch.syspath_prepend(str(ROOT / "experiments"))
@@ -74,14 +74,15 @@ def test_the_pages_table_is_the_records(monkeypatch):
         for t in run_all.terms(r).values():
             assert f"**{t['verdict']}**" in page and run_all.interval(t) in page, (name, t)
     changed = json.loads(json.dumps(records))
-    changed["one_example"]["terms"]["as much as all"]["verdict"] = "reproduced"
+    changed["one_example"]["terms"]["as much as all"].update(ci95=[-0.05, 0.05],
+                                                             verdict="reproduced")
     assert run_all.page_with_table(page, changed, reruns) != page
     # The rerun table: a row a rerun record, its verdicts against the record's.
     again = json.loads(json.dumps(records["one_example"]))
     again.update(rerun_commit="abc1234", rerun_minutes=37)
     rows = run_all.page_with_table(page, records, {**reruns, "one_example": again})
     assert "| one_example | as much as all: " in rows and "| held | abc1234 | 37 |" in rows
-    again["terms"]["as much as all"]["verdict"] = "inconclusive"
+    again["terms"]["as much as all"].update(ci95=[-0.3, 0.05], verdict="inconclusive")
     assert "| not held (as much as all: contradicted -> inconclusive) | abc1234 | 37 |" in \
         run_all.page_with_table(page, records, {**reruns, "one_example": again})
     with pytest.raises(SystemExit, match="reruns of findings with no record: .'nothing'."):
@@ -100,13 +101,18 @@ def test_the_pages_table_is_the_records(monkeypatch):
         page, records, {"one_example": other})
     assert "| not comparable (another design) |" in run_all.page_with_table(
         page, records, {"one_example": {**again, "design": "another"}})
+    assert "| not comparable (another design) |" in run_all.page_with_table(
+        page, records, {"one_example": {**again, "seeds": 2}})  # (fewer seeds: not the same run)
     extra = json.loads(json.dumps(again))
     extra["terms"]["new"] = extra["terms"]["as much as all"]
     assert "| not comparable (another design; new: a term the record lacks) |" in \
         run_all.page_with_table(page, records, {"one_example": {**extra, "design": "another"}})
     # What the page cannot take, in one line naming the record.
-    for made, said in (({"tiny": True}, "a rerun of the tiny model"),
-                       ({"tiny": None}, "a rerun of the tiny model"),
+    for made, said in (({"tiny": True}, "a run of the tiny model"),
+                       ({"tiny": None}, "a run of the tiny model"),
+                       ({"finding": "kl_penalty"}, "the record of 'kl_penalty', not of"),
+                       ({"seeds": "4"}, "seeds must be a int"),
+                       ({"terms": {}}, "terms must be a mapping"),
                        ({"rerun_commit": "abc1234 (uncommitted)"}, "is no commit"),
                        ({"rerun_commit": None}, "is no commit"),
                        ({"rerun_commit": 1234567}, "is no commit"),
@@ -118,15 +124,30 @@ def test_the_pages_table_is_the_records(monkeypatch):
                        ({"terms": {"a": "reproduced"}}, "term 'a' is no record of a term")):
         with pytest.raises(SystemExit, match=f"one_example.json: .*{said}"):
             run_all.page_with_table(page, records, {"one_example": {**again, **made}})
-    for key, value, said in (("verdict", None, "has no verdict"),
+    for key, value, said in (("verdict", None, "its verdict None is none of"),
+                             ("verdict", "Reproduced", "its verdict 'Reproduced' is none of"),
+                             ("verdict", "reproduced", "is not the one its interval gives"),
                              ("effect", "0.3", "its effect must be a number"),
                              ("effect", float("nan"), "its effect must be a number"),
+                             ("effect", 10 ** 400, "its effect must be a number"),
                              ("ci95", [0.1], "its ci95 two numbers"),
-                             ("ci95", [0.1, True], "its ci95 two numbers")):
+                             ("ci95", [0.1, True], "its ci95 two numbers"),
+                             ("effect_by_seed", 3, "its effect_by_seed a list"),
+                             ("margin", float("nan"), "its claim must be"),
+                             ("expect", "bigger", "its claim must be")):
         bad = json.loads(json.dumps(again))
         bad["terms"]["after saturation"][key] = value
         with pytest.raises(SystemExit, match=f"one_example.json: term 'after saturation'.*{said}"):
             run_all.page_with_table(page, records, {"one_example": bad})
+    # The findings' own records are held to the same, and a file that is no JSON named.
+    wrong = json.loads(json.dumps(records))
+    wrong["kl_penalty"]["terms"]["beta 1 holds"]["verdict"] = "contradicted"
+    with pytest.raises(SystemExit, match=r"findings/kl_penalty.json: term 'beta 1 holds': its "
+                                         r"verdict 'contradicted' is not the one"):
+        run_all.page_with_table(page, wrong, reruns)
+    (tmp_path / "cut.json").write_text('{"finding": "cut", "terms": {')
+    with pytest.raises(SystemExit, match=r"cut.json: not a JSON record"):
+        run_all.recorded(tmp_path)
     # A field that would break a row (a line break, "\r" too, a "|", a marker) is refused, naming
     # the record it came from.
     for text in ("two\nlines", "a\rcarriage return", "a | column", run_all.RERUN_END):
