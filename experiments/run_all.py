@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import EXPECT, VERDICTS, verdict
+from common import EXPECT, VERDICTS, term
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = ROOT / "docs" / "findings"
@@ -114,7 +114,8 @@ def unchanged(start: str, what: str) -> None:
 
 
 CLAIM = ("effect_name", "expect", "margin")  # what a term claims: a rerun must claim the same
-DESIGN = ("design", "seeds", "steps")  # what a finding runs: a rerun must run the same
+# What a finding claims and runs: a rerun of another is not compared.
+DESIGN = {"claim": "another claim", "seeds": "other seeds", "steps": "other steps"}
 
 
 def terms(record: dict) -> dict[str, dict]:
@@ -126,9 +127,10 @@ def terms(record: dict) -> dict[str, dict]:
 
 def held(recorded: dict, again: dict) -> str:
     """"held" where every term of the record has the same verdict in the rerun, else what
-    changed; "not comparable" where the rerun's design or a term's claim is not the record's."""
+    changed; "not comparable" where the rerun's claim, seeds or steps, or a term's claim, are not
+    the record's, or it has a term the record lacks."""
     was, now = terms(recorded), terms(again)
-    why = ["another design"] if any(recorded.get(k) != again.get(k) for k in DESIGN) else []
+    why = [said for k, said in DESIGN.items() if recorded.get(k) != again.get(k)]
     why += [f"{name}: another claim" for name, t in was.items() if name in now and
             any(now[name].get(k) != t.get(k) for k in CLAIM)]
     why += [f"{name}: a term the record lacks" for name in now if name not in was]
@@ -164,8 +166,7 @@ def finding_row(name: str, r: dict) -> str:
     effects = "<br>".join(f"*{label}*: {t['effect_name']}: **{interval(t)}**"
                           for label, t in terms(r).items())
     verdicts = "<br>".join(f"*{label}*: **{t['verdict']}**" for label, t in terms(r).items())
-    runs = f"{r['seeds']} seeds x {r['steps']} steps" + (
-        f" ({r['design']})" if r.get("design") else "")
+    runs = f"{r['seeds']} seeds x {r['steps']} steps"
     cost = f"~{r['estimated_minutes']} min" if r.get("estimated_minutes") else "–"
     title = r.get("title", name)
     slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")  # (GitHub's anchor)
@@ -206,10 +207,15 @@ def between(page: str, begin: str, end: str, text: str) -> str:
     return head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1]
 
 
+def whole(x) -> bool:
+    """Whether x is a JSON integer (not a bool, which Python counts as one)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def a_number(x) -> bool:
     """Whether x is a number a record may hold: finite, not a bool, not a string that reads as
     one."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if not (whole(x) or isinstance(x, float)):
         return False
     try:
         return math.isfinite(x)
@@ -217,62 +223,88 @@ def a_number(x) -> bool:
         return False
 
 
-def check_record(path: Path, r, name: str) -> None:
+def same(x, y) -> bool:
+    """Whether a record's value x is the value y recomputed (numbers to their last bits or so)."""
+    if isinstance(y, list):
+        return isinstance(x, list) and len(x) == len(y) and all(map(same, x, y))
+    if isinstance(y, float):
+        return a_number(x) and math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12)
+    return type(x) is type(y) and x == y
+
+
+HEADLINE = ("effect", "effect_spread", "effect_by_seed", "effect_name", "seeds_with_effect",
+            "ci95", "expect", "margin", "verdict")  # (the first term's, at a record's top level)
+
+
+def check_record(path: Path, r, name: str, tiny: bool = False) -> None:
     """Stop, in one line naming `path`, at a record the page cannot take: not a finding's record
-    (another finding's, the tiny model's, one without its claim, paper, seeds or steps), or a term
-    whose numbers are not numbers or whose verdict is not the one its interval gives its claim."""
+    (another finding's, the tiny model's where `tiny` is not asked for, one without its claim,
+    paper, seeds or steps), or a term whose effect, interval and verdict are not the ones its
+    seeds' effects give its claim."""
     def refuse(why: str):
         raise SystemExit(f"error: {path}: {why}")
     if not isinstance(r, dict):
         refuse("not a finding's record (a JSON object)")
     if r.get("finding") != name:
-        refuse(f"the record of {r.get('finding')!r}, not of {name!r}")
-    if r.get("tiny") is not False:
-        refuse("a run of the tiny model (or one that does not say) is no record of the finding")
-    for key, kind in (("claim", str), ("paper", str), ("seeds", int), ("steps", int)):
-        if not isinstance(r.get(key), kind) or isinstance(r.get(key), bool):
-            refuse(f"{key} must be a {kind.__name__}, not {r.get(key)!r}")
+        refuse(f"its finding is {r.get('finding')!r}, not {name!r} (the file's name)")
+    if r.get("tiny") is not tiny:
+        refuse("a run of the tiny model (or one that does not say) is no record of the finding"
+               if not tiny else "not a run of the tiny model, as --tiny asked")
+    for key in ("claim", "paper", "title"):
+        if not (isinstance(r.get(key), str) and r[key].strip()) and (key in r or key != "title"):
+            refuse(f"{key} must be a text, not {r.get(key)!r}")
+    for key in ("seeds", "steps", "estimated_minutes"):
+        if not (whole(r.get(key)) and r[key] > 0) and (key in r or key != "estimated_minutes"):
+            refuse(f"{key} must be a whole number above 0, not {r.get(key)!r}")
     if "terms" in r and not (isinstance(r["terms"], dict) and r["terms"]):
         refuse("terms must be a mapping of each term's name to the term, one term at least")
     for label, t in terms(r).items():
-        if not isinstance(t, dict):
-            refuse(f"term {label!r} is no record of a term")
-        if t.get("verdict") not in VERDICTS:
-            refuse(f"term {label!r}: its verdict {t.get('verdict')!r} is none of {VERDICTS}")
-        ci, by_seed = t.get("ci95"), t.get("effect_by_seed")
-        if not (t.get("effect") is None or a_number(t["effect"])) or not (
-                ci is None or isinstance(ci, list) and len(ci) == 2 and all(map(a_number, ci))) \
-                or not (isinstance(by_seed, list) and
-                        all(v is None or a_number(v) for v in by_seed)):
-            refuse(f"term {label!r}: its effect must be a number (or null), its ci95 two numbers "
-                   f"(or null), its effect_by_seed a list of numbers (or nulls)")
-        if not isinstance(t.get("effect_name"), str) or t.get("expect") not in EXPECT or not (
-                t.get("margin") is None or a_number(t["margin"])):
-            refuse(f"term {label!r}: its claim must be an effect_name, an expect among {EXPECT} "
-                   f"and a margin (a number or null)")
-        try:
-            given = verdict(ci, t["expect"], t.get("margin"))
-        except ValueError as e:
-            refuse(f"term {label!r}: {e}")
-        if t["verdict"] != given:
-            refuse(f"term {label!r}: its verdict {t['verdict']!r} is not the one its interval "
-                   f"gives its claim ({given!r})")
+        check_term(t, lambda why: refuse(f"term {label!r}: {why}"))
+    first = next(iter(terms(r).values()))
+    if any(k in r and not same(r[k], first.get(k)) for k in HEADLINE):
+        refuse("its headline (the effect, interval and verdict at the top) is not its first "
+               "term's")
+
+
+def check_term(t, refuse) -> None:
+    """refuse(why) a term that is not a record of one, or whose effect, interval, count of seeds
+    and verdict are not common.term's from its effect_by_seed and its claim."""
+    if not isinstance(t, dict):
+        refuse("no record of a term")
+    by_seed, margin = t.get("effect_by_seed"), t.get("margin")
+    if not (isinstance(by_seed, list) and all(v is None or a_number(v) for v in by_seed)):
+        refuse("effect_by_seed must be a list of numbers (null for a seed without one)")
+    if not isinstance(t.get("effect_name"), str):
+        refuse("effect_name must be a text")
+    if t.get("expect") not in EXPECT:
+        refuse(f"expect must be one of {EXPECT}, not {t.get('expect')!r}")
+    if not (margin is None or a_number(margin) and margin >= 0):
+        refuse(f"margin must be a number of at least 0 (or null), not {margin!r}")
+    if t.get("verdict") not in VERDICTS:
+        refuse(f"its verdict {t.get('verdict')!r} is none of {VERDICTS}")
+    try:
+        given = term(by_seed, t["expect"], t["effect_name"], margin)
+    except ValueError as e:  # (a claim of no difference without its margin)
+        refuse(str(e))
+    for key in ("effect", "ci95", "seeds_with_effect", "verdict"):
+        if not same(t.get(key), given[key]):
+            refuse(f"its {key} {t.get(key)!r} is not what its effect_by_seed gives its claim "
+                   f"({given[key]!r})")
 
 
 def check_rerun(name: str, again) -> None:
     """Stop, in one line, at a rerun record the page cannot take: no record of the finding
     (check_record), an uncommitted tree's (or one without the commit it was made at: a finding's
     own --out copied), or one without its minutes."""
-    where = f"error: {RERUNS / name}.json:"
-    check_record(RERUNS / f"{name}.json", again, name)
+    path = RERUNS / f"{name}.json"
+    check_record(path, again, name)
     made_at = again.get("rerun_commit")
     if not isinstance(made_at, str) or not re.fullmatch(r"[0-9a-f]{7,40}", made_at):
-        raise SystemExit(f"{where} rerun_commit {made_at!r} is no commit: a rerun of an "
+        raise SystemExit(f"error: {path}: rerun_commit {made_at!r} is no commit: a rerun of an "
                          f"uncommitted tree, or a record run_all.py did not write")
-    minutes = again.get("rerun_minutes")
-    if not (isinstance(minutes, int) and not isinstance(minutes, bool) and minutes >= 0):
-        raise SystemExit(f"{where} rerun_minutes {minutes!r} is no count of minutes (or none): "
-                         f"a record run_all.py did not write")
+    if not (whole(again.get("rerun_minutes")) and again["rerun_minutes"] >= 0):
+        raise SystemExit(f"error: {path}: rerun_minutes {again.get('rerun_minutes')!r} is no "
+                         f"count of minutes (or none): a record run_all.py did not write")
 
 
 def one_line(row: str, head: str, source: Path) -> str:
@@ -292,12 +324,13 @@ def page_with_table(page: str, records: dict[str, dict], reruns: dict[str, dict]
     stray = sorted(set(reruns) - set(records))
     if stray:
         raise SystemExit(f"error: {RERUNS}: reruns of findings with no record: {stray}")
+    findings = []
     for name, r in sorted(records.items()):
-        check_record(RECORDED / f"{name}.json", r, name)
+        path = RECORDED / f"{name}.json"
+        check_record(path, r, name)
+        findings.append(one_line(finding_row(name, r), TABLE_HEAD[0], path))
     for name, again in sorted(reruns.items()):
         check_rerun(name, again)
-    findings = [one_line(finding_row(name, r), TABLE_HEAD[0], RECORDED / f"{name}.json")
-                for name, r in sorted(records.items())]
     reran = [one_line(rerun_row(name, records[name], again), RERUN_HEAD[0], RERUNS / f"{name}.json")
              for name, again in sorted(reruns.items())]
     return between(between(page, BEGIN, END, "\n".join(TABLE_HEAD + findings)), RERUN_BEGIN,
@@ -336,9 +369,11 @@ def main():
         if not path.exists():
             raise SystemExit(f"error: {name}: nothing recorded in {path}; run python "
                              f"experiments/{name}.py first")
-        was = json.loads(path.read_text())
+        was = recorded(RECORDED)[name]
+        check_record(path, was, name)  # (before an hour of runs, not after)
         unchanged(start, f"{name} and the findings after it are not rerun")
         again, minutes = rerun(name, runs, args.tiny, clean)
+        check_record(partial(runs) / f"{name}.json", again, name, args.tiny)
         unchanged(start, f"{name}'s rerun may have run the new code: its runs in {runs} "
                                 f"are not reported")
         again = keep(name, again, runs, made_at + ("" if clean else " (uncommitted)"), minutes)

@@ -59,6 +59,18 @@ def test_a_finding_runs_tiny_and_writes_its_picture_and_numbers(name, tmp_path, 
         json.loads((ROOT / "docs" / "findings" / f"{name}.json").read_text())["tiny"] is False
 
 
+def reseeded(record: dict, label: str, by_seed: list, **claim) -> dict:
+    """A copy of `record` whose term `label` was measured as `by_seed` (and claims `claim`): its
+    effect, interval and verdict recomputed as a finding computes them, the headline too."""
+    import common
+    r = json.loads(json.dumps(record))
+    t = {**r["terms"][label], **claim}
+    r["terms"][label] = common.term(by_seed, t["expect"], t["effect_name"], t["margin"])
+    if label == next(iter(r["terms"])):
+        r.update({k: r["terms"][label][k] for k in r if k in r["terms"][label]})
+    return r
+
+
 def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
     """docs/findings.md's table is written from docs/findings/*.json (run_all.py --table): a
     record changed, or the page edited by hand, and they differ."""
@@ -74,15 +86,15 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
         for t in run_all.terms(r).values():
             assert f"**{t['verdict']}**" in page and run_all.interval(t) in page, (name, t)
     changed = json.loads(json.dumps(records))
-    changed["one_example"]["terms"]["as much as all"].update(ci95=[-0.05, 0.05],
-                                                             verdict="reproduced")
+    changed["one_example"] = reseeded(changed["one_example"], "as much as all",
+                                      [0.01, -0.01, 0.02, 0.0])  # (now within the margin)
     assert run_all.page_with_table(page, changed, reruns) != page
     # The rerun table: a row a rerun record, its verdicts against the record's.
     again = json.loads(json.dumps(records["one_example"]))
     again.update(rerun_commit="abc1234", rerun_minutes=37)
     rows = run_all.page_with_table(page, records, {**reruns, "one_example": again})
     assert "| one_example | as much as all: " in rows and "| held | abc1234 | 37 |" in rows
-    again["terms"]["as much as all"].update(ci95=[-0.3, 0.05], verdict="inconclusive")
+    again = reseeded(again, "as much as all", [-0.3, 0.05, -0.1, 0.0])
     assert "| not held (as much as all: contradicted -> inconclusive) | abc1234 | 37 |" in \
         run_all.page_with_table(page, records, {**reruns, "one_example": again})
     with pytest.raises(SystemExit, match="reruns of findings with no record: .'nothing'."):
@@ -95,23 +107,31 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
     assert two.index("| kl_penalty | beta 1 holds") < two.index("| one_example | as much as")
     assert "| held | abc1234 | 48 |" in two
     # A rerun of another claim is not compared.
-    other = json.loads(json.dumps(again))
-    other["terms"]["as much as all"]["margin"] = 0.2
+    other = reseeded(again, "as much as all", again["terms"]["as much as all"]["effect_by_seed"],
+                     margin=0.2)
     assert "| not comparable (as much as all: another claim) |" in run_all.page_with_table(
         page, records, {"one_example": other})
-    assert "| not comparable (another design) |" in run_all.page_with_table(
-        page, records, {"one_example": {**again, "design": "another"}})
-    assert "| not comparable (another design) |" in run_all.page_with_table(
-        page, records, {"one_example": {**again, "seeds": 2}})  # (fewer seeds: not the same run)
+    assert "| not comparable (another claim) |" in run_all.page_with_table(
+        page, records, {"one_example": {**again, "claim": "another"}})
+    assert "| not comparable (other steps) |" in run_all.page_with_table(
+        page, records, {"one_example": {**again, "steps": 6}})
     extra = json.loads(json.dumps(again))
     extra["terms"]["new"] = extra["terms"]["as much as all"]
-    assert "| not comparable (another design; new: a term the record lacks) |" in \
-        run_all.page_with_table(page, records, {"one_example": {**extra, "design": "another"}})
+    assert "| not comparable (other steps; new: a term the record lacks) |" in \
+        run_all.page_with_table(page, records, {"one_example": {**extra, "steps": 6}})
     # What the page cannot take, in one line naming the record.
     for made, said in (({"tiny": True}, "a run of the tiny model"),
                        ({"tiny": None}, "a run of the tiny model"),
-                       ({"finding": "kl_penalty"}, "the record of 'kl_penalty', not of"),
-                       ({"seeds": "4"}, "seeds must be a int"),
+                       ({"finding": "kl_penalty"}, "its finding is 'kl_penalty', not"),
+                       ({"claim": 3}, "claim must be a text"),
+                       ({"paper": None}, "paper must be a text"),
+                       ({"title": ""}, "title must be a text"),
+                       ({"title": 3}, "title must be a text"),
+                       ({"seeds": "4"}, "seeds must be a whole number above 0"),
+                       ({"seeds": True}, "seeds must be a whole number above 0"),
+                       ({"steps": 0}, "steps must be a whole number above 0"),
+                       ({"estimated_minutes": "lots"}, "estimated_minutes must be a whole"),
+                       ({"verdict": "reproduced"}, "its headline .* is not its first term's"),
                        ({"terms": {}}, "terms must be a mapping"),
                        ({"rerun_commit": "abc1234 (uncommitted)"}, "is no commit"),
                        ({"rerun_commit": None}, "is no commit"),
@@ -121,20 +141,25 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
                        ({"rerun_minutes": -3}, "is no count of minutes"),
                        ({"rerun_minutes": 12.5}, "is no count of minutes"),
                        ({"terms": ["as much as all"]}, "terms must be a mapping"),
-                       ({"terms": {"a": "reproduced"}}, "term 'a' is no record of a term")):
+                       ({"terms": {"a": "reproduced"}}, "term 'a': no record of a term")):
         with pytest.raises(SystemExit, match=f"one_example.json: .*{said}"):
             run_all.page_with_table(page, records, {"one_example": {**again, **made}})
     for key, value, said in (("verdict", None, "its verdict None is none of"),
                              ("verdict", "Reproduced", "its verdict 'Reproduced' is none of"),
-                             ("verdict", "reproduced", "is not the one its interval gives"),
-                             ("effect", "0.3", "its effect must be a number"),
-                             ("effect", float("nan"), "its effect must be a number"),
-                             ("effect", 10 ** 400, "its effect must be a number"),
-                             ("ci95", [0.1], "its ci95 two numbers"),
-                             ("ci95", [0.1, True], "its ci95 two numbers"),
-                             ("effect_by_seed", 3, "its effect_by_seed a list"),
-                             ("margin", float("nan"), "its claim must be"),
-                             ("expect", "bigger", "its claim must be")):
+                             ("verdict", "reproduced", "its verdict 'reproduced' is not what"),
+                             ("effect", "0.3", "its effect '0.3' is not what"),
+                             ("effect", float("nan"), "its effect nan is not what"),
+                             ("effect", 10 ** 400, "its effect 1000.* is not what"),
+                             ("effect", -100.0, "its effect -100.0 is not what"),
+                             ("ci95", [0.1], r"its ci95 \[0.1\] is not what"),
+                             ("ci95", [-0.0225, 0.085], "its ci95 .* is not what"),
+                             ("seeds_with_effect", 99, "its seeds_with_effect 99 is not what"),
+                             ("effect_by_seed", 3, "effect_by_seed must be a list of numbers"),
+                             ("effect_by_seed", [0.1, "x"], "effect_by_seed must be a list"),
+                             ("effect_name", None, "effect_name must be a text"),
+                             ("margin", float("nan"), "margin must be a number of at least 0"),
+                             ("margin", -1, "margin must be a number of at least 0"),
+                             ("expect", "bigger", "expect must be one of")):
         bad = json.loads(json.dumps(again))
         bad["terms"]["after saturation"][key] = value
         with pytest.raises(SystemExit, match=f"one_example.json: term 'after saturation'.*{said}"):
@@ -143,7 +168,7 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
     wrong = json.loads(json.dumps(records))
     wrong["kl_penalty"]["terms"]["beta 1 holds"]["verdict"] = "contradicted"
     with pytest.raises(SystemExit, match=r"findings/kl_penalty.json: term 'beta 1 holds': its "
-                                         r"verdict 'contradicted' is not the one"):
+                                         r"verdict 'contradicted' is not what"):
         run_all.page_with_table(page, wrong, reruns)
     (tmp_path / "cut.json").write_text('{"finding": "cut", "terms": {')
     with pytest.raises(SystemExit, match=r"cut.json: not a JSON record"):
@@ -152,7 +177,8 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
     # the record it came from.
     for text in ("two\nlines", "a\rcarriage return", "a | column", run_all.RERUN_END):
         odd = json.loads(json.dumps(again))
-        odd["terms"][text] = odd["terms"].pop("as much as all")  # (a term's name is in its row)
+        odd["terms"] = {text if k == "as much as all" else k: t  # (a term's name is in its row)
+                        for k, t in odd["terms"].items()}
         with pytest.raises(SystemExit, match=r"rerun/one_example.json: a field breaks"):
             run_all.page_with_table(page, records, {"one_example": odd})
         broken = json.loads(json.dumps(records))
@@ -551,7 +577,8 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
         said.append(line)
         name = Path(line[1]).stem
         out = Path(line[line.index("--out") + 1])
-        (out / f"{name}.json").write_text((run_all.RECORDED / f"{name}.json").read_text())
+        record = json.loads((run_all.RECORDED / f"{name}.json").read_text())
+        (out / f"{name}.json").write_text(json.dumps({**record, "tiny": "--tiny" in line}))
     monkeypatch.setattr(run_all.subprocess, "run", run)
     monkeypatch.setattr(run_all, "ROOT", tmp_path)
     monkeypatch.setattr(run_all, "commit", lambda: "abc1234")
@@ -588,4 +615,19 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
     monkeypatch.setattr(run_all, "committed", lambda: False)
     monkeypatch.setattr(sys, "argv", ["run_all.py", "sharpening", "--runs", str(runs[0])])
     with pytest.raises(SystemExit, match="uncommitted changes .*; leave --runs out, or commit"):
+        run_all.main()
+    # A record that is not the finding's is refused before its runs, and a rerun that did not
+    # run what was asked (the tiny model's, or not) before its record is kept.
+    monkeypatch.setattr(run_all, "committed", lambda: True)
+    monkeypatch.setattr(run_all, "tree", lambda: "as it was")
+    monkeypatch.setattr(run_all, "RECORDED", tmp_path / "recorded")
+    (tmp_path / "recorded").mkdir()
+    (tmp_path / "recorded" / "sharpening.json").write_text(json.dumps({"finding": "sharpening"}))
+    monkeypatch.setattr(sys, "argv", ["run_all.py", "sharpening", "--tiny"])
+    with pytest.raises(SystemExit, match="recorded/sharpening.json: a run of the tiny model"):
+        run_all.main()
+    monkeypatch.setattr(run_all, "RECORDED", ROOT / "docs" / "findings")
+    monkeypatch.setattr(run_all.subprocess, "run", lambda line, check: run(
+        [x for x in line if x != "--tiny"], check))  # (a full run, where --tiny was asked)
+    with pytest.raises(SystemExit, match="partial/sharpening.json: not a run of the tiny model"):
         run_all.main()
