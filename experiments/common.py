@@ -532,8 +532,8 @@ def write_finding(name: str, panels: dict[str, dict[str, list]], args, terms: di
     """docs/findings/<name>.png -- one panel a quantity, the arms side by side over steps, each
     seed a thin line and the arms' means bold (a mean of fewer seeds than the arm has is marked
     with their number) -- and <name>.json: the series, each term's effect by seed, interval and
-    verdict (the first term's also at the top level: the finding's headline, what run_all.py and
-    the table read first), and `record` (the claim, the paper, the numbers). panels: {title: {arm:
+    verdict (the first term's also at the top level: the finding's headline, which run_all.py
+    holds to that term), and `record` (the claim, the paper, the numbers). panels: {title: {arm:
     [a seed's [(x, value)], ...]}}. axes_of: {title: its x axis} for panels whose x is no step
     (e.g. the KL): each seed's points joined in order, no mean drawn."""
     for label, t in terms.items():
