@@ -118,11 +118,15 @@ CLAIM = ("effect_name", "expect", "margin")  # what a term claims: a rerun must 
 DESIGN = {"claim": "another claim", "seeds": "other seeds", "steps": "other steps"}
 
 
+# A record's headline: its first term's numbers and claim, at its top level too.
+HEADLINE = ("effect", "effect_spread", "effect_by_seed", "effect_name", "seeds_with_effect",
+            "ci95", "expect", "margin", "verdict")
+
+
 def terms(record: dict) -> dict[str, dict]:
     """A record's terms (one, the headline, for a record that has no others: its claim kept, so
     that a rerun is held to it too)."""
-    return record.get("terms") or {"effect": {k: record.get(k) for k in (
-        *CLAIM, "effect", "effect_by_seed", "ci95", "verdict", "seeds_with_effect")}}
+    return record.get("terms") or {"effect": {k: record.get(k) for k in HEADLINE}}
 
 
 def held(recorded: dict, again: dict) -> str:
@@ -193,8 +197,8 @@ def recorded(folder: Path = RECORDED) -> dict[str, dict]:
     for p in sorted(folder.glob("*.json")):
         try:
             records[p.stem] = json.loads(p.read_text())
-        except ValueError as e:  # (bad JSON, or an integer too long to read)
-            raise SystemExit(f"error: {p}: not a JSON record: {e}")
+        except (OSError, ValueError, RecursionError) as e:  # (a folder, bad JSON, too deep)
+            raise SystemExit(f"error: {p}: not a JSON record: {type(e).__name__}: {e}")
     return records
 
 
@@ -232,64 +236,79 @@ def same(x, y) -> bool:
     return type(x) is type(y) and x == y
 
 
-HEADLINE = ("effect", "effect_spread", "effect_by_seed", "effect_name", "seeds_with_effect",
-            "ci95", "expect", "margin", "verdict")  # (the first term's, at a record's top level)
+# The fields of a record the page shows, what each must be, and whether a record may leave it out.
+TEXT, COUNT = "a text", "a whole number above 0 (and below a million)"
+FIELDS = {"claim": (TEXT, False), "paper": (TEXT, False), "title": (TEXT, True),
+          "seeds": (COUNT, False), "steps": (COUNT, False), "estimated_minutes": (COUNT, True)}
+KINDS = {TEXT: lambda x: isinstance(x, str) and x.strip() != "",
+         COUNT: lambda x: whole(x) and 0 < x < 10 ** 6}
+# What common.term computes from a term's effect_by_seed and claim: a record must hold the same.
+RECOMPUTED = ("effect", "effect_spread", "ci95", "seeds_with_effect", "verdict")
 
 
 def check_record(path: Path, r, name: str, tiny: bool = False) -> None:
-    """Stop, in one line naming `path`, at a record the page cannot take: not a finding's record
-    (another finding's, the tiny model's where `tiny` is not asked for, one without its claim,
-    paper, seeds or steps), or a term whose effect, interval and verdict are not the ones its
-    seeds' effects give its claim."""
-    def refuse(why: str):
+    """Stop, in one line naming `path`, at a record the page cannot take (record_fault)."""
+    why = record_fault(r, name, tiny)
+    if why:
         raise SystemExit(f"error: {path}: {why}")
+
+
+def record_fault(r, name: str, tiny: bool) -> str | None:
+    """What makes `r` no record of the finding `name` that the page can take, in a few words
+    (None: nothing): another finding's, the tiny model's where `tiny` is not asked for (or the
+    other way round), a field of FIELDS missing or not what it must be, a term that is wrong
+    (term_fault), or a headline that is not the first term's."""
     if not isinstance(r, dict):
-        refuse("not a finding's record (a JSON object)")
+        return "not a finding's record (a JSON object)"
     if r.get("finding") != name:
-        refuse(f"its finding is {r.get('finding')!r}, not {name!r} (the file's name)")
+        return f"its finding is {r.get('finding')!r}, not {name!r} (the file's name)"
     if r.get("tiny") is not tiny:
-        refuse("a run of the tiny model (or one that does not say) is no record of the finding"
-               if not tiny else "not a run of the tiny model, as --tiny asked")
-    for key in ("claim", "paper", "title"):
-        if not (isinstance(r.get(key), str) and r[key].strip()) and (key in r or key != "title"):
-            refuse(f"{key} must be a text, not {r.get(key)!r}")
-    for key in ("seeds", "steps", "estimated_minutes"):
-        if not (whole(r.get(key)) and r[key] > 0) and (key in r or key != "estimated_minutes"):
-            refuse(f"{key} must be a whole number above 0, not {r.get(key)!r}")
+        return ("not a run of the tiny model, as --tiny asked" if tiny else
+                "a run of the tiny model (or one that does not say) is no record of the finding")
+    for key, (kind, optional) in FIELDS.items():
+        if not (optional and key not in r) and not KINDS[kind](r.get(key)):
+            return f"{key} must be {kind}, not {r.get(key)!r}"
     if "terms" in r and not (isinstance(r["terms"], dict) and r["terms"]):
-        refuse("terms must be a mapping of each term's name to the term, one term at least")
+        return "terms must be a mapping of each term's name to the term, one term at least"
     for label, t in terms(r).items():
-        check_term(t, lambda why: refuse(f"term {label!r}: {why}"))
+        why = term_fault(t, r["seeds"])
+        if why:
+            return f"term {label!r}: {why}"
     first = next(iter(terms(r).values()))
     if any(k in r and not same(r[k], first.get(k)) for k in HEADLINE):
-        refuse("its headline (the effect, interval and verdict at the top) is not its first "
-               "term's")
+        return "its headline (the effect, interval and verdict at the top) is not its first term's"
+    return None
 
 
-def check_term(t, refuse) -> None:
-    """refuse(why) a term that is not a record of one, or whose effect, interval, count of seeds
-    and verdict are not common.term's from its effect_by_seed and its claim."""
+def term_fault(t, seeds: int) -> str | None:
+    """What is wrong with a term (None: nothing): not a record of one, its effect_by_seed not one
+    number (or null) a seed, its claim malformed, or its effect, spread, interval, count of seeds
+    and verdict not what common.term makes of its effect_by_seed and claim."""
     if not isinstance(t, dict):
-        refuse("no record of a term")
+        return "no record of a term"
     by_seed, margin = t.get("effect_by_seed"), t.get("margin")
-    if not (isinstance(by_seed, list) and all(v is None or a_number(v) for v in by_seed)):
-        refuse("effect_by_seed must be a list of numbers (null for a seed without one)")
+    if not (isinstance(by_seed, list) and len(by_seed) == seeds and
+            all(v is None or a_number(v) for v in by_seed)):
+        return f"effect_by_seed must be a list of {seeds} numbers, one a seed (null: none)"
     if not isinstance(t.get("effect_name"), str):
-        refuse("effect_name must be a text")
+        return "effect_name must be a text"
     if t.get("expect") not in EXPECT:
-        refuse(f"expect must be one of {EXPECT}, not {t.get('expect')!r}")
+        return f"expect must be one of {EXPECT}, not {t.get('expect')!r}"
     if not (margin is None or a_number(margin) and margin >= 0):
-        refuse(f"margin must be a number of at least 0 (or null), not {margin!r}")
+        return f"margin must be a number of at least 0 (or null), not {margin!r}"
     if t.get("verdict") not in VERDICTS:
-        refuse(f"its verdict {t.get('verdict')!r} is none of {VERDICTS}")
+        return f"its verdict {t.get('verdict')!r} is none of {VERDICTS}"
     try:
         given = term(by_seed, t["expect"], t["effect_name"], margin)
     except ValueError as e:  # (a claim of no difference without its margin)
-        refuse(str(e))
-    for key in ("effect", "ci95", "seeds_with_effect", "verdict"):
+        return str(e)
+    except OverflowError:
+        return "its effects are too large to compute with"
+    for key in RECOMPUTED:
         if not same(t.get(key), given[key]):
-            refuse(f"its {key} {t.get(key)!r} is not what its effect_by_seed gives its claim "
-                   f"({given[key]!r})")
+            return (f"its {key} {t.get(key)!r} is not what its effect_by_seed gives its claim "
+                    f"({given[key]!r})")
+    return None
 
 
 def check_rerun(name: str, again) -> None:
@@ -307,14 +326,24 @@ def check_rerun(name: str, again) -> None:
                          f"count of minutes (or none): a record run_all.py did not write")
 
 
+def utf8(text: str) -> bool:
+    """Whether a file can hold `text` (JSON can hold a lone surrogate, "\\ud800"; UTF-8 cannot)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def one_line(row: str, head: str, source: Path) -> str:
-    """A table's row as it is, if it is one line of the head's columns holding no table marker:
-    a line break (a "\\r" too: the page read back splits on it) would end the row, a "|" add a
-    column, a marker move the table."""
+    """A table's row as it is, if it is one line of the head's columns holding no table marker,
+    in characters a file can hold: a line break (a "\\r" too: the page read back splits on it)
+    would end the row, a "|" add a column, a marker move the table, a lone surrogate (JSON's
+    "\\ud800") fail the page's write."""
     if len(row.splitlines()) > 1 or row.count("|") != head.count("|") or \
-            any(m in row for m in (BEGIN, END, RERUN_BEGIN, RERUN_END)):
+            any(m in row for m in (BEGIN, END, RERUN_BEGIN, RERUN_END)) or not utf8(row):
         raise SystemExit(f"error: {source}: a field breaks the page's table (a line break, a "
-                         f"'|' or a table marker in its text)")
+                         f"'|', a table marker or a character no file holds, in its text)")
     return row
 
 
@@ -348,7 +377,10 @@ def main():
                         "from docs/findings/*.json (and rerun nothing)")
     args = parser.parse_args()
     if args.table:
-        PAGE.write_text(page_with_table(PAGE.read_text(), recorded(), recorded(RERUNS)))
+        new = PAGE.with_name(PAGE.name + ".new")  # (the page replaced whole, or left as it was)
+        new.write_text(page_with_table(PAGE.read_text(encoding="utf-8"), recorded(),
+                                       recorded(RERUNS)), encoding="utf-8")
+        new.replace(PAGE)
         print(f"wrote the tables of {PAGE}")
         return
     clean, start, made_at = committed(), tree(), commit()
@@ -363,13 +395,13 @@ def main():
         print(f"the tree has uncommitted changes (or no git): every run made anew, in {runs}")
     names = args.names or sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
                                  if p.stem not in ("common", "run_all"))
-    rows = list(RERUN_HEAD)
+    rows, records = list(RERUN_HEAD), recorded(RECORDED)
     for name in names:
         path = RECORDED / f"{name}.json"
-        if not path.exists():
+        if name not in records:
             raise SystemExit(f"error: {name}: nothing recorded in {path}; run python "
                              f"experiments/{name}.py first")
-        was = recorded(RECORDED)[name]
+        was = records[name]
         check_record(path, was, name)  # (before an hour of runs, not after)
         unchanged(start, f"{name} and the findings after it are not rerun")
         again, minutes = rerun(name, runs, args.tiny, clean)
@@ -380,7 +412,10 @@ def main():
         rows.append(rerun_row(name, was, again))
         print(rows[-1], flush=True)
     print("\n".join(rows))
-    print(f"the records: {runs / 'records'} (for the page: copy them to {RERUNS}, then --table)")
+    print(f"the records: {runs / 'records'} " + ("(the tiny model's: the machinery only, not "
+                                                 "for the page)" if args.tiny else
+                                                 f"(for the page: copy them to {RERUNS}, then "
+                                                 f"--table)"))
 
 
 if __name__ == "__main__":

@@ -113,6 +113,10 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
         page, records, {"one_example": other})
     assert "| not comparable (another claim) |" in run_all.page_with_table(
         page, records, {"one_example": {**again, "claim": "another"}})
+    assert "| not comparable (other seeds) |" in run_all.page_with_table(
+        page, records, {"one_example": reseeded(reseeded(
+            {**again, "seeds": 5}, "as much as all", [-0.4, -0.5, -0.6, -0.4, -0.5]),
+            "after saturation", [0.0, 0.1, -0.1, 0.0, 0.05])})
     assert "| not comparable (other steps) |" in run_all.page_with_table(
         page, records, {"one_example": {**again, "steps": 6}})
     extra = json.loads(json.dumps(again))
@@ -141,9 +145,12 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
                        ({"rerun_minutes": -3}, "is no count of minutes"),
                        ({"rerun_minutes": 12.5}, "is no count of minutes"),
                        ({"terms": ["as much as all"]}, "terms must be a mapping"),
-                       ({"terms": {"a": "reproduced"}}, "term 'a': no record of a term")):
+                       ({"terms": {"a": "reproduced"}}, "term 'a': no record of a term"),
+                       ({"seeds": 5}, r"effect_by_seed must be a list of 5 numbers")):
         with pytest.raises(SystemExit, match=f"one_example.json: .*{said}"):
             run_all.page_with_table(page, records, {"one_example": {**again, **made}})
+    with pytest.raises(SystemExit, match="one_example.json: not a finding's record"):
+        run_all.page_with_table(page, records, {"one_example": [again]})
     for key, value, said in (("verdict", None, "its verdict None is none of"),
                              ("verdict", "Reproduced", "its verdict 'Reproduced' is none of"),
                              ("verdict", "reproduced", "its verdict 'reproduced' is not what"),
@@ -152,16 +159,23 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
                              ("effect", 10 ** 400, "its effect 1000.* is not what"),
                              ("effect", -100.0, "its effect -100.0 is not what"),
                              ("ci95", [0.1], r"its ci95 \[0.1\] is not what"),
-                             ("ci95", [-0.0225, 0.085], "its ci95 .* is not what"),
+                             ("ci95", [round(x, 6) for x in  # (a copy rounded is no record)
+                                       again["terms"]["after saturation"]["ci95"]],
+                              "its ci95 .* is not what"),
+                             ("effect_spread", "banana", "its effect_spread 'banana' is not"),
                              ("seeds_with_effect", 99, "its seeds_with_effect 99 is not what"),
-                             ("effect_by_seed", 3, "effect_by_seed must be a list of numbers"),
-                             ("effect_by_seed", [0.1, "x"], "effect_by_seed must be a list"),
+                             ("effect_by_seed", 3, "effect_by_seed must be a list of 4 numbers"),
+                             ("effect_by_seed", [0.1, "x", 0.2, 0.3], "must be a list of 4"),
+                             ("effect_by_seed", [1e300, -1e300, 0, 0], "too large to compute"),
                              ("effect_name", None, "effect_name must be a text"),
                              ("margin", float("nan"), "margin must be a number of at least 0"),
                              ("margin", -1, "margin must be a number of at least 0"),
-                             ("expect", "bigger", "expect must be one of")):
+                             ("expect", "bigger", "expect must be one of"),
+                             ("expect", "none", "a claim of no difference needs its margin")):
         bad = json.loads(json.dumps(again))
         bad["terms"]["after saturation"][key] = value
+        if key == "expect":
+            bad["terms"]["after saturation"]["margin"] = None
         with pytest.raises(SystemExit, match=f"one_example.json: term 'after saturation'.*{said}"):
             run_all.page_with_table(page, records, {"one_example": bad})
     # The findings' own records are held to the same, and a file that is no JSON named.
@@ -170,12 +184,18 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match=r"findings/kl_penalty.json: term 'beta 1 holds': its "
                                          r"verdict 'contradicted' is not what"):
         run_all.page_with_table(page, wrong, reruns)
-    (tmp_path / "cut.json").write_text('{"finding": "cut", "terms": {')
-    with pytest.raises(SystemExit, match=r"cut.json: not a JSON record"):
-        run_all.recorded(tmp_path)
+    # Closer than a copy rounded: the same record, its numbers recomputed in another order.
+    near = json.loads(json.dumps(records))
+    near["kl_penalty"]["terms"]["beta 0.1 holds"]["ci95"][0] *= 1 + 1e-12
+    run_all.page_with_table(page, near, reruns)
+    for bad in ('{"finding": "cut", "terms": {', "[" * 100_000 + "]" * 100_000):
+        (tmp_path / "cut.json").write_text(bad)
+        with pytest.raises(SystemExit, match=r"cut.json: not a JSON record"):
+            run_all.recorded(tmp_path)
     # A field that would break a row (a line break, "\r" too, a "|", a marker) is refused, naming
     # the record it came from.
-    for text in ("two\nlines", "a\rcarriage return", "a | column", run_all.RERUN_END):
+    for text in ("two\nlines", "a\rcarriage return", "a | column", run_all.RERUN_END,
+                 "a lone surrogate \ud800"):
         odd = json.loads(json.dumps(again))
         odd["terms"] = {text if k == "as much as all" else k: t  # (a term's name is in its row)
                         for k, t in odd["terms"].items()}
@@ -630,4 +650,12 @@ def test_a_rerun_takes_up_earlier_runs_only_for_a_committed_tree(monkeypatch, tm
     monkeypatch.setattr(run_all.subprocess, "run", lambda line, check: run(
         [x for x in line if x != "--tiny"], check))  # (a full run, where --tiny was asked)
     with pytest.raises(SystemExit, match="partial/sharpening.json: not a run of the tiny model"):
+        run_all.main()
+    monkeypatch.setattr(run_all.subprocess, "run", lambda line, check: run(line + ["--tiny"],
+                                                                           check))
+    monkeypatch.setattr(sys, "argv", ["run_all.py", "sharpening"])  # (a tiny run, where not asked)
+    with pytest.raises(SystemExit, match="partial/sharpening.json: a run of the tiny model"):
+        run_all.main()
+    monkeypatch.setattr(sys, "argv", ["run_all.py", "rerun/sharpening"])  # (no finding's name)
+    with pytest.raises(SystemExit, match="rerun/sharpening: nothing recorded"):
         run_all.main()
