@@ -27,9 +27,11 @@ they rerun: tests/test_experiments.py fails when the page and the records differ
 import argparse
 import json
 import math
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -132,12 +134,15 @@ def terms(record: dict) -> dict[str, dict]:
 def held(recorded: dict, again: dict) -> str:
     """"held" where every term of the record has the same verdict in the rerun, else what
     changed; "not comparable" where the rerun's claim, seeds or steps, or a term's claim, are not
-    the record's, or it has a term the record lacks."""
+    the record's, where it has a term the record lacks, or no interval for a term the record
+    has one for (under two seeds with an effect: "inconclusive" by default, not by measure)."""
     was, now = terms(recorded), terms(again)
     why = [said for k, said in DESIGN.items() if recorded.get(k) != again.get(k)]
     why += [f"{name}: another claim" for name, t in was.items() if name in now and
             any(now[name].get(k) != t.get(k) for k in CLAIM)]
     why += [f"{name}: a term the record lacks" for name in now if name not in was]
+    why += [f"{name}: no interval" for name, t in was.items() if name in now and t.get("ci95")
+            and not now[name].get("ci95")]
     if why:
         return "not comparable (" + "; ".join(why) + ")"
     changed = [f"{name}: {t['verdict']} -> {now[name]['verdict'] if name in now else 'absent'}"
@@ -191,15 +196,31 @@ def rerun_row(name: str, was: dict, again: dict) -> str:
             f"{again.get('rerun_minutes', '–')} |")
 
 
+def finding_names() -> list[str]:
+    """The findings: a file each in experiments/, but for common.py and this one."""
+    return sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
+                  if p.stem not in ("common", "run_all"))
+
+
 def recorded(folder: Path = RECORDED) -> dict[str, dict]:
     """The records in `folder`, by finding (a file that is no JSON: one line naming it)."""
     records = {}
     for p in sorted(folder.glob("*.json")):
         try:
-            records[p.stem] = json.loads(p.read_text())
+            records[p.stem] = json.loads(p.read_text(encoding="utf-8"), object_pairs_hook=once)
         except (OSError, ValueError, RecursionError) as e:  # (a folder, bad JSON, too deep)
             raise SystemExit(f"error: {p}: not a JSON record: {type(e).__name__}: {e}")
     return records
+
+
+def once(pairs: list[tuple]) -> dict:
+    """A JSON object whose keys are each given once (json keeps the last of two silently: the
+    one a reader of the file does not see first)."""
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"a key given twice: {twice}")
+    return dict(pairs)
 
 
 def between(page: str, begin: str, end: str, text: str) -> str:
@@ -275,8 +296,10 @@ def record_fault(r, name: str, tiny: bool) -> str | None:
         if why:
             return f"term {label!r}: {why}"
     first = next(iter(terms(r).values()))
-    if any(k in r and not same(r[k], first.get(k)) for k in HEADLINE):
-        return "its headline (the effect, interval and verdict at the top) is not its first term's"
+    differ = [k for k in HEADLINE if k in r and not same(r[k], first.get(k))]
+    if differ:
+        return f"its headline (the first term's numbers at the top) differs from the first " \
+               f"term in {', '.join(differ)}"
     return None
 
 
@@ -321,7 +344,7 @@ def check_rerun(name: str, again) -> None:
     if not isinstance(made_at, str) or not re.fullmatch(r"[0-9a-f]{7,40}", made_at):
         raise SystemExit(f"error: {path}: rerun_commit {made_at!r} is no commit: a rerun of an "
                          f"uncommitted tree, or a record run_all.py did not write")
-    if not (whole(again.get("rerun_minutes")) and again["rerun_minutes"] >= 0):
+    if not (whole(again.get("rerun_minutes")) and 0 <= again["rerun_minutes"] < 10 ** 6):
         raise SystemExit(f"error: {path}: rerun_minutes {again.get('rerun_minutes')!r} is no "
                          f"count of minutes (or none): a record run_all.py did not write")
 
@@ -340,10 +363,13 @@ def one_line(row: str, head: str, source: Path) -> str:
     in characters a file can hold: a line break (a "\\r" too: the page read back splits on it)
     would end the row, a "|" add a column, a marker move the table, a lone surrogate (JSON's
     "\\ud800") fail the page's write."""
-    if len(row.splitlines()) > 1 or row.count("|") != head.count("|") or \
-            any(m in row for m in (BEGIN, END, RERUN_BEGIN, RERUN_END)) or not utf8(row):
-        raise SystemExit(f"error: {source}: a field breaks the page's table (a line break, a "
-                         f"'|', a table marker or a character no file holds, in its text)")
+    breaks = {"a line break": len(row.splitlines()) > 1,
+              "a '|'": row.count("|") != head.count("|"),
+              "a table marker": any(m in row for m in (BEGIN, END, RERUN_BEGIN, RERUN_END)),
+              "a character no file holds": not utf8(row)}
+    if any(breaks.values()):
+        raise SystemExit(f"error: {source}: a field breaks the page's table: "
+                         f"{', '.join(why for why, there in breaks.items() if there)} in its text")
     return row
 
 
@@ -353,6 +379,14 @@ def page_with_table(page: str, records: dict[str, dict], reruns: dict[str, dict]
     stray = sorted(set(reruns) - set(records))
     if stray:
         raise SystemExit(f"error: {RERUNS}: reruns of findings with no record: {stray}")
+    unknown = sorted(set(records) - set(finding_names()))
+    if unknown:
+        raise SystemExit(f"error: {RECORDED}: records of no finding (no experiments/<name>.py): "
+                         f"{unknown}")
+    b, e, rb, re_ = (page.find(m) for m in (BEGIN, END, RERUN_BEGIN, RERUN_END))
+    if min(b, e, rb, re_) >= 0 and not (e < rb or re_ < b):
+        raise SystemExit(f"error: {PAGE}: one table's markers lie within the other's: the two "
+                         f"tables must stand apart")
     findings = []
     for name, r in sorted(records.items()):
         path = RECORDED / f"{name}.json"
@@ -366,6 +400,19 @@ def page_with_table(page: str, records: dict[str, dict], reruns: dict[str, dict]
                    RERUN_END, "\n".join(RERUN_HEAD + reran))
 
 
+def write_whole(path: Path, text: str) -> None:
+    """`path` replaced by `text` whole, or left as it was: the text is written to a file of its
+    own beside it first (a failed write, a full disk, touches only that)."""
+    fd, new = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".new")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(new, path)
+    finally:
+        if os.path.exists(new):
+            os.unlink(new)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("names", nargs="*", help="findings (default: every one recorded)")
@@ -377,10 +424,8 @@ def main():
                         "from docs/findings/*.json (and rerun nothing)")
     args = parser.parse_args()
     if args.table:
-        new = PAGE.with_name(PAGE.name + ".new")  # (the page replaced whole, or left as it was)
-        new.write_text(page_with_table(PAGE.read_text(encoding="utf-8"), recorded(),
-                                       recorded(RERUNS)), encoding="utf-8")
-        new.replace(PAGE)
+        write_whole(PAGE, page_with_table(PAGE.read_text(encoding="utf-8"), recorded(),
+                                          recorded(RERUNS)))
         print(f"wrote the tables of {PAGE}")
         return
     clean, start, made_at = committed(), tree(), commit()
@@ -393,8 +438,7 @@ def main():
         f"rerun-{commit()}-uncommitted-{time.strftime('%Y%m%d-%H%M%S')}"))
     if not clean:
         print(f"the tree has uncommitted changes (or no git): every run made anew, in {runs}")
-    names = args.names or sorted(p.stem for p in (ROOT / "experiments").glob("*.py")
-                                 if p.stem not in ("common", "run_all"))
+    names = args.names or finding_names()
     rows, records = list(RERUN_HEAD), recorded(RECORDED)
     for name in names:
         path = RECORDED / f"{name}.json"

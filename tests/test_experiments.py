@@ -6,6 +6,7 @@ experiments/run_all.py."""
 import importlib
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -117,6 +118,10 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
         page, records, {"one_example": reseeded(reseeded(
             {**again, "seeds": 5}, "as much as all", [-0.4, -0.5, -0.6, -0.4, -0.5]),
             "after saturation", [0.0, 0.1, -0.1, 0.0, 0.05])})
+    # A term the record has an interval for, rerun without one (under two seeds with an
+    # effect), is not judged: "inconclusive" there is a default, not a measure.
+    assert "| not comparable (as much as all: no interval) |" in run_all.page_with_table(
+        page, records, {"one_example": reseeded(again, "as much as all", [-0.4, None, None, None])})
     assert "| not comparable (other steps) |" in run_all.page_with_table(
         page, records, {"one_example": {**again, "steps": 6}})
     extra = json.loads(json.dumps(again))
@@ -135,7 +140,8 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
                        ({"seeds": True}, "seeds must be a whole number above 0"),
                        ({"steps": 0}, "steps must be a whole number above 0"),
                        ({"estimated_minutes": "lots"}, "estimated_minutes must be a whole"),
-                       ({"verdict": "reproduced"}, "its headline .* is not its first term's"),
+                       ({"verdict": "reproduced"}, "its headline .* differs from the first term "
+                                                   "in verdict"),
                        ({"terms": {}}, "terms must be a mapping"),
                        ({"rerun_commit": "abc1234 (uncommitted)"}, "is no commit"),
                        ({"rerun_commit": None}, "is no commit"),
@@ -188,7 +194,8 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
     near = json.loads(json.dumps(records))
     near["kl_penalty"]["terms"]["beta 0.1 holds"]["ci95"][0] *= 1 + 1e-12
     run_all.page_with_table(page, near, reruns)
-    for bad in ('{"finding": "cut", "terms": {', "[" * 100_000 + "]" * 100_000):
+    for bad in ('{"finding": "cut", "terms": {', "[" * 100_000 + "]" * 100_000,
+                '{"finding": "cut", "finding": "cut"}'):  # (json keeps the second, unseen)
         (tmp_path / "cut.json").write_text(bad)
         with pytest.raises(SystemExit, match=r"cut.json: not a JSON record"):
             run_all.recorded(tmp_path)
@@ -212,6 +219,34 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
                    .replace("@@", run_all.RERUN_END)):
         with pytest.raises(SystemExit, match="markers must be there once each, in this order"):
             run_all.page_with_table(broken, records, reruns)
+    # ... and the two tables apart: one inside the other would be written over, the page then
+    # refused by the next --table.
+    table = page[page.index(run_all.BEGIN):page.index(run_all.END) + len(run_all.END)]
+    nested = page.replace(table, "").replace(run_all.RERUN_END, table + "\n" + run_all.RERUN_END)
+    with pytest.raises(SystemExit, match="one table's markers lie within the other's"):
+        run_all.page_with_table(nested, records, reruns)
+    # A record of no finding (no experiments/<name>.py: its command would not run) is refused.
+    with pytest.raises(SystemExit, match=r"records of no finding .*: \['common'\]"):
+        run_all.page_with_table(page, {**records, "common": {**records["kl_penalty"],
+                                                            "finding": "common"}}, reruns)
+
+
+def test_the_page_is_replaced_whole_or_left_as_it_was(tmp_path, monkeypatch):
+    """run_all.py --table writes the page beside it first: a write that fails (here: a disk that
+    fills) leaves the page as it was, not truncated, and no file of its own behind."""
+    monkeypatch.syspath_prepend(str(ROOT / "experiments"))
+    import run_all
+    page = tmp_path / "findings.md"
+    page.write_text("as it was\n")
+    run_all.write_whole(page, "new\n")
+    assert page.read_text() == "new\n" and os.listdir(tmp_path) == ["findings.md"]
+
+    def full(*_):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(run_all.os, "replace", full)
+    with pytest.raises(OSError, match="No space left"):
+        run_all.write_whole(page, "newer\n")
+    assert page.read_text() == "new\n" and os.listdir(tmp_path) == ["findings.md"]
 
 
 def test_run_all_holds_a_finding_to_every_verdict_it_recorded(monkeypatch):
