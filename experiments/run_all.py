@@ -25,10 +25,12 @@ they rerun: tests/test_experiments.py fails when the page and the records differ
 """
 
 import argparse
+import collections
 import json
 import math
 import os
 import re
+import stat
 import subprocess
 import sys
 import tempfile
@@ -134,15 +136,16 @@ def terms(record: dict) -> dict[str, dict]:
 def held(recorded: dict, again: dict) -> str:
     """"held" where every term of the record has the same verdict in the rerun, else what
     changed; "not comparable" where the rerun's claim, seeds or steps, or a term's claim, are not
-    the record's, where it has a term the record lacks, or no interval for a term the record
-    has one for (under two seeds with an effect: "inconclusive" by default, not by measure)."""
+    the record's, where it has a term the record lacks, or where a term has no interval in the
+    record or the rerun (under two seeds with an effect: "inconclusive" by default, not by
+    measure)."""
     was, now = terms(recorded), terms(again)
     why = [said for k, said in DESIGN.items() if recorded.get(k) != again.get(k)]
     why += [f"{name}: another claim" for name, t in was.items() if name in now and
             any(now[name].get(k) != t.get(k) for k in CLAIM)]
     why += [f"{name}: a term the record lacks" for name in now if name not in was]
-    why += [f"{name}: no interval" for name, t in was.items() if name in now and t.get("ci95")
-            and not now[name].get("ci95")]
+    why += [f"{name}: no interval" for name, t in was.items() if name in now and
+            not (t.get("ci95") and now[name].get("ci95"))]
     if why:
         return "not comparable (" + "; ".join(why) + ")"
     changed = [f"{name}: {t['verdict']} -> {now[name]['verdict'] if name in now else 'absent'}"
@@ -216,8 +219,7 @@ def recorded(folder: Path = RECORDED) -> dict[str, dict]:
 def once(pairs: list[tuple]) -> dict:
     """A JSON object whose keys are each given once (json keeps the last of two silently: the
     one a reader of the file does not see first)."""
-    keys = [k for k, _ in pairs]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
+    twice = sorted(k for k, n in collections.Counter(k for k, _ in pairs).items() if n > 1)
     if twice:
         raise ValueError(f"a key given twice: {twice}")
     return dict(pairs)
@@ -407,6 +409,7 @@ def write_whole(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(new, stat.S_IMODE(path.stat().st_mode))  # (mkstemp's file is its owner's only)
         os.replace(new, path)
     finally:
         if os.path.exists(new):
@@ -424,8 +427,11 @@ def main():
                         "from docs/findings/*.json (and rerun nothing)")
     args = parser.parse_args()
     if args.table:
-        write_whole(PAGE, page_with_table(PAGE.read_text(encoding="utf-8"), recorded(),
-                                          recorded(RERUNS)))
+        try:
+            write_whole(PAGE, page_with_table(PAGE.read_text(encoding="utf-8"), recorded(),
+                                              recorded(RERUNS)))
+        except OSError as e:  # (a page or folder that cannot be written: the page as it was)
+            raise SystemExit(f"error: {PAGE}: {e.strerror or e}")
         print(f"wrote the tables of {PAGE}")
         return
     clean, start, made_at = committed(), tree(), commit()

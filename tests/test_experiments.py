@@ -122,6 +122,9 @@ def test_the_pages_table_is_the_records(monkeypatch, tmp_path):
     # effect), is not judged: "inconclusive" there is a default, not a measure.
     assert "| not comparable (as much as all: no interval) |" in run_all.page_with_table(
         page, records, {"one_example": reseeded(again, "as much as all", [-0.4, None, None, None])})
+    no_interval = reseeded(records["one_example"], "as much as all", [-0.4, None, None, None])
+    assert "| not comparable (as much as all: no interval) |" in run_all.page_with_table(
+        page, {**records, "one_example": no_interval}, {"one_example": again})
     assert "| not comparable (other steps) |" in run_all.page_with_table(
         page, records, {"one_example": {**again, "steps": 6}})
     extra = json.loads(json.dumps(again))
@@ -238,8 +241,10 @@ def test_the_page_is_replaced_whole_or_left_as_it_was(tmp_path, monkeypatch):
     import run_all
     page = tmp_path / "findings.md"
     page.write_text("as it was\n")
+    page.chmod(0o644)
     run_all.write_whole(page, "new\n")
     assert page.read_text() == "new\n" and os.listdir(tmp_path) == ["findings.md"]
+    assert page.stat().st_mode & 0o777 == 0o644  # (readable by all, as it was)
 
     def full(*_):
         raise OSError(28, "No space left on device")
@@ -252,17 +257,25 @@ def test_the_page_is_replaced_whole_or_left_as_it_was(tmp_path, monkeypatch):
 def test_run_all_holds_a_finding_to_every_verdict_it_recorded(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "experiments"))
     import run_all
-    was = {"terms": {"a": {"verdict": "reproduced"}, "b": {"verdict": "inconclusive"}}}
+    def t(verdict: str) -> dict:  # (a term: its verdict, and an interval to hold)
+        return {"verdict": verdict, "ci95": [0.1, 0.2]}
+    was = {"terms": {"a": t("reproduced"), "b": t("inconclusive")}}
     assert run_all.held(was, was) == "held"
-    again = {"terms": {"a": {"verdict": "reproduced"}, "b": {"verdict": "contradicted"}}}
+    again = {"terms": {"a": t("reproduced"), "b": t("contradicted")}}
     assert run_all.held(was, again) == "not held (b: inconclusive -> contradicted)"
-    assert run_all.held(was, {"terms": {"a": {"verdict": "reproduced"}}}) == \
+    assert run_all.held(was, {"terms": {"a": t("reproduced")}}) == \
         "not held (b: inconclusive -> absent)"
     # A record of one term (no `terms`): its claim is compared too.
-    one = {"effect_name": "gain", "expect": "positive", "margin": None, "verdict": "reproduced"}
+    one = {"effect_name": "gain", "expect": "positive", "margin": None, **t("reproduced")}
     assert run_all.held(one, one) == "held"
     assert run_all.held(one, {**one, "expect": "none", "margin": 0.1}) == \
         "not comparable (effect: another claim)"
+    # A term without an interval, in the record or the rerun, is inconclusive by default: not
+    # compared.
+    assert run_all.held(one, {**one, "ci95": None, "verdict": "inconclusive"}) == \
+        "not comparable (effect: no interval)"
+    assert run_all.held({**one, "ci95": None, "verdict": "inconclusive"}, one) == \
+        "not comparable (effect: no interval)"
 
 
 def test_a_measure_every_step_leaves_the_runs_own_steps_unchanged(tmp_path, monkeypatch,
