@@ -404,7 +404,9 @@ def page_with_table(page: str, records: dict[str, dict], reruns: dict[str, dict]
 
 def write_whole(path: Path, text: str) -> None:
     """`path` replaced by `text` whole, or left as it was: the text is written to a file of its
-    own beside it first (a failed write, a full disk, touches only that)."""
+    own beside it first (a failed write, a full disk, touches only that). session.write_beside
+    does the same for a run's files, but importing session loads torch (~4 s, for a page that is
+    written in 0.1 s) and leaves its temporary file behind when a write fails."""
     fd, new = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".new")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
